@@ -1,0 +1,18 @@
+"""The single-shard look-ahead cache engine (plain torch, no TorchRec)."""
+
+from distcache.cache.config import OPTIMIZERS, POLICIES, CacheConfig
+from distcache.cache.engine import CacheEngine, CacheStats
+from distcache.cache.module import CachedEmbeddingBags, TableSpec
+from distcache.cache.scheduler import Scheduler, StagePlan
+
+__all__ = [
+    "OPTIMIZERS",
+    "POLICIES",
+    "CacheConfig",
+    "CacheEngine",
+    "CacheStats",
+    "CachedEmbeddingBags",
+    "Scheduler",
+    "StagePlan",
+    "TableSpec",
+]

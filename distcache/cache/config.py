@@ -1,0 +1,95 @@
+"""`CacheConfig`: the settings of one table's (or one table group's) look-ahead cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from distcache.errors import DistcacheConfigError
+
+POLICIES = ("lookahead", "lru", "lfu")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """How a host-resident table is cached on the device.
+
+    Example::
+
+        CacheConfig(capacity=0.02, lookahead=8, prefetch_depth=2, optimizer="rowwise_adagrad",
+                    learning_rate=0.05)
+    """
+
+    capacity: float | int = 1.0
+    """Cache size. A float in (0, 1] is a fraction of the table's rows (rounded up); an int >= 1 is
+    a number of rows (capped at the table's rows)."""
+    lookahead: int = 8
+    """L: how many future batches' ids the scheduler may see (>= 0)."""
+    prefetch_depth: int = 1
+    """K: how many batches ahead of the training batch rows are staged (0 <= K <= L). The cache
+    must hold the unique rows of K + 1 consecutive batches."""
+    policy: str = "lookahead"
+    """Eviction policy: 'lookahead' (future-aware), or the reactive 'lru' and 'lfu' baselines,
+    which see no future batch and load their misses when the batch is looked up."""
+    optimizer: str = "sgd"
+    """Row-wise fused optimizer applied to cache rows in backward: one of OPTIMIZERS."""
+    learning_rate: float = 0.01
+    eps: float = 1e-8
+    """Added to the denominator of Adagrad, row-wise Adagrad and Adam."""
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+    beta2: float = 0.999
+    """Adam's second-moment decay."""
+    check_ids: bool = True
+    """Validate every batch's ids against the table sizes (a host synchronization on CUDA)."""
+
+    def __post_init__(self) -> None:
+        cap = self.capacity
+        if isinstance(cap, bool) or not isinstance(cap, int | float):
+            _fail("capacity", cap, "a float in (0, 1] (fraction of rows) or an int >= 1 (rows)")
+        if isinstance(cap, float) and not (0.0 < cap <= 1.0 and math.isfinite(cap)):
+            _fail("capacity", cap, "a fraction in (0, 1], or an int >= 1 for a number of rows")
+        if isinstance(cap, int) and cap < 1:
+            _fail("capacity", cap, "an int >= 1 (rows), or a float in (0, 1] (fraction of rows)")
+        _check_int("lookahead", self.lookahead, 0)
+        _check_int("prefetch_depth", self.prefetch_depth, 0)
+        if self.prefetch_depth > self.lookahead:
+            _fail(
+                "prefetch_depth",
+                self.prefetch_depth,
+                f"at most lookahead={self.lookahead} (rows are staged only for batches whose "
+                "ids are known)",
+            )
+        if self.policy not in POLICIES:
+            _fail("policy", self.policy, f"one of {POLICIES}")
+        if self.optimizer not in OPTIMIZERS:
+            _fail("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+        for name in ("learning_rate", "eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                _fail(name, value, "a finite number >= 0")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0.0 <= value < 1.0):
+                _fail(name, value, "a number in [0, 1)")
+
+    def capacity_rows(self, num_rows: int) -> int:
+        """The cache size in rows for a table (or table group) of `num_rows` rows."""
+        if isinstance(self.capacity, float):
+            return max(1, min(num_rows, math.ceil(self.capacity * num_rows)))
+        return min(num_rows, self.capacity)
+
+    @property
+    def is_reactive(self) -> bool:
+        """True for policies that use no knowledge of future batches."""
+        return self.policy != "lookahead"
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(name, value, f"an int >= {minimum}")
+
+
+def _fail(name: str, value: object, allowed: str) -> None:
+    raise DistcacheConfigError(f"CacheConfig.{name}={value!r} is invalid: expected {allowed}")

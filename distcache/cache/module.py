@@ -1,0 +1,340 @@
+"""`CachedEmbeddingBags`: pooled embedding lookups through look-ahead caches, without TorchRec.
+
+Input layout is FBGEMM's table-batched one: `values` `[n]` holds the ids of every bag, table
+major (all bags of table 0, then table 1, ...), and `offsets` `[T * B + 1]` delimits the bags.
+The output is `[B, sum of dims]`, tables side by side in the order given.
+
+Tables of the same width share one `CacheEngine` (one cache, rows concatenated); tables of other
+widths get their own. Rows are updated in backward by the configured fused optimizer, so the
+module has no parameters for a dense optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distcache.cache.config import CacheConfig
+from distcache.cache.engine import CacheEngine, CacheStats
+from distcache.cache.scheduler import StagePlan
+from distcache.errors import DistcacheConfigError, InvalidIdError
+
+POOLINGS = ("sum", "mean")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    """One embedding table: `num_embeddings` rows of width `embedding_dim`."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    pooling: str = "sum"
+    """How a bag's rows are combined: 'sum' or 'mean' (an empty bag gives zeros)."""
+
+    def __post_init__(self) -> None:
+        for field in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DistcacheConfigError(
+                    f"table {self.name!r}: {field}={value!r} is invalid: expected an int >= 1"
+                )
+        if self.pooling not in POOLINGS:
+            raise DistcacheConfigError(
+                f"table {self.name!r}: pooling={self.pooling!r} is invalid: expected one of "
+                f"{POOLINGS}"
+            )
+
+
+@dataclass
+class _Group:
+    """Tables of one width served by one engine."""
+
+    engine: CacheEngine
+    tables: list[int]  # indices into the module's tables
+    row_offsets: torch.Tensor  # [len(tables)] int64 first engine row of each table
+
+
+@dataclass
+class _GroupBatch:
+    ids: torch.Tensor  # [n] int64 engine rows
+    offsets: torch.Tensor  # [t * B + 1] int64
+    bag_of_id: torch.Tensor  # [n] int64
+    bag_divisor: torch.Tensor | None  # [t * B] len for mean bags, 1 for sum bags; None if all sum
+
+
+class CachedEmbeddingBags(nn.Module):
+    """Pooled lookups of host-resident tables through per-width device caches.
+
+    Args:
+        tables: the tables; names must be unique.
+        config: cache settings shared by all tables.
+        device: where caches and lookups live ("cpu" or a CUDA device).
+        seed: seed of the default initialization, uniform(-1/sqrt(rows), 1/sqrt(rows)) as in
+            TorchRec.
+        victim_batches: see `Scheduler` (1: victims chosen exactly for every batch).
+
+    Example::
+
+        bags = CachedEmbeddingBags(
+            [TableSpec(name="user", num_embeddings=1_000_000, embedding_dim=64)],
+            CacheConfig(capacity=0.02, lookahead=4, prefetch_depth=1, learning_rate=0.1),
+        )
+        bags.enqueue(next_values, next_offsets)  # ids of a future batch
+        bags.prefetch()                           # stage its rows ahead of time
+        out = bags(values, offsets)               # [B, 64]; misses were staged already
+        out.sum().backward()                      # fused SGD update on the cached rows
+    """
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        config: CacheConfig,
+        *,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        victim_batches: int = 1,
+    ):
+        super().__init__()
+        if not tables:
+            raise DistcacheConfigError("CachedEmbeddingBags needs at least one table")
+        names = [t.name for t in tables]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise DistcacheConfigError(f"duplicate table names {dupes}: names must be unique")
+        self.tables = list(tables)
+        self.config = config
+        self.device = torch.device(device)
+        self._rows = torch.tensor([t.num_embeddings for t in tables], device=self.device)
+        self._mean = torch.tensor([t.pooling == "mean" for t in tables], device=self.device)
+        self._groups: list[_Group] = []
+        for dim in dict.fromkeys(t.embedding_dim for t in tables):
+            members = [i for i, t in enumerate(tables) if t.embedding_dim == dim]
+            sizes = [tables[i].num_embeddings for i in members]
+            engine = CacheEngine(
+                num_rows=sum(sizes),
+                dim=dim,
+                config=config,
+                device=self.device,
+                name="+".join(tables[i].name for i in members),
+                victim_batches=victim_batches,
+            )
+            starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).to(self.device)
+            self._groups.append(_Group(engine, members, starts))
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._init_weights(seed)
+
+    # ------------------------------------------------------------ lookups
+    def enqueue(self, values: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Add a future batch to every cache's look-ahead window (ids validated here)."""
+        for group, batch in zip(self._groups, self._route(values, offsets), strict=True):
+            group.engine.enqueue(batch.ids)
+
+    def prefetch(self) -> None:
+        """Stage enqueued batches' rows, up to `prefetch_depth` batches ahead."""
+        for group in self._groups:
+            group.engine.prefetch()
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Pooled embeddings `[B, sum of dims]` of a batch.
+
+        The batch must be the oldest enqueued one, if any is enqueued; with an empty window it
+        is enqueued and staged now, its misses counted as critical-path misses.
+        """
+        routed = self._route(values, offsets)
+        batch_size = (offsets.numel() - 1) // len(self.tables)
+        train = self.training and torch.is_grad_enabled()
+        per_table: list[torch.Tensor | None] = [None] * len(self.tables)
+        for group, batch in zip(self._groups, routed, strict=True):
+            engine = group.engine
+            if engine.scheduler.num_unstaged == 0 and not engine._ahead:
+                engine.enqueue(batch.ids)
+            plan = engine.lookup_plan()
+            if plan.inverse.numel() != batch.ids.numel():
+                raise ValueError(
+                    f"{engine.name}: forward got a batch of {batch.ids.numel()} ids but the "
+                    f"oldest enqueued batch has {plan.inverse.numel()}: batches must be looked "
+                    "up in the order they were enqueued"
+                )
+            if train:
+                pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch)
+            else:
+                pooled = _pool(engine.weights, plan, batch)
+                engine.release(plan)
+            pooled = pooled.view(len(group.tables), batch_size, engine.dim)
+            for k, t in enumerate(group.tables):
+                per_table[t] = pooled[k]
+        return torch.cat(per_table, dim=1)  # type: ignore[arg-type]
+
+    def _route(self, values: torch.Tensor, offsets: torch.Tensor) -> list[_GroupBatch]:
+        """Validate a batch and split it into each group's engine rows."""
+        num_tables = len(self.tables)
+        num_bags = offsets.numel() - 1
+        if num_bags < 0 or num_bags % num_tables:
+            raise ValueError(
+                f"offsets has {offsets.numel()} entries; expected T * B + 1 with T={num_tables} "
+                "tables (table-major bags)"
+            )
+        values = values.to(self.device, torch.int64)
+        offsets = offsets.to(self.device, torch.int64)
+        batch_size = num_bags // num_tables
+        lengths = offsets.diff()  # [T * B]
+        bag = torch.arange(num_bags, device=self.device)
+        bag_of_id = torch.repeat_interleave(bag, lengths, output_size=values.numel())
+        table_of_id = bag_of_id // max(batch_size, 1)
+        if self.config.check_ids:
+            self._check_ids(values, table_of_id)
+        routed = []
+        for group in self._groups:
+            in_group = torch.zeros(num_tables, dtype=torch.bool, device=self.device)
+            in_group[group.tables] = True
+            if len(self._groups) == 1:
+                g_values, g_lengths, g_table = values, lengths, table_of_id
+            else:
+                mask = in_group[table_of_id]
+                g_values, g_table = values[mask], table_of_id[mask]
+                g_lengths = lengths.view(num_tables, batch_size)[group.tables].reshape(-1)
+            local = torch.full((num_tables,), -1, dtype=torch.int64, device=self.device)
+            local[group.tables] = torch.arange(len(group.tables), device=self.device)
+            ids = g_values + group.row_offsets[local[g_table]]
+            g_offsets = torch.cat([offsets[:1] * 0, g_lengths.cumsum(0)])
+            g_bags = torch.arange(g_lengths.numel(), device=self.device)
+            g_bag_of_id = torch.repeat_interleave(g_bags, g_lengths, output_size=ids.numel())
+            divisor = None
+            mean = self._mean[group.tables]
+            if bool(mean.any()):
+                length = g_lengths.clamp(min=1).to(torch.float32)
+                bag_mean = mean.repeat_interleave(batch_size)
+                divisor = torch.where(bag_mean, length, torch.ones_like(length))
+            routed.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor))
+        return routed
+
+    def _check_ids(self, values: torch.Tensor, table_of_id: torch.Tensor) -> None:
+        bad = (values < 0) | (values >= self._rows[table_of_id])
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            t = self.tables[int(table_of_id[i])]
+            count = int(bad.sum())
+            raise InvalidIdError(
+                f"table {t.name!r}: id {int(values[i])} at position {i} is out of range: ids "
+                f"must be in [0, {t.num_embeddings}) ({count} invalid id(s) in this batch; "
+                "nothing was enqueued or updated)"
+            )
+
+    # ------------------------------------------------------------ state
+    def flush(self) -> None:
+        """Write every dirty cached row back to the host tables."""
+        for group in self._groups:
+            group.engine.flush()
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """The up-to-date rows `[num_embeddings, dim]` of a table (flushes its cache first)."""
+        group, lo, hi = self._locate(name)
+        group.engine.flush()
+        return group.engine.store.weights[lo:hi]
+
+    def table_state(self, name: str) -> torch.Tensor:
+        """The optimizer state `[num_embeddings, state_dim]` of a table (flushed first)."""
+        group, lo, hi = self._locate(name)
+        group.engine.flush()
+        return group.engine.store.state[lo:hi]
+
+    def load_table_weight(self, name: str, weight: torch.Tensor) -> None:
+        """Overwrite a table's rows (its group's cache is flushed, then emptied)."""
+        group, lo, hi = self._locate(name)
+        expected = (hi - lo, group.engine.dim)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"table {name!r}: weight of shape {tuple(weight.shape)}, "
+                             f"expected {expected}")
+        group.engine.flush()
+        group.engine.store.weights[lo:hi] = weight.to(torch.float32)
+        group.engine.reset()
+
+    def stats(self) -> dict[str, CacheStats]:
+        """Cache counters per engine (tables of one width share an engine)."""
+        return {g.engine.name: g.engine.stats() for g in self._groups}
+
+    @property
+    def engines(self) -> list[CacheEngine]:
+        return [g.engine for g in self._groups]
+
+    def _locate(self, name: str) -> tuple[_Group, int, int]:
+        for group in self._groups:
+            for k, t in enumerate(group.tables):
+                if self.tables[t].name == name:
+                    lo = int(group.row_offsets[k])
+                    return group, lo, lo + self.tables[t].num_embeddings
+        raise KeyError(f"no table {name!r}; tables are {[t.name for t in self.tables]}")
+
+    def _init_weights(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for group in self._groups:
+            for k, t in enumerate(group.tables):
+                spec = self.tables[t]
+                lo = int(group.row_offsets[k])
+                bound = math.sqrt(1.0 / spec.num_embeddings)
+                rows = group.engine.store.weights[lo : lo + spec.num_embeddings]
+                rows.uniform_(-bound, bound, generator=gen)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
+        # Flush first (invariant 6): a checkpoint never misses an update held only in a cache.
+        for spec in self.tables:
+            destination[f"{prefix}{spec.name}.weight"] = self.table_weight(spec.name).clone()
+            state = self.table_state(spec.name)
+            if state.shape[1]:
+                destination[f"{prefix}{spec.name}.optimizer_state"] = state.clone()
+
+    def _load_from_state_dict(  # noqa: ANN001
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        for spec in self.tables:
+            key = f"{prefix}{spec.name}.weight"
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            group, lo, hi = self._locate(spec.name)
+            self.load_table_weight(spec.name, state_dict[key])
+            skey = f"{prefix}{spec.name}.optimizer_state"
+            if skey in state_dict:
+                group.engine.store.state[lo:hi] = state_dict[skey]
+            elif group.engine.store.state_dim:
+                missing_keys.append(skey)
+
+
+def _pool(weights: torch.Tensor, plan: StagePlan, batch: _GroupBatch) -> torch.Tensor:
+    """Pooled rows `[bags, dim]` of a staged batch, read from the cache."""
+    pooled = F.embedding_bag(
+        plan.id_slots, weights, batch.offsets, mode="sum", include_last_offset=True
+    )
+    if batch.bag_divisor is not None:
+        pooled = pooled / batch.bag_divisor.unsqueeze(1)
+    return pooled
+
+
+class _CachedPooledLookup(torch.autograd.Function):
+    """Lookup whose backward applies the fused optimizer to the cached rows.
+
+    `anchor` is a scalar that requires grad, so the output is part of the autograd graph
+    although the cache itself is not a parameter.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, engine, plan, batch):  # noqa: ANN001
+        ctx.engine, ctx.plan, ctx.batch = engine, plan, batch
+        return _pool(engine.weights, plan, batch)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001
+        engine, plan, batch = ctx.engine, ctx.plan, ctx.batch
+        grad = grad_output
+        if batch.bag_divisor is not None:
+            grad = grad / batch.bag_divisor.unsqueeze(1)
+        per_id = grad.index_select(0, batch.bag_of_id)  # [n, dim]
+        grad_rows = torch.zeros(plan.rows.numel(), engine.dim, device=grad.device)
+        grad_rows.index_add_(0, plan.inverse, per_id)  # [u, dim] summed per row
+        engine.apply_gradients(plan, grad_rows)
+        return None, None, None, None

@@ -1,0 +1,115 @@
+"""Row-wise fused optimizers, applied to cache rows in backward.
+
+Each optimizer updates the rows a batch used, in place in the cache, with the batch's gradient
+summed per row (as a coalesced sparse gradient would be). Its per-row state lives in the
+cache's state columns and travels with the row to and from the host store. Rows not in the
+batch are untouched (the "lazy" semantics of sparse optimizers and of FBGEMM's fused kernels).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+
+import torch
+
+from distcache.cache.config import CacheConfig
+
+
+class RowOptimizer(abc.ABC):
+    """A fused optimizer over embedding rows."""
+
+    def __init__(self, config: CacheConfig):
+        self.lr = config.learning_rate
+        self.eps = config.eps
+
+    @abc.abstractmethod
+    def state_dim(self, dim: int) -> int:
+        """Optimizer-state columns per row of width `dim`."""
+
+    @abc.abstractmethod
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        """Update rows in place: `weights` `[u, dim]`, `state` `[u, state_dim]`, `grad` `[u, dim]`."""
+
+    def step(self) -> None:
+        """One optimizer step has been applied to every group (Adam's bias correction)."""
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        del state
+
+
+class SGD(RowOptimizer):
+    """w -= lr * g"""
+
+    def state_dim(self, dim: int) -> int:
+        return 0
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        weights.add_(grad, alpha=-self.lr)
+
+
+class Adagrad(RowOptimizer):
+    """Element-wise Adagrad (torch.optim.Adagrad with sparse gradients, no decay):
+    s += g^2; w -= lr * g / (sqrt(s) + eps)."""
+
+    def state_dim(self, dim: int) -> int:
+        return dim
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        state.addcmul_(grad, grad)
+        weights.addcdiv_(grad, state.sqrt().add_(self.eps), value=-self.lr)
+
+
+class RowWiseAdagrad(RowOptimizer):
+    """Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row,
+    s += mean(g^2); w -= lr * g / (sqrt(s) + eps)."""
+
+    def state_dim(self, dim: int) -> int:
+        return 1
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        state.add_(grad.square().mean(dim=1, keepdim=True))
+        weights.addcdiv_(grad, state.sqrt().add_(self.eps), value=-self.lr)
+
+
+class Adam(RowOptimizer):
+    """Lazy Adam (torch.optim.SparseAdam): moments of the used rows only, bias correction with
+    the global step count. State per row: [exp_avg (dim), exp_avg_sq (dim)]."""
+
+    def __init__(self, config: CacheConfig):
+        super().__init__(config)
+        self.beta1 = config.beta1
+        self.beta2 = config.beta2
+        self.steps = 0
+
+    def state_dim(self, dim: int) -> int:
+        return 2 * dim
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
+        dim = grad.shape[1]
+        exp_avg, exp_avg_sq = state[:, :dim], state[:, dim:]
+        step = self.steps + 1
+        exp_avg.lerp_(grad, 1 - self.beta1)
+        exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+        bias1 = 1 - self.beta1**step
+        bias2 = 1 - self.beta2**step
+        denom = exp_avg_sq.sqrt().add_(self.eps)
+        weights.addcdiv_(exp_avg, denom, value=-self.lr * math.sqrt(bias2) / bias1)
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.steps = int(state["steps"])
+
+
+def make_optimizer(config: CacheConfig) -> RowOptimizer:
+    """The row optimizer named by `config.optimizer`."""
+    kinds = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad, "adam": Adam}
+    return kinds[config.optimizer](config)
