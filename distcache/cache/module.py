@@ -248,8 +248,9 @@ class CachedEmbeddingBags(nn.Module):
         group, lo, hi = self._locate(name)
         expected = (hi - lo, group.engine.dim)
         if tuple(weight.shape) != expected:
-            raise ValueError(f"table {name!r}: weight of shape {tuple(weight.shape)}, "
-                             f"expected {expected}")
+            raise ValueError(
+                f"table {name!r}: weight of shape {tuple(weight.shape)}, expected {expected}"
+            )
         group.engine.flush()
         group.engine.store.weights[lo:hi] = weight.to(torch.float32)
         group.engine.reset()

@@ -29,7 +29,10 @@ class RowOptimizer(abc.ABC):
 
     @abc.abstractmethod
     def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> None:
-        """Update rows in place: `weights` `[u, dim]`, `state` `[u, state_dim]`, `grad` `[u, dim]`."""
+        """Update rows in place.
+
+        `weights` `[u, dim]`, `state` `[u, state_dim]`, `grad` `[u, dim]` (summed per row).
+        """
 
     def step(self) -> None:
         """One optimizer step has been applied to every group (Adam's bias correction)."""

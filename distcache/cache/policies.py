@@ -85,8 +85,9 @@ class LookaheadPolicy(EvictionPolicy):
 
     def on_stage(self, seq: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         if seq != self._first_unstaged:
-            raise AssertionError(f"batches must be staged in order: got {seq}, "
-                                 f"expected {self._first_unstaged}")
+            raise AssertionError(
+                f"batches must be staged in order: got {seq}, expected {self._first_unstaged}"
+            )
         self.next_use[rows] = self._next_of.pop(seq)
         self._first_unstaged += 1
 

@@ -88,9 +88,7 @@ class Stager:
                 self.store.scatter(rows, host)
             if plan.load_rows.numel():
                 rows = plan.load_rows.cpu()
-                staged = torch.empty(
-                    (rows.numel(), self.store.data.shape[1]), pin_memory=True
-                )
+                staged = torch.empty((rows.numel(), self.store.data.shape[1]), pin_memory=True)
                 self.store.gather(rows, out=staged)
                 values = staged.to(self.device, non_blocking=True)
                 # The caching host allocator keeps `staged` until this stream's copy has run.
