@@ -27,15 +27,20 @@ class EvictionPolicy(abc.ABC):
     def bind(self, num_rows: int, capacity: int, device: torch.device) -> None:
         """Allocate the policy's per-row or per-slot state."""
 
-    def on_enqueue(self, seq: int, rows: torch.Tensor) -> None:
-        """Batch `seq` with unique rows `rows` `[u]` entered the look-ahead window."""
+    def on_enqueue(self, seq: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Batch `seq` with unique rows `rows` `[u]` entered the look-ahead window; `slots` `[u]`
+        are their current slots (-1: not resident)."""
 
     def on_stage(self, seq: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Batch `seq` is made resident: unique `rows` `[u]` now sit in `slots` `[u]`."""
 
     @abc.abstractmethod
     def victim_keys(self, residency: Residency, seq: int) -> torch.Tensor:
-        """Eviction scores `[capacity]` int64 >= 0 for staging batch `seq`; higher goes first."""
+        """Eviction scores `[capacity]` int64 >= 0 for staging batch `seq`; higher goes first.
+
+        Computed from per-slot state only (contiguous passes over the slots): per-row state is
+        mirrored into slots when a batch's rows change, so no gather over the table is needed.
+        """
 
 
 class LookaheadPolicy(EvictionPolicy):
@@ -44,58 +49,78 @@ class LookaheadPolicy(EvictionPolicy):
 
     With a window covering the whole trace and no prefetch depth this is Belady's optimum.
 
-    State per row (int32): `next_use` (seq of the earliest not-yet-staged batch that uses the row,
-    or INF), `last_seen`/`last_pos` (the latest enqueued batch using it and its position in that
-    batch's unique rows), and `count` (batches seen using it). Per not-yet-staged batch,
-    `next_of[seq]` `[u]` holds each of its rows' next use after it, filled in as later batches
-    arrive; so both enqueue and stage cost O(unique rows x window), with no search over the window.
+    State per row: `next_use` (seq of the earliest not-yet-staged batch that uses the row, or
+    INF), `last_seen` (the latest enqueued batch using it), `last_pos` (where that occurrence sits
+    in `_next`) and `count` (batches seen using it). `_next` is one flat buffer holding, for
+    every row occurrence in a not-yet-staged batch, the seq of the row's next use after it; a new
+    batch fills in its rows' previous occurrences with one scatter, and staging a batch reads its
+    slice. Both cost O(unique rows of the batch), whatever the window's length.
     """
 
     reactive = False
 
     def bind(self, num_rows: int, capacity: int, device: torch.device) -> None:
-        def per_row(fill: int) -> torch.Tensor:
-            return torch.full((num_rows,), fill, dtype=torch.int32, device=device)
-
-        self.next_use = per_row(_INF)
-        self.last_seen = per_row(-1)
-        self.last_pos = per_row(0)
-        self.count = per_row(0)
-        self._next_of: dict[int, torch.Tensor] = {}
+        self.next_use = torch.full((num_rows,), _INF, dtype=torch.int32, device=device)
+        self.last_seen = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+        self.last_pos = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.count = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        self.slot_next_use = torch.full((capacity,), _INF, dtype=torch.int64, device=device)
+        self.slot_count = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self._next = torch.empty(0, dtype=torch.int32, device=device)  # [live occurrences]
+        self._base = 0  # absolute position of _next[0]
+        self._end = 0  # absolute position of the next occurrence
+        self._start: dict[int, int] = {}  # seq -> absolute position of its first occurrence
         self._first_unstaged = 0
 
-    def on_enqueue(self, seq: int, rows: torch.Tensor) -> None:
+    def on_enqueue(self, seq: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        n = rows.numel()
+        self._reserve(n)
         prev = self.last_seen[rows]  # [u]
-        # Rows with an earlier occurrence in a not-yet-staged batch: that batch learns this use.
+        # Rows with an occurrence in a not-yet-staged batch: that occurrence learns this use.
         waiting = prev >= self._first_unstaged
-        if bool(waiting.any()):
-            pos = self.last_pos[rows]
-            for b in range(self._first_unstaged, seq):
-                mask = waiting & (prev == b)
-                self._next_of[b][pos[mask].long()] = seq
+        self._next[self.last_pos[rows[waiting]] - self._base] = seq
         # Rows with no pending occurrence: this batch is their next use.
-        fresh = rows[~waiting]
-        self.next_use[fresh] = seq
+        self.next_use[rows[~waiting]] = seq
         self.last_seen[rows] = seq
-        self.last_pos[rows] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
+        self.last_pos[rows] = torch.arange(self._end, self._end + n, device=rows.device)
         self.count[rows] = (self.count[rows] + 1).clamp_(max=_MAX_COUNT)
-        self._next_of[seq] = torch.full(
-            (rows.numel(),), _INF, dtype=torch.int32, device=rows.device
-        )
+        lo = self._end - self._base
+        self._next[lo : lo + n] = _INF
+        self._start[seq] = self._end
+        self._end += n
+        resident = slots >= 0
+        self._mirror(rows[resident], slots[resident])
 
     def on_stage(self, seq: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         if seq != self._first_unstaged:
             raise AssertionError(
                 f"batches must be staged in order: got {seq}, expected {self._first_unstaged}"
             )
-        self.next_use[rows] = self._next_of.pop(seq)
+        lo = self._start.pop(seq) - self._base
+        self.next_use[rows] = self._next[lo : lo + rows.numel()]
         self._first_unstaged += 1
+        self._mirror(rows, slots)
+
+    def _mirror(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        self.slot_next_use[slots] = self.next_use[rows].long()
+        self.slot_count[slots] = self.count[rows].long()
+
+    def _reserve(self, n: int) -> None:
+        """Make room for n more occurrences, dropping those of staged batches."""
+        if self._end + n - self._base <= self._next.numel():
+            return
+        live = self._start.get(self._first_unstaged, self._end)
+        kept = self._next[live - self._base : self._end - self._base]
+        grown = torch.empty(
+            max(2 * (kept.numel() + n), 1024), dtype=torch.int32, device=self._next.device
+        )
+        grown[: kept.numel()] = kept
+        self._next, self._base = grown, live
 
     def victim_keys(self, residency: Residency, seq: int) -> torch.Tensor:
-        rows = residency.row_of.clamp(min=0)
-        next_use = self.next_use[rows].long()
+        next_use = self.slot_next_use
         distance = torch.where(next_use == _INF, _FAR, next_use - seq)
-        return (distance << 32) | (_MAX_COUNT - self.count[rows].long())
+        return (distance << 32) | (_MAX_COUNT - self.slot_count)
 
 
 class LRUPolicy(EvictionPolicy):
@@ -117,15 +142,18 @@ class LFUPolicy(EvictionPolicy):
 
     def bind(self, num_rows: int, capacity: int, device: torch.device) -> None:
         self.count = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        self.slot_count = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.last_use = torch.zeros(capacity, dtype=torch.int64, device=device)
 
     def on_stage(self, seq: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        self.count[rows] = (self.count[rows] + 1).clamp_(max=_MAX_COUNT)
+        count = (self.count[rows] + 1).clamp_(max=_MAX_COUNT)
+        self.count[rows] = count
+        self.slot_count[slots] = count.long()
         self.last_use[slots] = seq
 
     def victim_keys(self, residency: Residency, seq: int) -> torch.Tensor:
-        count = self.count[residency.row_of.clamp(min=0)].long()
-        return ((_MAX_COUNT - count) << 32) | (seq - self.last_use).clamp(max=(1 << 32) - 1)
+        age = (seq - self.last_use).clamp_(max=(1 << 32) - 1)
+        return ((_MAX_COUNT - self.slot_count) << 32) | age
 
 
 def make_policy(name: str) -> EvictionPolicy:

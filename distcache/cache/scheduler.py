@@ -119,6 +119,7 @@ class Scheduler:
         self._stamp = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._pool = torch.empty(0, dtype=torch.int64, device=device)
         self._pool_epoch = 0
+        self._num_pinned = 0  # slots with pin > 0, kept without a pass over the slots
         self._gen = torch.Generator(device=device)
         self._gen.manual_seed(0)
 
@@ -154,8 +155,9 @@ class Scheduler:
             )
         seq = self._next_seq
         self._next_seq += 1
-        self._touch(self.residency.slot_of[rows])
-        self.policy.on_enqueue(seq, rows)
+        slots = self.residency.slot_of[rows]
+        self._touch(slots)
+        self.policy.on_enqueue(seq, rows, slots)
         self._unstaged.append(_Pending(seq, rows, inverse))
         c = self.counters
         c.batches += 1
@@ -179,15 +181,15 @@ class Scheduler:
         hit_slots = slots[hit]
         miss_rows = batch.rows[~hit]
         n_miss = miss_rows.numel()
-        eligible = res.pin == 0
-        eligible[hit_slots] = False
-        available = int(eligible.sum())
+        newly_pinned = int((res.pin[hit_slots] == 0).sum())
+        available = self.capacity - self._num_pinned - newly_pinned
         if n_miss > available:
             self._raise_too_small(batch, n_miss, available)
         self._unstaged.popleft()
 
         res.pin[hit_slots] += 1
-        victims = self._choose_victims(n_miss, eligible, batch.seq)  # [m]
+        self._num_pinned += newly_pinned
+        victims = self._choose_victims(n_miss, available, batch.seq)  # [m], all unpinned
         victim_rows = res.row_of[victims]
         was_resident = victim_rows >= 0
         writeback = was_resident & res.dirty[victims]
@@ -197,6 +199,7 @@ class Scheduler:
         res.row_of[victims] = miss_rows
         res.dirty[victims] = False
         res.pin[victims] += 1
+        self._num_pinned += n_miss
         slots = res.slot_of[batch.rows]
         self._touch(slots)
         self.policy.on_stage(batch.seq, batch.rows, slots)
@@ -230,7 +233,9 @@ class Scheduler:
                 f"{self.name}: batches must be released in the order they were staged"
             )
         self._staged.popleft()
-        self.residency.pin[plan.slots] -= 1
+        pin = self.residency.pin
+        self._num_pinned -= int((pin[plan.slots] == 1).sum())
+        pin[plan.slots] -= 1
 
     def clear(self) -> None:
         """Forget every resident row and every batch in the window (after a reload)."""
@@ -239,22 +244,25 @@ class Scheduler:
         self._unstaged.clear()
         self._staged.clear()
         self._pool = self._pool[:0]
+        self._num_pinned = 0
 
     # ---------------------------------------------------------------- victims
-    def _choose_victims(self, n: int, eligible: torch.Tensor, seq: int) -> torch.Tensor:
+    def _choose_victims(self, n: int, available: int, seq: int) -> torch.Tensor:
+        """n unpinned slots to load into: free slots first, then the policy's best victims."""
         if n == 0:
             return self._pool[:0]
+        res = self.residency
         if self._pool.numel():
             pool = self._pool
-            valid = eligible[pool] & (self._stamp[pool] <= self._pool_epoch)
+            valid = (res.pin[pool] == 0) & (self._stamp[pool] <= self._pool_epoch)
             picked = valid.nonzero().squeeze(1)[:n]
             if picked.numel() == n:
                 self._pool = pool[int(picked[-1]) + 1 :]
                 return pool[picked]
-        keys = self.policy.victim_keys(self.residency, seq)
-        keys = torch.where(self.residency.row_of < 0, _FREE_KEY, keys)
-        keys = torch.where(eligible, keys, -1)
-        want = min(int(eligible.sum()), n * self.victim_batches)
+        keys = self.policy.victim_keys(res, seq)
+        keys = torch.where(res.row_of < 0, _FREE_KEY, keys)
+        keys = torch.where(res.pin == 0, keys, -1)
+        want = min(available, n * self.victim_batches)
         pool = largest(keys, want, self._gen)
         self._pool, self._pool_epoch = pool[n:], self._epoch
         return pool[:n]

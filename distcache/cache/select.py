@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 _SAMPLE = 4096
-_SMALL = 1 << 16
+_SMALL = 1 << 13
 
 
 def largest(keys: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
