@@ -245,6 +245,9 @@ class Scheduler:
         self._staged.clear()
         self._pool = self._pool[:0]
         self._num_pinned = 0
+        self._next_seq = 0  # the policy was re-bound: sequence numbers start again
+        self._epoch = 0
+        self._stamp.zero_()
 
     # ---------------------------------------------------------------- victims
     def _choose_victims(self, n: int, available: int, seq: int) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""Bad input: a clear error naming the table, the value and what is allowed; nothing lost."""
+
+import pytest
+import torch
+
+from distcache import (
+    CacheCapacityError,
+    CacheConfig,
+    CachedEmbeddingBags,
+    DistcacheConfigError,
+    InvalidIdError,
+    TableSpec,
+)
+from tests.unit.cache.reference import integer_weights, loss_of, make_batches, make_tables
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"capacity": 0}, r"capacity=0 .*int >= 1"),
+        ({"capacity": -3}, r"capacity=-3"),
+        ({"capacity": 1.5}, r"capacity=1.5 .*fraction in \(0, 1\]"),
+        ({"capacity": 0.0}, r"capacity=0.0"),
+        ({"capacity": True}, r"capacity=True"),
+        ({"capacity": "5%"}, r"capacity='5%'"),
+        ({"lookahead": -1}, r"lookahead=-1 .*int >= 0"),
+        ({"lookahead": 2, "prefetch_depth": 3}, r"prefetch_depth=3 .*at most lookahead=2"),
+        ({"policy": "fifo"}, r"policy='fifo' .*'lookahead', 'lru', 'lfu'"),
+        ({"optimizer": "lamb"}, r"optimizer='lamb' .*'sgd'"),
+        ({"learning_rate": -0.1}, r"learning_rate=-0.1"),
+        ({"beta1": 1.0}, r"beta1=1.0 .*\[0, 1\)"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(DistcacheConfigError, match=match):
+        CacheConfig(**kwargs)
+
+
+def test_capacity_rows():
+    assert CacheConfig(capacity=0.02).capacity_rows(1000) == 20
+    assert CacheConfig(capacity=0.0001).capacity_rows(1000) == 1
+    assert CacheConfig(capacity=1.0).capacity_rows(1000) == 1000
+    assert CacheConfig(capacity=5000).capacity_rows(1000) == 1000
+
+
+def test_table_errors():
+    with pytest.raises(DistcacheConfigError, match=r"table 'a': num_embeddings=0"):
+        TableSpec(name="a", num_embeddings=0, embedding_dim=4)
+    with pytest.raises(DistcacheConfigError, match=r"embedding_dim=-1"):
+        TableSpec(name="a", num_embeddings=3, embedding_dim=-1)
+    with pytest.raises(DistcacheConfigError, match=r"pooling='max'"):
+        TableSpec(name="a", num_embeddings=3, embedding_dim=4, pooling="max")
+    t = TableSpec(name="a", num_embeddings=3, embedding_dim=4)
+    with pytest.raises(DistcacheConfigError, match=r"duplicate table names \['a'\]"):
+        CachedEmbeddingBags([t, t], CacheConfig())
+
+
+@pytest.mark.parametrize(("bad", "match"), [(-1, r"id -1"), (30, r"id 30"), (2**40, r"id 1099")])
+def test_bad_ids_name_table_value_and_range_and_change_nothing(bad, match):
+    tables = make_tables([4, 4], [20, 30])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=10, learning_rate=1.0))
+    good = make_batches(tables, batch_size=2, num_batches=1, max_len=2, seed=0)[0]
+    values = torch.tensor([1, 2, bad])
+    offsets = torch.tensor([0, 1, 2, 2, 3])  # the bad id is in table t1's second bag
+    before = [cached.table_weight(t.name).clone() for t in tables]
+    for call in (cached.enqueue, cached):
+        with pytest.raises(InvalidIdError, match=rf"table 't1': {match}.* \[0, 30\)"):
+            call(values, offsets)
+    (engine,) = cached.engines
+    assert engine.scheduler.num_unstaged == 0 and engine.scheduler.num_staged == 0
+    assert all(
+        torch.equal(cached.table_weight(t.name), w) for t, w in zip(tables, before, strict=True)
+    )
+    loss_of(cached(*good)).backward()  # still usable
+
+
+def test_cache_too_small_for_one_batch():
+    tables = make_tables([4], [50])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=3))
+    with pytest.raises(CacheCapacityError, match="uses 5 distinct rows but the cache holds 3"):
+        cached(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 5]))
+
+
+def test_cache_too_small_for_batches_in_flight_loses_nothing():
+    tables = make_tables([4], [50])
+    weights = integer_weights(tables, 0)
+    config = CacheConfig(capacity=6, lookahead=2, prefetch_depth=2, learning_rate=1.0)
+    cached = CachedEmbeddingBags(tables, config)
+    cached.load_table_weight("t0", weights[0])
+    batches = [
+        (torch.tensor(ids), torch.tensor([0, len(ids)])) for ids in ([0, 1, 2], [3, 4, 5, 6], [7])
+    ]
+    loss_of(cached(*batches[0])).backward()  # rows 0, 1, 2 updated and dirty
+    for b in batches:
+        cached.enqueue(*b)
+    with pytest.raises(
+        CacheCapacityError,
+        match=r"needs 4 more rows but only 3 of 6.*at least 7 rows, or a smaller prefetch_depth",
+    ):
+        cached.prefetch()
+    expected = weights[0].clone()
+    expected[[0, 1, 2]] -= torch.tensor([-1.0, 0.0, 1.0, -1.0])  # loss_of column weights
+    assert torch.equal(cached.table_weight("t0"), expected)  # the dirty rows were not lost
+
+
+def test_empty_batches_and_empty_bags():
+    tables = make_tables([4, 3], [20, 10], ["sum", "mean"])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=5))
+    empty = cached(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    assert empty.shape == (0, 7)
+    out = cached(torch.tensor([3]), torch.tensor([0, 0, 1, 1, 1]))  # B=2, only one bag non-empty
+    assert out.shape == (2, 7)
+    assert torch.equal(out[0], torch.zeros(7))
+    assert torch.equal(out[1, 4:], torch.zeros(3))
+    assert torch.equal(out[1, :4], cached.table_weight("t0")[3])
+    loss_of(out).backward()
+
+
+def test_offsets_must_cover_every_table():
+    cached = CachedEmbeddingBags(make_tables([4, 4], [5, 5]), CacheConfig())
+    with pytest.raises(ValueError, match=r"offsets has 4 entries; expected T \* B \+ 1 with T=2"):
+        cached(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3]))

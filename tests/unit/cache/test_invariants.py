@@ -1,0 +1,149 @@
+"""DESIGN invariants 1-4 and 6, checked on the host store and cache while training."""
+
+import torch
+
+from distcache import CacheConfig, CachedEmbeddingBags
+from tests.unit.cache.reference import (
+    ReferenceBags,
+    integer_weights,
+    loss_of,
+    make_batches,
+    make_tables,
+    reference_optimizer,
+)
+
+
+class StoreSpy:
+    """Logs every host-store read and write of an engine, in order."""
+
+    def __init__(self, engine):
+        self.log: list[tuple[str, list[int]]] = []
+        store = engine.store
+        gather, scatter = store.gather, store.scatter
+
+        def spy_gather(rows, out=None):
+            self.log.append(("load", rows.tolist()))
+            return gather(rows, out)
+
+        def spy_scatter(rows, values):
+            self.log.append(("write", rows.tolist()))
+            scatter(rows, values)
+
+        store.gather, store.scatter = spy_gather, spy_scatter
+
+
+def _setup(capacity=10, depth=1):
+    tables = make_tables([4], [40])
+    weights = integer_weights(tables, 0)
+    config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=depth, learning_rate=1.0)
+    cached = CachedEmbeddingBags(tables, config)
+    cached.load_table_weight("t0", weights[0])
+    ref = ReferenceBags(tables, weights)
+    return tables, config, cached, ref, reference_optimizer(config, ref.parameters())
+
+
+def test_one_authoritative_copy_and_no_lost_update_without_flush():
+    tables, config, cached, ref, opt = _setup()
+    (engine,) = cached.engines
+    batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=1)
+    res = engine.scheduler.residency
+    enqueued = 0
+    for t, batch in enumerate(batches):
+        while enqueued < len(batches) and enqueued <= t + config.lookahead:
+            cached.enqueue(*batches[enqueued])
+            enqueued += 1
+        cached.prefetch()
+        loss_of(cached(*batch)).backward()
+        opt.zero_grad()
+        loss_of(ref(*batch)).backward()
+        opt.step()
+        expected = ref.bags[0].weight.data
+        resident = res.row_of >= 0
+        rows, slots = res.row_of[resident], resident.nonzero().squeeze(1)
+        # Resident rows: the cache slot is authoritative (invariant 2).
+        assert torch.equal(engine.weights[slots], expected[rows])
+        # Every other row: the host store holds the latest value, evicted dirty rows included.
+        others = torch.ones(40, dtype=torch.bool)
+        others[rows] = False
+        assert torch.equal(engine.store.weights[others], expected[others]), f"step {t}"
+    assert engine.stats().writebacks > 0
+
+
+def test_clean_rows_never_written_back_and_writes_precede_loads():
+    tables, config, cached, ref, _ = _setup(capacity=8)
+    (engine,) = cached.engines
+    spy = StoreSpy(engine)
+    batches = make_batches(tables, batch_size=2, num_batches=40, max_len=3, seed=2)
+    updated = set()  # rows updated since they were last loaded
+    original_run = engine.stager.run
+
+    def checked_run(plan):
+        start = len(spy.log)
+        original_run(plan)
+        ops = [op for op, _ in spy.log[start:]]
+        assert ops == sorted(ops, key=lambda op: op != "write"), "write-backs before loads"
+
+    engine.stager.run = checked_run
+    for t, batch in enumerate(batches):
+        train = t % 3 != 0  # every third batch is only read (eval): its rows stay clean
+        cached.train(train)
+        out = cached(*batch)  # stages the batch: write-backs and loads are logged
+        for op, rows in spy.log:
+            for r in rows:
+                if op == "write":
+                    assert r in updated, f"row {r} written back although clean"
+                    updated.discard(r)
+                else:
+                    assert r not in updated, f"row {r} reloaded before its write-back"
+        spy.log.clear()
+        if train:
+            loss_of(out).backward()
+            updated.update(torch.unique(batch[0]).tolist())
+    assert engine.stats().writebacks > 0 and engine.stats().evictions > engine.stats().writebacks
+
+
+def test_flush_then_store_equals_reference_and_second_flush_writes_nothing():
+    tables, config, cached, ref, opt = _setup(capacity=12)
+    (engine,) = cached.engines
+    for batch in make_batches(tables, batch_size=3, num_batches=15, max_len=3, seed=3):
+        loss_of(cached(*batch)).backward()
+        opt.zero_grad()
+        loss_of(ref(*batch)).backward()
+        opt.step()
+    assert engine.flush() > 0
+    assert not engine.scheduler.residency.dirty.any()
+    assert torch.equal(engine.store.weights, ref.bags[0].weight.data)
+    assert engine.flush() == 0
+
+
+def test_state_dict_flushes_and_round_trips():
+    tables, config, cached, ref, opt = _setup(capacity=12)
+    batches = make_batches(tables, batch_size=3, num_batches=20, max_len=3, seed=4)
+    for batch in batches[:10]:
+        loss_of(cached(*batch)).backward()
+        opt.zero_grad()
+        loss_of(ref(*batch)).backward()
+        opt.step()
+    state = cached.state_dict()  # no explicit flush (invariant 6)
+    assert torch.equal(state["t0.weight"], ref.bags[0].weight.data)
+    fresh = CachedEmbeddingBags(tables, config, seed=99)
+    fresh.load_state_dict(state)
+    for batch in batches[10:]:
+        loss_of(fresh(*batch)).backward()
+        opt.zero_grad()
+        loss_of(ref(*batch)).backward()
+        opt.step()
+    assert torch.equal(fresh.table_weight("t0"), ref.bags[0].weight.data)
+
+
+def test_load_clears_cached_rows():
+    tables, config, cached, _, _ = _setup(capacity=12)
+    batch = make_batches(tables, batch_size=3, num_batches=1, max_len=3, seed=5)[0]
+    cached.eval()
+    cached(*batch)
+    (engine,) = cached.engines
+    assert engine.scheduler.residency.num_resident() > 0
+    zeros = torch.zeros(40, 4)
+    cached.load_table_weight("t0", zeros)
+    assert engine.scheduler.residency.num_resident() == 0
+    assert torch.equal(cached(*batch), torch.zeros(3, 4))  # no stale cached row is served

@@ -1,0 +1,192 @@
+"""Training through the cache equals training plain `nn.EmbeddingBag`s (DESIGN invariant 5)."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from distcache import CacheConfig, CachedEmbeddingBags
+from tests.unit.cache.reference import (
+    integer_weights,
+    loss_of,
+    make_batches,
+    make_tables,
+    train_both,
+)
+
+
+def _check_equal(cached, ref, pairs, tables, *, exact: bool) -> None:
+    for step, (out, ref_out) in enumerate(pairs):
+        if exact:
+            assert torch.equal(out, ref_out), f"output differs at step {step}"
+        else:
+            torch.testing.assert_close(out, ref_out, msg=lambda m, s=step: f"step {s}: {m}")
+    for t, bag in zip(tables, ref.bags, strict=True):
+        if exact:
+            assert torch.equal(cached.table_weight(t.name), bag.weight.data), t.name
+        else:
+            torch.testing.assert_close(cached.table_weight(t.name), bag.weight.data)
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
+@pytest.mark.parametrize("capacity", [24, 0.5, 1.0])
+def test_sgd_integer_weights_bitwise(policy, capacity):
+    tables = make_tables([4, 4, 3], [60, 35, 50])
+    config = CacheConfig(
+        capacity=capacity, lookahead=3, prefetch_depth=1, policy=policy, learning_rate=1.0
+    )
+    batches = make_batches(tables, batch_size=3, num_batches=25, max_len=3, seed=1)
+    cached, ref, pairs = train_both(tables, config, batches, weights=integer_weights(tables, 0))
+    _check_equal(cached, ref, pairs, tables, exact=True)
+    stats = cached.stats()
+    if capacity == 24:  # small enough that batches evict and write back dirty rows
+        assert all(s.evictions > 0 and s.writebacks > 0 for s in stats.values())
+    if policy == "lookahead":
+        assert all(s.critical_misses == 0 for s in stats.values())
+    else:
+        assert all(s.critical_misses == s.loads for s in stats.values())
+
+
+def test_without_window_every_miss_is_critical_and_results_equal():
+    tables = make_tables([4, 4], [40, 30])
+    config = CacheConfig(capacity=16, lookahead=2, prefetch_depth=1, learning_rate=1.0)
+    batches = make_batches(tables, batch_size=2, num_batches=15, max_len=3, seed=2)
+    weights = integer_weights(tables, 1)
+    cached, ref, pairs = train_both(tables, config, batches, weights=weights, use_window=False)
+    _check_equal(cached, ref, pairs, tables, exact=True)
+    (stats,) = cached.stats().values()
+    assert stats.loads > 0 and stats.critical_misses == stats.loads
+
+
+def test_mean_pooling_matches_within_tolerance():
+    tables = make_tables([4, 6], [50, 40], ["mean", "sum"])
+    config = CacheConfig(capacity=20, lookahead=2, prefetch_depth=2, learning_rate=0.5)
+    batches = make_batches(tables, batch_size=4, num_batches=20, max_len=4, seed=3)
+    cached, ref, pairs = train_both(tables, config, batches, weights=integer_weights(tables, 2))
+    _check_equal(cached, ref, pairs, tables, exact=False)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
+def test_stateful_optimizers_match_torch(optimizer):
+    tables = make_tables([4, 4, 8], [50, 30, 40])
+    config = CacheConfig(
+        capacity=20,
+        lookahead=3,
+        prefetch_depth=1,
+        optimizer=optimizer,
+        learning_rate=0.05,
+        eps=1e-6 if optimizer != "adagrad" else 1e-10,
+    )
+    batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=4)
+    weights = [w / 8 for w in integer_weights(tables, 3)]
+    cached, ref, pairs = train_both(tables, config, batches, weights=weights)
+    _check_equal(cached, ref, pairs, tables, exact=False)
+    (stats,) = [s for name, s in cached.stats().items() if "t0" in name]
+    assert stats.writebacks > 0, "the cache must be small enough to write state back"
+    # Optimizer state travelled with its rows through evictions: equal by row position.
+    for t, bag in zip(tables, ref.bags, strict=True):
+        state = cached.table_state(t.name)
+        ref_state = opt_state(ref_opt_of(ref), bag.weight, optimizer)
+        torch.testing.assert_close(state, ref_state)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+@given(
+    num_tables=st.integers(1, 3),
+    policy=st.sampled_from(["lookahead", "lru", "lfu"]),
+    lookahead=st.integers(0, 4),
+    depth=st.integers(0, 4),
+    capacity_extra=st.integers(0, 30),
+    pooling=st.sampled_from(["sum", "mean"]),
+    victim_batches=st.sampled_from([1, 3]),
+    seed=st.integers(0, 1000),
+)
+def test_sweep_equals_reference(
+    num_tables, policy, lookahead, depth, capacity_extra, pooling, victim_batches, seed
+):
+    depth = min(depth, lookahead)
+    tables = make_tables(
+        [4] * num_tables, [20 + 7 * i for i in range(num_tables)], [pooling] * num_tables
+    )
+    batches = make_batches(tables, batch_size=2, num_batches=12, max_len=2, seed=seed)
+    # The smallest cache that holds depth + 1 consecutive batches' rows, plus some slack.
+    width = depth + 1
+    need = 0
+    for t in range(len(batches)):
+        window = torch.cat([_engine_rows(tables, b) for b in batches[t : t + width]])
+        need = max(need, window.unique().numel())
+    total = sum(t.num_embeddings for t in tables)
+    capacity = max(1, min(total, need + capacity_extra))
+    config = CacheConfig(
+        capacity=capacity,
+        lookahead=lookahead,
+        prefetch_depth=depth,
+        policy=policy,
+        learning_rate=1.0,
+    )
+    cached, ref, pairs = train_both(
+        tables,
+        config,
+        batches,
+        weights=integer_weights(tables, seed),
+        victim_batches=victim_batches,
+    )
+    _check_equal(cached, ref, pairs, tables, exact=pooling == "sum")
+    for s in cached.stats().values():
+        if policy == "lookahead" and depth > 0:
+            assert s.critical_misses == 0
+        assert s.batches == len(batches)
+
+
+def ref_opt_of(ref):
+    return ref.optimizer
+
+
+def opt_state(opt, param, optimizer):
+    """The reference optimizer's per-row state in distcache's column layout."""
+    state = opt.state[param]
+    if optimizer == "adagrad":
+        return state["sum"]
+    if optimizer == "rowwise_adagrad":
+        return state["sum"]
+    return torch.cat([state["exp_avg"], state["exp_avg_sq"]], dim=1)
+
+
+def _engine_rows(tables, batch):
+    values, offsets = batch
+    batch_size = (offsets.numel() - 1) // len(tables)
+    rows, base = [], 0
+    for k, t in enumerate(tables):
+        lo, hi = int(offsets[k * batch_size]), int(offsets[(k + 1) * batch_size])
+        rows.append(values[lo:hi] + base)
+        base += t.num_embeddings
+    return torch.cat(rows)
+
+
+def test_eval_mode_reads_without_updating_or_dirtying():
+    tables = make_tables([4], [30])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=8, learning_rate=1.0))
+    before = cached.table_weight("t0").clone()
+    batches = make_batches(tables, batch_size=3, num_batches=10, max_len=3, seed=6)
+    cached.eval()
+    for b in batches:
+        out = cached(*b)
+        assert not out.requires_grad
+    assert torch.equal(cached.table_weight("t0"), before)
+    (stats,) = cached.stats().values()
+    assert stats.loads > 0 and stats.writebacks == 0  # clean rows are never written back
+
+
+def test_backward_after_next_forward_is_refused():
+    tables = make_tables([4], [30])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=30))
+    b1, b2 = make_batches(tables, batch_size=2, num_batches=2, max_len=2, seed=7)
+    out1 = cached(*b1)
+    cached(*b2)
+    with pytest.raises(RuntimeError, match="run backward before the next forward"):
+        loss_of(out1).backward()

@@ -1,0 +1,104 @@
+"""The trace simulator against a brute-force Belady and the policies' defining properties."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distcache.cache.simulate import simulate
+
+
+def belady_loads(batches: list[list[int]], capacity: int) -> int:
+    """Brute-force Belady for batched requests: evict resident rows not used by the current
+    batch whose next use is farthest (never used again counts as farthest)."""
+    resident: set[int] = set()
+    loads = 0
+    for t, batch in enumerate(batches):
+        need = set(batch)
+        misses = need - resident
+        loads += len(misses)
+        overflow = len(resident) + len(misses) - capacity
+        if overflow > 0:
+
+            def next_use(row: int, t: int = t) -> int:
+                for u in range(t + 1, len(batches)):
+                    if row in batches[u]:
+                        return u
+                return len(batches)
+
+            victims = sorted(resident - need, key=next_use, reverse=True)[:overflow]
+            resident -= set(victims)
+        resident |= misses
+    return loads
+
+
+def zipf_batches(rows: int, batch: int, num: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(batch * num, generator=gen, dtype=torch.float64)
+    ranks = (((rows**-0.1 - 1) * u + 1) ** (1 / -0.1)).long() - 1
+    return list(((ranks.clamp(0, rows - 1) * 7919) % rows).split(batch))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    trace=st.lists(st.lists(st.integers(0, 15), min_size=1, max_size=5), min_size=1, max_size=25),
+    extra=st.integers(0, 8),
+)
+def test_optimal_equals_brute_force_belady(trace, extra):
+    capacity = max(len(set(b)) for b in trace) + extra
+    batches = [torch.tensor(b) for b in trace]
+    result = simulate(batches, num_rows=16, capacity=capacity, policy="optimal")
+    assert result.loads == belady_loads(trace, min(capacity, 16))
+
+
+@pytest.mark.parametrize("capacity", [60, 120, 300])
+def test_optimal_is_a_lower_bound_and_policies_behave(capacity):
+    batches = zipf_batches(1000, 40, 80, seed=0)
+    results = {
+        p: simulate(
+            batches, num_rows=1000, capacity=capacity, policy=p, lookahead=6, prefetch_depth=1
+        )
+        for p in ("optimal", "lookahead", "lru", "lfu")
+    }
+    opt = results["optimal"].loads
+    for name, r in results.items():
+        assert r.loads >= opt, name
+        assert r.writebacks <= r.loads
+        assert r.batches == 80 and r.ids == 80 * 40
+    assert results["lookahead"].critical_misses == 0
+    assert results["lru"].critical_misses == results["lru"].loads
+    assert results["lookahead"].loads < results["lru"].loads
+
+
+def test_cache_as_large_as_the_trace_only_has_compulsory_misses():
+    batches = zipf_batches(500, 30, 40, seed=1)
+    unique = torch.cat(batches).unique().numel()
+    for policy in ("optimal", "lookahead", "lru", "lfu"):
+        r = simulate(batches, num_rows=500, capacity=500, policy=policy)
+        assert r.loads == unique == r.unique_ids
+        assert r.writebacks == 0
+
+
+def test_full_window_without_prefetch_matches_optimal():
+    batches = zipf_batches(800, 50, 60, seed=2)
+    opt = simulate(batches, num_rows=800, capacity=150, policy="optimal")
+    la = simulate(
+        batches, num_rows=800, capacity=150, policy="lookahead", lookahead=60, prefetch_depth=0
+    )
+    assert la.loads == opt.loads
+
+
+def test_longer_window_never_hurts_much_and_pool_stays_close():
+    batches = zipf_batches(2000, 80, 120, seed=3)
+    short = simulate(batches, num_rows=2000, capacity=300, lookahead=1, prefetch_depth=1)
+    long = simulate(batches, num_rows=2000, capacity=300, lookahead=16, prefetch_depth=1)
+    pooled = simulate(
+        batches, num_rows=2000, capacity=300, lookahead=16, prefetch_depth=1, victim_batches=4
+    )
+    assert long.loads <= short.loads
+    assert pooled.loads <= 1.05 * long.loads
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        simulate([torch.tensor([1])], num_rows=4, capacity=2, policy="fifo")
