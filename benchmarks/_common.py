@@ -1,0 +1,70 @@
+"""Shared by the benchmarks: the machine description and the JSON result file."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict[str, object]:
+    """What the numbers were measured on."""
+    info: dict[str, object] = {
+        "platform": platform.platform(),
+        "processor": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_json(path: str | None, config: dict, results: list[dict]) -> None:
+    """Write the full config, the machine and the results, so a result can be re-run."""
+    if not path:
+        return
+    payload = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "config": config,
+        "results": results,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    """Print rows as an aligned table; columns are (key, header)."""
+    cells = [[h for _, h in columns]] + [[_fmt(r.get(k)) for k, _ in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    for n, line in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "" if value is None else str(value)

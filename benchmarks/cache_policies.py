@@ -1,0 +1,123 @@
+"""Replay a trace through the cache policies and Belady's optimum, side by side.
+
+Counts rows loaded, dirty rows written back and critical-path misses per policy and capacity,
+and the scheduler's replay speed (ids/s). No rows are moved: the simulator drives the real
+engine with zero-width rows.
+
+Usage::
+
+    python benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=1.05,batch=16384,batches=200 \
+        --capacity 0.01,0.02,0.05 --lookahead 8 --prefetch-depth 1 --json out.json
+    python benchmarks/cache_policies.py --trace movielens --batch 512 --capacity 0.02,0.05,0.1
+    python benchmarks/cache_policies.py --trace my_trace.npz --capacity 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import print_table, write_json  # noqa: E402
+
+from distcache.cache.simulate import SIM_POLICIES, simulate  # noqa: E402
+from distcache.data.traces import TraceUnavailable, parse_trace_spec  # noqa: E402
+from distcache.errors import CacheCapacityError  # noqa: E402
+
+
+def parse_capacities(text: str, distinct: int) -> list[int]:
+    """'0.01,0.05' are fractions of the trace's distinct rows; '5000' is a row count."""
+    out = []
+    for part in text.split(","):
+        value = float(part)
+        if value <= 0:
+            raise SystemExit(f"--capacity {part}: expected a fraction in (0, 1] or rows >= 1")
+        out.append(max(1, round(value * distinct)) if value <= 1 and "." in part else int(value))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--trace", default="zipf:rows=1e6,alpha=1.05,batch=16384,batches=200,seed=0")
+    ap.add_argument("--batch", type=int, default=512, help="events per batch for --trace movielens")
+    ap.add_argument("--capacity", default="0.01,0.02,0.05")
+    ap.add_argument("--lookahead", type=int, default=8)
+    ap.add_argument("--prefetch-depth", type=int, default=1)
+    ap.add_argument("--victim-batches", type=int, default=1)
+    ap.add_argument("--policies", default="optimal,lookahead,lru,lfu")
+    ap.add_argument("--json", default=None, help="write results and config here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in SIM_POLICIES:
+            raise SystemExit(f"--policies: unknown {p!r}; expected some of {SIM_POLICIES}")
+    try:
+        trace = parse_trace_spec(args.trace, batch=args.batch)
+    except TraceUnavailable as err:
+        print(f"skipped: trace {args.trace!r} is unavailable here: {err}")
+        return 0
+    distinct = trace.num_unique()
+    batches = list(trace)
+    capacities = parse_capacities(args.capacity, distinct)
+    print(
+        f"trace {trace.name}: {trace.num_batches} batches, {trace.ids.numel():,} ids, "
+        f"{distinct:,} distinct of {trace.num_rows:,} rows"
+    )
+
+    results = []
+    for capacity in capacities:
+        optimum = None
+        for policy in policies:
+            row = {"policy": policy, "capacity": capacity, "capacity_frac": capacity / distinct}
+            try:
+                r = simulate(
+                    batches,
+                    num_rows=trace.num_rows,
+                    capacity=capacity,
+                    policy=policy,
+                    lookahead=args.lookahead,
+                    prefetch_depth=args.prefetch_depth,
+                    victim_batches=args.victim_batches,
+                )
+            except CacheCapacityError as err:
+                row["error"] = str(err).split(":", 1)[1].strip()[:60]
+                results.append(row)
+                continue
+            row.update(r.as_dict())
+            if policy == "optimal":
+                optimum = r.loads
+            row["x_optimal"] = r.loads / optimum if optimum else None
+            results.append(row)
+
+    print_table(
+        results,
+        [
+            ("policy", "policy"),
+            ("capacity", "capacity"),
+            ("capacity_frac", "of distinct"),
+            ("loads", "loads"),
+            ("x_optimal", "x optimum"),
+            ("writebacks", "write-backs"),
+            ("critical_misses", "critical misses"),
+            ("ids_per_s", "ids/s"),
+            ("error", "error"),
+        ],
+    )
+    config = {
+        **vars(args),
+        "trace_name": trace.name,
+        "distinct_rows": distinct,
+        "num_rows": trace.num_rows,
+        "batches": trace.num_batches,
+    }
+    write_json(args.json, config, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
