@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.sched_rows, args.sched_batch, args.sched_batches = 200_000, 1_000, 10
-        args.rows, args.batch_size, args.warmup, args.steps = 200_000, 256, 3, 5
+        args.rows, args.batch_size, args.warmup, args.steps = 200_000, 32, 3, 5
 
     sched = bench_scheduler(args)
     print("scheduler (no rows moved):")

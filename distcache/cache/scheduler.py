@@ -24,8 +24,6 @@ from distcache.cache.residency import Residency
 from distcache.cache.select import largest
 from distcache.errors import CacheCapacityError, LookaheadWindowError
 
-_FREE_KEY = torch.iinfo(torch.int64).max
-
 
 @dataclass
 class _Pending:
@@ -120,6 +118,7 @@ class Scheduler:
         self._pool = torch.empty(0, dtype=torch.int64, device=device)
         self._pool_epoch = 0
         self._num_pinned = 0  # slots with pin > 0, kept without a pass over the slots
+        self._fill = 0  # slots [0, fill) have held a row; [fill, capacity) are free
         self._gen = torch.Generator(device=device)
         self._gen.manual_seed(0)
 
@@ -245,15 +244,30 @@ class Scheduler:
         self._staged.clear()
         self._pool = self._pool[:0]
         self._num_pinned = 0
+        self._fill = 0
         self._next_seq = 0  # the policy was re-bound: sequence numbers start again
         self._epoch = 0
         self._stamp.zero_()
 
     # ---------------------------------------------------------------- victims
     def _choose_victims(self, n: int, available: int, seq: int) -> torch.Tensor:
-        """n unpinned slots to load into: free slots first, then the policy's best victims."""
+        """n unpinned slots to load into: never-used slots first, then the policy's victims.
+
+        Slots are handed out in order and only `clear()` frees them, so the free slots are
+        always `[fill, capacity)`: filling costs nothing, and the slots are scored only once
+        the cache is full.
+        """
+        fresh = torch.arange(
+            self._fill, self._fill + min(n, self.capacity - self._fill), device=self._stamp.device
+        )
+        self._fill += fresh.numel()
+        n -= fresh.numel()
         if n == 0:
-            return self._pool[:0]
+            return fresh
+        return torch.cat([fresh, self._evictable(n, available - fresh.numel(), seq)])
+
+    def _evictable(self, n: int, available: int, seq: int) -> torch.Tensor:
+        """The n best unpinned resident slots to evict, from the pool while it is valid."""
         res = self.residency
         if self._pool.numel():
             pool = self._pool
@@ -263,8 +277,8 @@ class Scheduler:
                 self._pool = pool[int(picked[-1]) + 1 :]
                 return pool[picked]
         keys = self.policy.victim_keys(res, seq)
-        keys = torch.where(res.row_of < 0, _FREE_KEY, keys)
-        keys = torch.where(res.pin == 0, keys, -1)
+        # Only unpinned resident slots qualify (slots taken fresh for this batch hold no row yet).
+        keys = torch.where((res.pin == 0) & (res.row_of >= 0), keys, -1)
         want = min(available, n * self.victim_batches)
         pool = largest(keys, want, self._gen)
         self._pool, self._pool_epoch = pool[n:], self._epoch
