@@ -132,8 +132,8 @@ class CacheEngine:
         self._active.append(plan)
         return plan
 
-    def apply_gradients(self, plan: StagePlan, grad: torch.Tensor) -> None:
-        """Fused optimizer step on the batch's rows with their summed gradient `[u, dim]`."""
+    def apply_gradients(self, plan: StagePlan, id_grad: torch.Tensor) -> None:
+        """Fused optimizer step on the batch's rows from the gradient of each id `[n, dim]`."""
         if plan not in self._active:
             raise LookaheadWindowError(
                 f"{self.name}: backward of batch {plan.seq} ran after its rows were released "
@@ -141,12 +141,18 @@ class CacheEngine:
                 "backward before the next forward."
             )
         slots = plan.slots
-        weights = self.weights[slots]
-        state = self.state[slots]
-        self.optimizer.update(weights, state, grad)
+        if self.optimizer.per_id:
+            # Stateless and linear (SGD): scatter-add each id's step, as a sparse SGD step does.
+            self.weights.index_add_(0, plan.id_slots, id_grad, alpha=-self.optimizer.lr)
+        else:
+            grad = torch.zeros(slots.numel(), self.dim, device=id_grad.device)
+            grad.index_add_(0, plan.inverse, id_grad)  # [u, dim] summed per row
+            weights = self.weights[slots]
+            state = self.state[slots]
+            self.optimizer.update(weights, state, grad)
+            self.weights.index_copy_(0, slots, weights)
+            self.state.index_copy_(0, slots, state)
         self.optimizer.step()
-        self.weights.index_copy_(0, slots, weights)
-        self.state.index_copy_(0, slots, state)
         self.scheduler.residency.dirty[slots] = True
         self.release(plan)
 

@@ -145,7 +145,9 @@ class CachedEmbeddingBags(nn.Module):
         The batch must be the oldest enqueued one, if any is enqueued; with an empty window it
         is enqueued and staged now, its misses counted as critical-path misses.
         """
-        routed = self._route(values, offsets)
+        # Ids of an enqueued batch were validated then; the lookup reads the staged plan.
+        enqueued = all(g.engine.scheduler.num_unstaged or g.engine._ahead for g in self._groups)
+        routed = self._route(values, offsets, check=not enqueued)
         batch_size = (offsets.numel() - 1) // len(self.tables)
         train = self.training and torch.is_grad_enabled()
         per_table: list[torch.Tensor | None] = [None] * len(self.tables)
@@ -170,7 +172,9 @@ class CachedEmbeddingBags(nn.Module):
                 per_table[t] = pooled[k]
         return torch.cat(per_table, dim=1)  # type: ignore[arg-type]
 
-    def _route(self, values: torch.Tensor, offsets: torch.Tensor) -> list[_GroupBatch]:
+    def _route(
+        self, values: torch.Tensor, offsets: torch.Tensor, *, check: bool = True
+    ) -> list[_GroupBatch]:
         """Validate a batch and split it into each group's engine rows."""
         num_tables = len(self.tables)
         num_bags = offsets.numel() - 1
@@ -186,7 +190,7 @@ class CachedEmbeddingBags(nn.Module):
         bag = torch.arange(num_bags, device=self.device)
         bag_of_id = torch.repeat_interleave(bag, lengths, output_size=values.numel())
         table_of_id = bag_of_id // max(batch_size, 1)
-        if self.config.check_ids:
+        if check and self.config.check_ids:
             self._check_ids(values, table_of_id)
         routed = []
         for group in self._groups:
@@ -334,8 +338,5 @@ class _CachedPooledLookup(torch.autograd.Function):
         grad = grad_output
         if batch.bag_divisor is not None:
             grad = grad / batch.bag_divisor.unsqueeze(1)
-        per_id = grad.index_select(0, batch.bag_of_id)  # [n, dim]
-        grad_rows = torch.zeros(plan.rows.numel(), engine.dim, device=grad.device)
-        grad_rows.index_add_(0, plan.inverse, per_id)  # [u, dim] summed per row
-        engine.apply_gradients(plan, grad_rows)
+        engine.apply_gradients(plan, grad.index_select(0, batch.bag_of_id))  # [n, dim]
         return None, None, None, None

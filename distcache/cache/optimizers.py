@@ -19,6 +19,10 @@ from distcache.cache.config import CacheConfig
 class RowOptimizer(abc.ABC):
     """A fused optimizer over embedding rows."""
 
+    #: The update is linear in the gradient and stateless, so it may be applied id by id
+    #: (a scatter-add into the cache) without summing the gradient per row first.
+    per_id: bool = False
+
     def __init__(self, config: CacheConfig):
         self.lr = config.learning_rate
         self.eps = config.eps
@@ -46,6 +50,8 @@ class RowOptimizer(abc.ABC):
 
 class SGD(RowOptimizer):
     """w -= lr * g"""
+
+    per_id = True
 
     def state_dim(self, dim: int) -> int:
         return 0

@@ -49,24 +49,27 @@ class LookaheadPolicy(EvictionPolicy):
 
     With a window covering the whole trace and no prefetch depth this is Belady's optimum.
 
-    State per row: `next_use` (seq of the earliest not-yet-staged batch that uses the row, or
-    INF), `last_seen` (the latest enqueued batch using it), `last_pos` (where that occurrence sits
-    in `_next`) and `count` (batches seen using it). `_next` is one flat buffer holding, for
+    Per row, one int64 record (so a batch costs one gather and one scatter over the table):
+    `NEXT_USE` (seq of the earliest not-yet-staged batch that uses the row, or INF), `LAST_POS`
+    (absolute position of its latest occurrence in `_next`; positions grow with seq, so that
+    occurrence belongs to a not-yet-staged batch iff it lies at or after the first such batch's
+    first position) and `COUNT` (batches seen using it). `_next` is one flat buffer holding, for
     every row occurrence in a not-yet-staged batch, the seq of the row's next use after it; a new
     batch fills in its rows' previous occurrences with one scatter, and staging a batch reads its
     slice. Both cost O(unique rows of the batch), whatever the window's length.
     """
 
     reactive = False
+    NEXT_USE, LAST_POS, COUNT = 0, 1, 2
 
     def bind(self, num_rows: int, capacity: int, device: torch.device) -> None:
-        self.next_use = torch.full((num_rows,), _INF, dtype=torch.int32, device=device)
-        self.last_seen = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-        self.last_pos = torch.zeros(num_rows, dtype=torch.int64, device=device)
-        self.count = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        self.rows = torch.empty(num_rows, 3, dtype=torch.int64, device=device)  # [rows, 3]
+        self.rows[:, self.NEXT_USE] = _INF
+        self.rows[:, self.LAST_POS] = -1
+        self.rows[:, self.COUNT] = 0
         self.slot_next_use = torch.full((capacity,), _INF, dtype=torch.int64, device=device)
         self.slot_count = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self._next = torch.empty(0, dtype=torch.int32, device=device)  # [live occurrences]
+        self._next = torch.empty(0, dtype=torch.int64, device=device)  # [live occurrences]
         self._base = 0  # absolute position of _next[0]
         self._end = 0  # absolute position of the next occurrence
         self._start: dict[int, int] = {}  # seq -> absolute position of its first occurrence
@@ -75,21 +78,22 @@ class LookaheadPolicy(EvictionPolicy):
     def on_enqueue(self, seq: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         n = rows.numel()
         self._reserve(n)
-        prev = self.last_seen[rows]  # [u]
+        record = self.rows[rows]  # [u, 3]
+        prev = record[:, self.LAST_POS]  # [u] previous occurrence, or -1
         # Rows with an occurrence in a not-yet-staged batch: that occurrence learns this use.
-        waiting = prev >= self._first_unstaged
-        self._next[self.last_pos[rows[waiting]] - self._base] = seq
+        waiting = prev >= self._start.get(self._first_unstaged, self._end)
+        self._next[prev[waiting] - self._base] = seq
         # Rows with no pending occurrence: this batch is their next use.
-        self.next_use[rows[~waiting]] = seq
-        self.last_seen[rows] = seq
-        self.last_pos[rows] = torch.arange(self._end, self._end + n, device=rows.device)
-        self.count[rows] = (self.count[rows] + 1).clamp_(max=_MAX_COUNT)
+        record[:, self.NEXT_USE].masked_fill_(~waiting, seq)
+        record[:, self.LAST_POS] = torch.arange(self._end, self._end + n, device=rows.device)
+        record[:, self.COUNT].add_(1)
+        self.rows[rows] = record
         lo = self._end - self._base
         self._next[lo : lo + n] = _INF
         self._start[seq] = self._end
         self._end += n
         resident = slots >= 0
-        self._mirror(rows[resident], slots[resident])
+        self._mirror(slots[resident], record[resident])
 
     def on_stage(self, seq: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         if seq != self._first_unstaged:
@@ -97,13 +101,16 @@ class LookaheadPolicy(EvictionPolicy):
                 f"batches must be staged in order: got {seq}, expected {self._first_unstaged}"
             )
         lo = self._start.pop(seq) - self._base
-        self.next_use[rows] = self._next[lo : lo + rows.numel()]
+        next_use = self._next[lo : lo + rows.numel()]
+        self.rows[rows, self.NEXT_USE] = next_use
         self._first_unstaged += 1
-        self._mirror(rows, slots)
+        self.slot_next_use[slots] = next_use
+        # A row loaded by this batch brings its count into its new slot.
+        self.slot_count[slots] = self.rows[rows, self.COUNT]
 
-    def _mirror(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        self.slot_next_use[slots] = self.next_use[rows].long()
-        self.slot_count[slots] = self.count[rows].long()
+    def _mirror(self, slots: torch.Tensor, record: torch.Tensor) -> None:
+        self.slot_next_use[slots] = record[:, self.NEXT_USE]
+        self.slot_count[slots] = record[:, self.COUNT]
 
     def _reserve(self, n: int) -> None:
         """Make room for n more occurrences, dropping those of staged batches."""
@@ -112,7 +119,7 @@ class LookaheadPolicy(EvictionPolicy):
         live = self._start.get(self._first_unstaged, self._end)
         kept = self._next[live - self._base : self._end - self._base]
         grown = torch.empty(
-            max(2 * (kept.numel() + n), 1024), dtype=torch.int32, device=self._next.device
+            max(2 * (kept.numel() + n), 1024), dtype=torch.int64, device=self._next.device
         )
         grown[: kept.numel()] = kept
         self._next, self._base = grown, live
@@ -120,7 +127,7 @@ class LookaheadPolicy(EvictionPolicy):
     def victim_keys(self, residency: Residency, seq: int) -> torch.Tensor:
         next_use = self.slot_next_use
         distance = torch.where(next_use == _INF, _FAR, next_use - seq)
-        return (distance << 32) | (_MAX_COUNT - self.slot_count)
+        return (distance << 32) | (_MAX_COUNT - self.slot_count.clamp(max=_MAX_COUNT))
 
 
 class LRUPolicy(EvictionPolicy):

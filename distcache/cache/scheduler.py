@@ -50,11 +50,14 @@ class StagePlan:
     writeback_slots: torch.Tensor  # [w] int64 their slots (before the loads overwrite them)
     evicted: int  # rows evicted (clean or dirty)
     critical: bool  # staged when the batch was looked up: its loads stall training
+    _id_slots: torch.Tensor | None = None
 
     @property
     def id_slots(self) -> torch.Tensor:
         """`[n]` the slot of every id of the batch, in input order."""
-        return self.slots[self.inverse]
+        if self._id_slots is None:
+            self._id_slots = self.slots[self.inverse]
+        return self._id_slots
 
     @property
     def hits(self) -> int:
@@ -199,7 +202,7 @@ class Scheduler:
         res.dirty[victims] = False
         res.pin[victims] += 1
         self._num_pinned += n_miss
-        slots = res.slot_of[batch.rows]
+        slots = slots.masked_scatter(~hit, victims)  # [u] every row's slot, misses filled in
         self._touch(slots)
         self.policy.on_stage(batch.seq, batch.rows, slots)
 

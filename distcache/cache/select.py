@@ -1,4 +1,4 @@
-"""Exact selection of the n largest keys, faster than `torch.topk` for large n on CPU."""
+"""Exact selection of the n largest keys, faster than `torch.topk` or a sort for large n on CPU."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ _SMALL = 1 << 13
 
 
 def largest(keys: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Indices `[n]` of the `n` largest entries of `keys` `[m]`, largest first.
+    """Indices `[n]` of the `n` largest entries of `keys` `[m]`, in increasing index order.
 
-    Ties are broken by lower index, so the result does not depend on the random sample, which
-    only estimates a threshold that keeps the candidates few: the candidates (keys at or above
-    the threshold) are sorted, not all of `keys`. CPU `topk` costs O(m log n) and is slow for the
-    tens of thousands of victims a large batch needs; this is a few linear passes plus a sort of
-    about 1.25 n keys.
+    Among equal keys at the boundary the lower indices are taken, so the result does not depend
+    on the random sample, which only estimates a threshold that keeps the candidates few (keys at
+    or above it, about 1.25 n of them). The n-th largest candidate is then found with a selection
+    (`kthvalue`), not a sort. CPU `topk` costs O(m log n) and is slow for the tens of thousands
+    of victims a large batch needs; this is a few linear passes.
 
     Args:
         keys: int64 scores, higher is selected first.
@@ -25,14 +25,23 @@ def largest(keys: torch.Tensor, n: int, generator: torch.Generator | None = None
     m = keys.numel()
     if n <= 0:
         return torch.empty(0, dtype=torch.int64, device=keys.device)
-    if m <= _SMALL or 4 * n >= m:
-        return torch.argsort(keys, descending=True, stable=True)[:n]
-    pick = torch.randint(m, (_SAMPLE,), device=keys.device, generator=generator)
-    sample = torch.sort(keys[pick], descending=True).values
-    # Sample rank expected to sit just above the n-th largest key, with a safety margin.
-    rank = min(_SAMPLE - 1, int(_SAMPLE * n / m * 1.25) + 16)
-    candidates = (keys >= sample[rank]).nonzero().squeeze(1)
-    if candidates.numel() < n:  # unlucky sample: fall back to the full sort
-        return torch.argsort(keys, descending=True, stable=True)[:n]
-    order = torch.argsort(keys[candidates], descending=True, stable=True)[:n]
-    return candidates[order]
+    if n >= m:
+        return torch.arange(m, device=keys.device)
+    candidates = None
+    if m > _SMALL and 4 * n < m:
+        pick = torch.randint(m, (_SAMPLE,), device=keys.device, generator=generator)
+        sample = torch.sort(keys[pick], descending=True).values
+        # Sample rank expected to sit just above the n-th largest key, with a safety margin.
+        rank = min(_SAMPLE - 1, int(_SAMPLE * n / m * 1.25) + 16)
+        candidates = (keys >= sample[rank]).nonzero().squeeze(1)  # [c] increasing
+        if candidates.numel() < n:  # unlucky sample: select among all keys
+            candidates = None
+    values = keys if candidates is None else keys[candidates]
+    # The n-th largest value, then everything above it and the first ties equal to it.
+    threshold = torch.kthvalue(values, values.numel() - n + 1).values
+    above = values > threshold
+    ties = (values == threshold).nonzero().squeeze(1)[: n - int(above.sum())]
+    chosen = above
+    chosen[ties] = True
+    picked = chosen.nonzero().squeeze(1)
+    return picked if candidates is None else candidates[picked]

@@ -114,7 +114,7 @@ def simulate(
         engine.prefetch()
         plan = engine.lookup_plan()
         engine.prefetch()  # stage ahead while this batch "trains"
-        engine.apply_gradients(plan, no_grad.new_zeros(plan.rows.numel(), 0))
+        engine.apply_gradients(plan, no_grad.new_zeros(plan.inverse.numel(), 0))
         seen[plan.rows] = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)
