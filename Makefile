@@ -33,8 +33,7 @@ demo: install
 	$(VPY) -m distcache demo
 
 bench: install
-	$(VPY) benchmarks/cache_policies.py --json benchmarks/results/cache_policies.json
-	$(VPY) benchmarks/engine_throughput.py --json benchmarks/results/engine_throughput.json
+	benchmarks/run_all.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

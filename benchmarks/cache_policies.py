@@ -42,10 +42,15 @@ def parse_capacities(text: str, distinct: int) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--trace", default="zipf:rows=1e6,alpha=1.05,batch=16384,batches=200,seed=0")
-    ap.add_argument("--batch", type=int, default=512, help="events per batch for --trace movielens")
+    ap.add_argument("--batch", type=int, default=None, help="events per batch (--trace movielens)")
     ap.add_argument("--capacity", default="0.01,0.02,0.05")
     ap.add_argument("--lookahead", type=int, default=8)
-    ap.add_argument("--prefetch-depth", type=int, default=1)
+    ap.add_argument(
+        "--prefetch-depth",
+        default="1",
+        help="K for 'lookahead'; a list (0,1) runs one look-ahead row per K. K=0 has the same "
+        "capacity semantics as the optimum (only the batch looked up is pinned)",
+    )
     ap.add_argument("--victim-batches", type=int, default=1)
     ap.add_argument("--policies", default="optimal,lookahead,lru,lfu")
     ap.add_argument("--json", default=None, help="write results and config here")
@@ -69,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{distinct:,} distinct of {trace.num_rows:,} rows"
     )
 
+    depths = [int(k) for k in args.prefetch_depth.split(",")]
+    runs = [(p, k) for p in policies for k in (depths if p == "lookahead" else [0])]
     results = []
     for capacity in capacities:
         optimum = None
-        for policy in policies:
-            row = {"policy": policy, "capacity": capacity, "capacity_frac": capacity / distinct}
+        for policy, depth in runs:
+            label = f"{policy} K={depth}" if policy == "lookahead" else policy
+            row = {"policy": label, "capacity": capacity, "capacity_frac": capacity / distinct}
             try:
                 r = simulate(
                     batches,
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     capacity=capacity,
                     policy=policy,
                     lookahead=args.lookahead,
-                    prefetch_depth=args.prefetch_depth,
+                    prefetch_depth=depth,
                     victim_batches=args.victim_batches,
                 )
             except CacheCapacityError as err:
@@ -89,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(row)
                 continue
             row.update(r.as_dict())
+            row["policy"] = label
             if policy == "optimal":
                 optimum = r.loads
             row["x_optimal"] = r.loads / optimum if optimum else None

@@ -132,8 +132,16 @@ class CacheEngine:
         self._active.append(plan)
         return plan
 
-    def apply_gradients(self, plan: StagePlan, id_grad: torch.Tensor) -> None:
-        """Fused optimizer step on the batch's rows from the gradient of each id `[n, dim]`."""
+    def apply_gradients(
+        self, plan: StagePlan, bag_grad: torch.Tensor, bag_of_id: torch.Tensor
+    ) -> None:
+        """Fused optimizer step on the batch's rows.
+
+        Args:
+            plan: the batch's staging plan (its rows are pinned).
+            bag_grad: gradient of each pooled bag `[bags, dim]` (mean scaling applied).
+            bag_of_id: the bag of each id `[n]`.
+        """
         if plan not in self._active:
             raise LookaheadWindowError(
                 f"{self.name}: backward of batch {plan.seq} ran after its rows were released "
@@ -142,11 +150,13 @@ class CacheEngine:
             )
         slots = plan.slots
         if self.optimizer.per_id:
-            # Stateless and linear (SGD): scatter-add each id's step, as a sparse SGD step does.
-            self.weights.index_add_(0, plan.id_slots, id_grad, alpha=-self.optimizer.lr)
+            # Stateless and linear (SGD): scatter-add each id's step -lr * g, as a sparse SGD
+            # step does. Scaling the few bags first is cheaper than index_add_(alpha=...).
+            step = (bag_grad * -self.optimizer.lr).index_select(0, bag_of_id)  # [n, dim]
+            self.weights.index_add_(0, plan.id_slots, step)
         else:
-            grad = torch.zeros(slots.numel(), self.dim, device=id_grad.device)
-            grad.index_add_(0, plan.inverse, id_grad)  # [u, dim] summed per row
+            grad = torch.zeros(slots.numel(), self.dim, device=bag_grad.device)
+            grad.index_add_(0, plan.inverse, bag_grad.index_select(0, bag_of_id))  # [u, dim]
             weights = self.weights[slots]
             state = self.state[slots]
             self.optimizer.update(weights, state, grad)

@@ -12,6 +12,7 @@ module has no parameters for a dense optimizer.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -126,13 +127,24 @@ class CachedEmbeddingBags(nn.Module):
             starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).to(self.device)
             self._groups.append(_Group(engine, members, starts))
         self._anchor = torch.zeros((), requires_grad=True)
+        self._routed: deque[list[_GroupBatch]] = deque()  # enqueued batches, oldest first
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups
     def enqueue(self, values: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Add a future batch to every cache's look-ahead window (ids validated here)."""
-        for group, batch in zip(self._groups, self._route(values, offsets), strict=True):
-            group.engine.enqueue(batch.ids)
+        """Add a future batch to every cache's look-ahead window (ids validated here).
+
+        The batch enters every cache or, if one refuses it, none.
+        """
+        self._enqueue_routed(self._route(values, offsets))
+
+    def _enqueue_routed(self, routed: list[_GroupBatch]) -> None:
+        prepared = [
+            g.engine.scheduler.prepare(b.ids) for g, b in zip(self._groups, routed, strict=True)
+        ]
+        for group, pending in zip(self._groups, prepared, strict=True):
+            group.engine.scheduler.commit(pending)
+        self._routed.append(routed)
 
     def prefetch(self) -> None:
         """Stage enqueued batches' rows, up to `prefetch_depth` batches ahead."""
@@ -145,23 +157,23 @@ class CachedEmbeddingBags(nn.Module):
         The batch must be the oldest enqueued one, if any is enqueued; with an empty window it
         is enqueued and staged now, its misses counted as critical-path misses.
         """
-        # Ids of an enqueued batch were validated then; the lookup reads the staged plan.
-        enqueued = all(g.engine.scheduler.num_unstaged or g.engine._ahead for g in self._groups)
-        routed = self._route(values, offsets, check=not enqueued)
+        if not self._routed:  # nothing enqueued: enqueue now, staged on the critical path
+            self._enqueue_routed(self._route(values, offsets))
+        routed = self._routed[0]  # validated and routed when enqueued
+        bags = sum(b.offsets.numel() - 1 for b in routed)
+        if bags != offsets.numel() - 1 or sum(b.ids.numel() for b in routed) != values.numel():
+            raise ValueError(
+                f"forward got a batch of {values.numel()} ids in {offsets.numel() - 1} bags that "
+                "does not match the oldest enqueued batch: batches must be looked up in the "
+                "order they were enqueued"
+            )
+        self._routed.popleft()
         batch_size = (offsets.numel() - 1) // len(self.tables)
         train = self.training and torch.is_grad_enabled()
         per_table: list[torch.Tensor | None] = [None] * len(self.tables)
         for group, batch in zip(self._groups, routed, strict=True):
             engine = group.engine
-            if engine.scheduler.num_unstaged == 0 and not engine._ahead:
-                engine.enqueue(batch.ids)
             plan = engine.lookup_plan()
-            if plan.inverse.numel() != batch.ids.numel():
-                raise ValueError(
-                    f"{engine.name}: forward got a batch of {batch.ids.numel()} ids but the "
-                    f"oldest enqueued batch has {plan.inverse.numel()}: batches must be looked "
-                    "up in the order they were enqueued"
-                )
             if train:
                 pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch)
             else:
@@ -172,9 +184,7 @@ class CachedEmbeddingBags(nn.Module):
                 per_table[t] = pooled[k]
         return torch.cat(per_table, dim=1)  # type: ignore[arg-type]
 
-    def _route(
-        self, values: torch.Tensor, offsets: torch.Tensor, *, check: bool = True
-    ) -> list[_GroupBatch]:
+    def _route(self, values: torch.Tensor, offsets: torch.Tensor) -> list[_GroupBatch]:
         """Validate a batch and split it into each group's engine rows."""
         num_tables = len(self.tables)
         num_bags = offsets.numel() - 1
@@ -190,7 +200,7 @@ class CachedEmbeddingBags(nn.Module):
         bag = torch.arange(num_bags, device=self.device)
         bag_of_id = torch.repeat_interleave(bag, lengths, output_size=values.numel())
         table_of_id = bag_of_id // max(batch_size, 1)
-        if check and self.config.check_ids:
+        if self.config.check_ids:
             self._check_ids(values, table_of_id)
         routed = []
         for group in self._groups:
@@ -257,7 +267,10 @@ class CachedEmbeddingBags(nn.Module):
             )
         group.engine.flush()
         group.engine.store.weights[lo:hi] = weight.to(torch.float32)
-        group.engine.reset()
+        for other in self._groups:  # the window spans every cache: empty them all
+            other.engine.flush()
+            other.engine.reset()
+        self._routed.clear()
 
     def stats(self) -> dict[str, CacheStats]:
         """Cache counters per engine (tables of one width share an engine)."""
@@ -338,5 +351,5 @@ class _CachedPooledLookup(torch.autograd.Function):
         grad = grad_output
         if batch.bag_divisor is not None:
             grad = grad / batch.bag_divisor.unsqueeze(1)
-        engine.apply_gradients(plan, grad.index_select(0, batch.bag_of_id))  # [n, dim]
+        engine.apply_gradients(plan, grad, batch.bag_of_id)
         return None, None, None, None

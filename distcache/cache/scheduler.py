@@ -141,6 +141,14 @@ class Scheduler:
 
     def enqueue(self, ids: torch.Tensor) -> int:
         """Add the next batch's ids `[n]` (int64 rows, validated) to the window; returns its seq."""
+        return self.commit(self.prepare(ids))
+
+    def prepare(self, ids: torch.Tensor) -> _Pending:
+        """Check that a batch can enter the window, without changing any state.
+
+        Callers enqueueing one batch into several caches prepare them all, then commit them all,
+        so a batch rejected by one cache is enqueued in none.
+        """
         in_window = len(self._unstaged) + len(self._staged)
         if in_window > self.lookahead:
             raise LookaheadWindowError(
@@ -155,16 +163,20 @@ class Scheduler:
                 f"{self.capacity}; all of a batch's rows must be resident when it is looked up. "
                 f"Use a capacity of at least {rows.numel()} rows (more to stage batches ahead)."
             )
-        seq = self._next_seq
+        return _Pending(-1, rows, inverse)
+
+    def commit(self, batch: _Pending) -> int:
+        """Enqueue a prepared batch; returns its seq."""
+        batch.seq = seq = self._next_seq
         self._next_seq += 1
-        slots = self.residency.slot_of[rows]
+        slots = self.residency.slot_of[batch.rows]
         self._touch(slots)
-        self.policy.on_enqueue(seq, rows, slots)
-        self._unstaged.append(_Pending(seq, rows, inverse))
+        self.policy.on_enqueue(seq, batch.rows, slots)
+        self._unstaged.append(batch)
         c = self.counters
         c.batches += 1
-        c.ids += ids.numel()
-        c.unique += rows.numel()
+        c.ids += batch.inverse.numel()
+        c.unique += batch.rows.numel()
         return seq
 
     # ---------------------------------------------------------------- staging

@@ -104,7 +104,7 @@ def simulate(
     )
     device = engine.device
     seen = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    no_grad = torch.zeros(0, 0, device=device)
+    no_grad = torch.zeros(1, 0, device=device)  # one zero-width "bag"
     enqueued = 0
     start = time.perf_counter()
     for t in range(len(batches)):
@@ -114,7 +114,9 @@ def simulate(
         engine.prefetch()
         plan = engine.lookup_plan()
         engine.prefetch()  # stage ahead while this batch "trains"
-        engine.apply_gradients(plan, no_grad.new_zeros(plan.inverse.numel(), 0))
+        engine.apply_gradients(
+            plan, no_grad, no_grad.new_zeros(plan.inverse.numel(), dtype=torch.int64)
+        )
         seen[plan.rows] = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -120,3 +120,25 @@ def test_offsets_must_cover_every_table():
     cached = CachedEmbeddingBags(make_tables([4, 4], [5, 5]), CacheConfig())
     with pytest.raises(ValueError, match=r"offsets has 4 entries; expected T \* B \+ 1 with T=2"):
         cached(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3]))
+
+
+def test_a_batch_refused_by_one_cache_enters_none():
+    tables = [
+        TableSpec(name="wide", num_embeddings=100, embedding_dim=8),
+        TableSpec(name="narrow", num_embeddings=100, embedding_dim=4),
+    ]
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=3))
+    values = torch.tensor([1, 2, 3, 4, 5])  # wide: 1 row; narrow: 4 rows > 3 slots
+    offsets = torch.tensor([0, 1, 5])
+    with pytest.raises(CacheCapacityError, match="narrow: a batch uses 4 distinct rows"):
+        cached.enqueue(values, offsets)
+    assert [e.scheduler.num_unstaged for e in cached.engines] == [0, 0]
+
+
+def test_forward_must_follow_enqueue_order():
+    tables = make_tables([4], [30])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=10))
+    cached.enqueue(torch.tensor([1, 2]), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="does not match the oldest enqueued batch"):
+        cached(torch.tensor([1, 2, 3]), torch.tensor([0, 3]))
+    cached(torch.tensor([1, 2]), torch.tensor([0, 2]))  # the enqueued batch is still next

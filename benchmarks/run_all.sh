@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Re-creates every committed result under benchmarks/results/ (CPU; about 3 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+out=benchmarks/results
+$PY benchmarks/cache_policies.py --trace zipf:rows=1e5,alpha=1.05,batch=256,batches=800 \
+    --capacity 0.02,0.05 --lookahead 8 --prefetch-depth 0,1 --json $out/cache_policies_zipf1e5_a1.05.json
+$PY benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=0.9,batch=8192,batches=200 \
+    --capacity 0.05,0.1 --lookahead 8 --prefetch-depth 0,1 --json $out/cache_policies_zipf1e6_a0.9.json
+$PY benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=1.2,batch=4096,batches=400 \
+    --capacity 0.02,0.05 --lookahead 8 --prefetch-depth 0,1 --json $out/cache_policies_zipf1e6_a1.2.json
+$PY benchmarks/cache_policies.py --trace movielens --batch 32 \
+    --capacity 0.05,0.1,0.2 --lookahead 8 --prefetch-depth 0,1 --json $out/cache_policies_movielens.json
+$PY benchmarks/engine_throughput.py --json $out/engine_throughput.json
