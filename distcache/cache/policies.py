@@ -67,8 +67,10 @@ class LookaheadPolicy(EvictionPolicy):
         self.rows[:, self.NEXT_USE] = _INF
         self.rows[:, self.LAST_POS] = -1
         self.rows[:, self.COUNT] = 0
-        self.slot_next_use = torch.full((capacity,), _INF, dtype=torch.int64, device=device)
-        self.slot_count = torch.zeros(capacity, dtype=torch.int64, device=device)
+        # Per-slot copies of NEXT_USE and COUNT, built when victims are first needed (a cache
+        # that never fills never pays for them).
+        self.slot_next_use: torch.Tensor | None = None
+        self.slot_count: torch.Tensor | None = None
         self._next = torch.empty(0, dtype=torch.int64, device=device)  # [live occurrences]
         self._base = 0  # absolute position of _next[0]
         self._end = 0  # absolute position of the next occurrence
@@ -104,13 +106,15 @@ class LookaheadPolicy(EvictionPolicy):
         next_use = self._next[lo : lo + rows.numel()]
         self.rows[rows, self.NEXT_USE] = next_use
         self._first_unstaged += 1
-        self.slot_next_use[slots] = next_use
-        # A row loaded by this batch brings its count into its new slot.
-        self.slot_count[slots] = self.rows[rows, self.COUNT]
+        if self.slot_next_use is not None:
+            self.slot_next_use[slots] = next_use
+            # A row loaded by this batch brings its count into its new slot.
+            self.slot_count[slots] = self.rows[rows, self.COUNT]
 
     def _mirror(self, slots: torch.Tensor, record: torch.Tensor) -> None:
-        self.slot_next_use[slots] = record[:, self.NEXT_USE]
-        self.slot_count[slots] = record[:, self.COUNT]
+        if self.slot_next_use is not None:
+            self.slot_next_use[slots] = record[:, self.NEXT_USE]
+            self.slot_count[slots] = record[:, self.COUNT]
 
     def _reserve(self, n: int) -> None:
         """Make room for n more occurrences, dropping those of staged batches."""
@@ -125,6 +129,10 @@ class LookaheadPolicy(EvictionPolicy):
         self._next, self._base = grown, live
 
     def victim_keys(self, residency: Residency, seq: int) -> torch.Tensor:
+        if self.slot_next_use is None:
+            record = self.rows[residency.row_of.clamp(min=0)]  # [capacity, 3]
+            self.slot_next_use = record[:, self.NEXT_USE].contiguous()
+            self.slot_count = record[:, self.COUNT].contiguous()
         next_use = self.slot_next_use
         distance = torch.where(next_use == _INF, _FAR, next_use - seq)
         return (distance << 32) | (_MAX_COUNT - self.slot_count.clamp(max=_MAX_COUNT))

@@ -301,6 +301,8 @@ class Scheduler:
 
     def _touch(self, slots: torch.Tensor) -> None:
         """Mark slots whose eviction score may have dropped: pooled victims there are stale."""
+        if self.victim_batches == 1:  # no pool outlives a batch: nothing can go stale
+            return
         self._epoch += 1
         self._stamp[slots[slots >= 0]] = self._epoch
 
