@@ -6,10 +6,13 @@ import torch
 
 
 class HostStore:
-    """Rows and optimizer state of a shard in one row-major host tensor `[rows, dim + state_dim]`.
+    """Rows `[rows, dim]` and optimizer state `[rows, state_dim]` of a shard in host memory.
 
-    Keeping a row's optimizer state next to its weights means one gather moves both, so a row's
-    state travels with it between host and cache (FBGEMM's SSD TBE stores rows the same way).
+    A row and its optimizer state move together (`gather`/`scatter` take both), so the state
+    travels with the row between host and cache. They are two tensors rather than one row-major
+    `[rows, dim + state_dim]` tensor (DESIGN.md's first sketch) so that each table's weights are
+    one contiguous slab: TorchRec exposes a table as a view of such a slab
+    (`TableBatchedEmbeddingSlice`) and checkpoints it as a ShardedTensor without copying.
     A row held in the cache is authoritative there; the store's copy is stale until written back.
 
     Args:
@@ -23,28 +26,28 @@ class HostStore:
         self.num_rows = num_rows
         self.dim = dim
         self.state_dim = state_dim
-        self.data = torch.zeros(num_rows, dim + state_dim, pin_memory=pin_memory)
+        self.weights = torch.zeros(num_rows, dim, pin_memory=pin_memory)  # [rows, dim]
+        self.state = torch.zeros(num_rows, state_dim, pin_memory=pin_memory)  # [rows, state_dim]
         self.rows_read = 0
         self.rows_written = 0
 
     @property
-    def weights(self) -> torch.Tensor:
-        """`[rows, dim]` view of the weights (stale for dirty rows held in the cache)."""
-        return self.data[:, : self.dim]
+    def width(self) -> int:
+        """Columns of a row as it moves: weights then optimizer state."""
+        return self.dim + self.state_dim
 
     @property
-    def state(self) -> torch.Tensor:
-        """`[rows, state_dim]` view of the optimizer state."""
-        return self.data[:, self.dim :]
+    def row_bytes(self) -> int:
+        return self.width * self.weights.element_size()
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows `[n, dim + state_dim]` for host row indices `rows` `[n]` (int64, on CPU)."""
+        """Rows `[n, dim + state_dim]` (weights, then state) for host rows `rows` `[n]` (CPU)."""
         self.rows_read += rows.numel()
-        if out is None:
-            return self.data.index_select(0, rows)
-        return torch.index_select(self.data, 0, rows, out=out)
+        parts = [self.weights.index_select(0, rows), self.state.index_select(0, rows)]
+        return torch.cat(parts, dim=1) if out is None else torch.cat(parts, dim=1, out=out)
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values` `[n, dim + state_dim]` into host rows `rows` `[n]` (distinct)."""
         self.rows_written += rows.numel()
-        self.data.index_copy_(0, rows, values)
+        self.weights.index_copy_(0, rows, values[:, : self.dim])
+        self.state.index_copy_(0, rows, values[:, self.dim :])

@@ -1,8 +1,10 @@
 """`CachedEmbeddingBags`: pooled embedding lookups through look-ahead caches, without TorchRec.
 
-Input layout is FBGEMM's table-batched one: `values` `[n]` holds the ids of every bag, table
-major (all bags of table 0, then table 1, ...), and `offsets` `[T * B + 1]` delimits the bags.
-The output is `[B, sum of dims]`, tables side by side in the order given.
+Input layout is FBGEMM's table-batched one: `values` `[n]` holds the ids of every bag, feature
+major (all bags of feature 0, then feature 1, ...), and `offsets` `[F * B + 1]` delimits the
+bags. Each feature looks up one table (`feature_table_map`, by default feature i -> table i;
+several features may share a table, as in TorchRec). The output is `[B, sum of the features'
+dims]`, features side by side in order.
 
 Tables of the same width share one `CacheEngine` (one cache, rows concatenated); tables of other
 widths get their own. Rows are updated in backward by the configured fused optimizer, so the
@@ -53,11 +55,13 @@ class TableSpec:
 
 @dataclass
 class _Group:
-    """Tables of one width served by one engine."""
+    """Tables of one width served by one engine, and the features that look them up."""
 
     engine: CacheEngine
     tables: list[int]  # indices into the module's tables
     row_offsets: torch.Tensor  # [len(tables)] int64 first engine row of each table
+    features: list[int]  # indices of the features whose table is in this group
+    feature_row_offset: torch.Tensor  # [num features] int64 engine row of the feature's row 0
 
 
 @dataclass
@@ -78,6 +82,7 @@ class CachedEmbeddingBags(nn.Module):
         seed: seed of the default initialization, uniform(-1/sqrt(rows), 1/sqrt(rows)) as in
             TorchRec.
         victim_batches: see `Scheduler` (1: victims chosen exactly for every batch).
+        feature_table_map: the table of each input feature (default: one feature per table).
 
     Example::
 
@@ -99,6 +104,7 @@ class CachedEmbeddingBags(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         victim_batches: int = 1,
+        feature_table_map: list[int] | None = None,
     ):
         super().__init__()
         if not tables:
@@ -110,8 +116,15 @@ class CachedEmbeddingBags(nn.Module):
         self.tables = list(tables)
         self.config = config
         self.device = torch.device(device)
-        self._rows = torch.tensor([t.num_embeddings for t in tables], device=self.device)
-        self._mean = torch.tensor([t.pooling == "mean" for t in tables], device=self.device)
+        fmap = list(range(len(tables))) if feature_table_map is None else list(feature_table_map)
+        if not fmap or any(not 0 <= t < len(tables) for t in fmap):
+            raise DistcacheConfigError(
+                f"feature_table_map={fmap} is invalid: expected a non-empty list of table "
+                f"indices in [0, {len(tables)})"
+            )
+        self.feature_table_map = fmap
+        self._rows = torch.tensor([tables[t].num_embeddings for t in fmap], device=self.device)
+        self._mean = torch.tensor([tables[t].pooling == "mean" for t in fmap], device=self.device)
         self._groups: list[_Group] = []
         for dim in dict.fromkeys(t.embedding_dim for t in tables):
             members = [i for i, t in enumerate(tables) if t.embedding_dim == dim]
@@ -125,7 +138,11 @@ class CachedEmbeddingBags(nn.Module):
                 victim_batches=victim_batches,
             )
             starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).to(self.device)
-            self._groups.append(_Group(engine, members, starts))
+            features = [f for f, t in enumerate(fmap) if t in members]
+            offset = torch.full((len(fmap),), -1, dtype=torch.int64)
+            for f in features:
+                offset[f] = starts[members.index(fmap[f])]
+            self._groups.append(_Group(engine, members, starts, features, offset.to(self.device)))
         self._anchor = torch.zeros((), requires_grad=True)
         self._routed: deque[list[_GroupBatch]] = deque()  # enqueued batches, oldest first
         self._init_weights(seed)
@@ -168,9 +185,9 @@ class CachedEmbeddingBags(nn.Module):
                 "order they were enqueued"
             )
         self._routed.popleft()
-        batch_size = (offsets.numel() - 1) // len(self.tables)
+        batch_size = (offsets.numel() - 1) // len(self.feature_table_map)
         train = self.training and torch.is_grad_enabled()
-        per_table: list[torch.Tensor | None] = [None] * len(self.tables)
+        per_feature: list[torch.Tensor | None] = [None] * len(self.feature_table_map)
         for group, batch in zip(self._groups, routed, strict=True):
             engine = group.engine
             plan = engine.lookup_plan()
@@ -179,47 +196,45 @@ class CachedEmbeddingBags(nn.Module):
             else:
                 pooled = _pool(engine.weights, plan, batch)
                 engine.release(plan)
-            pooled = pooled.view(len(group.tables), batch_size, engine.dim)
-            for k, t in enumerate(group.tables):
-                per_table[t] = pooled[k]
-        return torch.cat(per_table, dim=1)  # type: ignore[arg-type]
+            pooled = pooled.view(len(group.features), batch_size, engine.dim)
+            for k, f in enumerate(group.features):
+                per_feature[f] = pooled[k]
+        return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
 
     def _route(self, values: torch.Tensor, offsets: torch.Tensor) -> list[_GroupBatch]:
         """Validate a batch and split it into each group's engine rows."""
-        num_tables = len(self.tables)
+        num_features = len(self.feature_table_map)
         num_bags = offsets.numel() - 1
-        if num_bags < 0 or num_bags % num_tables:
+        if num_bags < 0 or num_bags % num_features:
             raise ValueError(
-                f"offsets has {offsets.numel()} entries; expected T * B + 1 with T={num_tables} "
-                "tables (table-major bags)"
+                f"offsets has {offsets.numel()} entries; expected F * B + 1 with F={num_features} "
+                "features (feature-major bags)"
             )
         values = values.to(self.device, torch.int64)
         offsets = offsets.to(self.device, torch.int64)
-        batch_size = num_bags // num_tables
-        lengths = offsets.diff()  # [T * B]
+        batch_size = num_bags // num_features
+        lengths = offsets.diff()  # [F * B]
         bag = torch.arange(num_bags, device=self.device)
         bag_of_id = torch.repeat_interleave(bag, lengths, output_size=values.numel())
-        table_of_id = bag_of_id // max(batch_size, 1)
+        feature_of_id = bag_of_id // max(batch_size, 1)
         if self.config.check_ids:
-            self._check_ids(values, table_of_id)
+            self._check_ids(values, feature_of_id)
         routed = []
         for group in self._groups:
-            in_group = torch.zeros(num_tables, dtype=torch.bool, device=self.device)
-            in_group[group.tables] = True
-            if len(self._groups) == 1:
-                g_values, g_lengths, g_table = values, lengths, table_of_id
+            if len(group.features) == num_features:
+                g_values, g_lengths, g_feature = values, lengths, feature_of_id
             else:
-                mask = in_group[table_of_id]
-                g_values, g_table = values[mask], table_of_id[mask]
-                g_lengths = lengths.view(num_tables, batch_size)[group.tables].reshape(-1)
-            local = torch.full((num_tables,), -1, dtype=torch.int64, device=self.device)
-            local[group.tables] = torch.arange(len(group.tables), device=self.device)
-            ids = g_values + group.row_offsets[local[g_table]]
+                in_group = torch.zeros(num_features, dtype=torch.bool, device=self.device)
+                in_group[group.features] = True
+                mask = in_group[feature_of_id]
+                g_values, g_feature = values[mask], feature_of_id[mask]
+                g_lengths = lengths.view(num_features, batch_size)[group.features].reshape(-1)
+            ids = g_values + group.feature_row_offset[g_feature]
             g_offsets = torch.cat([offsets[:1] * 0, g_lengths.cumsum(0)])
             g_bags = torch.arange(g_lengths.numel(), device=self.device)
             g_bag_of_id = torch.repeat_interleave(g_bags, g_lengths, output_size=ids.numel())
             divisor = None
-            mean = self._mean[group.tables]
+            mean = self._mean[group.features]
             if bool(mean.any()):
                 length = g_lengths.clamp(min=1).to(torch.float32)
                 bag_mean = mean.repeat_interleave(batch_size)
@@ -227,16 +242,17 @@ class CachedEmbeddingBags(nn.Module):
             routed.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor))
         return routed
 
-    def _check_ids(self, values: torch.Tensor, table_of_id: torch.Tensor) -> None:
-        bad = (values < 0) | (values >= self._rows[table_of_id])
+    def _check_ids(self, values: torch.Tensor, feature_of_id: torch.Tensor) -> None:
+        bad = (values < 0) | (values >= self._rows[feature_of_id])
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            t = self.tables[int(table_of_id[i])]
+            feature = int(feature_of_id[i])
+            t = self.tables[self.feature_table_map[feature]]
             count = int(bad.sum())
             raise InvalidIdError(
-                f"table {t.name!r}: id {int(values[i])} at position {i} is out of range: ids "
-                f"must be in [0, {t.num_embeddings}) ({count} invalid id(s) in this batch; "
-                "nothing was enqueued or updated)"
+                f"table {t.name!r} (feature {feature}): id {int(values[i])} at position {i} is "
+                f"out of range: ids must be in [0, {t.num_embeddings}) ({count} invalid id(s) "
+                "in this batch; nothing was enqueued or updated)"
             )
 
     # ------------------------------------------------------------ state

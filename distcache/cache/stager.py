@@ -41,7 +41,7 @@ class Stager:
 
     def run(self, plan: StagePlan) -> None:
         """Write back `plan`'s dirty victims, then load its misses."""
-        row_bytes = self.store.data.shape[1] * self.store.data.element_size()
+        row_bytes = self.store.row_bytes
         self.bytes_written += plan.writeback_rows.numel() * row_bytes
         self.bytes_loaded += plan.load_rows.numel() * row_bytes
         if self._cuda:
@@ -88,7 +88,7 @@ class Stager:
                 self.store.scatter(rows, host)
             if plan.load_rows.numel():
                 rows = plan.load_rows.cpu()
-                staged = torch.empty((rows.numel(), self.store.data.shape[1]), pin_memory=True)
+                staged = torch.empty((rows.numel(), self.store.width), pin_memory=True)
                 self.store.gather(rows, out=staged)
                 values = staged.to(self.device, non_blocking=True)
                 # The caching host allocator keeps `staged` until this stream's copy has run.

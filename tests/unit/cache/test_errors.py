@@ -64,7 +64,7 @@ def test_bad_ids_name_table_value_and_range_and_change_nothing(bad, match):
     offsets = torch.tensor([0, 1, 2, 2, 3])  # the bad id is in table t1's second bag
     before = [cached.table_weight(t.name).clone() for t in tables]
     for call in (cached.enqueue, cached):
-        with pytest.raises(InvalidIdError, match=rf"table 't1': {match}.* \[0, 30\)"):
+        with pytest.raises(InvalidIdError, match=rf"table 't1' \(feature 1\): {match}.* \[0, 30\)"):
             call(values, offsets)
     (engine,) = cached.engines
     assert engine.scheduler.num_unstaged == 0 and engine.scheduler.num_staged == 0
@@ -118,7 +118,7 @@ def test_empty_batches_and_empty_bags():
 
 def test_offsets_must_cover_every_table():
     cached = CachedEmbeddingBags(make_tables([4, 4], [5, 5]), CacheConfig())
-    with pytest.raises(ValueError, match=r"offsets has 4 entries; expected T \* B \+ 1 with T=2"):
+    with pytest.raises(ValueError, match=r"offsets has 4 entries; expected F \* B \+ 1 with F=2"):
         cached(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3]))
 
 

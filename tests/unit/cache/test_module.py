@@ -190,3 +190,37 @@ def test_backward_after_next_forward_is_refused():
     cached(*b2)
     with pytest.raises(RuntimeError, match="run backward before the next forward"):
         loss_of(out1).backward()
+
+
+def test_features_sharing_a_table_match_reference():
+    """Two features look up table t0 (TorchRec's shared tables): updates from both accumulate."""
+    tables = make_tables([4, 4], [40, 30])
+    fmap = [0, 1, 0]
+    weights = integer_weights(tables, 9)
+    config = CacheConfig(capacity=15, lookahead=2, prefetch_depth=1, learning_rate=1.0)
+    cached = CachedEmbeddingBags(tables, config, feature_table_map=fmap)
+    for t, w in zip(tables, weights, strict=True):
+        cached.load_table_weight(t.name, w)
+    bags = [
+        torch.nn.EmbeddingBag(40, 4, mode="sum", sparse=True),
+        torch.nn.EmbeddingBag(30, 4, mode="sum", sparse=True),
+    ]
+    for bag, w in zip(bags, weights, strict=True):
+        bag.weight.data.copy_(w)
+    opt = torch.optim.SGD([b.weight for b in bags], lr=1.0)
+    feature_tables = [tables[t] for t in fmap]
+    batches = make_batches(feature_tables, batch_size=3, num_batches=15, max_len=3, seed=10)
+    for values, offsets in batches:
+        out = cached(values, offsets)
+        loss_of(out).backward()
+        ref = []
+        for k, t in enumerate(fmap):
+            lo, hi = int(offsets[k * 3]), int(offsets[(k + 1) * 3])
+            ref.append(bags[t](values[lo:hi], offsets[k * 3 : (k + 1) * 3] - lo))
+        ref_out = torch.cat(ref, 1)
+        opt.zero_grad()
+        loss_of(ref_out).backward()
+        opt.step()
+        assert torch.equal(out.detach(), ref_out.detach())
+    for t, bag in zip(tables, bags, strict=True):
+        assert torch.equal(cached.table_weight(t.name), bag.weight.data)
