@@ -96,6 +96,11 @@ def _describe_exit(code: int | None) -> str:
     return str(code)
 
 
+def _collateral(report: str) -> bool:
+    """Sort key: a peer's gloo "connection closed/reset" error is an effect, list causes first."""
+    return "raised:" in report and "by peer" in report
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -186,7 +191,8 @@ def run_ranks(
             if failures and collect_until is None:
                 collect_until = time.monotonic() + _COLLECT_S
         if failures:
-            raise RankFailed("\n\n".join(failures.values()), sorted(failures), pids)
+            ordered = sorted(failures.values(), key=_collateral)
+            raise RankFailed("\n\n".join(ordered), sorted(failures), pids)
         return [done[r] for r in range(world_size)]
     finally:
         _stop(started, graceful=len(done) == world_size)
