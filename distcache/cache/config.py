@@ -22,8 +22,9 @@ class CacheConfig:
     """
 
     capacity: float | int = 1.0
-    """Cache size. A float in (0, 1] is a fraction of the table's rows (rounded up); an int >= 1 is
-    a number of rows (capped at the table's rows)."""
+    """Cache size per table. A float in (0, 1] is a fraction of the table's rows (rounded up); an
+    int >= 1 is a number of rows (capped at the table's rows). Tables of one width share one
+    cache, as large as their caches together."""
     lookahead: int = 8
     """L: how many future batches' ids the scheduler may see (>= 0)."""
     prefetch_depth: int = 1

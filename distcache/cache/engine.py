@@ -57,6 +57,7 @@ class CacheEngine:
         device: where the cache and its maps live.
         name: the shard, for messages.
         victim_batches: see `Scheduler`.
+        capacity: cache rows (default: `config.capacity_rows(num_rows)`).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class CacheEngine:
         device: torch.device | str = "cpu",
         name: str = "cache",
         victim_batches: int = 1,
+        capacity: int | None = None,
     ):
         device = torch.device(device)
         self.name = name
@@ -77,7 +79,7 @@ class CacheEngine:
         self.optimizer = make_optimizer(config)
         state_dim = self.optimizer.state_dim(dim)
         self.store = HostStore(num_rows, dim, state_dim, pin_memory=device.type == "cuda")
-        capacity = config.capacity_rows(num_rows)
+        capacity = config.capacity_rows(num_rows) if capacity is None else capacity
         self.weights = torch.zeros(capacity, dim, device=device)  # [capacity, dim]
         self.state = torch.zeros(capacity, state_dim, device=device)  # [capacity, state_dim]
         self.scheduler = Scheduler(

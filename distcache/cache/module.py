@@ -23,6 +23,7 @@ from torch import nn
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheEngine, CacheStats
+from distcache.cache.host_store import HostStore
 from distcache.cache.scheduler import StagePlan
 from distcache.errors import DistcacheConfigError, InvalidIdError
 
@@ -136,6 +137,8 @@ class CachedEmbeddingBags(nn.Module):
                 device=self.device,
                 name="+".join(tables[i].name for i in members),
                 victim_batches=victim_batches,
+                # The tables share one cache as large as their own caches together.
+                capacity=sum(config.capacity_rows(n) for n in sizes),
             )
             starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).to(self.device)
             features = [f for f, t in enumerate(fmap) if t in members]
@@ -283,9 +286,18 @@ class CachedEmbeddingBags(nn.Module):
             )
         group.engine.flush()
         group.engine.store.weights[lo:hi] = weight.to(torch.float32)
-        for other in self._groups:  # the window spans every cache: empty them all
-            other.engine.flush()
-            other.engine.reset()
+        self.reset()  # the window spans every cache: empty them all
+
+    def table_slab(self, name: str) -> tuple[HostStore, int, int]:
+        """The host store holding a table and the table's rows [lo, hi) in it (not flushed)."""
+        group, lo, hi = self._locate(name)
+        return group.engine.store, lo, hi
+
+    def reset(self) -> None:
+        """Flush every cache, then empty it and the look-ahead window."""
+        for group in self._groups:
+            group.engine.flush()
+            group.engine.reset()
         self._routed.clear()
 
     def stats(self) -> dict[str, CacheStats]:

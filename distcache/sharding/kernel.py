@@ -1,0 +1,221 @@
+"""`CachedEmbeddingBagKernel`: TorchRec's compute kernel for one group of a rank's table shards.
+
+TorchRec hands the kernel a `KeyedJaggedTensor` whose ids are already routed to this rank and
+made shard-local (row-wise shards see `[0, local_rows)`), one key per feature, bags feature
+major: the layout of `CachedEmbeddingBags`, which does the work. The kernel adds TorchRec's
+contract around it: initialization from the table configs, `prefetch` (a future batch enters
+the look-ahead window and is staged), `flush`/`purge`, ShardedTensor state dicts of the host
+rows, and a `FusedOptimizerModule` whose learning rate schedulers can change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
+from torchrec.distributed.composable.table_batched_embedding_slice import (
+    TableBatchedEmbeddingSlice,
+)
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.types import ShardingType
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from distcache.cache.config import CacheConfig
+from distcache.cache.module import CachedEmbeddingBags, TableSpec
+from distcache.errors import DistcacheConfigError
+from distcache.sharding.plan import CACHE_CONFIG_KEY
+
+# TorchRec's fused optimizer names -> distcache's row optimizers.
+_OPTIMIZERS = {
+    EmbOptimType.SGD: "sgd",
+    EmbOptimType.EXACT_SGD: "sgd",
+    EmbOptimType.EXACT_ADAGRAD: "adagrad",
+    EmbOptimType.ROWWISE_ADAGRAD: "rowwise_adagrad",
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad",
+    EmbOptimType.ADAM: "adam",
+}
+
+
+def cache_config_from_fused_params(fused_params: dict[str, Any] | None) -> CacheConfig:
+    """The kernel's `CacheConfig`: the plan's (or sharder's) config, with the optimizer and its
+    hyper-parameters taken from TorchRec's fused params (`apply_optimizer_in_backward` kwargs or
+    the sharder's `fused_params`) when they are given."""
+    params = dict(fused_params or {})
+    config = params.get(CACHE_CONFIG_KEY) or CacheConfig()
+    updates: dict[str, Any] = {}
+    if "optimizer" in params:
+        kind = params["optimizer"]
+        kind = EmbOptimType(kind) if isinstance(kind, str) else kind
+        if kind not in _OPTIMIZERS:
+            raise DistcacheConfigError(
+                f"fused optimizer {kind} is not supported by distcache's kernel: expected one of "
+                f"{sorted(str(k) for k in _OPTIMIZERS)}"
+            )
+        updates["optimizer"] = _OPTIMIZERS[kind]
+    for ours, theirs in (
+        ("learning_rate", "learning_rate"),
+        ("eps", "eps"),
+        ("beta1", "beta1"),
+        ("beta2", "beta2"),
+    ):
+        if theirs in params:
+            updates[ours] = float(params[theirs])
+    return dataclasses.replace(config, **updates)
+
+
+class _CacheOptimizer(FusedOptimizer):
+    """The kernel's optimizer as TorchRec sees it.
+
+    Updates happen in backward, so `step` is a no-op. The learning rate in `param_groups` is
+    read at every forward, so schedulers work. The state is the host store's optimizer state
+    (views of it): flushed before it is read, and the caches are emptied before it is loaded.
+    """
+
+    def __init__(
+        self,
+        kernel: CachedEmbeddingBagKernel,
+        params: dict[str, torch.Tensor],
+        states: list[torch.Tensor],
+    ):
+        lr = kernel.cache_config.learning_rate
+        state = {
+            param: {"momentum1": s}
+            for param, s in zip(params.values(), states, strict=True)
+            if s.shape[1]
+        }
+        super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
+        self._kernel = kernel
+
+    def state_dict(self) -> dict[str, Any]:
+        self._kernel.flush()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self._kernel.purge()
+        super().load_state_dict(state_dict)
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+
+class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
+    """One group of table shards on one rank, in host memory behind a look-ahead cache.
+
+    Args:
+        config: TorchRec's grouped config (the shards, their features, pooling, fused params).
+        pg: the sharding's process group.
+        device: where the cache and lookups live.
+        sharding_type: the sharding type of the group.
+    """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        sharding_type: ShardingType | None = None,
+    ):
+        super().__init__(config, pg, device, sharding_type)
+        names = [t.name for t in config.embedding_tables]
+        if len(set(names)) != len(names):
+            raise NotImplementedError(
+                f"distcache's kernel got several shards of one table on one rank ({names}); "
+                "plan column-wise shards so that each rank holds at most one shard per table"
+            )
+        self.cache_config = cache_config_from_fused_params(config.fused_params)
+        # TorchRec pools row-wise shards by sum and divides after the reduce-scatter.
+        mean = self._pooling == PoolingMode.MEAN
+        tables = [
+            TableSpec(
+                name=t.name,
+                num_embeddings=t.local_rows,
+                embedding_dim=t.local_cols,
+                pooling="mean" if mean else "sum",
+            )
+            for t in config.embedding_tables
+        ]
+        self.bags = CachedEmbeddingBags(
+            tables,
+            self.cache_config,
+            device=device or torch.device("cpu"),
+            feature_table_map=self._feature_table_map,
+        )
+        self.init_parameters()
+        self._param_per_table = {}
+        states = []
+        for spec in tables:
+            store, lo, hi = self.bags.table_slab(spec.name)
+            param = TableBatchedEmbeddingSlice(
+                store.weights.view(-1), lo * store.dim, hi * store.dim, hi - lo, store.dim
+            )
+            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward
+            self._param_per_table[spec.name] = param
+            states.append(store.state[lo:hi])
+        self._optim = _CacheOptimizer(
+            self, {f"{name}.weight": p for name, p in self._param_per_table.items()}, states
+        )
+
+    @property
+    def emb_module(self) -> CachedEmbeddingBags:  # type: ignore[override]
+        return self.bags
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optim
+
+    def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if features.weights_or_none() is not None:
+            raise NotImplementedError("distcache's kernel does not support weighted features yet")
+        lr = float(self._optim.param_groups[0]["lr"])
+        for engine in self.bags.engines:
+            engine.optimizer.lr = lr
+        return self.bags(features.values(), features.offsets())
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """A future batch's routed ids enter the look-ahead window; stage rows K batches ahead."""
+        self.bags.enqueue(features.values(), features.offsets())
+        self.bags.prefetch()
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        """Each shard's up-to-date host rows `[local_rows, local_cols]` (flushed first)."""
+        return [self.bags.table_weight(t.name) for t in self._config.embedding_tables]
+
+    def split_optimizer_states(self) -> list[torch.Tensor]:
+        return [self.bags.table_state(t.name) for t in self._config.embedding_tables]
+
+    def named_split_embedding_weights(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for table, weight in zip(
+            self._config.embedding_tables, self.split_embedding_weights(), strict=True
+        ):
+            yield f"{prefix}{table.name}.weight", weight
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        # As TorchRec's fused kernels: the rows are updated in backward, not by a dense optimizer.
+        for name, param in self._param_per_table.items():
+            yield f"{prefix}{name}.weight", param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ()
+
+    def flush(self) -> None:
+        self.bags.flush()
+
+    def purge(self) -> None:
+        """Empty the caches (after flushing: no update is dropped)."""
+        self.bags.reset()

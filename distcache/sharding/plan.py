@@ -1,0 +1,47 @@
+"""Per-table cache settings carried by the sharding plan.
+
+A `CachedParameterSharding` is TorchRec's `ParameterSharding` plus the table's `CacheConfig`.
+TorchRec merges `get_additional_fused_params()` of a customized-kernel table into the fused
+params its kernel is built from, so the settings reach the kernel through the plan, and a saved
+plan reproduces them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ParameterSharding
+
+from distcache.cache.config import CacheConfig
+
+#: Key of the table's `CacheConfig` in a customized kernel's fused params.
+CACHE_CONFIG_KEY = "distcache_cache_config"
+#: TorchRec's compute kernel for out-of-tree kernels, which distcache's tables use.
+CACHED_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+
+
+@dataclass
+class CachedParameterSharding(ParameterSharding):
+    """A `ParameterSharding` whose table lives in host memory behind a distcache cache."""
+
+    cache_config: CacheConfig | None = None
+
+    def get_additional_fused_params(self) -> dict[str, Any]:
+        return {} if self.cache_config is None else {CACHE_CONFIG_KEY: self.cache_config}
+
+
+def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> ParameterSharding:
+    """The same placement with `config` attached, for tables using distcache's kernel.
+
+    Other tables (data parallel, TorchRec's kernels) are returned unchanged; a table that already
+    carries a config keeps it, so a saved plan wins over the sharder's defaults.
+    """
+    if sharding.compute_kernel != CACHED_KERNEL:
+        return sharding
+    if isinstance(sharding, CachedParameterSharding) and sharding.cache_config is not None:
+        return sharding
+    fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
+    return CachedParameterSharding(**fields, cache_config=config)

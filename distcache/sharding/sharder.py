@@ -1,0 +1,100 @@
+"""`CachedEmbeddingBagCollectionSharder`: pass it to `DistributedModelParallel` to cache tables.
+
+Example::
+
+    sharders = [CachedEmbeddingBagCollectionSharder(CacheConfig(capacity=0.02))]
+    plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, sharders, pg)
+    model = DistributedModelParallel(model, plan=plan, sharders=sharders, env=env)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from distcache.cache.config import CacheConfig
+from distcache.errors import DistcacheConfigError
+from distcache.sharding.plan import CACHED_KERNEL, with_cache_config
+from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection
+
+# Row-wise sharding works on CPU with gloo; TorchRec offers it only on CUDA.
+_CPU_EXTRA = [ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value]
+
+
+class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards `EmbeddingBagCollection`s with tables in host memory behind look-ahead caches.
+
+    Offers TorchRec's `customized_kernel` for table-, row-, column-, table-row- and
+    table-column-wise sharding, on CPU as on CUDA; data-parallel tables stay TorchRec's dense
+    ones. Each cached table's `CacheConfig` travels in the plan (`CachedParameterSharding`).
+
+    Args:
+        cache_config: the default for every cached table.
+        table_configs: per-table overrides `{table_name: CacheConfig}`.
+        fused_params: TorchRec fused params (e.g. `optimizer`, `learning_rate`); parameters'
+            `apply_optimizer_in_backward` settings take precedence, as in TorchRec.
+    """
+
+    def __init__(
+        self,
+        cache_config: CacheConfig | None = None,
+        table_configs: dict[str, CacheConfig] | None = None,
+        fused_params: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(fused_params=fused_params, **kwargs)
+        self.cache_config = cache_config or CacheConfig()
+        self.table_configs = dict(table_configs or {})
+        for name, config in self.table_configs.items():
+            if not isinstance(config, CacheConfig):
+                raise DistcacheConfigError(
+                    f"table_configs[{name!r}] is a {type(config).__name__}: expected CacheConfig"
+                )
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        if compute_device_type == "cpu":
+            types += [t for t in _CPU_EXTRA if t not in types]
+        return types
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return super().compute_kernels(sharding_type, compute_device_type)
+        return [CACHED_KERNEL]
+
+    def config_for(self, table_name: str) -> CacheConfig:
+        return self.table_configs.get(table_name, self.cache_config)
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedCachedEmbeddingBagCollection:
+        unknown = sorted(set(self.table_configs) - set(params))
+        if unknown:
+            raise DistcacheConfigError(
+                f"table_configs name tables {unknown} that this module does not shard; its "
+                f"tables are {sorted(params)}"
+            )
+        params = {name: with_cache_config(p, self.config_for(name)) for name, p in params.items()}
+        return ShardedCachedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    @property
+    def module_type(self) -> type[nn.Module]:
+        return EmbeddingBagCollection

@@ -1,0 +1,221 @@
+"""Shared pieces of the distributed tests: a small EBC, its batches, plans and comparisons."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from distcache import CacheConfig
+from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
+
+# (name, rows, dim, features): tables of different sizes and widths; t3 serves two features.
+TABLES = [
+    ("t0", 40, 8, ["f0"]),
+    ("t1", 64, 8, ["f1"]),
+    ("t2", 30, 4, ["f2"]),
+    ("t3", 50, 16, ["f3", "f4"]),
+]
+FEATURES = [f for *_, fs in TABLES for f in fs]
+
+
+def make_ebc(pooling: str = "sum") -> EmbeddingBagCollection:
+    from torchrec.modules.embedding_configs import PoolingType
+
+    kind = PoolingType.SUM if pooling == "sum" else PoolingType.MEAN
+    configs = [
+        EmbeddingBagConfig(
+            name=n, num_embeddings=r, embedding_dim=d, feature_names=fs, pooling=kind
+        )
+        for n, r, d, fs in TABLES
+    ]
+    return EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+
+
+def integer_init(ebc: EmbeddingBagCollection, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(ebc.named_parameters()):
+            param.copy_(torch.randint(-8, 8, param.shape, generator=gen).float())
+
+
+def global_batches(num: int, batch_per_rank: int, world: int, seed: int) -> list[KeyedJaggedTensor]:
+    """Global batches (world * batch_per_rank samples) of power-law ids, some bags empty."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = {f: r for _, r, _, fs in TABLES for f in fs}
+    out = []
+    for _ in range(num):
+        b = world * batch_per_rank
+        lengths = torch.randint(0, 4, (len(FEATURES) * b,), generator=gen)
+        values = []
+        for k, f in enumerate(FEATURES):
+            n = int(lengths[k * b : (k + 1) * b].sum())
+            u = torch.rand(n, generator=gen)
+            values.append(((rows[f] ** u).long() - 1).clamp(0, rows[f] - 1))
+        out.append(
+            KeyedJaggedTensor.from_lengths_sync(
+                keys=FEATURES, values=torch.cat(values), lengths=lengths
+            )
+        )
+    return out
+
+
+def local_slice(kjt: KeyedJaggedTensor, rank: int, world: int) -> KeyedJaggedTensor:
+    """Rank `rank`'s samples of a global batch."""
+    b = kjt.stride() // world
+    lengths = kjt.lengths().view(len(FEATURES), -1)
+    values = kjt.values().split(lengths.sum(1).tolist())
+    per_feature_len, per_feature_val = [], []
+    for k in range(len(FEATURES)):
+        lens = lengths[k]
+        start = int(lens[: rank * b].sum())
+        stop = start + int(lens[rank * b : (rank + 1) * b].sum())
+        per_feature_len.append(lens[rank * b : (rank + 1) * b])
+        per_feature_val.append(values[k][start:stop])
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=FEATURES, values=torch.cat(per_feature_val), lengths=torch.cat(per_feature_len)
+    )
+
+
+def plan_for(kind: str, world: int) -> dict:
+    """One sharding type for every table, with distcache's kernel."""
+    ranks = list(range(world))
+    per_table = {
+        "table_wise": lambda i: table_wise(rank=i % world, compute_kernel=CACHED_KERNEL),
+        "row_wise": lambda i: row_wise(compute_kernel=CACHED_KERNEL),
+        "column_wise": lambda i: column_wise(ranks=ranks, compute_kernel=CACHED_KERNEL),
+        "table_row_wise": lambda i: table_row_wise(host_index=0),
+        "mixed": lambda i: [
+            table_wise(rank=1 % world, compute_kernel=CACHED_KERNEL),
+            row_wise(compute_kernel=CACHED_KERNEL),
+            column_wise(ranks=ranks, compute_kernel=CACHED_KERNEL),
+            table_wise(rank=0, compute_kernel=CACHED_KERNEL),
+        ][i],
+    }[kind]
+    return {name: per_table(i) for i, (name, *_) in enumerate(TABLES)}
+
+
+def shard(
+    ebc: EmbeddingBagCollection,
+    kind: str,
+    config: CacheConfig,
+    table_configs: dict[str, CacheConfig] | None = None,
+) -> DistributedModelParallel:
+    world = dist.get_world_size()
+    sharder = CachedEmbeddingBagCollectionSharder(config, table_configs)
+    module_plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding=plan_for(kind, world),
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+        sharder=sharder,
+    )
+    for sharding in module_plan.values():  # table_row_wise() takes no compute kernel
+        sharding.compute_kernel = CACHED_KERNEL
+    return DistributedModelParallel(
+        ebc,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"": module_plan}),
+        sharders=[sharder],
+        init_data_parallel=False,
+    )
+
+
+def copy_global_into(model: torch.nn.Module, global_state: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict into a sharded model's local shards."""
+    for key, value in model.state_dict().items():
+        source = global_state[key.removeprefix("module.")]
+        for shard in value.local_shards():
+            rows, cols = shard.metadata.shard_offsets
+            n, d = shard.metadata.shard_sizes
+            shard.tensor.copy_(source[rows : rows + n, cols : cols + d])
+
+
+def compare_with_global(
+    model: torch.nn.Module, global_state: dict[str, torch.Tensor], exact: bool
+) -> None:
+    for key, value in model.state_dict().items():
+        source = global_state[key.removeprefix("module.")]
+        for shard in value.local_shards():
+            rows, cols = shard.metadata.shard_offsets
+            n, d = shard.metadata.shard_sizes
+            expected = source[rows : rows + n, cols : cols + d]
+            if exact:
+                assert torch.equal(shard.tensor, expected), key
+            else:
+                torch.testing.assert_close(shard.tensor, expected, msg=key)
+
+
+def loss_of(kt) -> torch.Tensor:
+    """An integer-gradient loss over the features in a fixed order (a sharded KeyedTensor orders
+    its keys by shard placement, so `.values()` columns differ from the unsharded module's)."""
+    per_key = kt.to_dict()
+    values = torch.cat([per_key[f] for f in FEATURES], dim=1)
+    weights = torch.arange(values.shape[1], dtype=values.dtype) % 3 - 1
+    return (values * weights).sum()
+
+
+def train_and_compare(
+    rank: int,
+    world: int,
+    kind: str,
+    *,
+    optimizer: str = "sgd",
+    capacity: float | int = 14,
+    steps: int = 12,
+    pooling: str = "sum",
+) -> dict:
+    """Train sharded+cached and unsharded side by side on the same batches; compare."""
+    torch.manual_seed(0)
+    exact = optimizer == "sgd" and pooling == "sum"
+    opt_cls, kwargs = {
+        "sgd": (torch.optim.SGD, {"lr": 1.0}),
+        "rowwise_adagrad": (None, {}),
+    }[optimizer]
+    reference = make_ebc(pooling)
+    integer_init(reference)
+    sharded_src = make_ebc(pooling)
+    sharded_src.load_state_dict(reference.state_dict())
+    config = CacheConfig(
+        capacity=capacity, lookahead=2, prefetch_depth=1, learning_rate=1.0, optimizer=optimizer
+    )
+    if opt_cls is not None:
+        apply_optimizer_in_backward(opt_cls, sharded_src.embedding_bags.parameters(), kwargs)
+        ref_opt = opt_cls(reference.parameters(), **kwargs)
+    # t3 serves two features: a per-table override gives it a larger cache (its own group).
+    big = dataclasses.replace(config, capacity=2 * capacity if isinstance(capacity, int) else 1.0)
+    model = shard(sharded_src, kind, config, {"t3": big})
+    copy_global_into(model, reference.state_dict())
+    batches = global_batches(steps, 3, world, seed=1)  # 3 samples per rank
+    for step, batch in enumerate(batches):
+        out = model(local_slice(batch, rank, world))
+        loss_of(out).backward()
+        ref_out = reference(batch)
+        # TorchRec's fused update follows the gradient of the mean of the ranks' losses.
+        ref_opt.zero_grad()
+        (loss_of(ref_out) / world).backward()
+        ref_opt.step()
+        mine, theirs = out.to_dict(), ref_out.to_dict()
+        b = batch.stride() // world
+        for key in FEATURES:
+            expected = theirs[key][rank * b : (rank + 1) * b].detach()
+            if exact:
+                assert torch.equal(mine[key].detach(), expected), (step, key)
+            else:
+                torch.testing.assert_close(mine[key].detach(), expected)
+    compare_with_global(model, reference.state_dict(), exact)
+    return {name: s.as_dict() for name, s in cache_stats(model).items()}
