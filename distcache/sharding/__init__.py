@@ -2,7 +2,13 @@
 
 from distcache.sharding.kernel import CachedEmbeddingBagKernel
 from distcache.sharding.lookup import CachedGroupedLookup
-from distcache.sharding.plan import CACHED_KERNEL, CachedParameterSharding, with_cache_config
+from distcache.sharding.plan import (
+    CACHED_KERNEL,
+    CachedParameterSharding,
+    attach_cache_configs,
+    with_cache_config,
+)
+from distcache.sharding.planning import CachedKernelPerfConfig, cached_estimators
 from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection, cache_stats
 from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
 
@@ -11,8 +17,11 @@ __all__ = [
     "CachedEmbeddingBagCollectionSharder",
     "CachedEmbeddingBagKernel",
     "CachedGroupedLookup",
+    "CachedKernelPerfConfig",
     "CachedParameterSharding",
     "ShardedCachedEmbeddingBagCollection",
+    "attach_cache_configs",
     "cache_stats",
+    "cached_estimators",
     "with_cache_config",
 ]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.types import ParameterSharding
+from torchrec.distributed.types import ParameterSharding, ShardingPlan
 
 from distcache.cache.config import CacheConfig
 
@@ -45,3 +45,19 @@ def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> Param
         return sharding
     fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
     return CachedParameterSharding(**fields, cache_config=config)
+
+
+def attach_cache_configs(plan: ShardingPlan, sharder: Any) -> ShardingPlan:
+    """A copy of `plan` whose distcache tables carry their `CacheConfig`, taken from `sharder`
+    (`CachedEmbeddingBagCollectionSharder.config_for`), so that saving the plan saves them."""
+    return ShardingPlan(
+        {
+            path: type(module_plan)(
+                {
+                    name: with_cache_config(p, sharder.config_for(name))
+                    for name, p in module_plan.items()
+                }
+            )
+            for path, module_plan in plan.plan.items()
+        }
+    )

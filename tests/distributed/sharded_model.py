@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -19,7 +21,13 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from distcache import CacheConfig
-from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
+from distcache.sharding import (
+    CACHED_KERNEL,
+    CachedEmbeddingBagCollectionSharder,
+    attach_cache_configs,
+    cache_stats,
+    cached_estimators,
+)
 
 # (name, rows, dim, features): tables of different sizes and widths; t3 serves two features.
 TABLES = [
@@ -115,6 +123,19 @@ def shard(
 ) -> DistributedModelParallel:
     world = dist.get_world_size()
     sharder = CachedEmbeddingBagCollectionSharder(config, table_configs)
+    if kind == "planner":  # TorchRec's planner chooses, on this CPU topology
+        topology = Topology(world_size=world, compute_device="cpu")
+        enumerator = EmbeddingEnumerator(topology, 8, estimator=cached_estimators(topology))
+        planner = EmbeddingShardingPlanner(topology=topology, enumerator=enumerator)
+        plan = planner.collective_plan(ebc, [sharder], dist.group.WORLD)
+        return DistributedModelParallel(
+            ebc,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"),
+            plan=attach_cache_configs(plan, sharder),
+            sharders=[sharder],
+            init_data_parallel=False,
+        )
     module_plan = construct_module_sharding_plan(
         ebc,
         per_param_sharding=plan_for(kind, world),

@@ -1,0 +1,83 @@
+"""The sharder and planner integration, in one process (no process group needed)."""
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+
+from distcache import CacheConfig, DistcacheConfigError
+from distcache.sharding import (
+    CACHED_KERNEL,
+    CachedEmbeddingBagCollectionSharder,
+    CachedParameterSharding,
+    attach_cache_configs,
+    cached_estimators,
+)
+from distcache.sharding.kernel import cache_config_from_fused_params
+from distcache.sharding.plan import CACHE_CONFIG_KEY
+
+
+def _ebc():
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=1000 * (i + 1), embedding_dim=16, feature_names=[f"f{i}"]
+        )
+        for i in range(4)
+    ]
+    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+
+def test_offers_cached_kernel_and_row_wise_on_cpu():
+    sharder = CachedEmbeddingBagCollectionSharder()
+    assert "row_wise" in sharder.sharding_types("cpu")
+    assert "table_row_wise" in sharder.sharding_types("cpu")
+    for kind in ("table_wise", "row_wise", "column_wise", "table_row_wise"):
+        assert sharder.compute_kernels(kind, "cpu") == [CACHED_KERNEL]
+    assert CACHED_KERNEL not in sharder.compute_kernels("data_parallel", "cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torchrec_planner_chooses_the_cached_kernel(device):
+    topology = Topology(world_size=2, compute_device=device)
+    enumerator = EmbeddingEnumerator(topology, 512, estimator=cached_estimators(topology))
+    sharder = CachedEmbeddingBagCollectionSharder(
+        CacheConfig(capacity=0.05), {"t2": CacheConfig(capacity=0.5)}
+    )
+    plan = EmbeddingShardingPlanner(topology=topology, enumerator=enumerator).plan(
+        _ebc(), [sharder]
+    )
+    module_plan = plan.plan[""]
+    assert {p.compute_kernel for p in module_plan.values()} == {CACHED_KERNEL}
+    attached = attach_cache_configs(plan, sharder).plan[""]
+    assert all(isinstance(p, CachedParameterSharding) for p in attached.values())
+    assert attached["t2"].cache_config.capacity == 0.5
+    assert attached["t0"].get_additional_fused_params() == {
+        CACHE_CONFIG_KEY: CacheConfig(capacity=0.05)
+    }
+
+
+def test_fused_params_set_the_optimizer_the_torchrec_way():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    config = cache_config_from_fused_params(
+        {
+            CACHE_CONFIG_KEY: CacheConfig(capacity=0.1),
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": 0.05,
+            "eps": 1e-6,
+        }
+    )
+    assert (config.capacity, config.optimizer, config.learning_rate, config.eps) == (
+        0.1,
+        "rowwise_adagrad",
+        0.05,
+        1e-6,
+    )
+    with pytest.raises(DistcacheConfigError, match="lamb is not supported"):
+        cache_config_from_fused_params({"optimizer": EmbOptimType.LAMB})
+
+
+def test_table_configs_must_name_real_tables():
+    with pytest.raises(DistcacheConfigError, match="expected CacheConfig"):
+        CachedEmbeddingBagCollectionSharder(table_configs={"t0": {"capacity": 3}})
