@@ -24,8 +24,9 @@ from torch import nn
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheEngine, CacheStats
 from distcache.cache.host_store import HostStore
+from distcache.cache.ids import check_ids
 from distcache.cache.scheduler import StagePlan
-from distcache.errors import DistcacheConfigError, InvalidIdError
+from distcache.errors import DistcacheConfigError
 
 POOLINGS = ("sum", "mean")
 
@@ -246,17 +247,12 @@ class CachedEmbeddingBags(nn.Module):
         return routed
 
     def _check_ids(self, values: torch.Tensor, feature_of_id: torch.Tensor) -> None:
-        bad = (values < 0) | (values >= self._rows[feature_of_id])
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            feature = int(feature_of_id[i])
-            t = self.tables[self.feature_table_map[feature]]
-            count = int(bad.sum())
-            raise InvalidIdError(
-                f"table {t.name!r} (feature {feature}): id {int(values[i])} at position {i} is "
-                f"out of range: ids must be in [0, {t.num_embeddings}) ({count} invalid id(s) "
-                "in this batch; nothing was enqueued or updated)"
+        def describe(feature: int) -> str:
+            return (
+                f"table {self.tables[self.feature_table_map[feature]].name!r} (feature {feature})"
             )
+
+        check_ids(values, feature_of_id, self._rows, describe)
 
     # ------------------------------------------------------------ state
     def flush(self) -> None:

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import copy
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.cache.engine import CacheStats
+from distcache.cache.ids import check_ids
 from distcache.sharding.kernel import CachedEmbeddingBagKernel
 from distcache.sharding.lookup import CachedGroupedLookup
 from distcache.sharding.plan import CACHED_KERNEL
@@ -28,7 +32,41 @@ _SHARDING_TYPE = {
 
 
 class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """A sharded `EmbeddingBagCollection` whose `customized_kernel` tables are cached."""
+    """A sharded `EmbeddingBagCollection` whose `customized_kernel` tables are cached.
+
+    Ids are validated in `input_dist`, on the rank whose batch holds them and before they are
+    routed: an out-of-range or negative id raises `InvalidIdError` there (TorchRec's default
+    bounds check would map it to row 0 with a warning).
+    """
+
+    check_ids: bool = True
+
+    def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
+        if self.check_ids and isinstance(features, KeyedJaggedTensor):
+            self._check_feature_ids(features)
+        return super().input_dist(ctx, features)
+
+    def _check_feature_ids(self, features: KeyedJaggedTensor) -> None:
+        if not hasattr(self, "_rows_of_feature"):
+            self._rows_of_feature = {
+                f: (c.name, c.num_embeddings)
+                for c in self._embedding_bag_configs
+                for f in c.feature_names
+            }
+        keys = features.keys()
+        known = [self._rows_of_feature.get(k, (None, torch.iinfo(torch.int64).max)) for k in keys]
+        rows = torch.tensor([r for _, r in known], device=features.values().device)
+        per_key = torch.tensor(features.length_per_key(), device=rows.device)
+        feature_of_id = torch.repeat_interleave(
+            torch.arange(len(keys), device=rows.device),
+            per_key,
+            output_size=features.values().numel(),
+        )
+
+        def describe(k: int) -> str:
+            return f"table {known[k][0]!r} (feature {keys[k]!r}, rank {dist.get_rank()})"
+
+        check_ids(features.values(), feature_of_id, rows, describe)
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:

@@ -85,7 +85,7 @@ class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 f"tables are {sorted(params)}"
             )
         params = {name: with_cache_config(p, self.config_for(name)) for name, p in params.items()}
-        return ShardedCachedEmbeddingBagCollection(
+        sharded = ShardedCachedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
             env=env,
@@ -94,6 +94,8 @@ class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
+        sharded.check_ids = self.cache_config.check_ids
+        return sharded
 
     @property
     def module_type(self) -> type[nn.Module]:

@@ -19,6 +19,7 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from distcache import CacheConfig
 from distcache.sharding import (
@@ -202,21 +203,21 @@ def train_and_compare(
 ) -> dict:
     """Train sharded+cached and unsharded side by side on the same batches; compare."""
     torch.manual_seed(0)
-    exact = optimizer == "sgd" and pooling == "sum"
+    # Bitwise where fp32 is exact: SGD on integers, sum pooling, and a world size whose 1/world
+    # gradient scaling (TorchRec's mean over ranks) is a power of two.
+    exact = optimizer == "sgd" and pooling == "sum" and world in (1, 2, 4)
     opt_cls, kwargs = {
         "sgd": (torch.optim.SGD, {"lr": 1.0}),
-        "rowwise_adagrad": (None, {}),
+        "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-6}),
     }[optimizer]
     reference = make_ebc(pooling)
     integer_init(reference)
     sharded_src = make_ebc(pooling)
     sharded_src.load_state_dict(reference.state_dict())
-    config = CacheConfig(
-        capacity=capacity, lookahead=2, prefetch_depth=1, learning_rate=1.0, optimizer=optimizer
-    )
-    if opt_cls is not None:
-        apply_optimizer_in_backward(opt_cls, sharded_src.embedding_bags.parameters(), kwargs)
-        ref_opt = opt_cls(reference.parameters(), **kwargs)
+    config = CacheConfig(capacity=capacity, lookahead=2, prefetch_depth=1)
+    # The optimizer is configured the TorchRec way; the kernel's CacheConfig takes it from there.
+    apply_optimizer_in_backward(opt_cls, sharded_src.embedding_bags.parameters(), kwargs)
+    ref_opt = opt_cls(reference.parameters(), **kwargs)
     # t3 serves two features: a per-table override gives it a larger cache (its own group).
     big = dataclasses.replace(config, capacity=2 * capacity if isinstance(capacity, int) else 1.0)
     model = shard(sharded_src, kind, config, {"t3": big})
@@ -240,3 +241,18 @@ def train_and_compare(
                 torch.testing.assert_close(mine[key].detach(), expected)
     compare_with_global(model, reference.state_dict(), exact)
     return {name: s.as_dict() for name, s in cache_stats(model).items()}
+
+
+def train_with_bad_id(rank: int, world: int, bad_id: int, kind: str = "row_wise") -> None:
+    """Rank 1's third batch holds `bad_id` for feature f1 (table t1, 64 rows)."""
+    ebc = make_ebc()
+    apply_optimizer_in_backward(torch.optim.SGD, ebc.embedding_bags.parameters(), {"lr": 0.1})
+    model = shard(ebc, kind, CacheConfig(capacity=0.5))
+    for step, batch in enumerate(global_batches(4, 2, world, seed=3)):
+        local = local_slice(batch, rank, world)
+        if rank == 1 and step == 2:
+            values = local.values().clone()
+            start = local.length_per_key()[0]
+            values[start] = bad_id  # the first id of feature f1
+            local = KeyedJaggedTensor.from_lengths_sync(FEATURES, values, local.lengths())
+        loss_of(model(local)).backward()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.distributed.harness import run_ranks
-from tests.distributed.sharded_model import train_and_compare
+from tests.distributed.harness import RankFailed, run_ranks
+from tests.distributed.sharded_model import train_and_compare, train_with_bad_id
 
 
 @pytest.mark.timeout(180)
@@ -14,3 +14,32 @@ def test_sharded_cached_sgd_equals_unsharded_bitwise(kind):
     results = run_ranks(train_and_compare, 2, args=(kind,), timeout_s=150)
     evicting = [s for stats in results for s in stats.values() if s["evictions"] > 0]
     assert evicting, "caches must be small enough to evict"
+
+
+@pytest.mark.timeout(180)
+def test_rowwise_adagrad_within_tolerance():
+    run_ranks(
+        train_and_compare,
+        2,
+        args=("mixed",),
+        kwargs={"optimizer": "rowwise_adagrad"},
+        timeout_s=150,
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_three_ranks(kind):
+    # A table-wise owner receives all three ranks' samples: give the caches room for them.
+    run_ranks(train_and_compare, 3, args=(kind,), kwargs={"capacity": 24}, timeout_s=200)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("bad_id", "match"), [(64, "id 64"), (-3, "id -3")])
+def test_bad_id_fails_the_job_on_the_rank_that_saw_it(bad_id, match):
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(train_with_bad_id, 2, args=(bad_id,), timeout_s=90)
+    message = str(failure.value)
+    assert "rank 1 raised" in message and "InvalidIdError" in message
+    assert f"table 't1' (feature 'f1', rank 1): {match}" in message
+    assert "[0, 64)" in message
