@@ -289,10 +289,12 @@ class CachedEmbeddingBags(nn.Module):
         group, lo, hi = self._locate(name)
         return group.engine.store, lo, hi
 
-    def reset(self) -> None:
-        """Flush every cache, then empty it and the look-ahead window."""
+    def reset(self, *, flush: bool = True) -> None:
+        """Empty every cache and the look-ahead window, after writing dirty rows back unless
+        `flush=False` (only right when the host rows were just overwritten, e.g. by a load)."""
         for group in self._groups:
-            group.engine.flush()
+            if flush:
+                group.engine.flush()
             group.engine.reset()
         self._routed.clear()
 

@@ -31,6 +31,7 @@ from distcache.cache.config import CacheConfig
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.errors import DistcacheConfigError
 from distcache.sharding.plan import CACHE_CONFIG_KEY
+from distcache.sharding.state import sharded_state, sharded_weight
 
 # TorchRec's fused optimizer names -> distcache's row optimizers.
 _OPTIMIZERS = {
@@ -74,32 +75,41 @@ class _CacheOptimizer(FusedOptimizer):
     """The kernel's optimizer as TorchRec sees it.
 
     Updates happen in backward, so `step` is a no-op. The learning rate in `param_groups` is
-    read at every forward, so schedulers work. The state is the host store's optimizer state
-    (views of it): flushed before it is read, and the caches are emptied before it is loaded.
+    read at every forward, so schedulers work. Parameters and state are ShardedTensors viewing
+    the host store (as TorchRec's fused optimizers key them), so `torch.distributed.checkpoint`
+    saves and reshards them: flushed before they are read, the caches dropped after a load.
     """
 
-    def __init__(
-        self,
-        kernel: CachedEmbeddingBagKernel,
-        params: dict[str, torch.Tensor],
-        states: list[torch.Tensor],
-    ):
+    def __init__(self, kernel: CachedEmbeddingBagKernel):
+        config = kernel.config
+        params: dict[str, torch.Tensor] = {}
+        state: dict[Any, Any] = {}
+        self._unsupported: list[str] = []
+        for table in config.embedding_tables:
+            weight = sharded_weight(table, kernel.bags.table_weight(table.name), kernel._pg)
+            params[f"{table.name}.weight"] = weight
+            state[weight] = {}
+            local = kernel.bags.table_state(table.name)
+            if local.shape[1]:
+                try:
+                    state[weight] = {
+                        f"{table.name}.momentum1": sharded_state(table, local, kernel._pg)
+                    }
+                except NotImplementedError as err:  # trains; only checkpointing is refused
+                    self._unsupported.append(str(err))
         lr = kernel.cache_config.learning_rate
-        state = {
-            param: {"momentum1": s}
-            for param, s in zip(params.values(), states, strict=True)
-            if s.shape[1]
-        }
         super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
         self._kernel = kernel
 
     def state_dict(self) -> dict[str, Any]:
+        if self._unsupported:
+            raise NotImplementedError("; ".join(self._unsupported))
         self._kernel.flush()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: Any) -> None:
-        self._kernel.purge()
         super().load_state_dict(state_dict)
+        self._kernel.purge()
 
     def step(self, closure: Any = None) -> None:
         pass
@@ -152,7 +162,6 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
         )
         self.init_parameters()
         self._param_per_table = {}
-        states = []
         for spec in tables:
             store, lo, hi = self.bags.table_slab(spec.name)
             param = TableBatchedEmbeddingSlice(
@@ -160,10 +169,7 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
             )
             param._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward
             self._param_per_table[spec.name] = param
-            states.append(store.state[lo:hi])
-        self._optim = _CacheOptimizer(
-            self, {f"{name}.weight": p for name, p in self._param_per_table.items()}, states
-        )
+        self._optim = _CacheOptimizer(self)
 
     @property
     def emb_module(self) -> CachedEmbeddingBags:  # type: ignore[override]
@@ -217,5 +223,7 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
         self.bags.flush()
 
     def purge(self) -> None:
-        """Empty the caches (after flushing: no update is dropped)."""
-        self.bags.reset()
+        """Drop the caches without writing them back, as TorchRec's kernels do before a load:
+        `torch.distributed.checkpoint` has just written the host rows in place, and a flush
+        would overwrite them. (`state_dict()` flushed before that load read its targets.)"""
+        self.bags.reset(flush=False)

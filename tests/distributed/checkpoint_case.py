@@ -1,0 +1,108 @@
+"""Save a trained, cached, sharded model with torch.distributed.checkpoint; load it elsewhere."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from distcache import CacheConfig
+from tests.distributed.sharded_model import global_batches, local_slice, loss_of, make_ebc, shard
+
+Shards = dict[str, list[tuple[list[int], torch.Tensor]]]
+
+
+def _model(kind: str, seed: int):
+    torch.manual_seed(seed)
+    ebc = make_ebc()
+    apply_optimizer_in_backward(
+        RowWiseAdagrad, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6}
+    )
+    config = CacheConfig(capacity=14, lookahead=2, prefetch_depth=1)
+    # t3 serves two features: a larger cache of its own.
+    return shard(ebc, kind, config, {"t3": CacheConfig(capacity=28)})
+
+
+def _state(model) -> dict:
+    return {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+
+
+def _local_shards(state: dict) -> Shards:
+    out: Shards = {}
+
+    def visit(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{prefix}/{k}", v)
+        elif hasattr(value, "local_shards"):
+            out[prefix] = [
+                (list(s.metadata.shard_offsets), s.tensor.clone()) for s in value.local_shards()
+            ]
+
+    visit("", state)
+    return out
+
+
+def save(rank: int, world: int, path: str, kind: str = "table_wise", steps: int = 6) -> Shards:
+    model = _model(kind, seed=0)
+    for batch in global_batches(steps, 3, world, seed=5):
+        loss_of(model(local_slice(batch, rank, world))).backward()
+    dirty = sum(
+        int(e.scheduler.residency.dirty.sum())
+        for m in model.modules()
+        if hasattr(m, "cached_kernels")
+        for k in m.cached_kernels()
+        for e in k.bags.engines
+    )
+    assert dirty > 0, "the checkpoint must be taken with updates held only in caches"
+    state = _state(model)  # flushes first
+    dcp.save(state, checkpoint_id=path)
+    return _local_shards(state)
+
+
+def load(rank: int, world: int, path: str, kind: str) -> Shards:
+    model = _model(kind, seed=123)  # different initial rows: everything must come from disk
+    state = _state(model)
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    model.fused_optimizer.load_state_dict(state["optim"])
+    # Read back through a forward pass too: no stale cached row may be served.
+    batch = global_batches(1, 3, world, seed=9)[0]
+    model(local_slice(batch, rank, world))
+    return _local_shards(_state(model))
+
+
+def assemble(per_rank: list[Shards]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's local shards."""
+    full: dict[str, torch.Tensor] = {}
+    for shards in per_rank:
+        for key, parts in shards.items():
+            for offsets, tensor in parts:
+                rows, cols = offsets[0] + tensor.shape[0], offsets[1] + tensor.shape[1]
+                if key not in full:
+                    full[key] = torch.full((1, 1), float("nan"))
+                grown = full[key]
+                if grown.shape[0] < rows or grown.shape[1] < cols:
+                    bigger = torch.full(
+                        (max(rows, grown.shape[0]), max(cols, grown.shape[1])), float("nan")
+                    )
+                    bigger[: grown.shape[0], : grown.shape[1]] = grown
+                    full[key] = grown = bigger
+                grown[offsets[0] : rows, offsets[1] : cols] = tensor
+    return full
+
+
+def _name(key: str) -> str:
+    """The tensor's last path element: `embedding_bags.t0.weight` or `t0.momentum1`."""
+    return key.split("/")[-1]
+
+
+def assert_same(saved: list[Shards], loaded: list[Shards]) -> None:
+    a = {_name(k): v for k, v in assemble(saved).items()}
+    b = {_name(k): v for k, v in assemble(loaded).items()}
+    assert set(a) == set(b) and len(a) == 8, (sorted(a), sorted(b))  # 4 tables x (rows, state)
+    assert sum("momentum" in k for k in a) == 4, sorted(a)  # every table's optimizer state
+    for key in a:
+        assert not a[key].isnan().any(), f"{key}: saved shards do not cover the table"
+        assert torch.equal(a[key], b[key]), key
