@@ -182,6 +182,13 @@ def compare_with_global(
                 torch.testing.assert_close(shard.tensor, expected, msg=key)
 
 
+def _prefetch(sharded, kjt: KeyedJaggedTensor) -> None:
+    """TorchRec's prefetch hook: route a future batch's ids, hand them to the kernels."""
+    ctx = sharded.create_context()
+    dist_input = sharded.input_dist(ctx, kjt).wait().wait()
+    sharded.prefetch(dist_input=dist_input, forward_stream=None, ctx=ctx)
+
+
 def loss_of(kt) -> torch.Tensor:
     """An integer-gradient loss over the features in a fixed order (a sharded KeyedTensor orders
     its keys by shard placement, so `.values()` columns differ from the unsharded module's)."""
@@ -200,6 +207,7 @@ def train_and_compare(
     capacity: float | int = 14,
     steps: int = 12,
     pooling: str = "sum",
+    prefetch: bool = False,
 ) -> dict:
     """Train sharded+cached and unsharded side by side on the same batches; compare."""
     torch.manual_seed(0)
@@ -223,8 +231,13 @@ def train_and_compare(
     model = shard(sharded_src, kind, config, {"t3": big})
     copy_global_into(model, reference.state_dict())
     batches = global_batches(steps, 3, world, seed=1)  # 3 samples per rank
+    sharded = model._dmp_wrapped_module
+    if prefetch:
+        _prefetch(sharded, local_slice(batches[0], rank, world))
     for step, batch in enumerate(batches):
         out = model(local_slice(batch, rank, world))
+        if prefetch and step + 1 < len(batches):  # stage the next batch while this one is in flight
+            _prefetch(sharded, local_slice(batches[step + 1], rank, world))
         loss_of(out).backward()
         ref_out = reference(batch)
         # TorchRec's fused update follows the gradient of the mean of the ranks' losses.

@@ -43,3 +43,18 @@ def test_bad_id_fails_the_job_on_the_rank_that_saw_it(bad_id, match):
     assert "rank 1 raised" in message and "InvalidIdError" in message
     assert f"table 't1' (feature 'f1', rank 1): {match}" in message
     assert "[0, 64)" in message
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["row_wise", "mixed"])
+def test_prefetch_hook_stages_ahead_without_critical_misses(kind):
+    results = run_ranks(
+        train_and_compare,
+        2,
+        args=(kind,),
+        kwargs={"prefetch": True, "capacity": 24},
+        timeout_s=150,
+    )
+    stats = [s for per_rank in results for s in per_rank.values()]
+    assert all(s["critical_misses"] == 0 for s in stats), stats
+    assert sum(s["loads"] for s in stats) > 0
