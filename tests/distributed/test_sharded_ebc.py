@@ -58,3 +58,10 @@ def test_prefetch_hook_stages_ahead_without_critical_misses(kind):
     stats = [s for per_rank in results for s in per_rank.values()]
     assert all(s["critical_misses"] == 0 for s in stats), stats
     assert sum(s["loads"] for s in stats) > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["row_wise", "table_wise", "column_wise"])
+def test_mean_pooling_within_tolerance(kind):
+    # TorchRec pools row-wise shards by sum and divides after the reduce-scatter.
+    run_ranks(train_and_compare, 2, args=(kind,), kwargs={"pooling": "mean"}, timeout_s=150)

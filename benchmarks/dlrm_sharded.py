@@ -1,0 +1,311 @@
+"""DLRM on 2 gloo ranks (CPU): distcache's sharder at a small cache vs TorchRec's default sharder.
+
+Both models are torchrec.models.dlrm.DLRM with 26 tables of Criteo-Kaggle-like sizes (scaled by
+--scale so they fit here), table-wise sharded, fused SGD on the embeddings, measured side by
+side in one run on the same batches (power-law ids, one per feature per sample, like Criteo):
+
+- torchrec: TorchRec's EmbeddingBagCollectionSharder, every row in memory (fused kernel);
+- distcache sync: distcache's kernel at --capacity, rows staged when a batch is looked up;
+- distcache prefetch: the same, each next batch routed and staged through TorchRec's prefetch
+  hook while the current one trains (K=1; costs a second input all-to-all per batch until the
+  look-ahead pipeline shares it).
+
+Tables whose --capacity cache could not hold the batches in flight are cached whole (a planner
+keeps such small tables on the device). Prints steps/s and per-table hits, loads, write-backs.
+
+Usage::
+
+    python benchmarks/dlrm_sharded.py --json benchmarks/results/dlrm_sharded.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import print_table, write_json  # noqa: E402
+
+KAGGLE_ROWS = [
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+]
+
+
+def _rows(scale: float) -> list[int]:
+    return [max(3, int(r * scale)) for r in KAGGLE_ROWS]
+
+
+def _batches(rank: int, args, rows: list[int]):
+    from torchrec import KeyedJaggedTensor
+
+    from distcache.data.traces import zipf_trace
+
+    n = args.warmup + args.steps
+    per_table = [
+        zipf_trace(
+            rows=r, alpha=args.alpha, batch=args.batch, batches=n, seed=1000 * rank + t
+        ).ids.view(n, args.batch)
+        for t, r in enumerate(rows)
+    ]
+    gen = torch.Generator().manual_seed(rank)
+    keys = [f"f{t}" for t in range(len(rows))]
+    lengths = torch.ones(len(rows) * args.batch, dtype=torch.int64)
+    out = []
+    for step in range(n):
+        values = torch.cat([ids[step] for ids in per_table])
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+        out.append(
+            (
+                torch.randn(args.batch, 13, generator=gen),
+                kjt,
+                (torch.rand(args.batch, generator=gen) < 0.25).float(),
+            )
+        )
+    return out
+
+
+def _model(rows: list[int], dim: int):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.models.dlrm import DLRM
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", num_embeddings=r, embedding_dim=dim, feature_names=[f"f{t}"]
+        )
+        for t, r in enumerate(rows)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    return DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[64, dim],
+        over_arch_layer_sizes=[64, 1],
+    )
+
+
+def _shard(model, sharder, kernel: str, world: int):
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    ebc = model.sparse_arch.embedding_bag_collection
+    per_table = {
+        name: table_wise(rank=i % world, compute_kernel=kernel)
+        for i, (name, _) in enumerate(ebc.named_parameters())
+    }
+    per_table = {name.split(".")[1]: p for name, p in per_table.items()}
+    plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding=per_table,
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+        sharder=sharder,
+    )
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
+        sharders=[sharder],
+    )
+
+
+def _run(rank: int, world: int, port: int, args, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torchrec.distributed.embeddingbag import (
+        EmbeddingBagCollectionSharder,
+        ShardedEmbeddingBagCollection,
+    )
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from distcache import CacheConfig
+    from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
+
+    rows = _rows(args.scale)
+    batches = _batches(rank, args, rows)
+    torch.manual_seed(0)
+    base = _model(rows, args.dim)
+    results = []
+    for variant in ("torchrec", "distcache sync", "distcache prefetch"):
+        model = copy.deepcopy(base)
+        ebc = model.sparse_arch.embedding_bag_collection
+        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.05})
+        if variant == "torchrec":
+            dmp = _shard(model, EmbeddingBagCollectionSharder(), "fused", world)
+        else:
+            config = CacheConfig(capacity=args.capacity, lookahead=1, prefetch_depth=1)
+            # The owner of a table sees world * batch ids per batch, K + 1 batches in flight.
+            need = 2 * world * args.batch
+            whole = {
+                f"t{t}": CacheConfig(capacity=1.0, lookahead=1, prefetch_depth=1)
+                for t, r in enumerate(rows)
+                if config.capacity_rows(r) < need
+            }
+            sharder = CachedEmbeddingBagCollectionSharder(config, whole)
+            dmp = _shard(model, sharder, CACHED_KERNEL, world)
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp.named_parameters())),
+            lambda p: torch.optim.SGD(p, lr=0.05),
+        )
+        sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+        prefetch = variant == "distcache prefetch"
+
+        def stage(kjt, sharded=sharded):
+            ctx = sharded.create_context()
+            sharded.prefetch(dist_input=sharded.input_dist(ctx, kjt).wait().wait(), ctx=ctx)
+
+        loss_fn = torch.nn.BCEWithLogitsLoss()
+        losses = []
+        if prefetch:
+            stage(batches[0][1])
+        for step, (x, kjt, y) in enumerate(batches):
+            if step == args.warmup:
+                dist.barrier()
+                start = time.perf_counter()
+            loss = loss_fn(dmp(x, kjt).squeeze(1), y)
+            if prefetch and step + 1 < len(batches):
+                stage(batches[step + 1][1])
+            dense.zero_grad()
+            loss.backward()
+            dense.step()
+            losses.append(loss.item())
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        row = {
+            "variant": variant,
+            "steps_per_s": args.steps / seconds,
+            "samples_per_s": args.steps * args.batch * world / seconds,
+            "final_loss": sum(losses[-5:]) / 5,
+        }
+        if variant != "torchrec":
+            row["tables"] = {k.split("/")[-1]: s.as_dict() for k, s in cache_stats(dmp).items()}
+        results.append(row)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--scale", type=float, default=0.02, help="table rows = Kaggle rows x scale")
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=512, help="samples per rank")
+    ap.add_argument("--capacity", type=float, default=0.05)
+    ap.add_argument("--alpha", type=float, default=1.05)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_run, args=(args.world_size, port, args, out), nprocs=args.world_size)
+        per_rank = [
+            json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.world_size)
+        ]
+    rows = _rows(args.scale)
+    print(
+        f"DLRM, {len(rows)} tables ({sum(rows):,} rows x {args.dim}, Kaggle sizes x "
+        f"{args.scale}), {args.world_size} ranks x {args.batch} samples, cache "
+        f"{100 * args.capacity:.0f} %"
+    )
+    summary = []
+    for i, row in enumerate(per_rank[0]):
+        steps = min(r[i]["steps_per_s"] for r in per_rank)  # the slowest rank sets the pace
+        summary.append(
+            {
+                "variant": row["variant"],
+                "steps_per_s": steps,
+                "samples_per_s": steps * args.batch * args.world_size,
+                "x_torchrec": steps / min(r[0]["steps_per_s"] for r in per_rank),
+                "final_loss": sum(r[i]["final_loss"] for r in per_rank) / len(per_rank),
+            }
+        )
+    print_table(
+        summary,
+        [
+            ("variant", "variant"),
+            ("steps_per_s", "steps/s"),
+            ("samples_per_s", "samples/s"),
+            ("x_torchrec", "x torchrec"),
+            ("final_loss", "loss (last 5)"),
+        ],
+    )
+    tables = []
+    for rank, results in enumerate(per_rank):
+        for name, s in results[2].get("tables", {}).items():
+            tables.append(
+                {
+                    "rank": rank,
+                    "cache": name,
+                    "capacity": s["capacity"],
+                    "rows": s["num_rows"],
+                    "hit_rate": s["hit_rate"],
+                    "loads": s["loads"],
+                    "writebacks": s["writebacks"],
+                    "critical": s["critical_misses"],
+                }
+            )
+    print("\ndistcache prefetch, per cache (tables of one width share one):")
+    print_table(
+        tables,
+        [
+            ("rank", "rank"),
+            ("cache", "tables"),
+            ("rows", "rows"),
+            ("capacity", "cached rows"),
+            ("hit_rate", "hit rate"),
+            ("loads", "loads"),
+            ("writebacks", "write-backs"),
+            ("critical", "critical misses"),
+        ],
+    )
+    write_json(args.json, vars(args), [{"summary": summary, "per_rank": per_rank}])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
