@@ -18,6 +18,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from distcache import CacheConfig
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
+from tests.distributed.sharded_model import copy_global_into
 
 ROWS = [3000, 1200, 5000, 800, 2500, 600]
 DIM = 8
@@ -79,16 +80,6 @@ def _sharded(model: DLRM, sharder, kernel: str) -> DistributedModelParallel:
     )
 
 
-def _copy_embeddings(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    for key, value in model.state_dict().items():
-        if hasattr(value, "local_shards"):
-            source = state[key.removeprefix("module.")]
-            for shard in value.local_shards():
-                r, c = shard.metadata.shard_offsets
-                n, d = shard.metadata.shard_sizes
-                shard.tensor.copy_(source[r : r + n, c : c + d])
-
-
 def train_both(rank: int, world: int, steps: int = 20, capacity: float = 0.05) -> dict:
     """Train the same DLRM with both sharders on the same batches; return both loss curves."""
     torch.manual_seed(0)
@@ -106,7 +97,7 @@ def train_both(rank: int, world: int, steps: int = 20, capacity: float = 0.05) -
                 CacheConfig(capacity=capacity, lookahead=2, prefetch_depth=1)
             )
             dmp = _sharded(model, sharder, CACHED_KERNEL)
-        _copy_embeddings(dmp, state)
+        copy_global_into(dmp, state)
         dense = KeyedOptimizerWrapper(
             dict(in_backward_optimizer_filter(dmp.named_parameters())),
             lambda params: torch.optim.SGD(params, lr=0.1),

@@ -158,8 +158,11 @@ def shard(
 
 
 def copy_global_into(model: torch.nn.Module, global_state: dict[str, torch.Tensor]) -> None:
-    """Load an unsharded state dict into a sharded model's local shards."""
+    """Load an unsharded state dict into a sharded model's local shards (dense entries, which
+    DMP leaves unsharded, are skipped: they were copied with the model)."""
     for key, value in model.state_dict().items():
+        if not hasattr(value, "local_shards"):
+            continue
         source = global_state[key.removeprefix("module.")]
         for shard in value.local_shards():
             rows, cols = shard.metadata.shard_offsets
