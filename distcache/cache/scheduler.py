@@ -87,6 +87,9 @@ class Scheduler:
         device: where ids and maps live.
         victim_batches: victims are chosen for about this many batches' misses at once and used
             while still valid (unpinned, untouched since); 1 selects exactly for every batch.
+            A speed/quality trade-off: pooled victims go stale (rows loaded since are often
+            better victims). Measured: 4 made look-ahead load 22 % more rows on zipf(1e6, 0.9,
+            batch 8192) at 5 % (857,608 vs 703,945) and 2 % more on zipf(1e5, 1.05, batch 256).
         name: the table or table group, for error messages.
     """
 

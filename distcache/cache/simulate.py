@@ -74,7 +74,7 @@ def simulate(
         policy: 'lookahead', 'lru', 'lfu' or 'optimal' (Belady).
         lookahead: L, future batches visible to 'lookahead' (ignored by the others).
         prefetch_depth: K, batches staged ahead by 'lookahead' (ignored by the others).
-        victim_batches: see `Scheduler`.
+        victim_batches: see `Scheduler` (ignored by 'optimal', which is always exact).
         device: where the scheduler runs.
 
     Example::
@@ -84,8 +84,8 @@ def simulate(
     """
     if policy not in SIM_POLICIES:
         raise ValueError(f"unknown policy {policy!r}: expected one of {SIM_POLICIES}")
-    if policy == "optimal":
-        lookahead, prefetch_depth = max(len(batches), 1), 0
+    if policy == "optimal":  # Belady: the whole trace visible, exact victims every batch
+        lookahead, prefetch_depth, victim_batches = max(len(batches), 1), 0, 1
     elif policy != "lookahead":
         lookahead, prefetch_depth = 0, 0
     config = CacheConfig(

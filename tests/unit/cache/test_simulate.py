@@ -102,3 +102,10 @@ def test_longer_window_never_hurts_much_and_pool_stays_close():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         simulate([torch.tensor([1])], num_rows=4, capacity=2, policy="fifo")
+
+
+def test_optimal_ignores_victim_pooling():
+    batches = zipf_batches(2000, 80, 60, seed=4)
+    exact = simulate(batches, num_rows=2000, capacity=300, policy="optimal")
+    pooled = simulate(batches, num_rows=2000, capacity=300, policy="optimal", victim_batches=4)
+    assert pooled.loads == exact.loads
