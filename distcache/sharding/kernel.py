@@ -154,9 +154,11 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
             )
             for t in config.embedding_tables
         ]
+        # Ids were validated against the global tables in the sharded module's input_dist,
+        # and routing maps valid ids to valid shard-local rows: no second check here.
         self.bags = CachedEmbeddingBags(
             tables,
-            self.cache_config,
+            dataclasses.replace(self.cache_config, check_ids=False),
             device=device or torch.device("cpu"),
             feature_table_map=self._feature_table_map,
         )
