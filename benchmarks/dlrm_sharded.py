@@ -2,7 +2,9 @@
 
 Both models are torchrec.models.dlrm.DLRM with 26 tables of Criteo-Kaggle-like sizes (scaled by
 --scale so they fit here), table-wise sharded, fused SGD on the embeddings, measured side by
-side in one run on the same batches (power-law ids, one per feature per sample, like Criteo):
+side in one run on the same batches (power-law ids, one per feature per sample, like Criteo).
+The variants take turns step by step, each step timed from a barrier, so the machine's drift
+touches them alike; the slowest rank sets the figure:
 
 - torchrec: TorchRec's EmbeddingBagCollectionSharder, every row in memory (fused kernel);
 - distcache sync: distcache's kernel at --capacity, rows staged when a batch is looked up;
@@ -167,7 +169,7 @@ def _run(rank: int, world: int, port: int, args, out_dir: str) -> None:
     batches = _batches(rank, args, rows)
     torch.manual_seed(0)
     base = _model(rows, args.dim)
-    results = []
+    variants = {}
     for variant in ("torchrec", "distcache sync", "distcache prefetch"):
         model = copy.deepcopy(base)
         ebc = model.sparse_arch.embedding_bag_collection
@@ -190,34 +192,39 @@ def _run(rank: int, world: int, port: int, args, out_dir: str) -> None:
             lambda p: torch.optim.SGD(p, lr=0.05),
         )
         sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
-        prefetch = variant == "distcache prefetch"
+        variants[variant] = (dmp, dense, sharded, variant == "distcache prefetch")
 
-        def stage(kjt, sharded=sharded):
-            ctx = sharded.create_context()
-            sharded.prefetch(dist_input=sharded.input_dist(ctx, kjt).wait().wait(), ctx=ctx)
+    def stage(sharded, kjt) -> None:
+        ctx = sharded.create_context()
+        sharded.prefetch(dist_input=sharded.input_dist(ctx, kjt).wait().wait(), ctx=ctx)
 
-        loss_fn = torch.nn.BCEWithLogitsLoss()
-        losses = []
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    seconds = dict.fromkeys(variants, 0.0)
+    losses: dict[str, list[float]] = {v: [] for v in variants}
+    for _, _, sharded, prefetch in variants.values():
         if prefetch:
-            stage(batches[0][1])
-        for step, (x, kjt, y) in enumerate(batches):
-            if step == args.warmup:
-                dist.barrier()
-                start = time.perf_counter()
+            stage(sharded, batches[0][1])
+    # Variants take turns step by step, so the machine's drift touches them alike.
+    for step, (x, kjt, y) in enumerate(batches):
+        for variant, (dmp, dense, sharded, prefetch) in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
             loss = loss_fn(dmp(x, kjt).squeeze(1), y)
             if prefetch and step + 1 < len(batches):
-                stage(batches[step + 1][1])
+                stage(sharded, batches[step + 1][1])
             dense.zero_grad()
             loss.backward()
             dense.step()
-            losses.append(loss.item())
-        dist.barrier()
-        seconds = time.perf_counter() - start
+            losses[variant].append(loss.item())
+            if step >= args.warmup:
+                seconds[variant] += time.perf_counter() - start
+    results = []
+    for variant, (dmp, _, _, _) in variants.items():
         row = {
             "variant": variant,
-            "steps_per_s": args.steps / seconds,
-            "samples_per_s": args.steps * args.batch * world / seconds,
-            "final_loss": sum(losses[-5:]) / 5,
+            "steps_per_s": args.steps / seconds[variant],
+            "samples_per_s": args.steps * args.batch * world / seconds[variant],
+            "final_loss": sum(losses[variant][-5:]) / 5,
         }
         if variant != "torchrec":
             row["tables"] = {k.split("/")[-1]: s.as_dict() for k, s in cache_stats(dmp).items()}
