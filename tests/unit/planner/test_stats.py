@@ -1,0 +1,55 @@
+"""The access-statistics model against the trace simulator (the reference)."""
+
+import numpy as np
+import pytest
+
+from distcache.cache.simulate import simulate
+from distcache.data.traces import zipf_trace
+from distcache.planner import AccessProfile, expected_loads, expected_unique
+
+ROWS, ALPHA, BATCH = 20_000, 1.05, 512
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return list(zipf_trace(rows=ROWS, alpha=ALPHA, batch=BATCH, batches=240, seed=0))
+
+
+def _steady_loads(batches, capacity, policy, warm=80):
+    full = simulate(batches, num_rows=ROWS, capacity=capacity, policy=policy)
+    head = simulate(batches[:warm], num_rows=ROWS, capacity=capacity, policy=policy)
+    return (full.loads - head.loads) / (len(batches) - warm)
+
+
+def test_expected_unique_matches_traces(trace):
+    model = expected_unique(AccessProfile.power_law(ROWS, ALPHA), BATCH)
+    measured = np.mean([b.unique().numel() for b in trace])
+    assert model == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("capacity", [1000, 4000])
+def test_lru_model_matches_the_simulator(trace, capacity):
+    model = expected_loads(AccessProfile.power_law(ROWS, ALPHA), BATCH, capacity, "lru")
+    assert model == pytest.approx(_steady_loads(trace, capacity, "lru"), rel=0.03)
+
+
+@pytest.mark.parametrize("capacity", [1000, 4000])
+def test_frequency_model_approximates_lookahead(trace, capacity):
+    model = expected_loads(AccessProfile.power_law(ROWS, ALPHA), BATCH, capacity, "frequency")
+    measured = _steady_loads(trace, capacity, "lookahead")
+    assert model == pytest.approx(measured, rel=0.15)
+
+
+def test_profiles_and_edges():
+    counts = np.array([5, 0, 3, 2])
+    profile = AccessProfile.from_counts(counts)
+    assert np.allclose(profile.probabilities, [0.5, 0.3, 0.2, 0.0])
+    assert AccessProfile.from_ids(np.array([1, 1, 2]), rows=5).rows == 5
+    assert expected_unique(profile, 1) == pytest.approx(1.0)
+    assert expected_loads(profile, 10, capacity=4) == 0.0
+    with pytest.raises(ValueError, match="sum to 1"):
+        AccessProfile(np.array([0.5, 0.2]))
+    with pytest.raises(ValueError, match="unknown model 'fifo'"):
+        expected_loads(profile, 10, 2, "fifo")
+    with pytest.raises(ValueError, match="at least one lookup"):
+        AccessProfile.from_counts([0, 0])
