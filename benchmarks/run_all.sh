@@ -16,3 +16,4 @@ $PY benchmarks/engine_throughput.py --json $out/engine_throughput.json
 for i in 1 2 3; do
     $PY benchmarks/dlrm_sharded.py --warmup 30 --steps 40 --json $out/dlrm_sharded_run$i.json
 done
+$PY benchmarks/planner_stats.py --json $out/planner_stats.json
