@@ -29,27 +29,37 @@ def sharded_weight(
 def sharded_state(
     table: ShardedEmbeddingTable, local: torch.Tensor, pg: dist.ProcessGroup | None
 ) -> ShardedTensor:
-    """The table's optimizer state `[num_embeddings, state_dim]`, sharded by rows like the
-    weights; this rank holds `local` `[local_rows, state_dim]` (a view of the host store).
+    """The table's optimizer state, this rank holding `local` `[local_rows, state_width]`.
+
+    Layout: the state of the shards of column group g (shards sorted by column offset) sits at
+    rows `[g * num_embeddings + row_offset, ...)`, so a row-sharded table's state is simply
+    `[num_embeddings, state_width]`, sharded by rows like its weights (and reshards between
+    table-, row- and table-row-wise plans), while column-wise shards, whose states differ per
+    column group (row-wise Adagrad sums over the shard's own columns), are stacked (as TorchRec
+    stacks them); those reload into the same column split.
 
     Raises:
-        NotImplementedError: the table is column-wise sharded, so its shards' states overlap
-            in rows and need a layout of their own.
+        NotImplementedError: column groups of different widths with a per-column state.
     """
     width = local.shape[1]
     shards = table.global_metadata.shards_metadata
-    if any(s.shard_sizes[1] != table.embedding_dim for s in shards):
+    col_offsets = sorted({s.shard_offsets[1] for s in shards})
+    group = {offset: g for g, offset in enumerate(col_offsets)}
+    per_column = width != 1  # element-wise moments scale with the shard's columns
+    if per_column and len({s.shard_sizes[1] for s in shards}) > 1:
         raise NotImplementedError(
-            f"table {table.name!r}: checkpointing the optimizer state of column-wise shards is "
-            "not supported yet; use table-, row- or table-row-wise sharding, or SGD"
+            f"table {table.name!r}: column shards of different widths "
+            f"{sorted({s.shard_sizes[1] for s in shards})} with a per-column optimizer state "
+            "cannot be checkpointed yet; split columns evenly or use row-wise Adagrad or SGD"
         )
 
     def state_shard(s: ShardMetadata) -> ShardMetadata:
-        return ShardMetadata([s.shard_offsets[0], 0], [s.shard_sizes[0], width], s.placement)
+        row = group[s.shard_offsets[1]] * table.num_embeddings + s.shard_offsets[0]
+        return ShardMetadata([row, 0], [s.shard_sizes[0], width], s.placement)
 
     metadata = ShardedTensorMetadata(
         shards_metadata=[state_shard(s) for s in shards],
-        size=torch.Size([table.num_embeddings, width]),
+        size=torch.Size([len(col_offsets) * table.num_embeddings, width]),
         tensor_properties=copy.deepcopy(table.global_metadata.tensor_properties),
     )
     metadata.tensor_properties.requires_grad = False

@@ -13,12 +13,11 @@ from tests.distributed.sharded_model import global_batches, local_slice, loss_of
 Shards = dict[str, list[tuple[list[int], torch.Tensor]]]
 
 
-def _model(kind: str, seed: int):
+def _model(kind: str, seed: int, optimizer: str = "rowwise_adagrad"):
     torch.manual_seed(seed)
     ebc = make_ebc()
-    apply_optimizer_in_backward(
-        RowWiseAdagrad, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6}
-    )
+    opt_cls = {"rowwise_adagrad": RowWiseAdagrad, "adagrad": torch.optim.Adagrad}[optimizer]
+    apply_optimizer_in_backward(opt_cls, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6})
     config = CacheConfig(capacity=14, lookahead=2, prefetch_depth=1)
     # t3 serves two features: a larger cache of its own.
     return shard(ebc, kind, config, {"t3": CacheConfig(capacity=28)})
@@ -44,8 +43,15 @@ def _local_shards(state: dict) -> Shards:
     return out
 
 
-def save(rank: int, world: int, path: str, kind: str = "table_wise", steps: int = 6) -> Shards:
-    model = _model(kind, seed=0)
+def save(
+    rank: int,
+    world: int,
+    path: str,
+    kind: str = "table_wise",
+    steps: int = 6,
+    optimizer: str = "rowwise_adagrad",
+) -> Shards:
+    model = _model(kind, seed=0, optimizer=optimizer)
     for batch in global_batches(steps, 3, world, seed=5):
         loss_of(model(local_slice(batch, rank, world))).backward()
     dirty = sum(
@@ -61,8 +67,9 @@ def save(rank: int, world: int, path: str, kind: str = "table_wise", steps: int 
     return _local_shards(state)
 
 
-def load(rank: int, world: int, path: str, kind: str) -> Shards:
-    model = _model(kind, seed=123)  # different initial rows: everything must come from disk
+def load(rank: int, world: int, path: str, kind: str, optimizer: str = "rowwise_adagrad") -> Shards:
+    # Different initial rows: everything must come from the checkpoint.
+    model = _model(kind, seed=123, optimizer=optimizer)
     state = _state(model)
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])

@@ -15,3 +15,28 @@ def test_save_table_wise_on_2_ranks_load_on_1_and_row_wise(tmp_path):
     assert_same(saved, on_one)
     row_wise = run_ranks(load, 2, args=(path, "row_wise"), timeout_s=120)
     assert_same(saved, row_wise)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad"])
+def test_column_wise_optimizer_state_round_trips(tmp_path, optimizer):
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(
+        save, 2, args=(path, "column_wise"), kwargs={"optimizer": optimizer}, timeout_s=120
+    )
+    loaded = run_ranks(
+        load, 2, args=(path, "column_wise"), kwargs={"optimizer": optimizer}, timeout_s=120
+    )
+    assert_same(saved, loaded)
+
+
+@pytest.mark.timeout(300)
+def test_elementwise_state_reshards_table_wise_to_row_wise(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(
+        save, 2, args=(path, "table_wise"), kwargs={"optimizer": "adagrad"}, timeout_s=120
+    )
+    loaded = run_ranks(
+        load, 2, args=(path, "row_wise"), kwargs={"optimizer": "adagrad"}, timeout_s=120
+    )
+    assert_same(saved, loaded)
