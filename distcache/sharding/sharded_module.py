@@ -115,6 +115,11 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             kernels += [m for m in lookup.modules() if isinstance(m, CachedEmbeddingBagKernel)]
         return kernels
 
+    def stage_ahead(self) -> None:
+        """Stage enqueued batches' rows up to each cache's `prefetch_depth` batches ahead."""
+        for kernel in self.cached_kernels():
+            kernel.bags.prefetch()
+
     def cache_stats(self) -> dict[str, CacheStats]:
         """Cache counters of this rank, per cache (tables of one width in a group share one)."""
         stats = {}

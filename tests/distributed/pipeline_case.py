@@ -1,0 +1,129 @@
+"""LookaheadTrainPipeline vs the plain (non-pipelined) loop, on the same DMP model and data."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from distcache import CacheConfig, DistcacheConfigError
+from distcache.pipeline import LookaheadTrainPipeline
+from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
+from tests.distributed.dlrm_case import ROWS, _batches
+from tests.distributed.sharded_model import copy_global_into
+
+DIM = 8
+
+
+def _model() -> DLRMTrain:
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=r, embedding_dim=DIM, feature_names=[f"f{i}"]
+        )
+        for i, r in enumerate(ROWS)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=13,
+            dense_arch_layer_sizes=[16, DIM],
+            over_arch_layer_sizes=[16, 1],
+        )
+    )
+
+
+def _shard(model: DLRMTrain, kind: str, config: CacheConfig) -> DistributedModelParallel:
+    world = dist.get_world_size()
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    make = {
+        "table_wise": lambda i: table_wise(rank=i % world, compute_kernel=CACHED_KERNEL),
+        "row_wise": lambda i: row_wise(compute_kernel=CACHED_KERNEL),
+    }[kind]
+    sharder = CachedEmbeddingBagCollectionSharder(config)
+    plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding={f"t{i}": make(i) for i in range(len(ROWS))},
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+        sharder=sharder,
+    )
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
+        sharders=[sharder],
+    )
+
+
+def pipelined_vs_plain(
+    rank: int, world: int, kind: str, steps: int = 40, lookahead: int = 3, depth: int = 2
+) -> dict:
+    torch.manual_seed(0)
+    base = _model()
+    state = copy.deepcopy(base.state_dict())
+    batches = [
+        Batch(dense_features=x, sparse_features=kjt, labels=y)
+        for x, kjt, y in _batches(rank, steps, batch=16)
+    ]
+    # Small enough to evict: a row-wise shard sees a share of the ids, a table owner all of them.
+    capacity = {"table_wise": 0.15, "row_wise": 0.08}[kind]
+    config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=depth)
+    runs = {}
+    for name in ("plain", "pipeline"):
+        model = copy.deepcopy(base)
+        ebc = model.model.sparse_arch.embedding_bag_collection
+        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
+        dmp = _shard(model, kind, config)
+        copy_global_into(dmp, state)
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp.named_parameters())),
+            lambda params: torch.optim.SGD(params, lr=0.1),
+        )
+        logits = []
+        if name == "plain":
+            for batch in batches:
+                loss, (_, out, _) = dmp(batch)
+                dense.zero_grad()
+                loss.backward()
+                dense.step()
+                logits.append(out)
+        else:
+            try:
+                LookaheadTrainPipeline(dmp, dense, torch.device("cpu"), lookahead=lookahead + 1)
+                raise AssertionError("a window longer than the caches' lookahead was accepted")
+            except DistcacheConfigError as err:
+                assert f"expected 0 <= lookahead <= {lookahead}" in str(err)
+            pipeline = LookaheadTrainPipeline(dmp, dense, torch.device("cpu"))
+            it = iter(batches)
+            while True:
+                try:
+                    _, out, _ = pipeline.progress(it)
+                except StopIteration:
+                    break
+                logits.append(out)
+        stats = cache_stats(dmp)
+        runs[name] = {
+            "logits": torch.stack(logits),
+            "critical": sum(s.critical_misses for s in stats.values()),
+            "loads": sum(s.loads for s in stats.values()),
+            "evictions": sum(s.evictions for s in stats.values()),
+            "weights": {
+                k: [s.tensor.clone() for s in v.local_shards()]
+                for k, v in dmp.state_dict().items()
+                if hasattr(v, "local_shards")
+            },
+        }
+    return runs
