@@ -9,8 +9,9 @@ touches them alike; the slowest rank sets the figure:
 - torchrec: TorchRec's EmbeddingBagCollectionSharder, every row in memory (fused kernel);
 - distcache sync: distcache's kernel at --capacity, rows staged when a batch is looked up;
 - distcache prefetch: the same, each next batch routed and staged through TorchRec's prefetch
-  hook while the current one trains (K=1; costs a second input all-to-all per batch until the
-  look-ahead pipeline shares it).
+  hook while the current one trains (K=1; routes each batch twice: once ahead, once in forward);
+- distcache pipeline: LookaheadTrainPipeline, each batch routed once as it enters a window of
+  L=2 batches, rows staged K=1 ahead, trained from its routed input.
 
 Tables whose --capacity cache could not hold the batches in flight are cached whole (a planner
 keeps such small tables on the device). Prints steps/s and per-table hits, loads, write-backs.
@@ -76,6 +77,7 @@ def _rows(scale: float) -> list[int]:
 
 def _batches(rank: int, args, rows: list[int]):
     from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
 
     from distcache.data.traces import zipf_trace
 
@@ -94,10 +96,10 @@ def _batches(rank: int, args, rows: list[int]):
         values = torch.cat([ids[step] for ids in per_table])
         kjt = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
         out.append(
-            (
-                torch.randn(args.batch, 13, generator=gen),
-                kjt,
-                (torch.rand(args.batch, generator=gen) < 0.25).float(),
+            Batch(
+                dense_features=torch.randn(args.batch, 13, generator=gen),
+                sparse_features=kjt,
+                labels=(torch.rand(args.batch, generator=gen) < 0.25).float(),
             )
         )
     return out
@@ -105,7 +107,7 @@ def _batches(rank: int, args, rows: list[int]):
 
 def _model(rows: list[int], dim: int):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.models.dlrm import DLRM
+    from torchrec.models.dlrm import DLRM, DLRMTrain
 
     tables = [
         EmbeddingBagConfig(
@@ -114,11 +116,13 @@ def _model(rows: list[int], dim: int):
         for t, r in enumerate(rows)
     ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    return DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=13,
-        dense_arch_layer_sizes=[64, dim],
-        over_arch_layer_sizes=[64, 1],
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=13,
+            dense_arch_layer_sizes=[64, dim],
+            over_arch_layer_sizes=[64, 1],
+        )
     )
 
 
@@ -127,7 +131,7 @@ def _shard(model, sharder, kernel: str, world: int):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-    ebc = model.sparse_arch.embedding_bag_collection
+    ebc = model.model.sparse_arch.embedding_bag_collection
     per_table = {
         name: table_wise(rank=i % world, compute_kernel=kernel)
         for i, (name, _) in enumerate(ebc.named_parameters())
@@ -145,7 +149,7 @@ def _shard(model, sharder, kernel: str, world: int):
         model,
         env=ShardingEnv.from_process_group(dist.group.WORLD),
         device=torch.device("cpu"),
-        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
+        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
         sharders=[sharder],
     )
 
@@ -163,6 +167,7 @@ def _run(rank: int, world: int, port: int, args, out_dir: str) -> None:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from distcache import CacheConfig
+    from distcache.pipeline import LookaheadTrainPipeline
     from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
 
     rows = _rows(args.scale)
@@ -170,9 +175,10 @@ def _run(rank: int, world: int, port: int, args, out_dir: str) -> None:
     torch.manual_seed(0)
     base = _model(rows, args.dim)
     variants = {}
-    for variant in ("torchrec", "distcache sync", "distcache prefetch"):
+    names = ("torchrec", "distcache sync", "distcache prefetch", "distcache pipeline")
+    for variant in names:
         model = copy.deepcopy(base)
-        ebc = model.sparse_arch.embedding_bag_collection
+        ebc = model.model.sparse_arch.embedding_bag_collection
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.05})
         if variant == "torchrec":
             dmp = _shard(model, EmbeddingBagCollectionSharder(), "fused", world)
@@ -192,34 +198,40 @@ def _run(rank: int, world: int, port: int, args, out_dir: str) -> None:
             lambda p: torch.optim.SGD(p, lr=0.05),
         )
         sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
-        variants[variant] = (dmp, dense, sharded, variant == "distcache prefetch")
+        pipeline = None
+        if variant == "distcache pipeline":
+            pipeline = LookaheadTrainPipeline(dmp, dense, torch.device("cpu"))
+        variants[variant] = (dmp, dense, sharded, variant == "distcache prefetch", pipeline)
 
     def stage(sharded, kjt) -> None:
         ctx = sharded.create_context()
         sharded.prefetch(dist_input=sharded.input_dist(ctx, kjt).wait().wait(), ctx=ctx)
 
-    loss_fn = torch.nn.BCEWithLogitsLoss()
     seconds = dict.fromkeys(variants, 0.0)
     losses: dict[str, list[float]] = {v: [] for v in variants}
-    for _, _, sharded, prefetch in variants.values():
+    for _, _, sharded, prefetch, _ in variants.values():
         if prefetch:
-            stage(sharded, batches[0][1])
+            stage(sharded, batches[0].sparse_features)
+    feeds = {v: iter(batches) for v in variants}
     # Variants take turns step by step, so the machine's drift touches them alike.
-    for step, (x, kjt, y) in enumerate(batches):
-        for variant, (dmp, dense, sharded, prefetch) in variants.items():
+    for step, batch in enumerate(batches):
+        for variant, (dmp, dense, sharded, prefetch, pipeline) in variants.items():
             dist.barrier()
             start = time.perf_counter()
-            loss = loss_fn(dmp(x, kjt).squeeze(1), y)
-            if prefetch and step + 1 < len(batches):
-                stage(sharded, batches[step + 1][1])
-            dense.zero_grad()
-            loss.backward()
-            dense.step()
+            if pipeline is not None:
+                loss = pipeline.progress(feeds[variant])[0]
+            else:
+                loss, _ = dmp(batch)
+                if prefetch and step + 1 < len(batches):
+                    stage(sharded, batches[step + 1].sparse_features)
+                dense.zero_grad()
+                loss.backward()
+                dense.step()
             losses[variant].append(loss.item())
             if step >= args.warmup:
                 seconds[variant] += time.perf_counter() - start
     results = []
-    for variant, (dmp, _, _, _) in variants.items():
+    for variant, (dmp, *_) in variants.items():
         row = {
             "variant": variant,
             "steps_per_s": args.steps / seconds[variant],
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tables = []
     for rank, results in enumerate(per_rank):
-        for name, s in results[2].get("tables", {}).items():
+        for name, s in results[3].get("tables", {}).items():
             tables.append(
                 {
                     "rank": rank,
@@ -296,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     "critical": s["critical_misses"],
                 }
             )
-    print("\ndistcache prefetch, per cache (tables of one width share one):")
+    print("\ndistcache pipeline, per cache (tables of one width share one):")
     print_table(
         tables,
         [
