@@ -6,12 +6,11 @@ import copy
 
 import torch
 import torch.distributed as dist
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -19,28 +18,12 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from distcache import CacheConfig, DistcacheConfigError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
-from tests.distributed.dlrm_case import ROWS, _batches
+from tests.distributed.dlrm_case import ROWS, _batches, _dlrm
 from tests.distributed.sharded_model import copy_global_into
-
-DIM = 8
 
 
 def _model() -> DLRMTrain:
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}", num_embeddings=r, embedding_dim=DIM, feature_names=[f"f{i}"]
-        )
-        for i, r in enumerate(ROWS)
-    ]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    return DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=13,
-            dense_arch_layer_sizes=[16, DIM],
-            over_arch_layer_sizes=[16, 1],
-        )
-    )
+    return DLRMTrain(_dlrm())
 
 
 def _shard(model: DLRMTrain, kind: str, config: CacheConfig) -> DistributedModelParallel:
