@@ -7,6 +7,7 @@ rows of any table compete for the same slots.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -37,6 +38,10 @@ class CacheStats:
     bytes_written: int
     capacity: int
     num_rows: int
+    staging_s: float = 0.0
+    """Host time spent staging batches ahead of their lookup."""
+    wait_s: float = 0.0
+    """Host time lookups spent staging or waiting for rows (the critical path)."""
 
     @property
     def hit_rate(self) -> float:
@@ -94,6 +99,8 @@ class CacheEngine:
         self.stager = Stager(self.store, self.weights, self.state)
         self._ahead: deque[StagePlan] = deque()  # staged, not yet looked up
         self._active: deque[StagePlan] = deque()  # looked up, not yet released
+        self._staging_s = 0.0
+        self._wait_s = 0.0
 
     @property
     def capacity(self) -> int:
@@ -113,16 +120,20 @@ class CacheEngine:
         if self.config.is_reactive:
             return 0
         staged = 0
+        start = time.perf_counter()
         while len(self._ahead) < self.config.prefetch_depth and self.scheduler.num_unstaged:
             plan = self.scheduler.stage_next()
             self.stager.run(plan)
             self._ahead.append(plan)
             staged += 1
+        if staged:
+            self._staging_s += time.perf_counter() - start
         return staged
 
     def lookup_plan(self) -> StagePlan:
         """The next batch's plan, its rows resident: staged ahead, or staged now (critical)."""
         self.release_stale()
+        start = time.perf_counter()
         if self._ahead:
             plan = self._ahead.popleft()
         elif self.scheduler.num_unstaged:
@@ -131,6 +142,7 @@ class CacheEngine:
         else:
             raise LookaheadWindowError(f"{self.name}: lookup with no enqueued batch")
         self.stager.wait(plan)
+        self._wait_s += time.perf_counter() - start
         self._active.append(plan)
         return plan
 
@@ -211,4 +223,6 @@ class CacheEngine:
             bytes_written=self.stager.bytes_written,
             capacity=self.capacity,
             num_rows=self.store.num_rows,
+            staging_s=self._staging_s,
+            wait_s=self._wait_s,
         )

@@ -20,6 +20,8 @@ forward takes the batch and returns `(loss, output)`, like TorchRec's `DLRMTrain
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +32,22 @@ from torch import nn
 
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
 from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection
+
+log = logging.getLogger(__name__)
+_SUMMED = (
+    "batches",
+    "ids",
+    "unique",
+    "hits",
+    "loads",
+    "writebacks",
+    "evictions",
+    "critical_misses",
+    "bytes_loaded",
+    "bytes_written",
+    "capacity",
+    "num_rows",
+)
 
 
 @dataclass
@@ -52,6 +70,7 @@ class LookaheadTrainPipeline:
             at most that).
         sparse_input: how to get the sharded module's `KeyedJaggedTensor` from a batch
             (default: `batch.sparse_features`, TorchRec's `Batch`).
+        log_every: log `stats()` through `logging` every this many trained batches (0: never).
 
     Example::
 
@@ -72,6 +91,7 @@ class LookaheadTrainPipeline:
         *,
         lookahead: int | None = None,
         sparse_input: Callable[[Any], Any] | None = None,
+        log_every: int = 0,
     ):
         modules = [m for m in model.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
         if len(modules) != 1:
@@ -95,6 +115,9 @@ class LookaheadTrainPipeline:
         self._sparse_input = sparse_input or (lambda batch: batch.sparse_features)
         self._window: deque[_InFlight] = deque()
         self._exhausted = False
+        self._log_every = log_every
+        self._trained = 0
+        self._step_s = 0.0
 
     @property
     def lookahead(self) -> int:
@@ -106,6 +129,7 @@ class LookaheadTrainPipeline:
         Raises:
             StopIteration: the data and the window are drained (every batch was trained).
         """
+        start = time.perf_counter()
         self._fill(dataloader_iter)
         if not self._window:
             raise StopIteration
@@ -120,7 +144,35 @@ class LookaheadTrainPipeline:
         if self._optimizer is not None:
             self._optimizer.step()
         self._window.popleft()
+        self._trained += 1
+        self._step_s += time.perf_counter() - start
+        if self._log_every and self._trained % self._log_every == 0:
+            total = self.stats()["total"]
+            log.info(
+                "batch %d: hit rate %.3f, loads %d, write-backs %d, critical misses %d, "
+                "staged %.1f MB, waited on staging %.1f %% of step time",
+                self._trained,
+                total["hit_rate"],
+                total["loads"],
+                total["writebacks"],
+                total["critical_misses"],
+                total["bytes_loaded"] / 1e6,
+                100 * total["wait_fraction"],
+            )
         return output
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """This rank's cache counters per cache (tables of one width share one) and in total,
+        with the fraction of the pipeline's step time that lookups waited on staging."""
+        per_cache = {name: s.as_dict() for name, s in self._module.cache_stats().items()}
+        total: dict[str, float] = {k: sum(s[k] for s in per_cache.values()) for k in _SUMMED}
+        total["staging_s"] = sum(s["staging_s"] for s in per_cache.values())
+        total["wait_s"] = sum(s["wait_s"] for s in per_cache.values())
+        total["hit_rate"] = total["hits"] / total["unique"] if total["unique"] else 0.0
+        total["trained_batches"] = self._trained
+        total["step_s"] = self._step_s
+        total["wait_fraction"] = total["wait_s"] / self._step_s if self._step_s else 0.0
+        return {**per_cache, "total": total}
 
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
         while not self._exhausted and len(self._window) <= self._lookahead:

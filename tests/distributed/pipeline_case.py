@@ -89,7 +89,7 @@ def pipelined_vs_plain(
                 raise AssertionError("a window longer than the caches' lookahead was accepted")
             except DistcacheConfigError as err:
                 assert f"expected 0 <= lookahead <= {lookahead}" in str(err)
-            pipeline = LookaheadTrainPipeline(dmp, dense, torch.device("cpu"))
+            pipeline = LookaheadTrainPipeline(dmp, dense, torch.device("cpu"), log_every=10)
             it = iter(batches)
             while True:
                 try:
@@ -98,6 +98,12 @@ def pipelined_vs_plain(
                     break
                 logits.append(out)
         stats = cache_stats(dmp)
+        if name == "pipeline":
+            total = pipeline.stats()["total"]
+            assert total["trained_batches"] == steps
+            assert total["critical_misses"] == 0 and total["wait_s"] >= 0
+            assert total["loads"] == sum(s.loads for s in stats.values())
+            assert 0 < total["staging_s"] < total["step_s"]
         runs[name] = {
             "logits": torch.stack(logits),
             "critical": sum(s.critical_misses for s in stats.values()),
