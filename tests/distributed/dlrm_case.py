@@ -9,8 +9,7 @@ import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.sharding_plan import table_wise
 from torchrec.models.dlrm import DLRM
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
@@ -18,7 +17,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from distcache import CacheConfig
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
-from tests.distributed.sharded_model import copy_global_into
+from tests.distributed.sharded_model import copy_global_into, per_table_plan
 
 ROWS = [3000, 1200, 5000, 800, 2500, 600]
 DIM = 8
@@ -59,25 +58,11 @@ def _batches(rank: int, steps: int, batch: int):
 
 def _sharded(model: DLRM, sharder, kernel: str) -> DistributedModelParallel:
     world = dist.get_world_size()
-    ebc = model.sparse_arch.embedding_bag_collection
     per_table = {
         f"t{i}": table_wise(rank=i % world, compute_kernel=kernel) for i in range(len(ROWS))
     }
-    plan = construct_module_sharding_plan(
-        ebc,
-        per_param_sharding=per_table,
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-        sharder=sharder,
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
-        sharders=[sharder],
-    )
+    ebc = model.sparse_arch.embedding_bag_collection
+    return per_table_plan(model, "sparse_arch.embedding_bag_collection", ebc, per_table, sharder)
 
 
 def train_both(rank: int, world: int, steps: int = 20, capacity: float = 0.05) -> dict:

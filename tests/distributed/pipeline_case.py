@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.sharding_plan import row_wise, table_wise
 from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
@@ -19,7 +18,7 @@ from distcache import CacheConfig, DistcacheConfigError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
 from tests.distributed.dlrm_case import ROWS, _batches, _dlrm
-from tests.distributed.sharded_model import copy_global_into
+from tests.distributed.sharded_model import copy_global_into, per_table_plan
 
 
 def _model() -> DLRMTrain:
@@ -28,26 +27,15 @@ def _model() -> DLRMTrain:
 
 def _shard(model: DLRMTrain, kind: str, config: CacheConfig) -> DistributedModelParallel:
     world = dist.get_world_size()
-    ebc = model.model.sparse_arch.embedding_bag_collection
     make = {
         "table_wise": lambda i: table_wise(rank=i % world, compute_kernel=CACHED_KERNEL),
         "row_wise": lambda i: row_wise(compute_kernel=CACHED_KERNEL),
     }[kind]
+    per_table = {f"t{i}": make(i) for i in range(len(ROWS))}
+    ebc = model.model.sparse_arch.embedding_bag_collection
     sharder = CachedEmbeddingBagCollectionSharder(config)
-    plan = construct_module_sharding_plan(
-        ebc,
-        per_param_sharding={f"t{i}": make(i) for i in range(len(ROWS))},
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-        sharder=sharder,
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
-        sharders=[sharder],
+    return per_table_plan(
+        model, "model.sparse_arch.embedding_bag_collection", ebc, per_table, sharder
     )
 
 

@@ -116,6 +116,44 @@ def plan_for(kind: str, world: int) -> dict:
     return {name: per_table(i) for i, (name, *_) in enumerate(TABLES)}
 
 
+def wrap(
+    model: torch.nn.Module, plan: ShardingPlan, sharder, *, init_data_parallel: bool = True
+) -> DistributedModelParallel:
+    """`model` under DMP with `plan` on this CPU process group."""
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=[sharder],
+        init_data_parallel=init_data_parallel,
+    )
+
+
+def per_table_plan(
+    model: torch.nn.Module,
+    path: str,
+    ebc: EmbeddingBagCollection,
+    per_table: dict,
+    sharder,
+    **kwargs,
+) -> DistributedModelParallel:
+    """`model` under DMP with the EBC at `path` sharded by hand, table by table."""
+    world = dist.get_world_size()
+    module_plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding=per_table,
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+        sharder=sharder,
+    )
+    if isinstance(sharder, CachedEmbeddingBagCollectionSharder):
+        for sharding in module_plan.values():  # table_row_wise() takes no compute kernel
+            sharding.compute_kernel = CACHED_KERNEL
+    return wrap(model, ShardingPlan({path: module_plan}), sharder, **kwargs)
+
+
 def shard(
     ebc: EmbeddingBagCollection,
     kind: str,
@@ -129,32 +167,8 @@ def shard(
         enumerator = EmbeddingEnumerator(topology, 8, estimator=cached_estimators(topology))
         planner = EmbeddingShardingPlanner(topology=topology, enumerator=enumerator)
         plan = planner.collective_plan(ebc, [sharder], dist.group.WORLD)
-        return DistributedModelParallel(
-            ebc,
-            env=ShardingEnv.from_process_group(dist.group.WORLD),
-            device=torch.device("cpu"),
-            plan=attach_cache_configs(plan, sharder),
-            sharders=[sharder],
-            init_data_parallel=False,
-        )
-    module_plan = construct_module_sharding_plan(
-        ebc,
-        per_param_sharding=plan_for(kind, world),
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-        sharder=sharder,
-    )
-    for sharding in module_plan.values():  # table_row_wise() takes no compute kernel
-        sharding.compute_kernel = CACHED_KERNEL
-    return DistributedModelParallel(
-        ebc,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"": module_plan}),
-        sharders=[sharder],
-        init_data_parallel=False,
-    )
+        return wrap(ebc, attach_cache_configs(plan, sharder), sharder, init_data_parallel=False)
+    return per_table_plan(ebc, "", ebc, plan_for(kind, world), sharder, init_data_parallel=False)
 
 
 def copy_global_into(model: torch.nn.Module, global_state: dict[str, torch.Tensor]) -> None:
