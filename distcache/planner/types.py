@@ -1,0 +1,316 @@
+"""The planner's vocabulary: what is planned (a `Workload`), on what (a `Topology`), the result (a
+`Plan`) and its modelled cost (`PlanCost`). Plain frozen dataclasses, units in field names.
+
+Every planning stage — statistics (`stats.py`), cost model (`cost.py`), solver (`solver.py`),
+export to TorchRec (`export.py`), comparison (`compare.py`) — speaks these types only, so a plan
+from any source (distcache's solver, TorchRec's planner, a JSON file) is priced the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distcache.errors import DistcacheConfigError
+from distcache.planner.stats import AccessProfile
+
+DATA_PARALLEL = "data_parallel"
+TABLE_WISE = "table_wise"
+ROW_WISE = "row_wise"
+COLUMN_WISE = "column_wise"
+SHARDING_TYPES = (DATA_PARALLEL, TABLE_WISE, ROW_WISE, COLUMN_WISE)
+
+DEVICE = "device"  # every row of the shard in device memory
+HOST_CACHED = "host_cached"  # rows in host memory, a look-ahead cache of some rows on the device
+STORAGES = (DEVICE, HOST_CACHED)
+
+# Optimizer state per row, in elements of the row's dtype: f(dim).
+OPTIMIZER_STATE = {
+    "sgd": lambda dim: 0,
+    "rowwise_adagrad": lambda dim: 1,
+    "adagrad": lambda dim: dim,
+    "adam": lambda dim: 2 * dim,
+}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise DistcacheConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableStats:
+    """One embedding table as the planner sees it."""
+
+    name: str
+    rows: int
+    dim: int
+    pooling_factor: float = 1.0
+    """Ids per sample of each feature reading this table, summed over its features."""
+    alpha: float | None = 1.05
+    """Power-law exponent of the access profile (p_r ∝ (r + 1)^-alpha); None with `counts`."""
+    counts: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """Id counts from a data sample (overrides `alpha`)."""
+
+    def __post_init__(self) -> None:
+        _check(self.rows >= 1, f"table {self.name!r}: rows must be >= 1, got {self.rows}")
+        _check(self.dim >= 1, f"table {self.name!r}: dim must be >= 1, got {self.dim}")
+        _check(
+            self.pooling_factor > 0,
+            f"table {self.name!r}: pooling_factor must be > 0, got {self.pooling_factor}",
+        )
+        _check(
+            self.counts is not None or (self.alpha is not None and self.alpha >= 0),
+            f"table {self.name!r}: give alpha >= 0 or counts",
+        )
+
+    def profile(self) -> AccessProfile:
+        if self.counts is not None:
+            return AccessProfile.from_counts(self.counts, rows=self.rows)
+        return AccessProfile.power_law(self.rows, float(self.alpha))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A DLRM-style model and its batches: embedding tables plus dense MLPs."""
+
+    name: str
+    tables: tuple[TableStats, ...]
+    batch_size_per_rank: int = 512
+    dense_in_features: int = 13
+    bottom_mlp: tuple[int, ...] = (512, 256, 128)
+    top_mlp: tuple[int, ...] = (1024, 1024, 512, 256, 1)
+    optimizer: str = "sgd"
+    """Embedding optimizer; decides the state bytes that travel with each row."""
+    dtype_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        _check(len(self.tables) > 0, f"workload {self.name!r} has no tables")
+        names = [t.name for t in self.tables]
+        _check(len(set(names)) == len(names), f"workload {self.name!r}: duplicate table names")
+        _check(self.batch_size_per_rank >= 1, "batch_size_per_rank must be >= 1")
+        _check(
+            self.optimizer in OPTIMIZER_STATE,
+            f"optimizer {self.optimizer!r} is not one of {sorted(OPTIMIZER_STATE)}",
+        )
+
+    def table(self, name: str) -> TableStats:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def row_bytes(self, table: TableStats) -> int:
+        """Bytes of one row with its optimizer state."""
+        return (table.dim + OPTIMIZER_STATE[self.optimizer](table.dim)) * self.dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """The hardware a plan runs on; bandwidths are per rank.
+
+    Presets and measurement: `distcache.planner.topology` (`preset`, `load`) and
+    `python -m distcache calibrate`.
+    """
+
+    name: str
+    world_size: int
+    ranks_per_node: int
+    compute_device: str = "cuda"
+    """'cuda' or 'cpu' (on CPU the "device" memory is host memory)."""
+    device_memory_bytes: int
+    """Per rank, available to embeddings (rows, caches, optimizer state)."""
+    host_memory_bytes: int
+    """Per rank, available to host-resident tables."""
+    device_memory_bw_bytes_per_s: float
+    host_to_device_bw_bytes_per_s: float
+    host_to_device_latency_s: float = 10e-6
+    intra_node_bw_bytes_per_s: float
+    inter_node_bw_bytes_per_s: float
+    network_latency_s: float = 20e-6
+    dense_flops_per_s: float
+    """Achieved (not peak) rate of the dense MLPs, forward + backward."""
+    lookup_rows_per_s: float | None = None
+    """Measured embedding-bag rows/s; None: derived from device memory bandwidth."""
+
+    def __post_init__(self) -> None:
+        _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        _check(
+            1 <= self.ranks_per_node,
+            f"ranks_per_node must be >= 1, got {self.ranks_per_node}",
+        )
+        _check(
+            self.compute_device in ("cuda", "cpu"),
+            f"compute_device must be 'cuda' or 'cpu', got {self.compute_device!r}",
+        )
+        for name in (
+            "device_memory_bytes",
+            "host_memory_bytes",
+            "device_memory_bw_bytes_per_s",
+            "host_to_device_bw_bytes_per_s",
+            "intra_node_bw_bytes_per_s",
+            "inter_node_bw_bytes_per_s",
+            "dense_flops_per_s",
+        ):
+            _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.ranks_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Topology:
+        allowed = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - allowed)
+        _check(not unknown, f"unknown topology keys {unknown}; allowed: {sorted(allowed)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TablePlan:
+    """Where one table lives."""
+
+    table: str
+    sharding: str
+    """One of SHARDING_TYPES."""
+    ranks: tuple[int, ...]
+    """Ranks holding a shard (data parallel: every rank; table-wise: one rank; row-/column-wise:
+    one shard per listed rank, rows or columns split evenly)."""
+    storage: str = DEVICE
+    """One of STORAGES; data-parallel tables are always on the device."""
+    cache_fraction: float = 1.0
+    """Fraction of each shard's rows the device cache holds (1.0 for `device` storage)."""
+    lookahead: int = 0
+    prefetch_depth: int = 0
+
+    def __post_init__(self) -> None:
+        t = self.table
+        _check(
+            self.sharding in SHARDING_TYPES,
+            f"table {t!r}: sharding {self.sharding!r} is not one of {SHARDING_TYPES}",
+        )
+        _check(
+            self.storage in STORAGES,
+            f"table {t!r}: storage {self.storage!r} is not one of {STORAGES}",
+        )
+        _check(len(self.ranks) >= 1, f"table {t!r}: ranks must not be empty")
+        _check(
+            self.sharding != TABLE_WISE or len(self.ranks) == 1,
+            f"table {t!r}: table-wise sharding has one rank, got {self.ranks}",
+        )
+        _check(
+            0 < self.cache_fraction <= 1,
+            f"table {t!r}: cache_fraction must be in (0, 1], got {self.cache_fraction}",
+        )
+        _check(
+            self.storage == HOST_CACHED or self.cache_fraction == 1.0,
+            f"table {t!r}: device storage holds every row (cache_fraction 1.0)",
+        )
+        _check(
+            self.sharding != DATA_PARALLEL or self.storage == DEVICE,
+            f"table {t!r}: data-parallel tables are stored on the device",
+        )
+        _check(
+            0 <= self.prefetch_depth <= self.lookahead,
+            f"table {t!r}: expected 0 <= prefetch_depth <= lookahead, got "
+            f"{self.prefetch_depth} and {self.lookahead}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A placement of every table of a workload, with the planner's reasons."""
+
+    name: str
+    tables: tuple[TablePlan, ...]
+    explanations: dict[str, str] = field(default_factory=dict, compare=False)
+    """Per table: why this placement, and the alternatives rejected with their modelled cost."""
+
+    def table(self, name: str) -> TablePlan:
+        for t in self.tables:
+            if t.table == name:
+                return t
+        raise KeyError(name)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "name": self.name,
+                "tables": [asdict(t) for t in self.tables],
+                "explanations": self.explanations,
+            },
+            indent=2,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        tables = tuple(
+            TablePlan(**{**t, "ranks": tuple(t["ranks"])}) for t in data.get("tables", [])
+        )
+        return cls(
+            name=data.get("name", "plan"),
+            tables=tables,
+            explanations=data.get("explanations", {}),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """Modelled time of one training step on one rank, per term, in seconds."""
+
+    dense_compute_s: float = 0.0
+    lookup_s: float = 0.0
+    staging_s: float = 0.0
+    """Staging traffic (loads + dirty write-backs) of the look-ahead caches."""
+    exposed_staging_s: float = 0.0
+    """The part of `staging_s` not hidden behind compute (overlap up to compute's length)."""
+    input_all_to_all_s: float = 0.0
+    output_all_to_all_s: float = 0.0
+    all_reduce_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return (
+            self.dense_compute_s
+            + self.lookup_s
+            + self.exposed_staging_s
+            + self.input_all_to_all_s
+            + self.output_all_to_all_s
+            + self.all_reduce_s
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanCost:
+    """A plan priced on a topology: per-rank step terms and memory."""
+
+    per_rank: tuple[StepCost, ...]
+    device_memory_bytes: tuple[int, ...]
+    host_memory_bytes: tuple[int, ...]
+    global_batch_size: int
+    fits: bool
+    """Whether every rank's device and host memory fit the topology's limits."""
+
+    @property
+    def step_s(self) -> float:
+        """Synchronous training: the slowest rank sets the step."""
+        return max(c.total_s for c in self.per_rank)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch_size / self.step_s if self.step_s > 0 else float("inf")
