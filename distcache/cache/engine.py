@@ -111,17 +111,19 @@ class CacheEngine:
         """Add a future batch's (validated) engine rows `[n]` to the look-ahead window."""
         return self.scheduler.enqueue(ids)
 
-    def prefetch(self) -> int:
-        """Stage enqueued batches until `prefetch_depth` are staged ahead of the training one.
+    def prefetch(self, depth: int | None = None) -> int:
+        """Stage enqueued batches until `depth` (default: the config's `prefetch_depth`) are
+        staged ahead of the training one.
 
         A no-op for reactive policies, which load their misses when a batch is looked up.
         Returns the number of batches staged.
         """
         if self.config.is_reactive:
             return 0
+        depth = self.config.prefetch_depth if depth is None else depth
         staged = 0
         start = time.perf_counter()
-        while len(self._ahead) < self.config.prefetch_depth and self.scheduler.num_unstaged:
+        while len(self._ahead) < depth and self.scheduler.num_unstaged:
             plan = self.scheduler.stage_next()
             self.stager.run(plan)
             self._ahead.append(plan)

@@ -117,6 +117,8 @@ class CachedEmbeddingBags(nn.Module):
             raise DistcacheConfigError(f"duplicate table names {dupes}: names must be unique")
         self.tables = list(tables)
         self.config = config
+        # K, batches staged ahead of the training one; a train pipeline may lower it.
+        self.prefetch_depth = config.prefetch_depth
         self.device = torch.device(device)
         fmap = list(range(len(tables))) if feature_table_map is None else list(feature_table_map)
         if not fmap or any(not 0 <= t < len(tables) for t in fmap):
@@ -170,7 +172,7 @@ class CachedEmbeddingBags(nn.Module):
     def prefetch(self) -> None:
         """Stage enqueued batches' rows, up to `prefetch_depth` batches ahead."""
         for group in self._groups:
-            group.engine.prefetch()
+            group.engine.prefetch(self.prefetch_depth)
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Pooled embeddings `[B, sum of dims]` of a batch.

@@ -1,20 +1,23 @@
-"""`LookaheadTrainPipeline`: keeps L batches routed ahead of the one training (CPU, in order).
+"""`LookaheadTrainPipeline`: keeps L batches routed ahead of the one training.
 
 Each batch is routed once, when it enters the window: TorchRec's input distribution sends its
 ids to the ranks that own their rows, and the routed ids enter the caches' look-ahead windows
 through TorchRec's `prefetch` hook. Rows are staged K batches ahead. When the batch trains, its
 sharded modules reuse the routed input instead of routing it again.
 
-Stages, in the order `progress` runs them, with the batch each works on (t = training batch):
+Stages, in the order `progress` runs them, with the batch each works on (t = training batch)
+and the stream it uses on CUDA (on CPU everything runs in order on the calling thread):
 
-    fill      t + L   read, copy to the device, input all-to-all, enqueue in the caches' windows
-    forward   t       lookups from the cache (rows staged, no critical-path miss)
-    stage     t + K   stage the next rows while batch t trains
-    backward  t       fused row update in the caches; dense optimizer step
+    copy      t + L   read from the loader, copy to the device       copy stream
+    route     t + L   input all-to-all; ids enter the caches' windows  default stream
+    forward   t       lookups from the cache (rows staged, no critical-path miss)  default
+    stage     t + K   write back victims, load the next rows while t trains  the caches' own
+                      staging stream, fenced by events (`distcache.cache.stager`)
+    backward  t       fused row update in the caches; dense optimizer step  default stream
 
-This first version runs the stages in order on the calling thread (CPU, and CUDA without side
-streams); it drives the distcache-sharded modules of a `DistributedModelParallel` model whose
-forward takes the batch and returns `(loss, output)`, like TorchRec's `DLRMTrain`.
+The pipeline drives every distcache-sharded `EmbeddingBagCollection` of a
+`DistributedModelParallel` model whose forward takes the batch and returns `(loss, output)`,
+like TorchRec's `DLRMTrain`; modules TorchRec's own sharders shard run as usual inside forward.
 """
 
 from __future__ import annotations
@@ -51,26 +54,41 @@ _SUMMED = (
 
 
 @dataclass
+class _Routed:
+    """One sharded module's view of a batch in the window."""
+
+    sparse: Any  # the KeyedJaggedTensor the module is called with
+    ctx: Any  # the module's context for this batch
+    routed: Any  # its input-dist output (per sharding, this rank's shard-local ids)
+
+
+@dataclass
 class _InFlight:
     batch: Any
-    sparse: Any  # the KeyedJaggedTensor the sharded module was routed from
-    ctx: Any  # the sharded module's context for this batch
-    routed: Any  # its input-dist output (per sharding, this rank's shard-local ids)
+    routed: dict[str, _Routed]  # module path -> routed input
 
 
 class LookaheadTrainPipeline:
     """TorchRec's train-pipeline contract with a look-ahead window.
 
     Args:
-        model: a `DistributedModelParallel` (or any module) holding exactly one
-            distcache-sharded `EmbeddingBagCollection`; `model(batch)` returns `(loss, output)`.
+        model: a `DistributedModelParallel` (or any module) holding one or more
+            distcache-sharded `EmbeddingBagCollection`s; `model(batch)` returns
+            `(loss, output)`.
         optimizer: the dense optimizer (embedding rows are updated in backward), or None.
         device: where batches are copied.
-        lookahead: L, batches routed ahead of the training one (default: the caches' lookahead;
-            at most that).
-        sparse_input: how to get the sharded module's `KeyedJaggedTensor` from a batch
-            (default: `batch.sparse_features`, TorchRec's `Batch`).
+        lookahead: L, batches routed ahead of the training one (default: the caches'
+            lookahead; at most that).
+        prefetch_depth: K <= L, batches whose rows are staged ahead of the training one
+            (default: the caches' prefetch depth, at most L).
+        sparse_input: how to get a sharded module's `KeyedJaggedTensor` from a batch. Default,
+            with one distcache-sharded module: `batch.sparse_features` (TorchRec's `Batch`).
+            With several, required: `batch -> {module path: KeyedJaggedTensor}`, the paths in
+            the model DMP wrapped (without DMP's and DDP's wrapper prefixes).
         log_every: log `stats()` through `logging` every this many trained batches (0: never).
+
+    An exception in any stage propagates from `progress`; the pipeline is then closed (its
+    window and caches are mid-batch), and a later `progress` raises. Restore from a checkpoint.
 
     Example::
 
@@ -87,34 +105,52 @@ class LookaheadTrainPipeline:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        device: torch.device,
+        device: torch.device | str,
         *,
         lookahead: int | None = None,
+        prefetch_depth: int | None = None,
         sparse_input: Callable[[Any], Any] | None = None,
         log_every: int = 0,
     ):
-        modules = [m for m in model.modules() if isinstance(m, ShardedCachedEmbeddingBagCollection)]
-        if len(modules) != 1:
+        self._modules = {
+            _user_path(path): m
+            for path, m in model.named_modules()
+            if isinstance(m, ShardedCachedEmbeddingBagCollection)
+        }
+        if not self._modules:
             raise DistcacheConfigError(
-                f"LookaheadTrainPipeline drives exactly one distcache-sharded "
-                f"EmbeddingBagCollection; the model has {len(modules)}"
+                "LookaheadTrainPipeline found no distcache-sharded EmbeddingBagCollection in the "
+                "model: shard it with DistributedModelParallel and "
+                "CachedEmbeddingBagCollectionSharder"
             )
-        self._module = modules[0]
-        windows = [k.cache_config.lookahead for k in self._module.cached_kernels()]
-        most = min(windows) if windows else 0
-        lookahead = most if lookahead is None else lookahead
-        if not 0 <= lookahead <= most:
+        if sparse_input is None and len(self._modules) > 1:
             raise DistcacheConfigError(
-                f"lookahead={lookahead} is invalid: expected 0 <= lookahead <= {most}, the "
-                "smallest lookahead of the caches' CacheConfig"
+                f"the model has {len(self._modules)} distcache-sharded modules "
+                f"{sorted(self._modules)}: pass sparse_input=lambda batch: "
+                "{module path: KeyedJaggedTensor}"
             )
+        self._bags = [k.bags for m in self._modules.values() for k in m.cached_kernels()]
+        self._lookahead = _window_setting(
+            "lookahead", lookahead, min((b.config.lookahead for b in self._bags), default=0)
+        )
+        self._depth = _window_setting(
+            "prefetch_depth",
+            prefetch_depth,
+            min(min((b.config.prefetch_depth for b in self._bags), default=0), self._lookahead),
+            most=self._lookahead,
+        )
+        for bags in self._bags:
+            bags.prefetch_depth = self._depth
         self._model = model
         self._optimizer = optimizer
-        self._device = device
-        self._lookahead = lookahead
+        self._device = torch.device(device)
         self._sparse_input = sparse_input or (lambda batch: batch.sparse_features)
+        self._copy_stream = (
+            torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
+        )
         self._window: deque[_InFlight] = deque()
         self._exhausted = False
+        self._failed: BaseException | None = None
         self._log_every = log_every
         self._trained = 0
         self._step_s = 0.0
@@ -123,48 +159,48 @@ class LookaheadTrainPipeline:
     def lookahead(self) -> int:
         return self._lookahead
 
+    @property
+    def prefetch_depth(self) -> int:
+        return self._depth
+
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Train the oldest batch in the window; returns the model's output for it.
 
         Raises:
             StopIteration: the data and the window are drained (every batch was trained).
         """
+        if self._failed is not None:
+            raise LookaheadWindowError(
+                "the pipeline is closed: a previous progress() raised "
+                f"{type(self._failed).__name__}: {self._failed}"
+            )
         start = time.perf_counter()
-        self._fill(dataloader_iter)
-        if not self._window:
-            raise StopIteration
-        current = self._window[0]
-        self._model.train()
-        with self._routed_forward(current):
-            loss, output = self._model(current.batch)
-        self._module.stage_ahead()  # the next rows move while this batch trains
-        if self._optimizer is not None:
-            self._optimizer.zero_grad()
-        loss.backward()
-        if self._optimizer is not None:
-            self._optimizer.step()
+        try:
+            self._fill(dataloader_iter)
+            if not self._window:
+                raise StopIteration
+            output = self._train(self._window[0])
+        except StopIteration:
+            raise
+        except BaseException as err:
+            self._failed = err
+            raise
         self._window.popleft()
         self._trained += 1
         self._step_s += time.perf_counter() - start
         if self._log_every and self._trained % self._log_every == 0:
-            total = self.stats()["total"]
-            log.info(
-                "batch %d: hit rate %.3f, loads %d, write-backs %d, critical misses %d, "
-                "staged %.1f MB, waited on staging %.1f %% of step time",
-                self._trained,
-                total["hit_rate"],
-                total["loads"],
-                total["writebacks"],
-                total["critical_misses"],
-                total["bytes_loaded"] / 1e6,
-                100 * total["wait_fraction"],
-            )
+            self._log()
         return output
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """This rank's cache counters per cache (tables of one width share one) and in total,
-        with the fraction of the pipeline's step time that lookups waited on staging."""
-        per_cache = {name: s.as_dict() for name, s in self._module.cache_stats().items()}
+        """This rank's cache counters per cache (`module path/tables`; tables of one width
+        share a cache) and in total, with the fraction of the pipeline's step time that lookups
+        waited on staging."""
+        per_cache = {
+            f"{path}/{name}" if path else name: s.as_dict()
+            for path, module in self._modules.items()
+            for name, s in module.cache_stats().items()
+        }
         total: dict[str, float] = {k: sum(s[k] for s in per_cache.values()) for k in _SUMMED}
         total["staging_s"] = sum(s["staging_s"] for s in per_cache.values())
         total["wait_s"] = sum(s["wait_s"] for s in per_cache.values())
@@ -174,37 +210,130 @@ class LookaheadTrainPipeline:
         total["wait_fraction"] = total["wait_s"] / self._step_s if self._step_s else 0.0
         return {**per_cache, "total": total}
 
+    # ------------------------------------------------------------ stages
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
+        """copy + route, batch t + L: keep L batches routed beyond the training one."""
         while not self._exhausted and len(self._window) <= self._lookahead:
             batch = next(dataloader_iter, None)
             if batch is None:
                 self._exhausted = True
                 break
-            batch = batch.to(self._device) if hasattr(batch, "to") else batch
-            sparse = self._sparse_input(batch)
-            ctx = self._module.create_context()
-            routed = self._module.input_dist(ctx, sparse).wait().wait()
-            self._module.prefetch(dist_input=routed, forward_stream=None, ctx=ctx)
-            self._window.append(_InFlight(batch, sparse, ctx, routed))
+            batch = self._copy(batch)
+            self._window.append(_InFlight(batch, self._route(batch)))
+
+    def _copy(self, batch: Any) -> Any:
+        """copy, batch t + L: to the device; on CUDA on the copy stream, fenced before use."""
+        if not hasattr(batch, "to"):
+            return batch
+        if self._copy_stream is None:
+            return batch.to(self._device)
+        with torch.cuda.stream(self._copy_stream):
+            batch = batch.to(self._device, non_blocking=True)
+        current = torch.cuda.current_stream(self._device)
+        current.wait_stream(self._copy_stream)
+        if hasattr(batch, "record_stream"):  # its memory is used on the default stream
+            batch.record_stream(current)
+        return batch
+
+    def _route(self, batch: Any) -> dict[str, _Routed]:
+        """route, batch t + L: input all-to-all of every sharded module; the routed ids enter
+        the caches' look-ahead windows (TorchRec's prefetch hook), staged up to K ahead."""
+        sparse = self._sparse_input(batch)
+        if len(self._modules) == 1 and not isinstance(sparse, dict):
+            sparse = {next(iter(self._modules)): sparse}
+        missing = sorted(set(self._modules) - set(sparse))
+        if missing:
+            raise DistcacheConfigError(
+                f"sparse_input returned no features for modules {missing}; expected keys "
+                f"{sorted(self._modules)}"
+            )
+        routed = {}
+        with torch.profiler.record_function("## distcache:route ##"):
+            for path, module in self._modules.items():
+                ctx = module.create_context()
+                dist_input = module.input_dist(ctx, sparse[path]).wait().wait()
+                module.prefetch(dist_input=dist_input, forward_stream=None, ctx=ctx)
+                routed[path] = _Routed(sparse[path], ctx, dist_input)
+        return routed
+
+    def _train(self, current: _InFlight) -> Any:
+        """forward (t), stage (t + K), backward and optimizer (t)."""
+        self._model.train()
+        with (
+            self._routed_forward(current),
+            torch.profiler.record_function("## distcache:forward ##"),
+        ):
+            loss, output = self._model(current.batch)
+        with torch.profiler.record_function("## distcache:stage ##"):
+            for module in self._modules.values():
+                module.stage_ahead()  # the next rows move while this batch trains
+        with torch.profiler.record_function("## distcache:backward ##"):
+            if self._optimizer is not None:
+                self._optimizer.zero_grad()
+            loss.backward()
+            if self._optimizer is not None:
+                self._optimizer.step()
+        return output
 
     @contextlib.contextmanager
     def _routed_forward(self, current: _InFlight) -> Iterator[None]:
-        """While the batch trains, the sharded module reuses its routed input."""
-        module = self._module
-
-        def forward(features: Any, *args: Any, **kwargs: Any) -> Any:
-            if features is not current.sparse and (
-                list(features.keys()) != list(current.sparse.keys())
-                or features.values().numel() != current.sparse.values().numel()
-            ):
-                raise LookaheadWindowError(
-                    "the sharded module was called with features other than the batch's "
-                    "sparse input (sparse_input): the pipeline routed a different batch"
-                )
-            return module.compute_and_output_dist(current.ctx, current.routed)
-
-        module.forward = forward
+        """While the batch trains, each sharded module reuses its routed input."""
+        for path, module in self._modules.items():
+            module.forward = _reuse_routed(module, current.routed[path], path)
         try:
             yield
         finally:
-            del module.forward
+            for module in self._modules.values():
+                del module.forward
+
+    def _log(self) -> None:
+        total = self.stats()["total"]
+        log.info(
+            "batch %d: hit rate %.3f, loads %d, write-backs %d, critical misses %d, "
+            "staged %.1f MB, waited on staging %.1f %% of step time",
+            self._trained,
+            total["hit_rate"],
+            total["loads"],
+            total["writebacks"],
+            total["critical_misses"],
+            total["bytes_loaded"] / 1e6,
+            100 * total["wait_fraction"],
+        )
+
+
+def _reuse_routed(module: Any, routed: _Routed, path: str) -> Callable[..., Any]:
+    def forward(features: Any, *args: Any, **kwargs: Any) -> Any:
+        if features is not routed.sparse and (
+            list(features.keys()) != list(routed.sparse.keys())
+            or features.values().numel() != routed.sparse.values().numel()
+        ):
+            raise LookaheadWindowError(
+                f"the sharded module {path!r} was called with features other than the batch's "
+                "sparse input (sparse_input): the pipeline routed a different batch"
+            )
+        return module.compute_and_output_dist(routed.ctx, routed.routed)
+
+    return forward
+
+
+def _user_path(path: str) -> str:
+    """A module's path in the user's model: without DMP's and DDP's wrapper prefixes."""
+    parts = path.split(".")
+    while parts and parts[0] in ("_dmp_wrapped_module", "module"):
+        parts.pop(0)
+    return ".".join(parts)
+
+
+def _window_setting(name: str, value: int | None, default: int, most: int | None = None) -> int:
+    most = default if most is None else most
+    value = default if value is None else value
+    if not 0 <= value <= most:
+        raise DistcacheConfigError(
+            f"{name}={value} is invalid: expected 0 <= {name} <= {most}"
+            + (
+                ", the smallest lookahead of the caches' CacheConfig"
+                if name == "lookahead"
+                else ", the pipeline's lookahead"
+            )
+        )
+    return value

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.distributed.harness import run_ranks
 from tests.distributed.pipeline_case import pipelined_vs_plain
+from tests.distributed.pipeline_sweep_case import failing_stage, three_ways, two_modules
 
 
 @pytest.mark.timeout(240)
@@ -19,3 +22,52 @@ def test_pipeline_equals_plain_loop_without_critical_misses(kind):
                 assert torch.equal(a, b), key
         assert plain["critical"] > 0 and piped["critical"] == 0
         assert piped["loads"] > 0 and piped["evictions"] > 0
+
+
+_KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "mixed"]
+
+
+@st.composite
+def _case(draw):
+    lookahead = draw(st.integers(1, 4))
+    return (
+        draw(st.sampled_from(_KINDS)),
+        lookahead,
+        draw(st.integers(0, lookahead)),  # K <= L; K = 0 stages each batch as it trains
+        draw(st.sampled_from([0.0, 0.0, 0.1, 0.3, 1.0])),  # 0: the in-flight working set
+        draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases=st.lists(_case(), min_size=4, max_size=4))
+def test_pipelined_equals_plain_equals_uncached_torchrec(cases):
+    """Hypothesis sweep over sharding type, L, K and cache size down to the in-flight working
+    set; batches of varying size and one with no ids. Each example runs its cases in one pair
+    of ranks (spawning is the slow part)."""
+    for results in run_ranks(three_ways, 2, args=(cases,), timeout_s=280):
+        for case, result in zip(cases, results, strict=True):
+            if case[2] > 0:  # rows staged ahead: the pipeline never waits on a miss
+                assert result["pipeline"]["critical"] == 0, (case, result)
+            assert result["plain"]["critical"] > 0, (case, result)
+
+
+@pytest.mark.timeout(180)
+def test_two_sharded_modules_pipelined_equal_plain():
+    for runs in run_ranks(two_modules, 2, timeout_s=150):
+        plain, piped = runs["plain"], runs["pipeline"]
+        assert len(piped["outputs"]) == len(plain["outputs"]) == 2 * 8
+        for a, b in zip(plain["outputs"], piped["outputs"], strict=True):
+            assert torch.equal(a, b)
+        assert plain["weights"].keys() == piped["weights"].keys()
+        for key, shards in plain["weights"].items():
+            for a, b in zip(shards, piped["weights"][key], strict=True):
+                assert torch.equal(a, b), key
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_in_a_stage_propagates_and_closes_the_pipeline():
+    [message] = run_ranks(failing_stage, 1, timeout_s=100)
+    assert "10000" in message and "t0" in message
+    assert "closed" in message and "InvalidIdError" in message
