@@ -304,7 +304,10 @@ class PlanCost:
     host_memory_bytes: tuple[int, ...]
     global_batch_size: int
     fits: bool
-    """Whether every rank's device and host memory fit the topology's limits."""
+    """Whether every rank's device and host memory fit the topology's limits and every cache
+    holds the working set of its batches in flight."""
+    violations: tuple[str, ...] = ()
+    """Why the plan does not fit (memory per rank, caches smaller than their working set)."""
 
     @property
     def step_s(self) -> float:

@@ -1,0 +1,250 @@
+"""The cost model against hand computation, the exact statistics, and monotonicity."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from distcache.errors import DistcacheConfigError
+from distcache.planner.cost import (
+    CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
+    CACHE_SLOT_BYTES,
+    BinnedProfile,
+    dense_flops_per_sample,
+    dense_parameter_bytes,
+    plan_cost,
+    shard_terms,
+)
+from distcache.planner.stats import AccessProfile, expected_loads, expected_unique
+from distcache.planner.types import (
+    COLUMN_WISE,
+    DATA_PARALLEL,
+    HOST_CACHED,
+    ROW_WISE,
+    TABLE_WISE,
+    Plan,
+    TablePlan,
+    TableStats,
+    Topology,
+    Workload,
+)
+
+LATENCY = 2e-5
+TOPOLOGY = Topology(
+    name="toy",
+    world_size=2,
+    ranks_per_node=1,  # two nodes: every byte between ranks crosses the NIC
+    device_memory_bytes=10**6,
+    host_memory_bytes=10**7,
+    device_memory_bw_bytes_per_s=1e11,
+    host_to_device_bw_bytes_per_s=1e10,
+    host_to_device_latency_s=1e-5,
+    intra_node_bw_bytes_per_s=1e11,
+    inter_node_bw_bytes_per_s=1e10,
+    network_latency_s=LATENCY,
+    dense_flops_per_s=1e12,
+)
+WORKLOAD = Workload(
+    name="toy",
+    tables=(
+        TableStats(name="a", rows=1000, dim=16, pooling_factor=2, alpha=1.0),
+        TableStats(name="b", rows=500, dim=8, pooling_factor=1, alpha=1.2),
+    ),
+    batch_size_per_rank=100,
+    bottom_mlp=(8, 4),
+    top_mlp=(4, 1),
+)
+PLAN = Plan(
+    name="toy",
+    tables=(
+        TablePlan(table="a", sharding=TABLE_WISE, ranks=(0,)),
+        TablePlan(
+            table="b",
+            sharding=TABLE_WISE,
+            ranks=(1,),
+            storage=HOST_CACHED,
+            cache_fraction=0.5,
+            lookahead=2,
+            prefetch_depth=1,
+        ),
+    ),
+)
+
+
+def test_dense_terms_by_hand():
+    # bottom 13->8->4, dot interaction of 3 vectors of 4, top (4 + 3)->4->1
+    assert dense_flops_per_sample(WORKLOAD) == 2 * (13 * 8 + 8 * 4) + 2 * 9 * 4 + 2 * (7 * 4 + 4)
+    assert dense_parameter_bytes(WORKLOAD) == 4 * ((13 * 8 + 8) + (8 * 4 + 4) + (7 * 4 + 4) + 5)
+
+
+def test_two_tables_on_two_ranks_by_hand():
+    cost = plan_cost(PLAN, WORKLOAD, TOPOLOGY)
+    dense = 3 * dense_flops_per_sample(WORKLOAD) * 100 / 1e12
+    profile_a, profile_b = AccessProfile.power_law(1000, 1.0), AccessProfile.power_law(500, 1.2)
+    unique_a, unique_b = expected_unique(profile_a, 400), expected_unique(profile_b, 200)
+    lookup_a = (2 * 400 * 64 + 2 * unique_a * 64) / 1e11  # 16 floats = 64 B = 2 sectors
+    lookup_b = (2 * 200 * 32 + 2 * unique_b * 32) / 1e11
+    loads_b = expected_loads(profile_b, 200, 250, "frequency")
+    staging_b = 2 * loads_b * 32 / 1e10 + 2 * 1e-5
+    ids = max(100 * 2 * 8, 100 * 1 * 8) / 1e10 + LATENCY  # a's ids dominate both directions
+    emb = 2 * (max(100 * 16 * 4, 100 * 8 * 4) / 1e10 + LATENCY)
+    all_reduce = dense_parameter_bytes(WORKLOAD) / 1e10 + LATENCY  # 2 nodes of one rank
+    r0, r1 = cost.per_rank
+    assert r0.lookup_s == pytest.approx(lookup_a)
+    assert r1.lookup_s == pytest.approx(lookup_b)
+    assert (r0.staging_s, r1.staging_s) == (0.0, pytest.approx(staging_b))
+    assert r1.exposed_staging_s == pytest.approx(max(0.0, staging_b - dense - lookup_b))
+    for rank in (r0, r1):
+        assert rank.dense_compute_s == pytest.approx(dense)
+        assert rank.input_all_to_all_s == pytest.approx(ids)
+        assert rank.output_all_to_all_s == pytest.approx(emb)
+        assert rank.all_reduce_s == pytest.approx(all_reduce)
+    cache_device = 250 * (32 + CACHE_SLOT_BYTES) + 500 * CACHE_ROW_INDEX_BYTES_LOOKAHEAD
+    assert cost.device_memory_bytes == (1000 * 64, cache_device)
+    assert cost.host_memory_bytes == (0, 500 * 32)
+    assert cost.fits and cost.violations == ()
+    assert cost.global_batch_size == 200
+    assert cost.step_s == max(r0.total_s, r1.total_s)
+
+
+def test_reactive_cache_is_priced_with_lru_on_the_critical_path():
+    """A TorchRec UVM-cached table: host_cached with lookahead 0."""
+    reactive = dataclasses.replace(PLAN.tables[1], lookahead=0, prefetch_depth=0)
+    plan = dataclasses.replace(PLAN, tables=(PLAN.tables[0], reactive))
+    cost = plan_cost(plan, WORKLOAD, TOPOLOGY)
+    loads = expected_loads(AccessProfile.power_law(500, 1.2), 200, 250, "lru")
+    staging = 2 * loads * 32 / 1e10 + 2 * 1e-5
+    assert cost.per_rank[1].staging_s == pytest.approx(staging)
+    assert cost.per_rank[1].exposed_staging_s == pytest.approx(staging)
+    assert cost.step_s > plan_cost(PLAN, WORKLOAD, TOPOLOGY).step_s
+
+
+@pytest.mark.parametrize("alpha", [0.8, 1.05, 1.3])
+def test_binned_profile_matches_exact_statistics(alpha):
+    rows = 100_000
+    exact, binned = AccessProfile.power_law(rows, alpha), BinnedProfile.power_law(rows, alpha)
+    assert binned.rows == rows and len(binned.rows_per_bin) < 2000
+    for n in (1_000, 100_000):
+        assert binned.unique(n) == pytest.approx(expected_unique(exact, n), rel=1e-3)
+        for capacity in (rows // 100, rows // 10):
+            for model in ("frequency", "lru"):
+                want = expected_loads(exact, n, capacity, model)
+                assert binned.loads(n, capacity, model) == pytest.approx(want, rel=2e-3)
+
+
+def test_binned_profile_from_counts():
+    rng = np.random.default_rng(0)
+    counts = np.bincount(rng.zipf(1.3, size=200_000) % 50_000, minlength=50_000)
+    exact = AccessProfile.from_counts(counts)
+    binned = BinnedProfile.from_probabilities(exact.probabilities)
+    assert binned.unique(5000) == pytest.approx(expected_unique(exact, 5000), rel=1e-3)
+    want = expected_loads(exact, 5000, 2000, "frequency")
+    assert binned.loads(5000, 2000, "frequency") == pytest.approx(want, rel=1e-3)
+
+
+def _terms(table, topology=TOPOLOGY, **kwargs):
+    return shard_terms(table, WORKLOAD, topology, sharding=TABLE_WISE, shards=1, **kwargs)
+
+
+def test_bigger_caches_stage_less():
+    table = TableStats(name="big", rows=200_000, dim=16, alpha=1.05)
+    staged = [
+        _terms(
+            table, storage=HOST_CACHED, cache_fraction=f, lookahead=8, prefetch_depth=1
+        ).staging_bytes_per_step
+        for f in (0.001, 0.01, 0.05, 0.2, 0.5, 1.0)
+    ]
+    assert all(a > b for a, b in zip(staged, staged[1:-1], strict=False))
+    assert staged[-1] == 0.0
+    device = [
+        _terms(table, storage=HOST_CACHED, cache_fraction=f, lookahead=8).device_memory_bytes
+        for f in (0.01, 0.1, 0.5)
+    ]
+    assert device == sorted(device)
+
+
+def test_more_bandwidth_is_never_slower():
+    table = TableStats(name="big", rows=200_000, dim=16, alpha=1.05)
+    cached = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 8, "prefetch_depth": 1}
+    slow, fast = TOPOLOGY, dataclasses.replace(TOPOLOGY, host_to_device_bw_bytes_per_s=1e11)
+    assert _terms(table, fast, **cached).staging_s < _terms(table, slow, **cached).staging_s
+    quick = dataclasses.replace(TOPOLOGY, device_memory_bw_bytes_per_s=1e12)
+    assert _terms(table, quick).lookup_s < _terms(table, slow).lookup_s
+    previous = math.inf
+    for inter in (1e9, 1e10, 1e11):
+        step = plan_cost(
+            PLAN, WORKLOAD, dataclasses.replace(TOPOLOGY, inter_node_bw_bytes_per_s=inter)
+        ).step_s
+        assert step < previous
+        previous = step
+
+
+def test_sharding_semantics():
+    table = WORKLOAD.tables[0]
+    tw = _terms(table)
+    rw = shard_terms(table, WORKLOAD, TOPOLOGY, sharding=ROW_WISE, shards=2)
+    cw = shard_terms(table, WORKLOAD, TOPOLOGY, sharding=COLUMN_WISE, shards=2)
+    dp = shard_terms(table, WORKLOAD, TOPOLOGY, sharding=DATA_PARALLEL, shards=2)
+    assert (rw.shard_rows, rw.ids_per_step) == (500, tw.ids_per_step / 2)
+    assert rw.unique_rows_per_step == pytest.approx(tw.unique_rows_per_step / 2)
+    assert rw.embedding_bytes_per_peer == tw.embedding_bytes_per_peer  # partial sums, full dim
+    assert rw.ids_bytes_per_peer == tw.ids_bytes_per_peer / 2
+    assert (cw.shard_dim, cw.ids_bytes_per_peer) == (8, tw.ids_bytes_per_peer)
+    assert cw.embedding_bytes_per_peer == tw.embedding_bytes_per_peer / 2
+    assert (dp.ids_bytes_per_peer, dp.embedding_bytes_per_peer) == (0.0, 0.0)
+    assert dp.all_reduce_bytes == 1000 * 16 * 4
+
+
+def test_violations():
+    too_big = Plan(
+        name="big",
+        tables=(
+            TablePlan(table="a", sharding=DATA_PARALLEL, ranks=(0, 1)),
+            TablePlan(table="b", sharding=TABLE_WISE, ranks=(1,)),
+        ),
+    )
+    small = dataclasses.replace(TOPOLOGY, device_memory_bytes=50_000)
+    cost = plan_cost(too_big, WORKLOAD, small)
+    assert not cost.fits
+    assert any("rank 1: device memory" in v for v in cost.violations)
+    tiny_cache = dataclasses.replace(PLAN.tables[1], cache_fraction=0.01)
+    cost = plan_cost(
+        dataclasses.replace(PLAN, tables=(PLAN.tables[0], tiny_cache)), WORKLOAD, TOPOLOGY
+    )
+    assert not cost.fits
+    assert any("table 'b'" in v and "in flight" in v for v in cost.violations)
+
+
+@pytest.mark.parametrize(
+    "tables, message",
+    [
+        ((TablePlan(table="a", sharding=TABLE_WISE, ranks=(0,)),), "unplanned"),
+        (PLAN.tables + (TablePlan(table="a", sharding=TABLE_WISE, ranks=(1,)),), "twice"),
+        (PLAN.tables + (TablePlan(table="c", sharding=TABLE_WISE, ranks=(1,)),), "unknown"),
+        ((PLAN.tables[0], TablePlan(table="b", sharding=TABLE_WISE, ranks=(2,))), "outside"),
+        ((PLAN.tables[0], TablePlan(table="b", sharding=ROW_WISE, ranks=(1, 1))), "repeat"),
+        ((PLAN.tables[0], TablePlan(table="b", sharding=DATA_PARALLEL, ranks=(1,))), "all 2"),
+    ],
+)
+def test_invalid_plans(tables, message):
+    with pytest.raises(DistcacheConfigError, match=message):
+        plan_cost(Plan(name="bad", tables=tables), WORKLOAD, TOPOLOGY)
+
+
+def test_column_wise_must_divide_dim():
+    odd = dataclasses.replace(WORKLOAD, tables=(TableStats(name="a", rows=10, dim=7),))
+    plan = Plan(name="cw", tables=(TablePlan(table="a", sharding=COLUMN_WISE, ranks=(0, 1)),))
+    with pytest.raises(DistcacheConfigError, match="divisible"):
+        plan_cost(plan, odd, TOPOLOGY)
+
+
+def test_measured_lookup_rate_and_overlap_rule():
+    table = WORKLOAD.tables[0]
+    measured = dataclasses.replace(TOPOLOGY, lookup_rows_per_s=1e8)
+    terms = _terms(table, measured)
+    assert terms.lookup_s == pytest.approx((2 * 400 + 2 * terms.unique_rows_per_step) / 1e8)
+    cache = {"storage": HOST_CACHED, "cache_fraction": 0.5}
+    assert _terms(table, lookahead=4, prefetch_depth=1, **cache).staging_overlapped
+    assert not _terms(table, lookahead=4, prefetch_depth=0, **cache).staging_overlapped
+    assert not _terms(table, lookahead=0, prefetch_depth=0, **cache).staging_overlapped

@@ -1,0 +1,256 @@
+"""The solver against brute force, the uniform baselines and the memory limits."""
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+from distcache.errors import DistcacheConfigError
+from distcache.planner import solver as solver_module
+from distcache.planner.cost import plan_cost
+from distcache.planner.solver import SolverOptions, solve, uniform_plan
+from distcache.planner.types import (
+    COLUMN_WISE,
+    DATA_PARALLEL,
+    DEVICE,
+    HOST_CACHED,
+    ROW_WISE,
+    SHARDING_TYPES,
+    TABLE_WISE,
+    Plan,
+    TablePlan,
+    TableStats,
+    Topology,
+    Workload,
+)
+from distcache.planner.workloads import workload_preset
+
+FRACTIONS = (0.25, 0.5)
+QUICK = SolverOptions(cache_fractions=FRACTIONS, column_wise_shards=(2,), time_budget_s=2.0)
+
+
+def _toy(seed: int, world: int = 2, per_node: int = 1) -> tuple[Workload, Topology]:
+    """Three random tables; device memory between 30 % and 90 % of their total size."""
+    rng = np.random.default_rng(seed)
+    tables = tuple(
+        TableStats(
+            name=f"t{i}",
+            rows=int(rng.integers(2000, 200_000)),
+            dim=int(rng.choice([16, 32, 64])),
+            pooling_factor=float(rng.choice([1, 2, 4])),
+            alpha=float(rng.uniform(0.8, 1.3)),
+        )
+        for i in range(3)
+    )
+    workload = Workload(
+        name=f"toy{seed}",
+        tables=tables,
+        batch_size_per_rank=int(rng.choice([256, 1024])),
+        bottom_mlp=(64, 32, 16),
+        top_mlp=(64, 1),
+    )
+    total = sum(t.rows * workload.row_bytes(t) for t in tables)
+    topology = Topology(
+        name="toy",
+        world_size=world,
+        ranks_per_node=per_node,
+        device_memory_bytes=int(total * rng.uniform(0.3, 0.9)),
+        host_memory_bytes=10**10,
+        device_memory_bw_bytes_per_s=float(rng.uniform(1e10, 1e12)),
+        host_to_device_bw_bytes_per_s=float(rng.uniform(1e9, 5e10)),
+        intra_node_bw_bytes_per_s=1e11,
+        inter_node_bw_bytes_per_s=float(rng.uniform(1e9, 5e10)),
+        dense_flops_per_s=1e12,
+    )
+    return workload, topology
+
+
+def _every_placement(table: TableStats, world: int) -> list[TablePlan]:
+    layouts = [(DATA_PARALLEL, tuple(range(world))), (ROW_WISE, tuple(range(world)))]
+    layouts += [(TABLE_WISE, (r,)) for r in range(world)]
+    layouts += [(COLUMN_WISE, (0, 1))] if table.dim % 2 == 0 else []
+    out = []
+    for sharding, ranks in layouts:
+        out.append(TablePlan(table=table.name, sharding=sharding, ranks=ranks))
+        if sharding != DATA_PARALLEL:
+            out += [
+                TablePlan(
+                    table=table.name,
+                    sharding=sharding,
+                    ranks=ranks,
+                    storage=HOST_CACHED,
+                    cache_fraction=f,
+                    lookahead=8,
+                    prefetch_depth=1,
+                )
+                for f in FRACTIONS
+            ]
+    return out
+
+
+# Seeds 2 and 9 have tight memory: caches and column-wise shards are needed to fit.
+@pytest.mark.parametrize("seed", [0, 2, 9])
+def test_matches_brute_force_on_three_tables_and_two_ranks(seed):
+    workload, topology = _toy(seed)
+    best = min(
+        cost.step_s
+        for tables in itertools.product(
+            *(_every_placement(t, topology.world_size) for t in workload.tables)
+        )
+        if (cost := plan_cost(Plan(name="b", tables=tables), workload, topology)).fits
+    )
+    cost = plan_cost(solve(workload, topology, options=QUICK), workload, topology)
+    assert cost.fits
+    assert cost.step_s == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_never_worse_than_a_fitting_uniform_plan(seed):
+    rng = np.random.default_rng(seed)
+    workload = workload_preset(f"synthetic:tables=8,rows=3e5,dim=32,seed={seed}")
+    total = sum(t.rows * workload.row_bytes(t) for t in workload.tables)
+    topology = Topology(
+        name="two-nodes",
+        world_size=4,
+        ranks_per_node=2,
+        device_memory_bytes=int(total * rng.uniform(0.3, 1.2)),
+        host_memory_bytes=10**10,
+        device_memory_bw_bytes_per_s=2e11,
+        host_to_device_bw_bytes_per_s=2e10,
+        intra_node_bw_bytes_per_s=1e11,
+        inter_node_bw_bytes_per_s=1e10,
+        dense_flops_per_s=1e13,
+    )
+    ours = plan_cost(solve(workload, topology, options=QUICK), workload, topology)
+    assert ours.fits
+    for sharding in SHARDING_TYPES:
+        baseline = plan_cost(uniform_plan(workload, topology, sharding), workload, topology)
+        if baseline.fits:
+            assert ours.step_s <= baseline.step_s * (1 + 1e-9), sharding
+
+
+def _one_rank(device_bytes: int) -> Topology:
+    return Topology(
+        name="one",
+        world_size=1,
+        ranks_per_node=1,
+        device_memory_bytes=device_bytes,
+        host_memory_bytes=10**9,
+        device_memory_bw_bytes_per_s=1e11,
+        host_to_device_bw_bytes_per_s=1e10,
+        intra_node_bw_bytes_per_s=1e11,
+        inter_node_bw_bytes_per_s=1e10,
+        dense_flops_per_s=1e12,
+    )
+
+
+def test_a_table_too_big_for_the_device_is_cached_and_explained():
+    workload = Workload(
+        name="big",
+        tables=(
+            TableStats(name="big", rows=400_000, dim=32),  # 51 MB
+            TableStats(name="small", rows=1000, dim=32),
+        ),
+        batch_size_per_rank=512,
+    )
+    plan = solve(workload, _one_rank(35 * 10**6), options=QUICK)
+    assert plan.table("big").storage == HOST_CACHED
+    assert plan.table("small").storage == DEVICE
+    assert plan_cost(plan, workload, _one_rank(35 * 10**6)).fits
+    text = plan.explanations["big"]
+    assert text.startswith("table_wise on rank 0, host + ")
+    assert "rejected:" in text and "table_wise, device (does not fit" in text
+    assert "data_parallel" in text
+    assert set(plan.explanations) == {"big", "small"}
+
+
+def test_keeps_everything_on_the_device_when_it_fits():
+    workload = workload_preset("criteo-kaggle", batch_size_per_rank=256)
+    topology = _one_rank(40 * 10**9)
+    plan = solve(workload, topology, options=QUICK)
+    assert {t.storage for t in plan.tables} == {DEVICE}
+
+
+def test_no_placement_fits():
+    workload = Workload(name="huge", tables=(TableStats(name="huge", rows=10**7, dim=64),))
+    with pytest.raises(DistcacheConfigError, match="no placement of table 'huge'"):
+        solve(workload, _one_rank(10**6), options=QUICK)
+
+
+def test_evaluation_agrees_with_plan_cost():
+    """The solver's vectorized pricing and its state equal `plan_cost` on uneven nodes."""
+    workload = workload_preset("synthetic:tables=5,rows=1e5,dim=32,seed=1")
+    topology = Topology(
+        name="uneven",
+        world_size=6,
+        ranks_per_node=4,  # nodes of 4 and 2 ranks
+        device_memory_bytes=10**9,
+        host_memory_bytes=10**10,
+        device_memory_bw_bytes_per_s=1e11,
+        host_to_device_bw_bytes_per_s=1e9,
+        intra_node_bw_bytes_per_s=1e11,
+        inter_node_bw_bytes_per_s=1e10,
+        dense_flops_per_s=1e12,
+    )
+    problem = solver_module._Problem(workload, topology, QUICK)
+    state = solver_module._State(problem)
+    for index in range(len(workload.tables)):
+        for candidate in solver_module._evaluate(state, index):
+            if candidate.fits:
+                state.add(index, candidate.mode, candidate.ranks)
+                step, work = state.score()
+                assert candidate.step_s == pytest.approx(step, rel=1e-12)
+                assert candidate.work_s == pytest.approx(work, rel=1e-12)
+                state.remove(index)
+        candidates = [c for c in solver_module._evaluate(state, index) if c.fits]
+        pick = candidates[(3 * index) % len(candidates)]  # a mix of layouts
+        state.add(index, pick.mode, pick.ranks)
+    plan = state.plan("mix", {})
+    totals = [c.total_s for c in plan_cost(plan, workload, topology).per_rank]
+    assert state.totals() == pytest.approx(totals, rel=1e-12)
+    assert {t.sharding for t in plan.tables} != {TABLE_WISE}
+
+
+def test_uniform_plans():
+    workload = workload_preset("synthetic:tables=9,rows=1e5,dim=12,seed=2")
+    topology = dataclasses.replace(_one_rank(10**9), world_size=4, ranks_per_node=4)
+    tw = uniform_plan(workload, topology, TABLE_WISE)
+    sizes = np.zeros(4)
+    for t in tw.tables:
+        sizes[t.ranks[0]] += workload.table(t.table).rows
+    assert sizes.max() - sizes.min() <= max(t.rows for t in workload.tables)
+    assert uniform_plan(workload, topology, ROW_WISE).tables[0].ranks == (0, 1, 2, 3)
+    cw = uniform_plan(workload, topology, COLUMN_WISE)
+    assert {len(t.ranks) for t in cw.tables} == {4}
+    assert {
+        len(t.ranks)
+        for t in uniform_plan(workload, topology, COLUMN_WISE, column_wise_shards=3).tables
+    } == {3}
+    cached = uniform_plan(
+        workload, topology, TABLE_WISE, storage=HOST_CACHED, cache_fraction=0.1, name="uvm"
+    )
+    assert cached.name == "uvm" and {t.storage for t in cached.tables} == {HOST_CACHED}
+    with pytest.raises(DistcacheConfigError, match="sharding"):
+        uniform_plan(workload, topology, "grid")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shardings": ("diagonal",)}, "shardings"),
+        ({"storages": ()}, "storages"),
+        ({"cache_fractions": (0.0,)}, "cache_fractions"),
+        ({"lookaheads": (-1,)}, "lookaheads"),
+        ({"column_wise_shards": (1,)}, "column_wise_shards"),
+        ({"time_budget_s": -1}, "time_budget_s"),
+    ],
+)
+def test_options_are_validated(kwargs, message):
+    with pytest.raises(DistcacheConfigError, match=message):
+        SolverOptions(**kwargs)
+
+
+def test_lookahead_pairs():
+    options = SolverOptions(lookaheads=(0, 4), prefetch_depths=(1, 2))
+    assert options.lookahead_pairs() == ((0, 0), (4, 1), (4, 2))
