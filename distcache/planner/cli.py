@@ -1,0 +1,409 @@
+"""`python -m distcache plan|compare`: plan a workload on a topology, or compare plans.
+
+Both commands take a workload and a topology:
+
+- ``--preset NAME``: a workload preset (`criteo-kaggle`, `criteo-terabyte`,
+  `synthetic:tables=T,rows=R,dim=D,alpha=A,pooling=P,seed=S,spread=X`), or
+  ``--config FILE``: a TOML description (below).
+- ``--topology h100|h200|cpu|PATH.json`` (default h100; a JSON from `save_topology` or
+  `python -m distcache calibrate`), ``--world-size N`` (default 8), ``--ranks-per-node N``,
+  ``--device-memory 16GB`` (per rank, for embeddings), ``--host-memory 200GB`` (per rank),
+  ``--batch-size N`` (per rank). Sizes read as in `topology.parse_bytes` (GB = 10^9,
+  GiB = 2^30).
+
+``plan`` prints each table's placement with the solver's reasons and the modelled step, and
+writes ``--out plan.json`` (`Plan.save`; `Plan.load` reads it) and ``--torchrec-out FILE``:
+the plan as a TorchRec `ShardingPlan` for `DistributedModelParallel` with
+`CachedEmbeddingBagCollectionSharder`, written with `torch.save` (it holds distcache and
+TorchRec classes, so load it with ``torch.load(FILE, weights_only=False)``; the EBC's path in
+the model is ``--module-path``, default "" for a bare EBC).
+
+``compare`` prints distcache's plan, TorchRec's, the all-table-wise and all-row-wise
+baselines and every ``--plan FILE`` (repeatable) side by side (`compare.format_table`), or
+JSON with ``--json``; ``--no-torchrec`` skips TorchRec's planner. All figures are modelled.
+
+Config file (strict: an unknown section or key is an error naming the allowed ones)::
+
+    [model]                         # optional, every key optional
+    name = "my-dlrm"                # default: the file's stem
+    batch_size_per_rank = 2048      # --batch-size overrides it
+    dense_in_features = 13
+    bottom_mlp = [512, 256, 128]
+    top_mlp = [1024, 1024, 512, 256, 1]
+    optimizer = "rowwise_adagrad"   # sgd | rowwise_adagrad | adagrad | adam
+    dtype_bytes = 4
+
+    [[tables]]                      # one per table, at least one
+    name = "t0"                     # required
+    rows = 1000000                  # required
+    dim = 128                       # required
+    pooling_factor = 1.0            # ids per sample (default 1.0)
+    alpha = 1.05                    # power-law exponent of the id distribution (default 1.05)
+
+Bad flags and values exit with status 2 and a message naming the flag; a workload that no plan
+fits exits with status 1.
+
+Example::
+
+    python -m distcache plan --preset criteo-terabyte --topology h100 --world-size 8 \\
+        --device-memory 16GB --out plan.json
+    python -m distcache compare --preset criteo-terabyte --world-size 64 --plan plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tomllib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from distcache.errors import DistcacheConfigError
+from distcache.planner.cost import plan_cost, validate_plan
+from distcache.planner.solver import solve
+from distcache.planner.topology import PRESETS, load_topology, parse_bytes, preset
+from distcache.planner.types import Plan, TablePlan, TableStats, Topology, Workload
+from distcache.planner.workloads import workload_preset
+
+# `compare` and `export` import TorchRec (seconds): they are imported where they are used.
+
+_MODEL_KEYS = (
+    "name",
+    "batch_size_per_rank",
+    "dense_in_features",
+    "bottom_mlp",
+    "top_mlp",
+    "optimizer",
+    "dtype_bytes",
+)
+_TABLE_KEYS = ("name", "rows", "dim", "pooling_factor", "alpha")
+_TABLE_REQUIRED = ("name", "rows", "dim")
+
+
+class _UsageError(Exception):
+    """A bad flag or value: printed with the flag's name, exit status 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except DistcacheConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
+    return value
+
+
+def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", help="workload preset, e.g. criteo-terabyte, synthetic:...")
+    source.add_argument("--config", type=Path, help="TOML workload description")
+    parser.add_argument("--topology", default="h100", help="h100, h200, cpu or a JSON file")
+    parser.add_argument("--world-size", type=_positive_int, help="ranks (default 8)")
+    parser.add_argument("--ranks-per-node", type=_positive_int)
+    parser.add_argument("--device-memory", type=_byte_size, help="per rank, e.g. 16GB")
+    parser.add_argument("--host-memory", type=_byte_size, help="per rank, e.g. 200GB")
+    parser.add_argument("--batch-size", type=_positive_int, help="samples per rank per step")
+    return parser
+
+
+def _run(
+    main: Callable[[argparse.Namespace], int],
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+) -> int:
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exit_:  # argparse printed the usage and the error
+        return int(exit_.code or 0)
+    try:
+        return main(args)
+    except _UsageError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _flag(flag: str, build: Callable[[], Any]) -> Any:
+    """`build()`, its configuration errors reported against `flag`."""
+    try:
+        return build()
+    except (DistcacheConfigError, OSError) as err:
+        raise _UsageError(f"{flag}: {err}") from err
+
+
+# --------------------------------------------------------------------------------------------
+# Workload and topology
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    if args.preset is not None:
+        return _flag(
+            f"--preset {args.preset}",
+            lambda: workload_preset(args.preset, batch_size_per_rank=args.batch_size),
+        )
+    workload = _flag(f"--config {args.config}", lambda: load_workload_config(args.config))
+    if args.batch_size is not None:
+        workload = dataclasses.replace(workload, batch_size_per_rank=args.batch_size)
+    return workload
+
+
+def load_workload_config(path: Path) -> Workload:
+    """A `Workload` from a TOML file (format in the module docstring)."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise DistcacheConfigError(f"not valid TOML: {err}") from None
+    _only(data, ("model", "tables"), "top-level sections")
+    model = data.get("model", {})
+    if not isinstance(model, dict):
+        raise DistcacheConfigError("[model] must be a table")
+    _only(model, _MODEL_KEYS, "[model] keys")
+    tables = data.get("tables")
+    if not isinstance(tables, list) or not tables:
+        raise DistcacheConfigError("give at least one [[tables]] entry")
+    stats = []
+    for i, table in enumerate(tables):
+        where = f"[[tables]] #{i + 1}"
+        if not isinstance(table, dict):
+            raise DistcacheConfigError(f"{where} must be a table")
+        _only(table, _TABLE_KEYS, f"{where} keys")
+        missing = [k for k in _TABLE_REQUIRED if k not in table]
+        if missing:
+            raise DistcacheConfigError(f"{where} lacks required keys {missing}")
+        stats.append(TableStats(**table))
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items()}
+    fields.setdefault("name", Path(path).stem)
+    try:
+        return Workload(tables=tuple(stats), **fields)
+    except TypeError as err:  # a wrongly typed value that the dataclass cannot take
+        raise DistcacheConfigError(str(err)) from None
+
+
+def _only(data: dict[str, Any], allowed: Sequence[str], what: str) -> None:
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise DistcacheConfigError(f"unknown {what} {unknown}; allowed: {list(allowed)}")
+
+
+def topology_from_args(args: argparse.Namespace) -> Topology:
+    flag = f"--topology {args.topology}"
+    if args.topology in PRESETS:
+        topology = _flag(
+            flag,
+            lambda: preset(
+                args.topology,
+                world_size=args.world_size or 8,
+                device_memory_bytes=args.device_memory,
+                ranks_per_node=args.ranks_per_node,
+            ),
+        )
+    elif args.topology.endswith(".json"):
+        topology = _flag(flag, lambda: load_topology(args.topology))
+        overrides = {
+            "world_size": args.world_size,
+            "device_memory_bytes": args.device_memory,
+            "ranks_per_node": args.ranks_per_node,
+        }
+        topology = _replace(topology, overrides, "--world-size/--device-memory/--ranks-per-node")
+    else:
+        raise _UsageError(f"{flag}: expected one of {list(PRESETS)} or a .json file")
+    return _replace(topology, {"host_memory_bytes": args.host_memory}, "--host-memory")
+
+
+def _replace(topology: Topology, overrides: dict[str, Any], flags: str) -> Topology:
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if not given:
+        return topology
+    if "world_size" in given or "ranks_per_node" in given:
+        world = given.get("world_size", topology.world_size)
+        given["ranks_per_node"] = min(given.get("ranks_per_node", topology.ranks_per_node), world)
+    return _flag(flags, lambda: dataclasses.replace(topology, **given))
+
+
+# --------------------------------------------------------------------------------------------
+# plan
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """Ranks as ranges: (0, 1, 2, 3, 7) -> "0-3,7"."""
+    parts, ordered = [], sorted(ranks)
+    start = prev = ordered[0]
+    for rank in [*ordered[1:], None]:
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if rank is not None:
+            start = prev = rank
+    return ",".join(parts)
+
+
+def format_plan(plan: Plan, workload: Workload) -> str:
+    """One line per table (placement, cache, look-ahead), then the solver's reasons."""
+    header = ["table", "rows", "dim", "sharding", "ranks", "storage", "cache", "L", "K"]
+    body = []
+    for table in workload.tables:
+        tp: TablePlan = plan.table(table.name)
+        cache = f"{100 * tp.cache_fraction:.3g}%" if tp.storage != "device" else "-"
+        body.append(
+            [
+                table.name,
+                f"{table.rows:,}",
+                str(table.dim),
+                tp.sharding,
+                _ranks_text(tp.ranks),
+                tp.storage,
+                cache,
+                str(tp.lookahead),
+                str(tp.prefetch_depth),
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    reasons = [f"  {name}: {text}" for name, text in plan.explanations.items()]
+    if reasons:
+        lines += ["", "why:", *reasons]
+    return "\n".join(lines)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    workload, topology = workload_from_args(args), topology_from_args(args)
+    try:
+        plan = solve(workload, topology)
+    except DistcacheConfigError as err:
+        print(f"no plan: {err}", file=sys.stderr)
+        return 1
+    cost = plan_cost(plan, workload, topology)
+    print(f"{workload.name} on {_topology_text(topology)}")
+    print(format_plan(plan, workload))
+    print(
+        f"\nmodelled step {1e3 * cost.step_s:.3f} ms, {cost.samples_per_s:,.0f} samples/s; "
+        f"max per rank: device {max(cost.device_memory_bytes) / 1e9:.2f} GB, "
+        f"host {max(cost.host_memory_bytes) / 1e9:.2f} GB; fits: {'yes' if cost.fits else 'NO'}"
+    )
+    for violation in cost.violations:
+        print(f"  {violation}")
+    if args.out is not None:
+        _flag(f"--out {args.out}", lambda: plan.save(args.out))
+        print(f"wrote {args.out}")
+    if args.torchrec_out is not None:
+        _save_torchrec(plan, workload, topology, args)
+        print(f"wrote {args.torchrec_out} (torch.load(..., weights_only=False))")
+    return 0
+
+
+def _save_torchrec(
+    plan: Plan, workload: Workload, topology: Topology, args: argparse.Namespace
+) -> None:
+    import torch
+
+    from distcache.planner.export import to_sharding_plan
+
+    sharding_plan = _flag(
+        "--torchrec-out",
+        lambda: to_sharding_plan(
+            plan,
+            workload,
+            module_path=args.module_path,
+            world_size=topology.world_size,
+            ranks_per_node=topology.ranks_per_node,
+            device=topology.compute_device,
+        ),
+    )
+    _flag(
+        f"--torchrec-out {args.torchrec_out}", lambda: torch.save(sharding_plan, args.torchrec_out)
+    )
+
+
+def _topology_text(topology: Topology) -> str:
+    return (
+        f"{topology.name} ({topology.world_size} ranks, {topology.ranks_per_node} per node, "
+        f"{topology.compute_device}, {topology.device_memory_bytes / 1e9:.1f} GB device memory "
+        f"per rank)"
+    )
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m distcache plan`: solve, print the placement, write JSON / TorchRec plans."""
+    parser = _common_parser("python -m distcache plan", "Plan a workload on a topology.")
+    parser.add_argument("--out", type=Path, help="write the plan as JSON")
+    parser.add_argument("--torchrec-out", type=Path, help="write a TorchRec ShardingPlan")
+    parser.add_argument("--module-path", default="", help="the EBC's path in the model")
+    return _run(_plan, parser, sys.argv[1:] if argv is None else argv)
+
+
+# --------------------------------------------------------------------------------------------
+# compare
+
+
+def _load_plans(paths: Sequence[Path], workload: Workload, topology: Topology) -> dict[str, Plan]:
+    plans: dict[str, Plan] = {}
+    for path in paths:
+        plan = _flag(f"--plan {path}", lambda path=path: _read_plan(path))
+        _flag(f"--plan {path}", lambda plan=plan: validate_plan(plan, workload, topology))
+        name = plan.name if plan.name not in plans else f"{plan.name} ({path})"
+        plans[name] = plan
+    return plans
+
+
+def _read_plan(path: Path) -> Plan:
+    try:
+        return Plan.load(path)
+    except (ValueError, TypeError, KeyError) as err:  # JSON or field errors
+        if isinstance(err, DistcacheConfigError):
+            raise
+        raise DistcacheConfigError(f"not a plan JSON: {err}") from None
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from distcache.planner.compare import compare, format_table, rows_to_json
+
+    workload, topology = workload_from_args(args), topology_from_args(args)
+    plans = _load_plans(args.plan, workload, topology)
+    rows = compare(
+        workload,
+        topology,
+        plans=plans,
+        include_torchrec=not args.no_torchrec,
+        torchrec_timeout_s=args.torchrec_timeout,
+    )
+    # A measured column (`--measure`) would be filled in here, from runs of each row's plan.
+    if args.json:
+        print(rows_to_json(rows, workload=workload, topology=topology))
+    else:
+        print(format_table(rows, title=f"{workload.name} on {_topology_text(topology)}"))
+    return 0
+
+
+def compare_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m distcache compare`: distcache's plan against TorchRec's and baselines."""
+    parser = _common_parser(
+        "python -m distcache compare", "Compare plans on one workload and topology (modelled)."
+    )
+    parser.add_argument(
+        "--plan", type=Path, action="append", default=[], help="a plan JSON (repeatable)"
+    )
+    parser.add_argument("--no-torchrec", action="store_true", help="skip TorchRec's planner")
+    parser.add_argument(
+        "--torchrec-timeout", type=_positive_int, help="seconds for TorchRec's proposals"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return _run(_compare, parser, sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,298 @@
+"""Plans side by side: distcache's, TorchRec's, simple baselines and the user's, all priced by
+distcache's cost model on one workload and topology.
+
+Every figure here is *modelled*, not measured: the topologies of interest (8-64 GPUs) are not
+the machine this runs on. Rows:
+
+- ``distcache``: `solve` (its planning time is measured here);
+- ``torchrec``: TorchRec's `EmbeddingShardingPlanner`, converted by `from_sharding_plan` and
+  priced by distcache's model, next to TorchRec's own estimate of it (its table-row-wise
+  tables are priced as row-wise, which overprices them; the row's note gives the price with
+  them as column-wise over their node, a closer proxy);
+- ``all table-wise`` / ``all row-wise``: `uniform_plan` with every table on the device (noted
+  when that does not fit);
+- any plans the caller passes.
+
+The per-term times are those of the rank that sets the step (the slowest), so they add up to
+the step time. "TorchRec est" is TorchRec's own model of the same plan (`torchrec_estimate`;
+blank where TorchRec cannot express the plan, e.g. a look-ahead cache): it covers only the
+sparse part (no dense MLPs, no input all-to-all), so compare it across rows, not with the step.
+
+Example::
+
+    rows = compare(workload_preset("criteo-terabyte"), preset("h100", world_size=8))
+    print(format_table(rows, title="criteo-terabyte on 8 H100"))
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from distcache.errors import DistcacheConfigError
+from distcache.planner.cost import plan_cost
+from distcache.planner.export import from_sharding_plan
+from distcache.planner.solver import SolverOptions, solve, uniform_plan
+from distcache.planner.torchrec_planner import torchrec_estimate, torchrec_plan
+from distcache.planner.types import (
+    COLUMN_WISE,
+    ROW_WISE,
+    TABLE_WISE,
+    Plan,
+    PlanCost,
+    StepCost,
+    Topology,
+    Workload,
+)
+
+GB = 10**9  # as `topology.parse_bytes` reads "16GB"
+MODELLED_NOTE = (
+    "Memory, step terms and samples/s are modelled by distcache's cost model, not measured "
+    "(the topology is not this machine). 'TorchRec est' is TorchRec's own model of the plan's "
+    "embedding part (no dense MLPs, no input all-to-all); 'plan s' is measured planning time."
+)
+# (label, StepCost field) of the per-term columns, in step order.
+TERMS = (
+    ("dense", "dense_compute_s"),
+    ("lookup", "lookup_s"),
+    ("staging", "exposed_staging_s"),
+    ("in a2a", "input_all_to_all_s"),
+    ("out a2a", "output_all_to_all_s"),
+    ("allreduce", "all_reduce_s"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComparisonRow:
+    """One plan, priced: memory, step terms, throughput. Figures are modelled."""
+
+    name: str
+    plan: Plan | None = None
+    """None when the planner behind this row failed (see `note`)."""
+    cost: PlanCost | None = None
+    torchrec_estimate_s: float | None = None
+    """TorchRec's own modelled time of this plan, where TorchRec can express it."""
+    planning_s: float | None = None
+    """Seconds the planner took (None for fixed plans)."""
+    note: str = ""
+
+    @property
+    def critical_rank(self) -> int | None:
+        if self.cost is None:
+            return None
+        totals = [c.total_s for c in self.cost.per_rank]
+        return totals.index(max(totals))
+
+    @property
+    def terms_ms(self) -> dict[str, float]:
+        """The slowest rank's step terms, ms (they sum to `step_ms`)."""
+        if self.cost is None:
+            return {}
+        step: StepCost = self.cost.per_rank[self.critical_rank]
+        return {label: 1e3 * getattr(step, field) for label, field in TERMS}
+
+    @property
+    def step_ms(self) -> float | None:
+        return None if self.cost is None else 1e3 * self.cost.step_s
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return None if self.cost is None else self.cost.samples_per_s
+
+    @property
+    def device_memory_gb(self) -> float | None:
+        return None if self.cost is None else max(self.cost.device_memory_bytes) / GB
+
+    @property
+    def host_memory_gb(self) -> float | None:
+        return None if self.cost is None else max(self.cost.host_memory_bytes) / GB
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.cost is None else self.cost.fits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "modelled": True,
+            "device_memory_gb_max": self.device_memory_gb,
+            "host_memory_gb_max": self.host_memory_gb,
+            "terms_ms": self.terms_ms,
+            "critical_rank": self.critical_rank,
+            "step_ms": self.step_ms,
+            "samples_per_s": self.samples_per_s,
+            "fits": self.fits,
+            "violations": list(self.cost.violations) if self.cost else [],
+            "torchrec_estimate_ms": (
+                None if self.torchrec_estimate_s is None else 1e3 * self.torchrec_estimate_s
+            ),
+            "planning_s": self.planning_s,
+            "note": self.note,
+            "plan": None if self.plan is None else json.loads(self.plan.to_json()),
+        }
+
+
+def compare(
+    workload: Workload,
+    topology: Topology,
+    *,
+    plans: dict[str, Plan] | None = None,
+    include_torchrec: bool = True,
+    torchrec_timeout_s: float | None = None,
+    options: SolverOptions | None = None,
+) -> list[ComparisonRow]:
+    """Price distcache's plan, TorchRec's, the uniform baselines and `plans` on one topology.
+
+    Args:
+        workload: the model and batch size.
+        topology: the hardware (modelled: it need not be this machine).
+        plans: extra plans by row name, e.g. loaded from JSON; each must place every table.
+        include_torchrec: run TorchRec's planner (seconds to a minute on large topologies) and
+            fill in TorchRec's own estimates.
+        torchrec_timeout_s: passed to TorchRec's planner.
+        options: distcache's solver options.
+
+    Example::
+
+        rows = compare(workload, topology, plans={"mine": Plan.load("mine.json")})
+    """
+    start = time.perf_counter()
+    try:
+        ours = solve(workload, topology, options=options)
+        rows = [_row("distcache", ours, workload, topology, include_torchrec, start)]
+    except DistcacheConfigError as err:  # no placement fits
+        rows = [
+            ComparisonRow(name="distcache", planning_s=time.perf_counter() - start, note=str(err))
+        ]
+    if include_torchrec:
+        rows.append(_torchrec_row(workload, topology, torchrec_timeout_s))
+    for label, sharding in (("all table-wise", TABLE_WISE), ("all row-wise", ROW_WISE)):
+        try:
+            plan = uniform_plan(workload, topology, sharding, name=label)
+        except DistcacheConfigError as err:
+            rows.append(ComparisonRow(name=label, note=str(err)))
+            continue
+        row = _row(label, plan, workload, topology, include_torchrec)
+        if not row.fits:
+            row = _with_note(row, "does not fit with every table on the device")
+        rows.append(row)
+    for name, plan in (plans or {}).items():
+        rows.append(_row(name, plan, workload, topology, include_torchrec))
+    return rows
+
+
+def _row(
+    name: str,
+    plan: Plan,
+    workload: Workload,
+    topology: Topology,
+    with_torchrec: bool,
+    planning_start: float | None = None,
+) -> ComparisonRow:
+    planning_s = None if planning_start is None else time.perf_counter() - planning_start
+    cost = plan_cost(plan, workload, topology)
+    estimate = torchrec_estimate(plan, workload, topology) if with_torchrec else None
+    note = "; ".join(cost.violations)
+    return ComparisonRow(
+        name=name,
+        plan=plan,
+        cost=cost,
+        torchrec_estimate_s=estimate,
+        planning_s=planning_s,
+        note=note,
+    )
+
+
+def _torchrec_row(workload: Workload, topology: Topology, timeout_s: float | None) -> ComparisonRow:
+    result = torchrec_plan(workload, topology, timeout_s=timeout_s)
+    if result.plan is None:
+        first_line = (result.error or "failed").strip().splitlines()[0]
+        return ComparisonRow(
+            name="torchrec", planning_s=result.planning_s, note=f"planner: {first_line}"
+        )
+    plan = from_sharding_plan(result.plan, workload, world_size=topology.world_size)
+    cost = plan_cost(plan, workload, topology)
+    notes = list(cost.violations)
+    # TorchRec's table-row-wise tables are priced as row-wise, which overprices their
+    # cross-node output; say what the column-wise proxy of them gives.
+    proxy = from_sharding_plan(
+        result.plan, workload, world_size=topology.world_size, table_row_wise_as=COLUMN_WISE
+    )
+    if proxy != plan:
+        alt = plan_cost(proxy, workload, topology)
+        notes.append(
+            f"its table_row_wise tables are priced as row_wise; as column_wise over their "
+            f"node: {1e3 * alt.step_s:.3f} ms/step, {alt.samples_per_s:,.0f} samples/s"
+        )
+    return ComparisonRow(
+        name="torchrec",
+        plan=plan,
+        cost=cost,
+        torchrec_estimate_s=result.estimate_s,
+        planning_s=result.planning_s,
+        note="; ".join(notes),
+    )
+
+
+def _with_note(row: ComparisonRow, note: str) -> ComparisonRow:
+    return replace(row, note="; ".join(filter(None, (note, row.note))))
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def format_table(rows: list[ComparisonRow], *, title: str | None = None) -> str:
+    """A fixed-width text table of `rows`, headed by `title` and the "modelled" label."""
+    header = ["plan", "dev GB", "host GB", *(label for label, _ in TERMS)]
+    header += ["step ms", "samples/s", "fits", "TorchRec est ms", "plan s"]
+    body = []
+    for row in rows:
+        terms = row.terms_ms
+        body.append(
+            [
+                row.name,
+                _fmt(row.device_memory_gb),
+                _fmt(row.host_memory_gb),
+                *(_fmt(terms.get(label), 3) for label, _ in TERMS),
+                _fmt(row.step_ms, 3),
+                _fmt(row.samples_per_s, 0),
+                {None: "-", True: "yes", False: "NO"}[row.fits],
+                _fmt(None if row.torchrec_estimate_s is None else 1e3 * row.torchrec_estimate_s, 3),
+                _fmt(row.planning_s, 1),
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
+
+    out = [title] if title else []
+    out += [MODELLED_NOTE, line(header), line(["-" * w for w in widths])]
+    out += [line(cells) for cells in body]
+    notes = [f"  {row.name}: {row.note}" for row in rows if row.note]
+    if notes:
+        out += ["notes:", *notes]
+    return "\n".join(out)
+
+
+def rows_to_json(
+    rows: list[ComparisonRow],
+    *,
+    workload: Workload | None = None,
+    topology: Topology | None = None,
+) -> str:
+    """The rows (with their plans) as JSON, labelled modelled, with the inputs when given."""
+    data: dict[str, Any] = {"modelled": True, "note": MODELLED_NOTE}
+    if workload is not None:
+        data["workload"] = workload.name
+        data["batch_size_per_rank"] = workload.batch_size_per_rank
+    if topology is not None:
+        data["topology"] = topology.to_dict()
+    data["rows"] = [row.to_dict() for row in rows]
+    return json.dumps(data, indent=2)

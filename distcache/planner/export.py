@@ -1,0 +1,437 @@
+"""A distcache `Plan` as a TorchRec `ShardingPlan`, and back.
+
+`to_sharding_plan` turns a plan into what `DistributedModelParallel` takes, for an
+`EmbeddingBagCollection` whose tables are named like the workload's (`workload_ebc` builds one):
+data-parallel tables keep TorchRec's dense kernel; every other table runs on distcache's kernel
+(`CACHED_KERNEL`) with its `CacheConfig` in the plan (`CachedParameterSharding`). Pass
+`CachedEmbeddingBagCollectionSharder` to DMP with it.
+
+`from_sharding_plan` reads a TorchRec plan, e.g. one from TorchRec's own planner, as a distcache
+`Plan`, so that it is priced by the same cost model as distcache's plans. TorchRec's placements
+map onto distcache's as follows (an approximation where noted):
+
+===============================  ==========================================================
+TorchRec                         distcache
+===============================  ==========================================================
+kernel dense / fused / quant     device storage
+kernel fused_uvm_caching         host-cached, cache_fraction = the table's cache load factor
+                                 (`cache_params.load_factor`, else the planner's default),
+                                 lookahead 0: TorchRec's cache is reactive (LRU/LFU)
+kernel fused_uvm                 host-cached, lookahead 0, with the smallest cache the cost
+                                 model accepts: the rows one step touches (UVM has no cache).
+                                 Nearly every touched row crosses the link each step; only
+                                 rows touched by consecutive steps hit. This slightly flatters
+                                 UVM, which reads every looked-up id in place, repeats included
+kernel key_value and the         host-cached with the planner's default cache load factor
+virtual-table kernels (SSD/KV)   (approximation: the model has no SSD tier)
+kernel customized_kernel         distcache's own: read from the table's `CacheConfig`
+table_row_wise, grid_shard       row-wise over the shards' ranks (approximation: the
+                                 node-local reduce-scatter of TWRW is priced as a plain
+                                 row-wise all-to-all over those ranks, which overprices its
+                                 cross-node output k-fold for k ranks per node); or, with
+                                 `table_row_wise_as="column_wise"`, column-wise over them
+table_column_wise, column_wise   column-wise over the distinct ranks of the shards, the
+                                 last dropped until their number divides the dim
+                                 (approximation: TorchRec's shards may differ in width or
+                                 share a rank; the model splits the columns evenly)
+===============================  ==========================================================
+
+Example::
+
+    sharding_plan = to_sharding_plan(plan, workload, world_size=8, device="cuda")
+    model = DistributedModelParallel(
+        model, plan=sharding_plan, sharders=[CachedEmbeddingBagCollectionSharder()], env=env
+    )
+    back = from_sharding_plan(sharding_plan, workload, world_size=8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.sharding_plan import (
+    ParameterShardingGenerator,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
+
+from distcache.cache.config import CacheConfig
+from distcache.errors import DistcacheConfigError
+from distcache.planner.cost import table_access
+from distcache.planner.types import (
+    COLUMN_WISE,
+    DATA_PARALLEL,
+    DEVICE,
+    HOST_CACHED,
+    ROW_WISE,
+    TABLE_WISE,
+    Plan,
+    TablePlan,
+    TableStats,
+    Workload,
+)
+from distcache.sharding.plan import CACHED_KERNEL, CachedParameterSharding
+from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
+
+_K = EmbeddingComputeKernel
+_DEVICE_KERNELS = {_K.DENSE.value, _K.FUSED.value, _K.QUANT.value, _K.FUSED_TRITON.value}
+_OFFLOAD_KERNELS = {
+    _K.KEY_VALUE.value,
+    _K.SSD_VIRTUAL_TABLE.value,
+    _K.DRAM_VIRTUAL_TABLE.value,
+    _K.DRAM_SSD_VIRTUAL_TABLE.value,
+}
+# TorchRec widens a column-wise shard to a multiple of 4 columns (`_find_base_dim`), which
+# would silently give fewer shards than ranks.
+_CW_BLOCK = 4
+_ROW_LIKE = {
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.GRID_SHARD.value,
+}
+_COLUMN_LIKE = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value}
+
+
+def workload_ebc(
+    workload: Workload, *, device: str | torch.device = "meta"
+) -> EmbeddingBagCollection:
+    """An `EmbeddingBagCollection` with the workload's tables, one feature per table named like
+    the table (on the meta device by default: planning needs shapes, not weights)."""
+    configs = [
+        EmbeddingBagConfig(
+            name=t.name, num_embeddings=t.rows, embedding_dim=t.dim, feature_names=[t.name]
+        )
+        for t in workload.tables
+    ]
+    return EmbeddingBagCollection(tables=configs, device=torch.device(device))
+
+
+# --------------------------------------------------------------------------------------------
+# distcache Plan -> TorchRec ShardingPlan
+
+
+def cache_config_for(table: TablePlan, base: CacheConfig) -> CacheConfig:
+    """The `CacheConfig` of one non-data-parallel table: `base` (optimizer, learning rate...)
+    with the plan's cache size and look-ahead. Device storage is a cache holding every row.
+    Without look-ahead the policy is reactive: `base.policy` if it is ('lru'/'lfu'), else 'lru'.
+    """
+    reactive = table.lookahead == 0
+    policy = (base.policy if base.is_reactive else "lru") if reactive else "lookahead"
+    return dataclasses.replace(
+        base,
+        capacity=float(table.cache_fraction) if table.storage == HOST_CACHED else 1.0,
+        lookahead=table.lookahead,
+        prefetch_depth=table.prefetch_depth,
+        policy=policy,
+    )
+
+
+def to_sharding_plan(
+    plan: Plan,
+    workload: Workload,
+    *,
+    module_path: str = "",
+    world_size: int,
+    ranks_per_node: int | None = None,
+    device: str = "cpu",
+    base_config: CacheConfig | None = None,
+) -> ShardingPlan:
+    """A TorchRec `ShardingPlan` placing the EBC at `module_path` as `plan` says.
+
+    Row-wise tables span every rank (TorchRec's `row_wise`) or exactly the ranks of one node
+    (TorchRec's `table_row_wise`); other rank subsets are refused. Column-wise tables split their
+    columns evenly over distinct ranks (as the cost model requires, the count divides the dim),
+    in shards of a multiple of 4 columns (as TorchRec requires).
+
+    Args:
+        plan: a placement of every table of `workload`.
+        workload: the tables (names, rows, dims) of the EBC to shard.
+        module_path: the EBC's path in the model ("" when the EBC is the model).
+        world_size: ranks of the job.
+        ranks_per_node: ranks per node (default: `world_size`), for placements and
+            `table_row_wise`.
+        device: "cpu" or "cuda", the device type of the placements.
+        base_config: settings shared by every cached table (optimizer, learning rate, ...);
+            default `CacheConfig(optimizer=workload.optimizer)`.
+
+    Example::
+
+        sharding_plan = to_sharding_plan(plan, workload, world_size=2)
+    """
+    if device not in ("cpu", "cuda"):
+        raise DistcacheConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if world_size < 1:
+        raise DistcacheConfigError(f"world_size must be >= 1, got {world_size}")
+    local_size = ranks_per_node or world_size
+    base = base_config or CacheConfig(optimizer=workload.optimizer)
+    _check_covers(plan, workload)
+    per_table = {
+        t.name: _generator(plan.table(t.name), t, world_size, local_size) for t in workload.tables
+    }
+    sharder = CachedEmbeddingBagCollectionSharder(base)
+    module_plan = construct_module_sharding_plan(
+        workload_ebc(workload),
+        per_param_sharding=per_table,
+        sharder=sharder,
+        local_size=local_size,
+        world_size=world_size,
+        device_type=device,
+    )
+    for name, sharding in list(module_plan.items()):
+        if sharding.sharding_type == DATA_PARALLEL:
+            continue
+        sharding.compute_kernel = CACHED_KERNEL  # table_row_wise() takes no kernel argument
+        fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
+        config = cache_config_for(plan.table(name), base)
+        module_plan[name] = CachedParameterSharding(**fields, cache_config=config)
+    return ShardingPlan({module_path: module_plan})
+
+
+def _check_covers(plan: Plan, workload: Workload) -> None:
+    planned = [t.table for t in plan.tables]
+    names = {t.name for t in workload.tables}
+    missing = sorted(names - set(planned))
+    extra = sorted(set(planned) - names)
+    if missing or extra or len(planned) != len(set(planned)):
+        raise DistcacheConfigError(
+            f"plan {plan.name!r} must place each table of workload {workload.name!r} once: "
+            f"missing {missing}, unknown {extra}, planned {planned}"
+        )
+
+
+def _generator(
+    table: TablePlan, stats: TableStats, world_size: int, local_size: int
+) -> ParameterShardingGenerator:
+    bad = [r for r in table.ranks if not 0 <= r < world_size]
+    if bad and table.sharding != DATA_PARALLEL:
+        raise DistcacheConfigError(
+            f"table {table.table!r}: ranks {bad} are outside [0, {world_size})"
+        )
+    if table.sharding == DATA_PARALLEL:
+        return data_parallel()
+    if table.sharding == TABLE_WISE:
+        return table_wise(rank=table.ranks[0], compute_kernel=CACHED_KERNEL)
+    if table.sharding == ROW_WISE:
+        ranks = tuple(sorted(table.ranks))
+        if ranks == tuple(range(world_size)):
+            return row_wise(compute_kernel=CACHED_KERNEL)
+        node = ranks[0] // local_size
+        if ranks == tuple(range(node * local_size, (node + 1) * local_size)):
+            return table_row_wise(host_index=node)
+        raise DistcacheConfigError(
+            f"table {table.table!r}: row-wise over ranks {list(table.ranks)} has no TorchRec "
+            f"form; use every rank (0..{world_size - 1}) or every rank of one node "
+            f"({local_size} per node)"
+        )
+    return _column_wise(table, stats.dim)
+
+
+def _column_wise(table: TablePlan, dim: int) -> ParameterShardingGenerator:
+    n = len(table.ranks)
+    if len(set(table.ranks)) != n or dim % n:
+        # distcache's kernel holds at most one shard of a table per rank.
+        raise DistcacheConfigError(
+            f"table {table.table!r}: column-wise needs distinct ranks whose number divides the "
+            f"dim {dim}, got {list(table.ranks)}"
+        )
+    if n > 1 and (dim // n) % _CW_BLOCK:
+        raise DistcacheConfigError(
+            f"table {table.table!r}: TorchRec's column-wise shards are multiples of {_CW_BLOCK} "
+            f"columns; dim {dim} over {n} ranks gives {dim // n}"
+        )
+    return column_wise(ranks=list(table.ranks), compute_kernel=CACHED_KERNEL)
+
+
+# --------------------------------------------------------------------------------------------
+# TorchRec ShardingPlan -> distcache Plan
+
+
+def from_sharding_plan(
+    sharding_plan: ShardingPlan,
+    workload: Workload,
+    *,
+    world_size: int,
+    name: str = "torchrec",
+    cache_load_factor: float = 0.2,
+    cache_config: CacheConfig | None = None,
+    table_row_wise_as: str = ROW_WISE,
+) -> Plan:
+    """The distcache `Plan` closest to a TorchRec plan (see the module docstring for the map).
+
+    Args:
+        sharding_plan: a plan covering every table of `workload` (in any module).
+        workload: the tables the plan places.
+        world_size: ranks of the job (data-parallel tables live on all of them).
+        name: the returned plan's name.
+        cache_load_factor: cache fraction of `fused_uvm_caching` tables without
+            `cache_params.load_factor` (TorchRec's planner default is 0.2).
+        cache_config: the `CacheConfig` of distcache tables whose sharding carries none (a plan
+            from TorchRec's planner with distcache's sharder); default `CacheConfig()`.
+        table_row_wise_as: how `table_row_wise` (and `grid_shard`) tables are priced:
+            `row_wise` over the node's ranks (the default), or `column_wise` over them, which
+            the cost model prices closer to TWRW's traffic (its node-local reduce-scatter
+            leaves each rank 1/k of the pooled output to send across nodes, as k column
+            shards do; row-wise shards each send the whole partial output). Falls back to
+            row-wise where the ranks do not divide the dim.
+
+    Example::
+
+        plan = from_sharding_plan(torchrec_result.plan, workload, world_size=8)
+    """
+    if not 0 < cache_load_factor <= 1:
+        raise DistcacheConfigError(f"cache_load_factor must be in (0, 1], got {cache_load_factor}")
+    if table_row_wise_as not in (ROW_WISE, COLUMN_WISE):
+        raise DistcacheConfigError(
+            f"table_row_wise_as must be {ROW_WISE!r} or {COLUMN_WISE!r}, got {table_row_wise_as!r}"
+        )
+    conversion = _Conversion(
+        workload=workload,
+        world_size=world_size,
+        cache_load_factor=cache_load_factor,
+        default_config=cache_config or CacheConfig(),
+        table_row_wise_as=table_row_wise_as,
+    )
+    shardings: dict[str, ParameterSharding] = {}
+    for module_plan in sharding_plan.plan.values():
+        for table, sharding in module_plan.items():
+            if table in shardings:
+                raise DistcacheConfigError(f"table {table!r} is placed by two modules")
+            shardings[table] = sharding
+    names = [t.name for t in workload.tables]
+    missing = sorted(set(names) - set(shardings))
+    extra = sorted(set(shardings) - set(names))
+    if missing or extra:
+        raise DistcacheConfigError(
+            f"the TorchRec plan and workload {workload.name!r} differ: tables missing from the "
+            f"plan {missing}, unknown to the workload {extra}"
+        )
+    tables, explanations = [], {}
+    for stats in workload.tables:
+        sharding = shardings[stats.name]
+        table = _table_plan(stats, sharding, conversion)
+        tables.append(table)
+        explanations[stats.name] = (
+            f"from TorchRec: {sharding.sharding_type} / {sharding.compute_kernel} on ranks "
+            f"{sharding.ranks}"
+        )
+    return Plan(name=name, tables=tuple(tables), explanations=explanations)
+
+
+@dataclass(frozen=True)
+class _Conversion:
+    """`from_sharding_plan`'s settings, shared by its tables."""
+
+    workload: Workload
+    world_size: int
+    cache_load_factor: float
+    default_config: CacheConfig
+    table_row_wise_as: str
+
+
+def _table_plan(stats: TableStats, sharding: ParameterSharding, conv: _Conversion) -> TablePlan:
+    kind, kernel = sharding.sharding_type, sharding.compute_kernel
+    world_size = conv.world_size
+    if kind == ShardingType.DATA_PARALLEL.value:
+        return TablePlan(table=stats.name, sharding=DATA_PARALLEL, ranks=tuple(range(world_size)))
+    ranks = _shard_ranks(stats.name, sharding)
+    if kind == ShardingType.TABLE_WISE.value:
+        sharding_type = TABLE_WISE
+    elif kind in _ROW_LIKE:
+        sharding_type, ranks = ROW_WISE, tuple(sorted(set(ranks)))
+        as_columns = kind != ShardingType.ROW_WISE.value and conv.table_row_wise_as == COLUMN_WISE
+        if as_columns and stats.dim % len(ranks) == 0:
+            sharding_type = COLUMN_WISE
+    elif kind in _COLUMN_LIKE:
+        sharding_type, ranks = COLUMN_WISE, _column_ranks(stats.dim, ranks)
+    else:
+        raise DistcacheConfigError(
+            f"table {stats.name!r}: sharding type {kind!r} has no distcache equivalent"
+        )
+    split = len(ranks) if sharding_type == ROW_WISE else 1
+    shard_rows = -(-stats.rows // split)
+    if kernel == _K.FUSED_UVM.value:  # no cache: model the smallest one the cost model accepts
+        touched = table_access(stats).unique(
+            conv.workload.batch_size_per_rank * stats.pooling_factor * world_size
+        )
+        placement = _cached(min(1.0, math.ceil(touched / split) / shard_rows), 0, 0)
+    else:
+        placement = _storage(
+            stats.name, kernel, sharding, shard_rows, conv.cache_load_factor, conv.default_config
+        )
+    storage, fraction, lookahead, depth = placement
+    return TablePlan(
+        table=stats.name,
+        sharding=sharding_type,
+        ranks=ranks,
+        storage=storage,
+        cache_fraction=fraction,
+        lookahead=lookahead,
+        prefetch_depth=depth,
+    )
+
+
+def _shard_ranks(table: str, sharding: ParameterSharding) -> tuple[int, ...]:
+    spec = sharding.sharding_spec
+    if isinstance(spec, EnumerableShardingSpec) and spec.shards:
+        ranks = [s.placement.rank() for s in spec.shards if math.prod(s.shard_sizes) > 0]
+    else:
+        ranks = list(sharding.ranks or [])
+    if not ranks:
+        raise DistcacheConfigError(f"table {table!r}: the TorchRec sharding names no rank")
+    return tuple(ranks)
+
+
+def _column_ranks(dim: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The distinct ranks of column shards, trimmed until their number divides the dim."""
+    distinct = tuple(dict.fromkeys(ranks))
+    while dim % len(distinct):
+        distinct = distinct[:-1]
+    return distinct
+
+
+def _storage(
+    table: str,
+    kernel: str,
+    sharding: ParameterSharding,
+    shard_rows: int,
+    cache_load_factor: float,
+    default_config: CacheConfig,
+) -> tuple[str, float, int, int]:
+    """(storage, cache_fraction, lookahead, prefetch_depth) of one TorchRec table."""
+    if kernel in _DEVICE_KERNELS:
+        return DEVICE, 1.0, 0, 0
+    if kernel == _K.FUSED_UVM_CACHING.value or kernel in _OFFLOAD_KERNELS:
+        params = sharding.cache_params
+        factor = params.load_factor if params and params.load_factor else cache_load_factor
+        return _cached(min(1.0, float(factor)), 0, 0)
+    if kernel == CACHED_KERNEL:
+        config = getattr(sharding, "cache_config", None)
+        if not isinstance(sharding, CachedParameterSharding) or config is None:
+            config = default_config
+        if isinstance(config.capacity, float):  # a fraction, as the plan's (kept exact)
+            fraction = config.capacity
+        else:
+            fraction = config.capacity_rows(shard_rows) / shard_rows
+        if config.is_reactive:
+            return _cached(fraction, 0, 0)
+        return _cached(fraction, config.lookahead, config.prefetch_depth)
+    raise DistcacheConfigError(
+        f"table {table!r}: compute kernel {kernel!r} has no distcache equivalent"
+    )
+
+
+def _cached(fraction: float, lookahead: int, depth: int) -> tuple[str, float, int, int]:
+    if fraction >= 1.0:
+        return DEVICE, 1.0, 0, 0
+    return HOST_CACHED, fraction, lookahead, depth

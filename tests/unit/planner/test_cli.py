@@ -1,0 +1,156 @@
+"""`python -m distcache plan|compare`: outputs that load back, and clear errors for bad flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distcache.__main__ import main
+from distcache.planner.cli import compare_main, load_workload_config, plan_main
+from distcache.planner.solver import solve
+from distcache.planner.topology import preset
+from distcache.planner.types import Plan
+from distcache.planner.workloads import workload_preset
+from distcache.sharding import CACHED_KERNEL
+
+SPEC = "synthetic:tables=4,rows=5000,dim=16,seed=2"
+SMALL = ["--preset", SPEC, "--topology", "h100", "--world-size", "2", "--batch-size", "128"]
+
+CONFIG = """
+[model]
+name = "tiny"
+batch_size_per_rank = 64
+optimizer = "rowwise_adagrad"
+bottom_mlp = [64, 16]
+
+[[tables]]
+name = "users"
+rows = 10000
+dim = 16
+alpha = 1.2
+
+[[tables]]
+name = "items"
+rows = 500
+dim = 16
+pooling_factor = 3.0
+"""
+
+
+def test_plan_writes_json_that_loads_back_equal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    assert plan_main([*SMALL, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    loaded = Plan.load(out)
+    expected = solve(workload_preset(SPEC, batch_size_per_rank=128), preset("h100", world_size=2))
+    assert loaded == expected
+    assert loaded.explanations == expected.explanations
+    for table in expected.tables:
+        assert table.table in printed
+    assert "modelled step" in printed and "why:" in printed
+
+
+def test_plan_writes_a_loadable_torchrec_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plan.pt"
+    assert plan_main([*SMALL, "--torchrec-out", str(out), "--module-path", "sparse.ebc"]) == 0
+    sharding_plan = torch.load(out, weights_only=False)
+    shardings = sharding_plan.plan["sparse.ebc"]
+    assert sorted(shardings) == ["t0", "t1", "t2", "t3"]
+    assert {s.compute_kernel for s in shardings.values()} <= {CACHED_KERNEL, "dense"}
+
+
+def test_plan_from_a_toml_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "model.toml"
+    config.write_text(CONFIG)
+    workload = load_workload_config(config)
+    assert [t.name for t in workload.tables] == ["users", "items"]
+    assert workload.bottom_mlp == (64, 16) and workload.table("items").pooling_factor == 3.0
+    assert plan_main(["--config", str(config), "--topology", "cpu", "--world-size", "2"]) == 0
+    assert "tiny on cpux2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[model]\nlayers = 3\n[[tables]]\nname="a"\nrows=9\ndim=4\n', "unknown [model] keys"),
+        ('[[tables]]\nname="a"\nrows=9\ndim=4\nwidth=2\n', "allowed: ['name', 'rows'"),
+        ('[[tables]]\nname="a"\nrows=9\n', "lacks required keys ['dim']"),
+        ("[model]\nname='x'\n", "at least one [[tables]]"),
+        ('[dense]\n[[tables]]\nname="a"\nrows=9\ndim=4\n', "unknown top-level sections"),
+        ('[[tables]]\nname="a"\nrows=0\ndim=4\n', "rows must be >= 1"),
+        ("[[tables]\n", "not valid TOML"),
+    ],
+)
+def test_config_errors_name_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    assert plan_main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "--config" in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--preset", SPEC, "--world-size", "0"], "--world-size"),
+        (["--preset", SPEC, "--device-memory", "12XB"], "--device-memory"),
+        (["--preset", SPEC, "--topology", "tpu"], "--topology"),
+        (["--preset", SPEC, "--topology", "missing.json"], "--topology"),
+        (["--preset", "criteo-petabyte"], "--preset"),
+        (["--preset", SPEC, "--config", "x.toml"], "--config"),
+        (["--world-size", "2"], "--preset"),
+        (["--preset", SPEC, "--bogus"], "--bogus"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert plan_main(argv) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_a_workload_that_fits_nowhere_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--preset", "synthetic:tables=2,rows=1e6,dim=64,spread=1", "--topology", "cpu"]
+    assert (
+        plan_main([*argv, "--world-size", "1", "--device-memory", "1MB", "--host-memory", "1MB"])
+        == 1
+    )
+    assert "no plan" in capsys.readouterr().err
+
+
+def test_compare_json_parses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mine = tmp_path / "mine.json"
+    assert plan_main([*SMALL, "--out", str(mine)]) == 0
+    capsys.readouterr()
+    assert compare_main([*SMALL, "--json", "--plan", str(mine)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in data["rows"]]
+    assert names[:2] == ["distcache", "torchrec"] and len(names) == 5
+    assert data["modelled"] is True and data["workload"] == SPEC
+    assert all(r["fits"] for r in data["rows"])
+
+
+def test_compare_table_without_torchrec(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", *SMALL, "--no-torchrec"]) == 0
+    out = capsys.readouterr().out
+    assert "not measured" in out and "torchrec " not in out and "all row-wise" in out
+
+
+def test_compare_rejects_a_plan_for_another_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "other.json"
+    assert plan_main(["--preset", "synthetic:tables=2,rows=100,dim=8", "--out", str(other)]) == 0
+    capsys.readouterr()
+    assert compare_main([*SMALL, "--no-torchrec", "--plan", str(other)]) == 2
+    assert f"--plan {other}" in capsys.readouterr().err
+    (tmp_path / "junk.json").write_text("{not json")
+    assert compare_main([*SMALL, "--plan", str(tmp_path / "junk.json")]) == 2
+    assert "not a plan JSON" in capsys.readouterr().err

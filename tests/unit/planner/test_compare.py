@@ -1,0 +1,115 @@
+"""Plan comparison, and TorchRec's planner on distcache workloads (CUDA planned on CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from distcache.planner.compare import (
+    TERMS,
+    ComparisonRow,
+    compare,
+    format_table,
+    rows_to_json,
+)
+from distcache.planner.export import from_sharding_plan
+from distcache.planner.solver import SolverOptions, uniform_plan
+from distcache.planner.topology import preset
+from distcache.planner.torchrec_planner import torchrec_estimate, torchrec_plan
+from distcache.planner.types import HOST_CACHED, TABLE_WISE
+from distcache.planner.workloads import workload_preset
+from distcache.sharding import CACHED_KERNEL, CachedParameterSharding
+
+WORKLOAD = workload_preset("synthetic:tables=6,rows=20000,dim=16,seed=1", batch_size_per_rank=256)
+FAST = SolverOptions(time_budget_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[ComparisonRow]:
+    topology = preset("h100", world_size=4)
+    mine = uniform_plan(WORKLOAD, topology, TABLE_WISE, name="mine")
+    return compare(WORKLOAD, topology, plans={"mine": mine}, options=FAST)
+
+
+def test_rows_cover_every_plan_with_consistent_terms(rows: list[ComparisonRow]) -> None:
+    assert [r.name for r in rows] == [
+        "distcache",
+        "torchrec",
+        "all table-wise",
+        "all row-wise",
+        "mine",
+    ]
+    for row in rows:
+        assert row.cost is not None and row.fits, row.name
+        assert sum(row.terms_ms.values()) == pytest.approx(row.step_ms)
+        assert row.samples_per_s == pytest.approx(4 * 256 / (row.step_ms / 1e3))
+        assert row.device_memory_gb > 0
+    # Every plan here is device-resident, which TorchRec can express and price.
+    assert all(r.torchrec_estimate_s and r.torchrec_estimate_s > 0 for r in rows)
+    assert rows[0].planning_s is not None and rows[1].planning_s is not None
+    # The solver starts from the uniform baselines, so it is never worse than them.
+    assert rows[0].step_ms <= min(r.step_ms for r in rows[2:]) + 1e-9
+
+
+def test_table_and_json_are_labelled_modelled(rows: list[ComparisonRow]) -> None:
+    text = format_table(rows, title="synthetic on 4 H100")
+    assert text.splitlines()[0] == "synthetic on 4 H100"
+    assert "modelled" in text and "not measured" in text
+    for row in rows:
+        assert row.name in text
+    data = json.loads(rows_to_json(rows, workload=WORKLOAD, topology=preset("h100", world_size=4)))
+    assert data["modelled"] is True and data["topology"]["world_size"] == 4
+    assert [r["name"] for r in data["rows"]] == [r.name for r in rows]
+    first = data["rows"][0]
+    assert set(first["terms_ms"]) == {label for label, _ in TERMS}
+    assert first["plan"]["tables"][0]["table"] == rows[0].plan.tables[0].table
+
+
+def test_torchrec_estimate_reprices_torchrecs_own_plan() -> None:
+    topology = preset("h100", world_size=4)
+    result = torchrec_plan(WORKLOAD, topology)
+    assert result.error is None and result.estimate_s > 0 and result.planning_s > 0
+    plan = from_sharding_plan(result.plan, WORKLOAD, world_size=4)
+    assert torchrec_estimate(plan, WORKLOAD, topology) == pytest.approx(result.estimate_s)
+
+
+def test_torchrec_cannot_express_lookahead_caches() -> None:
+    topology = preset("h100", world_size=4)
+    plan = uniform_plan(
+        WORKLOAD, topology, TABLE_WISE, storage=HOST_CACHED, cache_fraction=0.5, lookahead=4
+    )
+    assert torchrec_estimate(plan, WORKLOAD, topology) is None
+    reactive = uniform_plan(WORKLOAD, topology, TABLE_WISE, storage=HOST_CACHED, cache_fraction=0.5)
+    assert torchrec_estimate(reactive, WORKLOAD, topology) > 0  # fused_uvm_caching
+
+
+def test_torchrec_failure_is_a_row_not_a_crash() -> None:
+    big = workload_preset("synthetic:tables=4,rows=1e6,dim=128,spread=1")
+    topology = preset("cpu", world_size=2, device_memory_bytes="100MB")
+    result = torchrec_plan(big, topology)
+    assert result.plan is None and result.estimate_s is None
+    assert "PlannerError" in result.error
+    rows = compare(big, topology, options=FAST)
+    torchrec = next(r for r in rows if r.name == "torchrec")
+    assert torchrec.cost is None and torchrec.note.startswith("planner: PlannerError")
+    assert "torchrec" in format_table(rows)  # blanks, not a crash
+    json.loads(rows_to_json(rows))
+
+
+def test_torchrec_plans_with_distcaches_sharder_on_cpu() -> None:
+    topology = preset("cpu", world_size=2)
+    result = torchrec_plan(WORKLOAD, topology, sharders="distcache")
+    assert result.error is None
+    shardings = result.plan.plan[""]
+    assert {s.compute_kernel for s in shardings.values()} <= {CACHED_KERNEL, "dense"}
+    cached = [s for s in shardings.values() if s.compute_kernel == CACHED_KERNEL]
+    assert cached and all(isinstance(s, CachedParameterSharding) for s in cached)
+
+
+def test_compare_without_torchrec_skips_its_row_and_estimates() -> None:
+    topology = dataclasses.replace(preset("h100", world_size=2), name="h100-pair")
+    rows = compare(WORKLOAD, topology, include_torchrec=False, options=FAST)
+    assert [r.name for r in rows] == ["distcache", "all table-wise", "all row-wise"]
+    assert all(r.torchrec_estimate_s is None for r in rows)

@@ -1,0 +1,279 @@
+"""distcache plans to TorchRec sharding plans and back; a plan trained under DMP on one rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec import KeyedJaggedTensor
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.types import CacheParams, ShardingEnv
+
+from distcache import CacheConfig, DistcacheConfigError
+from distcache.planner.export import (
+    cache_config_for,
+    from_sharding_plan,
+    to_sharding_plan,
+    workload_ebc,
+)
+from distcache.planner.torchrec_planner import torchrec_module, torchrec_topology
+from distcache.planner.types import (
+    COLUMN_WISE,
+    DATA_PARALLEL,
+    DEVICE,
+    HOST_CACHED,
+    ROW_WISE,
+    TABLE_WISE,
+    Plan,
+    TablePlan,
+    TableStats,
+    Topology,
+    Workload,
+)
+from distcache.sharding import (
+    CACHED_KERNEL,
+    CachedEmbeddingBagCollectionSharder,
+    CachedParameterSharding,
+)
+
+WORKLOAD = Workload(
+    name="small",
+    tables=(
+        TableStats(name="t0", rows=40, dim=8),
+        TableStats(name="t1", rows=64, dim=8),
+        TableStats(name="t2", rows=30, dim=4),
+        TableStats(name="t3", rows=50, dim=6),
+    ),
+    batch_size_per_rank=4,
+    optimizer="rowwise_adagrad",
+)
+
+
+def one_rank_plan() -> Plan:
+    return Plan(
+        name="hand",
+        tables=(
+            TablePlan(table="t0", sharding=DATA_PARALLEL, ranks=(0,)),
+            TablePlan(
+                table="t1",
+                sharding=TABLE_WISE,
+                ranks=(0,),
+                storage=HOST_CACHED,
+                cache_fraction=0.5,
+                lookahead=2,
+                prefetch_depth=1,
+            ),
+            TablePlan(table="t2", sharding=ROW_WISE, ranks=(0,)),
+            TablePlan(
+                table="t3",
+                sharding=COLUMN_WISE,
+                ranks=(0,),
+                storage=HOST_CACHED,
+                cache_fraction=0.5,
+            ),
+        ),
+    )
+
+
+def cuda_topology(world_size: int, ranks_per_node: int) -> Topology:
+    return Topology(
+        name="test-gpus",
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        device_memory_bytes=16 * 10**9,
+        host_memory_bytes=200 * 10**9,
+        device_memory_bw_bytes_per_s=3e12,
+        host_to_device_bw_bytes_per_s=50e9,
+        intra_node_bw_bytes_per_s=450e9,
+        inter_node_bw_bytes_per_s=50e9,
+        dense_flops_per_s=2e14,
+    )
+
+
+def test_to_sharding_plan_kernels_and_cache_configs() -> None:
+    sharding_plan = to_sharding_plan(one_rank_plan(), WORKLOAD, world_size=1)
+    module_plan = sharding_plan.plan[""]
+    assert module_plan["t0"].sharding_type == DATA_PARALLEL
+    assert module_plan["t0"].compute_kernel == "dense"
+    for name in ("t1", "t2", "t3"):
+        assert module_plan[name].compute_kernel == CACHED_KERNEL
+        assert isinstance(module_plan[name], CachedParameterSharding)
+    t1 = module_plan["t1"].cache_config
+    assert (t1.capacity, t1.lookahead, t1.prefetch_depth, t1.policy) == (0.5, 2, 1, "lookahead")
+    assert t1.optimizer == "rowwise_adagrad"  # from the workload
+    t2 = module_plan["t2"].cache_config
+    assert (t2.capacity, t2.lookahead, t2.policy) == (1.0, 0, "lru")  # device: every row
+
+
+def test_cache_config_keeps_base_settings_and_a_reactive_policy() -> None:
+    base = CacheConfig(policy="lfu", learning_rate=0.5, optimizer="adam")
+    table = TablePlan(
+        table="t", sharding=TABLE_WISE, ranks=(0,), storage=HOST_CACHED, cache_fraction=0.1
+    )
+    config = cache_config_for(table, base)
+    assert (config.policy, config.learning_rate, config.optimizer) == ("lfu", 0.5, "adam")
+    ahead = cache_config_for(dataclasses.replace(table, lookahead=4, prefetch_depth=2), base)
+    assert (ahead.policy, ahead.lookahead, ahead.prefetch_depth) == ("lookahead", 4, 2)
+
+
+def test_round_trip_through_torchrec_form() -> None:
+    plan = one_rank_plan()
+    back = from_sharding_plan(
+        to_sharding_plan(plan, WORKLOAD, world_size=1), WORKLOAD, world_size=1, name="hand"
+    )
+    assert back == plan
+
+
+def test_multi_rank_placements() -> None:
+    tables = (*WORKLOAD.tables[:3], TableStats(name="t3", rows=50, dim=8))
+    workload = dataclasses.replace(WORKLOAD, tables=tables, optimizer="sgd")
+    plan = Plan(
+        name="four",
+        tables=(
+            TablePlan(table="t0", sharding=DATA_PARALLEL, ranks=(0, 1, 2, 3)),
+            TablePlan(table="t1", sharding=ROW_WISE, ranks=(0, 1, 2, 3)),
+            TablePlan(table="t2", sharding=ROW_WISE, ranks=(2, 3)),  # node 1 of 2
+            TablePlan(table="t3", sharding=COLUMN_WISE, ranks=(3, 1)),
+        ),
+    )
+    module_plan = to_sharding_plan(
+        plan, workload, world_size=4, ranks_per_node=2, device="cuda"
+    ).plan[""]
+    assert module_plan["t1"].sharding_type == "row_wise"
+    assert module_plan["t2"].sharding_type == "table_row_wise"
+    assert module_plan["t2"].compute_kernel == CACHED_KERNEL
+    assert [str(s.placement) for s in module_plan["t3"].sharding_spec.shards] == [
+        "rank:3/cuda:1",
+        "rank:1/cuda:1",
+    ]
+    back = from_sharding_plan(
+        to_sharding_plan(plan, workload, world_size=4, ranks_per_node=2),
+        workload,
+        world_size=4,
+        name="four",
+    )
+    assert back == plan
+    proxy = from_sharding_plan(
+        to_sharding_plan(plan, workload, world_size=4, ranks_per_node=2),
+        workload,
+        world_size=4,
+        table_row_wise_as=COLUMN_WISE,
+    )
+    assert proxy.table("t2") == dataclasses.replace(plan.table("t2"), sharding=COLUMN_WISE)
+    assert proxy.table("t1") == plan.table("t1")  # plain row-wise stays row-wise
+    with pytest.raises(DistcacheConfigError, match="table_row_wise_as"):
+        from_sharding_plan(
+            to_sharding_plan(plan, workload, world_size=4, ranks_per_node=2),
+            workload,
+            world_size=4,
+            table_row_wise_as=TABLE_WISE,
+        )
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (TablePlan(table="t1", sharding=ROW_WISE, ranks=(0, 2)), "row-wise over ranks"),
+        (TablePlan(table="t1", sharding=TABLE_WISE, ranks=(5,)), "outside"),
+        (TablePlan(table="t3", sharding=COLUMN_WISE, ranks=(0, 1, 2, 3)), "divides the dim"),
+        (TablePlan(table="t3", sharding=COLUMN_WISE, ranks=(0, 0)), "distinct ranks"),
+        (TablePlan(table="t1", sharding=COLUMN_WISE, ranks=(0, 1, 2, 3)), "multiples of 4"),
+    ],
+)
+def test_inexpressible_plans_are_refused(table: TablePlan, message: str) -> None:
+    others = [TablePlan(table=n, sharding=TABLE_WISE, ranks=(0,)) for n in ("t0", "t1", "t2", "t3")]
+    plan = Plan(name="bad", tables=tuple(table if t.table == table.table else t for t in others))
+    with pytest.raises(DistcacheConfigError, match=message):
+        to_sharding_plan(plan, WORKLOAD, world_size=4, ranks_per_node=2)
+
+
+def test_plan_must_cover_the_workload() -> None:
+    plan = Plan(name="short", tables=(TablePlan(table="t0", sharding=TABLE_WISE, ranks=(0,)),))
+    with pytest.raises(DistcacheConfigError, match=r"missing \['t1', 't2', 't3'\]"):
+        to_sharding_plan(plan, WORKLOAD, world_size=1)
+    bigger = dataclasses.replace(
+        WORKLOAD, tables=(*WORKLOAD.tables, TableStats(name="t9", rows=5, dim=4))
+    )
+    sharding_plan = to_sharding_plan(one_rank_plan(), WORKLOAD, world_size=1)
+    with pytest.raises(DistcacheConfigError, match=r"missing from the plan \['t9'\]"):
+        from_sharding_plan(sharding_plan, bigger, world_size=1)
+
+
+def test_torchrec_planner_output_converts_every_table() -> None:
+    """TorchRec's own planner (CUDA topology, planned on CPU) with UVM-caching and UVM kernels
+    forced on two tables: every table comes back, caches as host-cached without look-ahead."""
+    workload = Workload(
+        name="mixed",
+        tables=tuple(TableStats(name=f"t{i}", rows=10**5 * (i + 1), dim=64) for i in range(6)),
+        batch_size_per_rank=256,
+    )
+    topology = cuda_topology(4, 2)
+    constraints = {
+        "t4": ParameterConstraints(
+            compute_kernels=["fused_uvm_caching"], cache_params=CacheParams(load_factor=0.1)
+        ),
+        "t5": ParameterConstraints(compute_kernels=["fused_uvm"]),
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=torchrec_topology(topology),
+        batch_size=workload.batch_size_per_rank,
+        constraints=constraints,
+    )
+    sharding_plan = planner.plan(torchrec_module(workload), [EmbeddingBagCollectionSharder()])
+    plan = from_sharding_plan(sharding_plan, workload, world_size=4)
+    assert [t.table for t in plan.tables] == [t.name for t in workload.tables]
+    t4, t5 = plan.table("t4"), plan.table("t5")
+    assert (t4.storage, t4.cache_fraction, t4.lookahead) == (HOST_CACHED, 0.1, 0)
+    assert t5.storage == HOST_CACHED and t5.lookahead == 0 and t5.cache_fraction < 0.1
+    assert all(plan.table(f"t{i}").storage == DEVICE for i in range(4))
+    assert set(plan.explanations) == {t.name for t in workload.tables}
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[dist.ProcessGroup]:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_exported_plan_trains_under_dmp(one_rank_group: dist.ProcessGroup) -> None:
+    """The exported plan is what DMP + distcache's sharder take; a step updates every table."""
+    sharding_plan = to_sharding_plan(one_rank_plan(), WORKLOAD, world_size=1)
+    torch.manual_seed(0)
+    model = DistributedModelParallel(
+        workload_ebc(WORKLOAD, device="cpu"),
+        env=ShardingEnv.from_process_group(one_rank_group),
+        device=torch.device("cpu"),
+        plan=sharding_plan,
+        sharders=[CachedEmbeddingBagCollectionSharder()],
+    )
+    before = _local_weights(model)
+    names = [t.name for t in WORKLOAD.tables]
+    batch = KeyedJaggedTensor.from_lengths_sync(
+        keys=names,
+        values=torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]),
+        lengths=torch.tensor([1, 2, 0, 1, 1, 1, 1, 0, 2, 0, 0, 1, 1, 1, 0, 0]),
+    )
+    dense = torch.optim.SGD([p for n, p in model.named_parameters() if "t0" in n], lr=0.1)
+    model(batch).values().sum().backward()
+    dense.step()
+    after = _local_weights(model)
+    assert set(before) == {f"embedding_bags.{n}.weight" for n in names}
+    for key in before:
+        assert not torch.equal(before[key], after[key]), key
+
+
+def _local_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in model.state_dict().items():
+        tensor = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+        out[key.removeprefix("module.")] = tensor.detach().clone()
+    return out
