@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import socket
@@ -41,38 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table, write_json  # noqa: E402
 
-KAGGLE_ROWS = [
-    1460,
-    583,
-    10131227,
-    2202608,
-    305,
-    24,
-    12517,
-    633,
-    3,
-    93145,
-    5683,
-    8351593,
-    3194,
-    27,
-    14992,
-    5461306,
-    10,
-    5652,
-    2173,
-    4,
-    7046547,
-    18,
-    15,
-    286181,
-    105,
-    142572,
-]
-
 
 def _rows(scale: float) -> list[int]:
-    return [max(3, int(r * scale)) for r in KAGGLE_ROWS]
+    from distcache.planner.workloads import CRITEO_KAGGLE_ROWS
+
+    return [max(3, int(r * scale)) for r in CRITEO_KAGGLE_ROWS]
 
 
 def _batches(rank: int, args, rows: list[int]):
@@ -105,98 +77,38 @@ def _batches(rank: int, args, rows: list[int]):
     return out
 
 
-def _model(rows: list[int], dim: int):
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.models.dlrm import DLRM, DLRMTrain
-
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{t}", num_embeddings=r, embedding_dim=dim, feature_names=[f"f{t}"]
-        )
-        for t, r in enumerate(rows)
-    ]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    return DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=13,
-            dense_arch_layer_sizes=[64, dim],
-            over_arch_layer_sizes=[64, 1],
-        )
-    )
-
-
-def _shard(model, sharder, kernel: str, world: int):
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    ebc = model.model.sparse_arch.embedding_bag_collection
-    per_table = {
-        name: table_wise(rank=i % world, compute_kernel=kernel)
-        for i, (name, _) in enumerate(ebc.named_parameters())
-    }
-    per_table = {name.split(".")[1]: p for name, p in per_table.items()}
-    plan = construct_module_sharding_plan(
-        ebc,
-        per_param_sharding=per_table,
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-        sharder=sharder,
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
-        sharders=[sharder],
-    )
-
-
 def _run(rank: int, world: int, port: int, args, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from torchrec.distributed.embeddingbag import (
-        EmbeddingBagCollectionSharder,
-        ShardedEmbeddingBagCollection,
-    )
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
     from distcache import CacheConfig
+    from distcache.dlrm import (
+        DLRMConfig,
+        apply_embedding_optimizer,
+        build_dlrm,
+        cached_sharder,
+        dense_optimizer,
+        shard_dlrm,
+    )
     from distcache.pipeline import LookaheadTrainPipeline
-    from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
+    from distcache.sharding import cache_stats
 
     rows = _rows(args.scale)
     batches = _batches(rank, args, rows)
-    torch.manual_seed(0)
-    base = _model(rows, args.dim)
     variants = {}
     names = ("torchrec", "distcache sync", "distcache prefetch", "distcache pipeline")
     for variant in names:
-        model = copy.deepcopy(base)
-        ebc = model.model.sparse_arch.embedding_bag_collection
-        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.05})
-        if variant == "torchrec":
-            dmp = _shard(model, EmbeddingBagCollectionSharder(), "fused", world)
-        else:
+        model = build_dlrm(DLRMConfig(rows=rows, dim=args.dim), seed=0)
+        apply_embedding_optimizer(model, "sgd", lr=0.05)
+        sharder = None  # TorchRec's, every row in memory (fused kernel)
+        if variant != "torchrec":
+            # Tables whose cache could not hold the K + 1 = 2 batches in flight: cached whole.
             config = CacheConfig(capacity=args.capacity, lookahead=1, prefetch_depth=1)
-            # The owner of a table sees world * batch ids per batch, K + 1 batches in flight.
-            need = 2 * world * args.batch
-            whole = {
-                f"t{t}": CacheConfig(capacity=1.0, lookahead=1, prefetch_depth=1)
-                for t, r in enumerate(rows)
-                if config.capacity_rows(r) < need
-            }
-            sharder = CachedEmbeddingBagCollectionSharder(config, whole)
-            dmp = _shard(model, sharder, CACHED_KERNEL, world)
-        dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(dmp.named_parameters())),
-            lambda p: torch.optim.SGD(p, lr=0.05),
-        )
+            sharder = cached_sharder(rows, config, world_size=world, batch_size=args.batch)
+        dmp = shard_dlrm(model, sharder, device=torch.device("cpu"))
+        dense = dense_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=0.05))
         sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
         pipeline = None
         if variant == "distcache pipeline":

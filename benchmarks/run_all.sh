@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-creates every committed result under benchmarks/results/ (CPU; about 3 minutes on 2 cores).
+# Re-creates every committed result under benchmarks/results/ (CPU; about 7 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -17,3 +17,9 @@ for i in 1 2 3; do
     $PY benchmarks/dlrm_sharded.py --warmup 30 --steps 40 --json $out/dlrm_sharded_run$i.json
 done
 $PY benchmarks/planner_stats.py --json $out/planner_stats.json
+$PY benchmarks/throughput.py --ranks 1 --threads 1 --warmup 30 --steps 60 \
+    --json $out/throughput_cpu_1rank.json
+$PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 \
+    --json $out/throughput_cpu_2ranks.json
+$PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 --small-tables resident \
+    --json $out/throughput_cpu_2ranks_resident.json

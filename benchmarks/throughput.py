@@ -1,0 +1,467 @@
+"""Training throughput of a DLRM: distcache's look-ahead caches vs TorchRec, side by side.
+
+The model is torchrec.models.dlrm.DLRM with 26 tables of Criteo-Kaggle sizes divided by --scale,
+tables sharded table-wise round-robin over the ranks, fused embedding optimizer in backward, one
+power-law id per feature per sample (like Criteo). Variants, all in one run on the same batches:
+
+- distcache: tables in host memory behind caches of each --capacities fraction of their rows,
+  trained by LookaheadTrainPipeline (--lookahead L batches routed ahead, rows staged
+  --prefetch-depth K ahead);
+- lru: the same engine, reactive (policy 'lru': a batch's misses are loaded when it is looked up),
+  at each --lru-capacities, trained by the plain loop (forward, backward, optimizer step);
+- torchrec: TorchRec's TrainPipelineSparseDist and default sharder, every row in device memory
+  (its fused kernel);
+- cpu_embeddings (CUDA only): TorchRec's fused kernel on the host with the MLPs on the GPU; only
+  the pooled embeddings cross to the GPU (`distcache.dlrm.host_embedding_dlrm`).
+
+At each capacity both policies treat alike the small tables, those whose cache could not hold
+the distinct rows of the K + 1 batches the pipeline keeps staged (measured on the batches):
+cached whole, or with --small-tables resident kept in TorchRec's fused kernel. Column "cached
+rows" is the resulting fraction of all rows held in caches or resident.
+
+The variants take turns step by step, in an order rotated every step, each step timed from a
+barrier (CUDA: synchronized at both ends), so the machine's drift touches them alike; per step
+the slowest rank sets the time. Warm-up steps are excluded, and so are the cache counters of
+the warm-up.
+
+Columns: hit rate = rows found resident / distinct rows looked up; loads and write-backs per step
+and rank; critical misses = rows loaded while training waited (0 for the look-ahead pipeline,
+checked); wait = time lookups waited on staging / step time.
+
+Threads: each rank gets --threads torch threads (default: CPUs / ranks). On a machine whose
+cores are shared with other jobs, use 1: more threads than free cores make OpenMP spin, which
+measured 15x slower backward passes here (2 threads, 2 shared cores) and drowns the comparison.
+
+Usage::
+
+    python benchmarks/throughput.py --ranks 2 --threads 1 \
+        --json benchmarks/results/throughput_cpu_2ranks.json
+    python benchmarks/throughput.py --ranks 1 --steps 3 --warmup 1 --scale 100000  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import print_table, write_json  # noqa: E402
+
+TARGET_CAPACITY = 0.05  # issue 4: distcache at 5 % ...
+TARGET_X_TORCHREC = 0.7  # ... reaches 0.7 x TorchRec's in-memory pipeline (CPU, 2 ranks)
+TARGET_WAIT = 0.05  # ... and waits on staging less than 5 % of its step time
+
+
+def _capacities(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"capacities must lie in (0, 1], got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU, NCCL on CUDA)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--scale", type=float, default=50, help="table rows = Kaggle rows / scale")
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=512, help="samples per rank and step")
+    ap.add_argument("--alpha", type=float, default=1.05, help="power-law exponent of the ids")
+    ap.add_argument("--capacities", type=_capacities, default=[1.0, 0.05, 0.02, 0.01])
+    ap.add_argument("--lru-capacities", type=_capacities, default=[0.05, 0.02])
+    ap.add_argument("--lookahead", type=int, default=8, help="L: batches routed ahead")
+    ap.add_argument("--prefetch-depth", type=int, default=1, help="K: batches staged ahead")
+    ap.add_argument(
+        "--small-tables",
+        choices=("cached", "resident"),
+        default="cached",
+        help="tables whose cache could not hold the batches in flight: cached whole by distcache,"
+        "\nor resident in TorchRec's fused kernel (every row in device memory)",
+    )
+    ap.add_argument("--optimizer", default="sgd", help="embedding optimizer (fused, in backward)")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument(
+        "--check-ids",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="distcache validates ids (default: on CPU yes; on CUDA no, it syncs the host)",
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpus/ranks)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds before the run fails")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        ap.error(f"--ranks {args.ranks} needs as many GPUs; {torch.cuda.device_count()} found")
+    if args.check_ids is None:
+        args.check_ids = args.device == "cpu"
+    return args
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def _batches(rank: int, args: argparse.Namespace, rows: tuple[int, ...], n: int) -> list:
+    """This rank's n batches (host memory): power-law ids, one per feature per sample."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    from distcache.data.traces import zipf_trace
+    from distcache.dlrm import feature_name
+
+    per_table = [
+        zipf_trace(
+            rows=r, alpha=args.alpha, batch=args.batch, batches=n, seed=1000 * rank + t
+        ).ids.view(n, args.batch)
+        for t, r in enumerate(rows)
+    ]
+    gen = torch.Generator().manual_seed(rank)
+    keys = [feature_name(t) for t in range(len(rows))]
+    lengths = torch.ones(len(rows) * args.batch, dtype=torch.int64)
+    out = []
+    for step in range(n):
+        values = torch.cat([ids[step] for ids in per_table])
+        out.append(
+            Batch(
+                dense_features=torch.randn(args.batch, 13, generator=gen),
+                sparse_features=KeyedJaggedTensor.from_lengths_sync(keys, values, lengths),
+                labels=(torch.rand(args.batch, generator=gen) < 0.25).float(),
+            )
+        )
+    return out
+
+
+class _Variant:
+    """One model and the way it trains a step; `stats()` are its cache counters (if cached)."""
+
+    def __init__(self, name: str, capacity: float | None, model, step, stats=None):
+        self.name, self.capacity, self.model = name, capacity, model
+        self.step, self.stats = step, stats or (lambda: {})
+
+
+def _plain_step(model, optimizer, feed, device: torch.device | None):
+    """model(batch), backward, optimizer step; batches moved to `device` unless None."""
+
+    def step():
+        batch = next(feed)
+        if device is not None:
+            batch = batch.to(device, non_blocking=True)
+        loss, _ = model(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def _cache_totals(model) -> dict[str, float]:
+    from distcache.sharding import cache_stats
+
+    stats = [s.as_dict() for s in cache_stats(model).values()]
+    keys = ("unique", "hits", "loads", "writebacks", "critical_misses", "wait_s")
+    totals = {k: float(sum(s[k] for s in stats)) for k in keys}
+    totals["capacity"] = float(sum(s["capacity"] for s in stats))
+    totals["num_rows"] = float(sum(s["num_rows"] for s in stats))
+    return totals
+
+
+def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Variant]:
+    import dataclasses
+
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from distcache import CacheConfig
+    from distcache.dlrm import (
+        DLRMConfig,
+        apply_embedding_optimizer,
+        build_dlrm,
+        dense_optimizer,
+        host_embedding_dlrm,
+        shard_dlrm,
+        small_tables,
+    )
+    from distcache.pipeline import LookaheadTrainPipeline
+    from distcache.sharding import CachedEmbeddingBagCollectionSharder
+
+    config = DLRMConfig(rows=rows, dim=args.dim)
+
+    def model():
+        m = build_dlrm(config, seed=0)  # every variant starts from the same weights
+        apply_embedding_optimizer(m, args.optimizer, lr=args.lr)
+        return m
+
+    def dense(m):
+        return dense_optimizer(m, lambda params: torch.optim.SGD(params, lr=args.lr))
+
+    # The same small tables for both policies: those whose cache could not hold the rows of
+    # the K + 1 batches the look-ahead pipeline keeps staged.
+    in_flight = _in_flight_ids(batches, len(rows), args.prefetch_depth + 1, host_pg)
+
+    def cached(cache: CacheConfig):
+        small = small_tables(rows, cache, in_flight_ids=in_flight)
+        if args.small_tables == "resident":
+            sharder = CachedEmbeddingBagCollectionSharder(cache)
+            return shard_dlrm(model(), sharder, device=device, resident_tables=small)
+        whole = {name: dataclasses.replace(cache, capacity=1.0) for name in small}
+        return shard_dlrm(model(), CachedEmbeddingBagCollectionSharder(cache, whole), device=device)
+
+    out = []
+    base = CacheConfig(
+        lookahead=args.lookahead, prefetch_depth=args.prefetch_depth, check_ids=args.check_ids
+    )
+    for cap in args.capacities:
+        dmp = cached(dataclasses.replace(base, capacity=cap))
+        pipeline = LookaheadTrainPipeline(dmp, dense(dmp), device, lookahead=args.lookahead)
+        feed = iter(batches)
+        out.append(
+            _Variant(
+                "distcache",
+                cap,
+                dmp,
+                lambda p=pipeline, f=feed: p.progress(f)[0].detach(),
+                lambda p=pipeline, m=dmp: {**_cache_totals(m), **_pipeline_totals(p)},
+            )
+        )
+    for cap in args.lru_capacities:
+        cache = dataclasses.replace(base, capacity=cap, policy="lru", lookahead=0, prefetch_depth=0)
+        dmp = cached(cache)
+        step = _plain_step(dmp, dense(dmp), iter(batches), device)
+        out.append(_Variant("lru", cap, dmp, step, lambda m=dmp: _cache_totals(m)))
+    dmp = shard_dlrm(model(), device=device)
+    pipeline = TrainPipelineSparseDist(dmp, dense(dmp), device)
+    feed = iter(batches)
+    out.append(_Variant("torchrec", None, dmp, lambda: pipeline.progress(feed)[0].detach()))
+    if device.type == "cuda":
+        hosted = host_embedding_dlrm(model(), device=device, host_pg=host_pg)
+        step = _plain_step(hosted, dense(hosted), iter(batches), None)  # it moves what it needs
+        out.append(_Variant("cpu_embeddings", None, hosted, step))
+    return out
+
+
+def _in_flight_ids(batches: list, num_tables: int, window: int, host_pg) -> list[int]:
+    """Per table, the most distinct ids that `window` consecutive batches hold, summed over
+    the ranks (what a table's owner sees, at most)."""
+    ids = torch.stack([b.sparse_features.values().view(num_tables, -1) for b in batches])
+    ids = ids.transpose(1, 2)  # [batches, B, tables] one id per feature and sample
+    span = int(ids.max()) + 1
+    keyed = ids + torch.arange(num_tables) * span  # distinct tables never collide
+    counts = torch.stack(
+        [
+            torch.bincount(keyed[s : s + window].unique() // span, minlength=num_tables)
+            for s in range(len(batches) - window + 1)
+        ]
+    )  # [windows, tables]
+    dist.all_reduce(counts, group=host_pg)
+    return counts.max(0).values.tolist()
+
+
+def _pipeline_totals(pipeline) -> dict[str, float]:
+    total = pipeline.stats()["total"]
+    return {"wait_s": float(total["wait_s"]), "step_s": float(total["step_s"])}
+
+
+def _timed(variants: list[_Variant], args, device: torch.device, host_pg) -> list[dict]:
+    """Train every variant warmup + steps steps, in turns; per-step times of the timed steps."""
+    cuda = device.type == "cuda"
+    times: list[list[float]] = [[] for _ in variants]
+    losses: list[list[torch.Tensor]] = [[] for _ in variants]
+    before: list[dict] = [{} for _ in variants]
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            before = [v.stats() for v in variants]
+        shift = step % len(variants)  # rotate the order so no variant always follows another
+        for i in [*range(shift, len(variants)), *range(shift)]:
+            dist.barrier(group=host_pg)
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            losses[i].append(variants[i].step())
+            if cuda:
+                torch.cuda.synchronize(device)
+            if step >= args.warmup:
+                times[i].append(time.perf_counter() - start)
+    results = []
+    for i, v in enumerate(variants):
+        after = v.stats()
+        timed = {k: after[k] - before[i].get(k, 0.0) for k in after}
+        if after:  # sizes, not counters
+            timed["capacity"], timed["num_rows"] = after["capacity"], after["num_rows"]
+        results.append(
+            {
+                "variant": v.name,
+                "capacity": v.capacity,
+                "step_s": times[i],
+                "losses": [float(x) for x in losses[i]],
+                "timed": timed,  # counters of the timed steps
+                "run": after,  # counters since the start (the warm-up too)
+            }
+        )
+    return results
+
+
+def _run(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
+    timeout = timedelta(seconds=args.timeout)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout)
+        host_pg = dist.new_group(backend="gloo", timeout=timeout)  # host tables, barriers
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        host_pg = dist.group.WORLD
+    from distcache.dlrm import scaled_rows
+    from distcache.planner.workloads import CRITEO_KAGGLE_ROWS
+
+    rows = scaled_rows(CRITEO_KAGGLE_ROWS, args.scale)
+    # Pipelines read ahead: enough batches that every timed step is a steady-state one.
+    batches = _batches(rank, args, rows, args.warmup + args.steps + args.lookahead + 2)
+    variants = _variants(args, rows, batches, device, host_pg)
+    results = {"rows": list(rows), "variants": _timed(variants, args, device, host_pg)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _spawn(args: argparse.Namespace, out_dir: str) -> None:
+    """Run the ranks; a rank that raises or dies fails the run, and so does the deadline.
+    One rank runs in this process (it has no peer to wait for)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if args.ranks == 1:
+        _run(0, 1, port, args, out_dir)
+        return
+    ctx = mp.spawn(_run, args=(args.ranks, port, args, out_dir), nprocs=args.ranks, join=False)
+    deadline = time.monotonic() + args.timeout
+    while not ctx.join(timeout=1.0):  # raises as soon as a rank fails, ending the others
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"the ranks did not finish within --timeout {args.timeout} s")
+
+
+# ---------------------------------------------------------------- summary
+
+
+def summarize(
+    per_rank: list[list[dict]], args: argparse.Namespace, table_rows: Sequence[int]
+) -> list[dict]:
+    """One row per variant: the slowest rank's time per step, counters summed over ranks."""
+    world = len(per_rank)
+    total_rows = sum(table_rows)
+    rows = []
+    for i, row in enumerate(per_rank[0]):
+        ranks = [r[i] for r in per_rank]
+        seconds = sum(max(step) for step in zip(*(r["step_s"] for r in ranks), strict=True))
+        steps_per_s = args.steps / seconds
+        out = {
+            "variant": row["variant"],
+            "capacity": row["capacity"],
+            "steps_per_s": steps_per_s,
+            "samples_per_s": steps_per_s * args.batch * world,
+            "final_loss": sum(sum(r["losses"][-5:]) / len(r["losses"][-5:]) for r in ranks) / world,
+        }
+        if ranks[0]["timed"]:
+            timed = {k: sum(r["timed"][k] for r in ranks) for k in ranks[0]["timed"]}
+            resident = total_rows - timed["num_rows"]  # rows outside distcache's caches
+            out["cached_fraction"] = (timed["capacity"] + resident) / total_rows
+            out["hit_rate"] = timed["hits"] / timed["unique"] if timed["unique"] else 0.0
+            out["loads_per_step"] = timed["loads"] / args.steps / world
+            out["writebacks_per_step"] = timed["writebacks"] / args.steps / world
+            out["critical_misses"] = int(sum(r["run"]["critical_misses"] for r in ranks))
+            # Pipelines time their own steps; the plain loop is timed here.
+            waits = [
+                r["timed"]["wait_s"] / (r["timed"].get("step_s") or sum(r["step_s"])) for r in ranks
+            ]
+            out["wait_fraction"] = max(waits)
+        rows.append(out)
+    base = next((r["steps_per_s"] for r in rows if r["variant"] == "torchrec"), None)
+    for r in rows:
+        r["x_torchrec"] = r["steps_per_s"] / base if base else None
+    return rows
+
+
+def _report(summary: list[dict], args: argparse.Namespace, rows: tuple[int, ...]) -> int:
+    print(
+        f"DLRM, {len(rows)} tables ({sum(rows):,} rows x {args.dim}, Criteo Kaggle sizes / "
+        f"{args.scale:g}), {args.ranks} rank(s) x {args.batch} samples, {args.device}, "
+        f"L={args.lookahead} K={args.prefetch_depth}, small tables {args.small_tables}, "
+        f"{args.steps} steps after {args.warmup}"
+    )
+    for r in summary:
+        r["cap"] = "" if r["capacity"] is None else f"{100 * r['capacity']:g} %"
+    print_table(
+        summary,
+        [
+            ("variant", "variant"),
+            ("cap", "capacity"),
+            ("cached_fraction", "cached rows"),
+            ("steps_per_s", "steps/s"),
+            ("samples_per_s", "samples/s"),
+            ("x_torchrec", "x torchrec"),
+            ("hit_rate", "hit rate"),
+            ("loads_per_step", "loads/step"),
+            ("writebacks_per_step", "write-backs/step"),
+            ("critical_misses", "critical misses"),
+            ("wait_fraction", "wait"),
+            ("final_loss", "loss (last 5)"),
+        ],
+    )
+    failed = [r for r in summary if r["variant"] == "distcache" and r["critical_misses"]]
+    for r in failed:
+        print(f"FAIL: distcache at {r['cap']} had {r['critical_misses']} critical-path misses")
+    if not failed:
+        print("distcache pipeline: 0 critical-path misses at every capacity")
+    target = next(
+        (r for r in summary if r["variant"] == "distcache" and r["capacity"] == TARGET_CAPACITY),
+        None,
+    )
+    if target and target["x_torchrec"]:
+        speed = "met" if target["x_torchrec"] >= TARGET_X_TORCHREC else "MISSED"
+        wait = "met" if target["wait_fraction"] < TARGET_WAIT else "MISSED"
+        print(
+            f"target (issue 4, for CPU and 2 ranks; this run {args.device}, {args.ranks} "
+            f"rank(s)): distcache at {100 * TARGET_CAPACITY:g} % >= "
+            f"{TARGET_X_TORCHREC} x torchrec: {target['x_torchrec']:.2f} x ({speed}); waited on "
+            f"staging < {100 * TARGET_WAIT:g} % of step time: "
+            f"{100 * target['wait_fraction']:.2f} % ({wait})"
+        )
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as out:
+        _spawn(args, out)
+        results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.ranks)]
+    rows = tuple(results[0]["rows"])
+    per_rank = [r["variants"] for r in results]
+    summary = summarize(per_rank, args, rows)
+    status = _report(summary, args, rows)
+    config = {**vars(args), "rows": list(rows)}
+    write_json(args.json, config, [{"summary": summary, "per_rank": per_rank}])
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""Smoke runs of the benchmarks: tiny sizes, in a subprocess, JSON checked."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(120)
+def test_throughput_smoke(tmp_path):
+    out = tmp_path / "throughput.json"
+    argv = [
+        "--ranks", "1", "--steps", "3", "--warmup", "1", "--scale", "100000", "--batch", "64",
+        "--capacities", "0.05", "--lru-capacities", "0.05", "--lookahead", "2",
+        "--threads", "1", "--timeout", "100", "--json", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "0 critical-path misses" in run.stdout
+    payload = json.loads(out.read_text())
+    assert payload["config"]["ranks"] == 1 and payload["config"]["lookahead"] == 2
+    assert len(payload["config"]["rows"]) == 26
+    assert "processor" in payload["machine"]
+    summary = payload["results"][0]["summary"]
+    assert [(r["variant"], r["capacity"]) for r in summary] == [
+        ("distcache", 0.05),
+        ("lru", 0.05),
+        ("torchrec", None),
+    ]
+    for row in summary:
+        assert row["steps_per_s"] > 0 and row["samples_per_s"] == pytest.approx(
+            row["steps_per_s"] * 64
+        )
+        if row["variant"] != "torchrec":
+            assert 0 <= row["hit_rate"] <= 1 and row["loads_per_step"] >= 0
+            assert 0 <= row["wait_fraction"] < 1
+    assert all(r["critical_misses"] == 0 for r in summary if r["variant"] == "distcache")
+    assert next(r for r in summary if r["variant"] == "lru")["critical_misses"] > 0
+    assert summary[-1]["x_torchrec"] == 1.0
+    per_rank = payload["results"][0]["per_rank"]
+    assert len(per_rank) == 1 and len(per_rank[0][0]["step_s"]) == 3
