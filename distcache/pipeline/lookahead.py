@@ -168,6 +168,8 @@ class LookaheadTrainPipeline:
 
         Raises:
             StopIteration: the data and the window are drained (every batch was trained).
+                The pipeline can then go on with a new iterator, e.g. after an evaluation or a
+                checkpoint taken with the window empty.
         """
         if self._failed is not None:
             raise LookaheadWindowError(
@@ -178,6 +180,7 @@ class LookaheadTrainPipeline:
         try:
             self._fill(dataloader_iter)
             if not self._window:
+                self._exhausted = False  # drained: the next progress() may bring new data
                 raise StopIteration
             output = self._train(self._window[0])
         except StopIteration:

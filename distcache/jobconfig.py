@@ -1,0 +1,343 @@
+"""The training job's configuration: strict TOML, one small dataclass per section.
+
+A job config is a TOML file (`configs/*.toml`) with the sections below; every key has a
+default, so a file names only what it changes. Loading is strict: an unknown section or key,
+a value of the wrong type or out of range is an error naming it and what is allowed, raised
+before any process group starts. Command-line overrides `--section.key=value` take TOML
+values (`--cache.capacity=0.02`, `--model.bottom_mlp=[64,16]`, `--data.source=synthetic`;
+a bare word is a string). The resolved config is written to the run directory
+(`resolved_config.toml`), so a run can be repeated exactly.
+
+Example::
+
+    config = load_job_config("configs/tiny_cpu.toml", ["--train.steps=50"])
+    print(config.cache.capacity, config.run.dir)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distcache.errors import DistcacheConfigError
+
+DATA_SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
+PLANNERS = ("distcache", "torchrec", "table_wise", "row_wise")
+POLICIES = ("lookahead", "lru", "lfu")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def _fail(message: str) -> typing.NoReturn:
+    raise DistcacheConfigError(message)
+
+
+def _require(ok: bool, section: str, key: str, value: object, allowed: str) -> None:
+    if not ok:
+        _fail(f"[{section}] {key} = {value!r} is invalid: expected {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str = "synthetic"
+    """'synthetic' (power-law click log), 'criteo_tsv' (raw Criteo) or 'criteo_npy'
+    (TorchRec's preprocessed layout)."""
+    preset: str = "tiny"
+    """Synthetic: a `distcache.data.synthetic_preset` spec, e.g. 'criteo-kaggle:scale=1000'."""
+    table_sizes: list[int] = field(default_factory=list)
+    """Rows per table; ids are hashed to them (Criteo). Empty: the preset's sizes."""
+    paths: list[str] = field(default_factory=list)
+    """Criteo TSV files, or one directory plus `day` for the npy layout."""
+    day: int = 0
+    batch_size: int = 256
+    """Samples per rank per batch."""
+    seed: int = 0
+    eval_batches: int = 8
+    """Held-out batches per rank for evaluation (synthetic: drawn apart from the training
+    ones; Criteo: the first of `eval_paths`)."""
+    eval_paths: list[str] = field(default_factory=list)
+    """Criteo files to evaluate on (none: no held-out evaluation)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.source in DATA_SOURCES, "data", "source", self.source, f"one of {DATA_SOURCES}"
+        )
+        _require(self.batch_size >= 1, "data", "batch_size", self.batch_size, "an integer >= 1")
+        _require(self.eval_batches >= 0, "data", "eval_batches", self.eval_batches, ">= 0")
+        _require(
+            all(isinstance(r, int) and r >= 1 for r in self.table_sizes),
+            "data",
+            "table_sizes",
+            self.table_sizes,
+            "a list of integers >= 1",
+        )
+        _require(
+            self.source == "synthetic" or bool(self.paths),
+            "data",
+            "paths",
+            self.paths,
+            f"at least one path for source {self.source!r}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    embedding_dim: int = 16
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
+    """Ends with embedding_dim (DLRM's interaction needs equal widths)."""
+    top_mlp: list[int] = field(default_factory=lambda: [64, 1])
+    """Ends with 1 (the click logit)."""
+
+    def __post_init__(self) -> None:
+        d = self.embedding_dim
+        _require(d >= 1, "model", "embedding_dim", d, "an integer >= 1")
+        _require(
+            bool(self.bottom_mlp) and self.bottom_mlp[-1] == d,
+            "model",
+            "bottom_mlp",
+            self.bottom_mlp,
+            f"a non-empty list of layer widths ending with embedding_dim = {d}",
+        )
+        _require(
+            bool(self.top_mlp) and self.top_mlp[-1] == 1,
+            "model",
+            "top_mlp",
+            self.top_mlp,
+            "a non-empty list of layer widths ending with 1",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheSection:
+    capacity: float = 0.05
+    """Fraction of each table shard's rows in the device cache (1.0: everything)."""
+    lookahead: int = 8
+    prefetch_depth: int = 1
+    policy: str = "lookahead"
+    optimizer: str = "sgd"
+    """Embedding optimizer, fused into backward."""
+    learning_rate: float = 0.05
+
+    def __post_init__(self) -> None:
+        _require(0 < self.capacity <= 1, "cache", "capacity", self.capacity, "a fraction in (0, 1]")
+        _require(self.lookahead >= 0, "cache", "lookahead", self.lookahead, "an integer >= 0")
+        _require(
+            0 <= self.prefetch_depth <= self.lookahead,
+            "cache",
+            "prefetch_depth",
+            self.prefetch_depth,
+            f"an integer in [0, lookahead = {self.lookahead}]",
+        )
+        _require(self.policy in POLICIES, "cache", "policy", self.policy, f"one of {POLICIES}")
+        _require(
+            self.optimizer in OPTIMIZERS,
+            "cache",
+            "optimizer",
+            self.optimizer,
+            f"one of {OPTIMIZERS}",
+        )
+        _require(self.learning_rate > 0, "cache", "learning_rate", self.learning_rate, "> 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    planner: str = "table_wise"
+    """'distcache' (the throughput planner), 'torchrec' (TorchRec's planner), 'table_wise' or
+    'row_wise' (every table so), or a path to a plan JSON written by `python -m distcache
+    plan`."""
+    topology: str = "cpu"
+    """For the planners: a preset ('cpu', 'h100', 'h200') or a topology JSON
+    (`python -m distcache calibrate`)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.planner in PLANNERS or self.planner.endswith(".json"),
+            "plan",
+            "planner",
+            self.planner,
+            f"one of {PLANNERS} or a plan .json file",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 100
+    """Training batches per rank."""
+    dense_learning_rate: float = 0.05
+    log_every: int = 10
+    eval_every: int = 0
+    """Evaluate every this many steps (0: at the end only)."""
+    progress_bar: bool = True
+    tensorboard: bool = False
+    device: str = "cpu"
+    """'cpu' or 'cuda' (one GPU per rank, LOCAL_RANK)."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "train", "steps", self.steps, "an integer >= 1")
+        _require(
+            self.dense_learning_rate > 0,
+            "train",
+            "dense_learning_rate",
+            self.dense_learning_rate,
+            "> 0",
+        )
+        _require(self.log_every >= 0, "train", "log_every", self.log_every, ">= 0")
+        _require(self.eval_every >= 0, "train", "eval_every", self.eval_every, ">= 0")
+        _require(self.device in ("cpu", "cuda"), "train", "device", self.device, "'cpu' or 'cuda'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0: never)."""
+    dir: str = ""
+    """Default: `<run dir>/checkpoints`."""
+    resume: bool = False
+    """Continue from the latest checkpoint, if any."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "checkpoint", "every", self.every, "an integer >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    dir: str = "runs/default"
+    """Where the resolved config, logs, metrics and checkpoints go."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheSection = field(default_factory=CacheSection)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.run.dir) / "checkpoints")
+
+
+_SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {name: hints[name] for name in _SECTIONS}
+
+
+def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against the field's type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(hint)
+    if origin in (list, types.GenericAlias) or hint is list:
+        _require(isinstance(value, list), section, key, value, f"a list ({hint})")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_coerce(section, key, v, item) for v in value]
+    if hint is float:
+        _require(
+            isinstance(value, int | float) and not isinstance(value, bool),
+            section,
+            key,
+            value,
+            "a number",
+        )
+        return float(value)
+    if hint is int:
+        _require(
+            isinstance(value, int) and not isinstance(value, bool),
+            section,
+            key,
+            value,
+            "an integer",
+        )
+        return value
+    if hint is bool:
+        _require(isinstance(value, bool), section, key, value, "true or false")
+        return value
+    if hint is str:
+        _require(isinstance(value, str), section, key, value, "a string")
+        return value
+    return value
+
+
+def build_job_config(raw: dict[str, Any]) -> JobConfig:
+    """A `JobConfig` from parsed TOML, strictly: unknown sections and keys are errors."""
+    sections = _section_types()
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        _fail(f"unknown config section(s) {unknown}; allowed sections: {sorted(sections)}")
+    built = {}
+    for name, cls in sections.items():
+        values = raw.get(name, {})
+        if not isinstance(values, dict):
+            _fail(f"[{name}] must be a table of keys, got {values!r}")
+        hints = typing.get_type_hints(cls)
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        bad = sorted(set(values) - set(allowed))
+        if bad:
+            _fail(f"unknown key(s) {bad} in [{name}]; allowed keys: {allowed}")
+        built[name] = cls(**{k: _coerce(name, k, v, hints[k]) for k, v in values.items()})
+    return JobConfig(**built)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """`--section.key=value` arguments as nested dicts (values parsed as TOML)."""
+    out: dict[str, dict[str, Any]] = {}
+    for arg in overrides:
+        text = arg.removeprefix("--")
+        if "=" not in text or "." not in text.split("=", 1)[0]:
+            _fail(f"override {arg!r} is invalid: expected --section.key=value")
+        dotted, value = text.split("=", 1)
+        section, key = dotted.split(".", 1)
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare word: a string
+        out.setdefault(section, {})[key] = parsed
+    return out
+
+
+def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
+    """Read a TOML job config (None: all defaults) and apply `--section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            _fail(f"config file {str(path)!r} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            _fail(f"config file {str(path)!r} is not valid TOML: {err}")
+    for section, values in parse_overrides(list(overrides)).items():
+        target = raw.setdefault(section, {})
+        if not isinstance(target, dict):
+            _fail(f"[{section}] must be a table of keys")
+        target.update(values)
+    return build_job_config(raw)
+
+
+def dump_toml(config: JobConfig) -> str:
+    """The resolved config as TOML (every key, defaults included)."""
+    lines = []
+    for section in _SECTIONS:
+        lines.append(f"[{section}]")
+        for key, value in dataclasses.asdict(getattr(config, section)).items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,115 @@
+"""Where a training job's tables go: the `[plan]` section of a job config as a TorchRec
+`ShardingPlan` for distcache's sharder.
+
+- `table_wise`, `row_wise`: every table so, by hand (`distcache.dlrm.sharding_plan`);
+- `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in;
+- `distcache`: the throughput planner (`distcache.planner.solve`) on the `[plan] topology`,
+  for the job's tables and access profiles; rank 0 plans and sends the plan to the others, so
+  every rank shards alike;
+- a `.json` file written by `python -m distcache plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner import Topology as TorchRecTopology
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.types import ShardingPlan
+
+from distcache import dlrm
+from distcache.cache.config import CacheConfig
+from distcache.planner.export import to_sharding_plan
+from distcache.planner.solver import solve
+from distcache.planner.topology import PRESETS, load_topology, preset
+from distcache.planner.types import Plan, TableStats, Topology, Workload
+from distcache.sharding import attach_cache_configs, cached_estimators
+
+log = logging.getLogger(__name__)
+
+
+def job_workload(config: Any, data: Any) -> Workload:
+    """The planner's view of the job: its tables, their access profiles and the MLPs."""
+    m = config.model
+    return Workload(
+        name="job",
+        tables=tuple(
+            TableStats(
+                name=dlrm.table_name(i),
+                rows=rows,
+                dim=m.embedding_dim,
+                pooling_factor=float(data.max_ids_per_sample),
+                alpha=alpha,
+            )
+            for i, (rows, alpha) in enumerate(zip(data.table_sizes, data.alphas, strict=True))
+        ),
+        batch_size_per_rank=config.data.batch_size,
+        dense_in_features=data.dense_features,
+        bottom_mlp=tuple(m.bottom_mlp),
+        top_mlp=tuple(m.top_mlp),
+        optimizer=config.cache.optimizer,
+    )
+
+
+def job_topology(name: str, world_size: int) -> Topology:
+    """A preset, or a topology JSON (`python -m distcache calibrate`) resized to the job."""
+    if name in PRESETS:
+        return preset(name, world_size=world_size)
+    topology = load_topology(name)
+    return dataclasses.replace(
+        topology,
+        world_size=world_size,
+        ranks_per_node=min(topology.ranks_per_node, world_size),
+    )
+
+
+def job_sharding_plan(
+    config: Any,
+    model: torch.nn.Module,
+    data: Any,
+    sharder: Any,
+    world_size: int,
+    device: torch.device,
+) -> ShardingPlan:
+    """The job's plan for the EBC of `model` (a `DLRMTrain`), per `config.plan.planner`."""
+    planner = config.plan.planner
+    ebc = dlrm.embedding_bag_collection(model)
+    if planner in dlrm.SHARDINGS:
+        return dlrm.sharding_plan(
+            ebc, sharder, sharding=planner, world_size=world_size, device_type=device.type
+        )
+    if planner == "torchrec":
+        topology = TorchRecTopology(world_size=world_size, compute_device=device.type)
+        enumerator = EmbeddingEnumerator(
+            topology, config.data.batch_size, estimator=cached_estimators(topology)
+        )
+        plan = EmbeddingShardingPlanner(topology=topology, enumerator=enumerator).collective_plan(
+            model, [sharder], dist.group.WORLD
+        )
+        return attach_cache_configs(plan, sharder)
+    workload = job_workload(config, data)
+    box: list[Plan | None] = [None]
+    if dist.get_rank() == 0:
+        if planner == "distcache":
+            box[0] = solve(workload, job_topology(config.plan.topology, world_size))
+        else:
+            box[0] = Plan.load(Path(planner))
+        for table, why in box[0].explanations.items():
+            log.info("plan: %s: %s", table, why)
+    dist.broadcast_object_list(box, src=0)
+    c = config.cache
+    base = CacheConfig(optimizer=c.optimizer, learning_rate=c.learning_rate, policy=c.policy)
+    return to_sharding_plan(
+        box[0],
+        workload,
+        module_path=dlrm.EBC_PATH,
+        world_size=world_size,
+        device=device.type,
+        base_config=base,
+    )

@@ -1,0 +1,225 @@
+"""The training loop of a job: pipeline steps, metrics, evaluation, checkpoints.
+
+Training runs in segments between evaluations and checkpoints. A segment streams its batches
+through the `LookaheadTrainPipeline`, which drains its window at the segment's end, so an
+evaluation or a checkpoint sees every update (the caches are flushed into the checkpoint) and a
+resumed job replays exactly the steps an uninterrupted one takes.
+
+Rank 0 logs loss, AUC (torchmetrics, over every rank's samples), samples/s and the caches'
+hit rate, loads and critical-path misses; it appends each record to `<run dir>/metrics.jsonl`,
+and optionally to TensorBoard.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchmetrics.functional.classification import binary_auroc
+
+log = logging.getLogger("distcache.train")
+
+#: Fault injection for tests: the rank `DISTCACHE_CRASH_RANK` (default 1) exits after training
+#: step `DISTCACHE_CRASH_AT_STEP`, on the first attempt of a torchrun job only.
+CRASH_AT_STEP = "DISTCACHE_CRASH_AT_STEP"
+CRASH_RANK = "DISTCACHE_CRASH_RANK"
+
+
+def _gather_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's tensors concatenated (sizes may differ between ranks)."""
+    local = torch.cat(tensors) if tensors else torch.zeros(0)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local.detach().float().cpu())
+    return torch.cat(parts)
+
+
+def _auc(logits: list[torch.Tensor], labels: list[torch.Tensor]) -> float:
+    preds, target = _gather_cat(logits), _gather_cat(labels)
+    if target.numel() == 0 or target.min() == target.max():
+        return float("nan")
+    return float(binary_auroc(torch.sigmoid(preds), target.long()))
+
+
+class Trainer:
+    """Trains a sharded model through a `LookaheadTrainPipeline` for `config.train.steps`."""
+
+    def __init__(
+        self,
+        config: Any,
+        model: torch.nn.Module,
+        pipeline: Any,
+        data: Any,
+        checkpoints: Any,
+        dense_optimizer: Any,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ):
+        self.config, self.model, self.pipeline, self.data = config, model, pipeline, data
+        self.checkpoints, self.dense_optimizer = checkpoints, dense_optimizer
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.run_dir = Path(config.run.dir)
+        self._writer = None
+        if config.train.tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._window: dict[str, list] = {"loss": [], "logits": [], "labels": []}
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+        self._samples = 0
+        self._eval_critical = 0  # evaluation looks rows up unannounced: not training's misses
+        self._last: dict[str, float] = {}
+
+    # ------------------------------------------------------------ loop
+    def fit(self, start: int = 0) -> dict[str, float]:
+        """Train steps `start .. steps - 1`; returns the last logged metrics and evaluation."""
+        cfg = self.config.train
+        bar = self._progress_bar(start)
+        step = start
+        while step < cfg.steps:
+            end = self._segment_end(step)
+            batches = itertools.islice(self.data.train_batches(step), end - step)
+            while True:
+                try:
+                    loss, logits, labels = self.pipeline.progress(batches)
+                except StopIteration:
+                    break
+                step += 1
+                self._record(loss, logits, labels)
+                self._maybe_crash(step)
+                if bar is not None:
+                    bar.update(1)
+                if cfg.log_every and step % cfg.log_every == 0:
+                    self.log_metrics(step)
+            if step < end:
+                raise RuntimeError(
+                    f"the data ran out at step {step} of {cfg.steps} (rank {self.rank})"
+                )
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                self.evaluate(step)
+            if self.checkpoints.due(step) and step < cfg.steps:
+                self.checkpoints.save(step, self.model, self.dense_optimizer)
+        if bar is not None:
+            bar.close()
+        if self._window_steps:
+            self.log_metrics(step)
+        self.evaluate(step)
+        if self.checkpoints.every:
+            self.checkpoints.save(step, self.model, self.dense_optimizer)
+        return dict(self._last)
+
+    def _segment_end(self, step: int) -> int:
+        """The next step at which the window drains: an evaluation, a checkpoint or the end."""
+        ends = [self.config.train.steps]
+        for every in (self.config.train.eval_every, self.checkpoints.every):
+            if every:
+                ends.append((step // every + 1) * every)
+        return min(ends)
+
+    # ------------------------------------------------------------ metrics
+    def _record(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self._window["loss"].append(loss.detach().float().reshape(()))
+        self._window["logits"].append(logits.detach().reshape(-1))
+        self._window["labels"].append(labels.detach().reshape(-1))
+        self._window_steps += 1
+        self._samples += labels.numel()
+
+    def log_metrics(self, step: int) -> dict[str, float]:
+        """Loss, AUC and samples/s of the steps since the last log, every rank's together, and
+        the caches' counters (summed over ranks). Collective."""
+        elapsed = time.perf_counter() - self._window_start
+        loss = torch.stack(self._window["loss"]).mean()
+        dist.all_reduce(loss)
+        auc = _auc(self._window["logits"], self._window["labels"])
+        cache = self.pipeline.stats()["total"]
+        counters = torch.tensor(
+            [self._samples, cache["hits"], cache["unique"], cache["loads"],
+             cache["writebacks"], cache["critical_misses"] - self._eval_critical,
+             cache["wait_s"], cache["step_s"]],
+            dtype=torch.float64,
+        )  # fmt: skip
+        dist.all_reduce(counters)
+        samples, hits, unique, loads, writebacks, critical, wait_s, step_s = counters.tolist()
+        record = {
+            "step": step,
+            "loss": float(loss) / self.world_size,
+            "auc": auc,
+            "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
+            "hit_rate": hits / unique if unique else float("nan"),
+            "loads": loads,
+            "writebacks": writebacks,
+            "critical_misses": critical,
+            "wait_fraction": wait_s / step_s if step_s else 0.0,
+        }
+        self._emit("train", record)
+        self._window = {"loss": [], "logits": [], "labels": []}
+        self._window_start, self._window_steps, self._samples = time.perf_counter(), 0, 0
+        return record
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Loss and AUC on the held-out batches (the window is empty here). Collective."""
+        batches = self.data.eval_batches()
+        if not batches:
+            return {}
+        self.model.eval()
+        critical = self.pipeline.stats()["total"]["critical_misses"]
+        losses, logits, labels = [], [], []
+        for batch in batches:
+            _, (loss, out, target) = self.model(batch.to(self.device))
+            losses.append(loss.reshape(()))
+            logits.append(out.reshape(-1))
+            labels.append(target.reshape(-1))
+        self.model.train()
+        self._eval_critical += self.pipeline.stats()["total"]["critical_misses"] - critical
+        loss = torch.stack(losses).mean()
+        dist.all_reduce(loss)
+        record = {
+            "step": step,
+            "eval_loss": float(loss) / self.world_size,
+            "eval_auc": _auc(logits, labels),
+        }
+        self._emit("eval", record)
+        return record
+
+    def _emit(self, kind: str, record: dict[str, float]) -> None:
+        self._last.update(record)
+        if self.rank != 0:
+            return
+        text = ", ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+        )
+        log.info("%s: %s", kind, text)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self._writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self._writer.add_scalar(f"{kind}/{key}", value, record["step"])
+
+    # ------------------------------------------------------------ misc
+    def _progress_bar(self, start: int) -> Any:
+        if self.rank != 0 or not self.config.train.progress_bar:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.config.train.steps, initial=start, unit="step", desc="train")
+
+    def _maybe_crash(self, step: int) -> None:
+        at = os.environ.get(CRASH_AT_STEP)
+        if at is None or int(at) != step:
+            return
+        if self.rank != int(os.environ.get(CRASH_RANK, "1")):
+            return
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return  # crash once; the restarted attempt runs through
+        log.error("fault injection: rank %d exits after step %d", self.rank, step)
+        os._exit(13)

@@ -1,0 +1,152 @@
+"""The training job end to end on 2 CPU ranks: torchrun and torchx launchers, Criteo data,
+bad configs, and a rank killed mid-run that resumes to the same parameters, bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from distcache.jobconfig import load_job_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CRITEO_TINY = ROOT.parent / "shared" / "data" / "criteo_tiny" / "train.tiny.tsv"
+SMALL = ["--train.progress_bar=false", "--data.batch_size=32", "--train.log_every=10"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHON"] = sys.executable
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def _torchrun(run_dir: Path, *overrides: str, timeout: int = 240, **env: str):
+    return subprocess.run(
+        [str(ROOT / "launch" / "torchrun.sh"), f"--run.dir={run_dir}", *SMALL, *overrides],
+        cwd=ROOT,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_ranks_trains_and_logs(tmp_path):
+    done = _torchrun(tmp_path, "--train.steps=40", "--train.eval_every=20")
+    assert done.returncode == 0, done.stderr[-3000:]
+    train, evals = _records(tmp_path, "train"), _records(tmp_path, "eval")
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
+    assert [r["step"] for r in evals] == [20, 40]
+    for r in train:
+        assert r["critical_misses"] == 0 and r["loads"] > 0 and 0 < r["hit_rate"] < 1
+        assert r["samples_per_s"] > 0 and 0 <= r["auc"] <= 1
+    assert all(0 <= r["eval_auc"] <= 1 for r in evals)
+    resolved = load_job_config(tmp_path / "resolved_config.toml")
+    assert resolved.train.steps == 40 and resolved.run.dir == str(tmp_path)
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_rank_resumes_from_the_last_checkpoint_bitwise(tmp_path):
+    common = ["--train.steps=30", "--checkpoint.every=10", "--resume"]
+    whole = _torchrun(tmp_path / "whole", *common)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = _torchrun(
+        tmp_path / "killed",
+        *common,
+        MAX_RESTARTS="1",
+        DISTCACHE_CRASH_AT_STEP="15",
+        DISTCACHE_CRASH_RANK="1",
+    )
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    log = killed.stdout + killed.stderr
+    assert "fault injection: rank 1 exits after step 15" in log
+    assert "resumed from the checkpoint of step 10" in log
+    final = {}
+    for name in ("whole", "killed"):
+        out = tmp_path / f"{name}.pt"
+        dcp_to_torch_save(tmp_path / name / "checkpoints" / "step_00000030", out)
+        final[name] = torch.load(out, weights_only=False)
+    flat = {name: _tensors(state) for name, state in final.items()}
+    assert flat["whole"].keys() == flat["killed"].keys()
+    assert any("embedding_bags" in k for k in flat["whole"])  # the tables are in there
+    assert any("momentum" in k or "sum" in k for k in flat["whole"]), sorted(flat["whole"])
+    for key, value in flat["whole"].items():
+        assert torch.equal(value, flat["killed"][key]), key
+
+
+def _tensors(state, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(state, list | tuple):
+        for i, v in enumerate(state):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    elif isinstance(state, torch.Tensor):
+        out[prefix] = state
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_torchx_component_runs_the_job(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "torchx.cli.main", "run", "-s", "local_cwd",
+            "launch/components.py:train", "--nproc", "2", "--",
+            "--train.steps=10", f"--run.dir={tmp_path}", *SMALL,
+        ],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "SUCCEEDED" in done.stdout + done.stderr
+    assert [r["step"] for r in _records(tmp_path, "train")] == [10]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not CRITEO_TINY.is_file(), reason=f"Criteo sample absent: {CRITEO_TINY}")
+def test_trains_on_criteo_tsv(tmp_path):
+    done = _torchrun(
+        tmp_path,
+        "--data.source=criteo_tsv",
+        f'--data.paths=["{CRITEO_TINY}"]',
+        f'--data.eval_paths=["{CRITEO_TINY}"]',
+        "--data.table_sizes=[" + ",".join(["1000"] * 26) + "]",
+        "--data.eval_batches=4",
+        "--train.steps=20",
+        "--cache.capacity=0.05",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _records(tmp_path, "train")[-1]["critical_misses"] == 0
+    assert 0 <= _records(tmp_path, "eval")[-1]["eval_auc"] <= 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("--cache.capcity=0.1", "unknown key(s) ['capcity'] in [cache]"),
+        ("--data.source=criteo_tsv", "[data] paths = [] is invalid"),
+        ('--data.paths=["/nonexistent.tsv"]', "[data] path '/nonexistent.tsv' does not exist"),
+    ],
+)
+def test_bad_config_fails_before_any_worker_starts(tmp_path, override, match):
+    extra = ["--data.source=criteo_tsv"] if "paths=" in override else []
+    done = _torchrun(tmp_path, *extra, override, timeout=50)
+    assert done.returncode != 0
+    assert match in done.stderr, done.stderr[-2000:]
+    assert "torch.distributed.run" not in done.stderr  # no worker was launched

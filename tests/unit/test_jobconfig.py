@@ -1,0 +1,68 @@
+"""The job config: strict TOML, typed overrides, the resolved file, the shipped configs."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from distcache.errors import DistcacheConfigError
+from distcache.jobconfig import build_job_config, dump_toml, load_job_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+
+
+def test_defaults_and_overrides():
+    config = load_job_config(
+        None, ["--cache.capacity=0.02", "--model.bottom_mlp=[32,16]", "--data.preset=tiny"]
+    )
+    assert config.cache.capacity == 0.02
+    assert config.model.bottom_mlp == [32, 16]
+    assert config.data.preset == "tiny"  # a bare word is a string
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load_and_round_trip(path):
+    config = load_job_config(path)
+    assert build_job_config(tomllib.loads(dump_toml(config))) == config
+
+
+def test_ints_are_accepted_as_floats():
+    assert load_job_config(None, ["--cache.capacity=1"]).cache.capacity == 1.0
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("--cach.capacity=0.1", r"unknown config section\(s\) \['cach'\]; allowed sections"),
+        ("--cache.capcity=0.1", r"unknown key\(s\) \['capcity'\] in \[cache\]; allowed keys"),
+        ("--cache.capacity=0", r"\[cache\] capacity = 0.0 is invalid: expected a fraction"),
+        ("--cache.capacity=1.5", r"expected a fraction in \(0, 1\]"),
+        ("--train.steps=2.5", r"\[train\] steps = 2.5 is invalid: expected an integer"),
+        ("--train.steps=true", r"expected an integer"),
+        ("--cache.prefetch_depth=9", r"prefetch_depth = 9 is invalid: expected an integer in"),
+        ("--cache.policy=fifo", r"policy = 'fifo' is invalid: expected one of"),
+        ("--model.bottom_mlp=[64,8]", r"ending with embedding_dim = 16"),
+        ("--data.source=criteo_tsv", r"\[data\] paths = \[\] is invalid"),
+        ("--plan.planner=greedy", r"one of .* or a plan .json file"),
+        ("capacity=3", r"expected --section.key=value"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_allowed(override, match):
+    with pytest.raises(DistcacheConfigError, match=match):
+        load_job_config(None, [override])
+
+
+def test_unknown_key_in_a_file(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[train]\nsteps = 5\nbatchsize = 3\n")
+    with pytest.raises(DistcacheConfigError, match=r"\['batchsize'\] in \[train\]"):
+        load_job_config(path)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(DistcacheConfigError, match="does not exist"):
+        load_job_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(DistcacheConfigError, match="not valid TOML"):
+        load_job_config(bad)
