@@ -203,8 +203,10 @@ class CachedEmbeddingBags(nn.Module):
                 pooled = _pool(engine.weights, plan, batch)
                 engine.release(plan)
             pooled = pooled.view(len(group.features), batch_size, engine.dim)
-            for k, f in enumerate(group.features):
-                per_feature[f] = pooled[k]
+            # unbind: one backward for all features (indexing each would zero-fill a gradient
+            # of the whole group per feature)
+            for f, part in zip(group.features, pooled.unbind(0), strict=True):
+                per_feature[f] = part
         return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
 
     def _route(self, values: torch.Tensor, offsets: torch.Tensor) -> list[_GroupBatch]:

@@ -8,8 +8,10 @@ sharded modules reuse the routed input instead of routing it again.
 Stages, in the order `progress` runs them, with the batch each works on (t = training batch)
 and the stream it uses on CUDA (on CPU everything runs in order on the calling thread):
 
-    copy      t + L   read from the loader, copy to the device       copy stream
-    route     t + L   input all-to-all; ids enter the caches' windows  default stream
+    copy      t+L+1   read from the loader, copy to the device         copy stream
+    route     t+L+1   input all-to-all started before t's forward, advanced after it, and
+                      finished after t's backward; its ids then enter the caches' windows
+                      (the exchange overlaps t's compute)               default stream
     forward   t       lookups from the cache (rows staged, no critical-path miss)  default
     stage     t + K   write back victims, load the next rows while t trains  the caches' own
                       staging stream, fenced by events (`distcache.cache.stager`)
@@ -60,6 +62,17 @@ class _Routed:
     sparse: Any  # the KeyedJaggedTensor the module is called with
     ctx: Any  # the module's context for this batch
     routed: Any  # its input-dist output (per sharding, this rank's shard-local ids)
+
+
+@dataclass
+class _Waited:
+    value: Any  # an input dist whose first stage (the splits' exchange) completed
+
+
+@dataclass
+class _Incoming:
+    batch: Any
+    started: dict[str, tuple[Any, Any, Any]]  # path -> (features, context, input-dist awaitable)
 
 
 @dataclass
@@ -182,7 +195,10 @@ class LookaheadTrainPipeline:
             if not self._window:
                 self._exhausted = False  # drained: the next progress() may bring new data
                 raise StopIteration
-            output = self._train(self._window[0])
+            incoming = self._start_next(dataloader_iter)  # batch t + L + 1, routed meanwhile
+            output = self._train(self._window[0], incoming)
+            if incoming is not None:
+                self._window.append(self._finish_route(incoming))
         except StopIteration:
             raise
         except BaseException as err:
@@ -215,14 +231,28 @@ class LookaheadTrainPipeline:
 
     # ------------------------------------------------------------ stages
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:
-        """copy + route, batch t + L: keep L batches routed beyond the training one."""
+        """copy + route, batch t + L: keep L batches routed beyond the training one (at the
+        start, and after the window drained; in steady state `_start_next` keeps it full)."""
         while not self._exhausted and len(self._window) <= self._lookahead:
-            batch = next(dataloader_iter, None)
+            batch = self._next(dataloader_iter)
             if batch is None:
-                self._exhausted = True
                 break
-            batch = self._copy(batch)
-            self._window.append(_InFlight(batch, self._route(batch)))
+            self._window.append(self._finish_route(self._start_route(batch)))
+
+    def _next(self, dataloader_iter: Iterator[Any]) -> Any:
+        batch = next(dataloader_iter, None)
+        if batch is None:
+            self._exhausted = True
+            return None
+        return self._copy(batch)
+
+    def _start_next(self, dataloader_iter: Iterator[Any]) -> _Incoming | None:
+        """The batch entering the window once batch t trains: read, copied and its input
+        all-to-all started now, so the exchange overlaps batch t's forward and backward."""
+        if self._exhausted or len(self._window) <= self._lookahead:
+            return None
+        batch = self._next(dataloader_iter)
+        return None if batch is None else self._start_route(batch)
 
     def _copy(self, batch: Any) -> Any:
         """copy, batch t + L: to the device; on CUDA on the copy stream, fenced before use."""
@@ -238,9 +268,8 @@ class LookaheadTrainPipeline:
             batch.record_stream(current)
         return batch
 
-    def _route(self, batch: Any) -> dict[str, _Routed]:
-        """route, batch t + L: input all-to-all of every sharded module; the routed ids enter
-        the caches' look-ahead windows (TorchRec's prefetch hook), staged up to K ahead."""
+    def _start_route(self, batch: Any) -> _Incoming:
+        """route (start), batch t + L + 1: start every sharded module's input all-to-all."""
         sparse = self._sparse_input(batch)
         if len(self._modules) == 1 and not isinstance(sparse, dict):
             sparse = {next(iter(self._modules)): sparse}
@@ -250,18 +279,39 @@ class LookaheadTrainPipeline:
                 f"sparse_input returned no features for modules {missing}; expected keys "
                 f"{sorted(self._modules)}"
             )
-        routed = {}
+        started = {}
         with torch.profiler.record_function("## distcache:route ##"):
             for path, module in self._modules.items():
                 ctx = module.create_context()
-                dist_input = module.input_dist(ctx, sparse[path]).wait().wait()
-                module.prefetch(dist_input=dist_input, forward_stream=None, ctx=ctx)
-                routed[path] = _Routed(sparse[path], ctx, dist_input)
-        return routed
+                started[path] = (sparse[path], ctx, module.input_dist(ctx, sparse[path]))
+        return _Incoming(batch, started)
 
-    def _train(self, current: _InFlight) -> Any:
-        """forward (t), stage (t + K), backward and optimizer (t)."""
-        self._model.train()
+    def _advance_route(self, incoming: _Incoming | None) -> None:
+        """route (splits received), batch t + L + 1: start the ids' exchange."""
+        if incoming is None:
+            return
+        for path, (sparse, ctx, pending) in incoming.started.items():
+            incoming.started[path] = (sparse, ctx, _Waited(pending.wait()))
+
+    def _finish_route(self, incoming: _Incoming) -> _InFlight:
+        """route (finish), batch t + L + 1: the routed ids enter the caches' look-ahead windows
+        (TorchRec's prefetch hook), staged up to K ahead."""
+        routed = {}
+        with torch.profiler.record_function("## distcache:route ##"):
+            for path, (sparse, ctx, pending) in incoming.started.items():
+                module = self._modules[path]
+                ids = (
+                    pending.value.wait() if isinstance(pending, _Waited) else pending.wait().wait()
+                )
+                module.prefetch(dist_input=ids, forward_stream=None, ctx=ctx)
+                routed[path] = _Routed(sparse, ctx, ids)
+        return _InFlight(incoming.batch, routed)
+
+    def _train(self, current: _InFlight, incoming: _Incoming | None) -> Any:
+        """forward (t), stage (t + K), backward and optimizer (t); the incoming batch's
+        exchange advances between them."""
+        if not self._model.training:
+            self._model.train()
         with (
             self._routed_forward(current),
             torch.profiler.record_function("## distcache:forward ##"),
@@ -270,6 +320,7 @@ class LookaheadTrainPipeline:
         with torch.profiler.record_function("## distcache:stage ##"):
             for module in self._modules.values():
                 module.stage_ahead()  # the next rows move while this batch trains
+        self._advance_route(incoming)
         with torch.profiler.record_function("## distcache:backward ##"):
             if self._optimizer is not None:
                 self._optimizer.zero_grad()
