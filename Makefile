@@ -30,7 +30,7 @@ test: lint
 	$(VPY) -m pytest -q
 
 demo: install
-	$(VPY) -m distcache demo
+	PYTHON=$(VPY) launch/torchrun.sh
 
 bench: install
 	benchmarks/run_all.sh

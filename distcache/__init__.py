@@ -11,6 +11,16 @@ from distcache.errors import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):  # noqa: ANN202
+    # The pipeline imports TorchRec (seconds): load it when first asked for.
+    if name == "LookaheadTrainPipeline":
+        from distcache.pipeline import LookaheadTrainPipeline
+
+        return LookaheadTrainPipeline
+    raise AttributeError(f"module 'distcache' has no attribute {name!r}")
+
+
 __all__ = [
     "CacheCapacityError",
     "CacheConfig",
@@ -19,6 +29,7 @@ __all__ = [
     "DistcacheConfigError",
     "DistcacheError",
     "InvalidIdError",
+    "LookaheadTrainPipeline",
     "LookaheadWindowError",
     "TableSpec",
 ]
