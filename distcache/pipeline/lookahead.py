@@ -143,13 +143,15 @@ class LookaheadTrainPipeline:
                 "{module path: KeyedJaggedTensor}"
             )
         self._bags = [k.bags for m in self._modules.values() for k in m.cached_kernels()]
+        # Reactive caches (lru, lfu) use no future knowledge: they do not bound the window.
+        ahead = [b.config for b in self._bags if not b.config.is_reactive]
         self._lookahead = _window_setting(
-            "lookahead", lookahead, min((b.config.lookahead for b in self._bags), default=0)
+            "lookahead", lookahead, min((c.lookahead for c in ahead), default=0)
         )
         self._depth = _window_setting(
             "prefetch_depth",
             prefetch_depth,
-            min(min((b.config.prefetch_depth for b in self._bags), default=0), self._lookahead),
+            min(min((c.prefetch_depth for c in ahead), default=0), self._lookahead),
             most=self._lookahead,
         )
         for bags in self._bags:

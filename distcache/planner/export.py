@@ -123,17 +123,28 @@ def workload_ebc(
 
 def cache_config_for(table: TablePlan, base: CacheConfig) -> CacheConfig:
     """The `CacheConfig` of one non-data-parallel table: `base` (optimizer, learning rate...)
-    with the plan's cache size and look-ahead. Device storage is a cache holding every row.
-    Without look-ahead the policy is reactive: `base.policy` if it is ('lru'/'lfu'), else 'lru'.
+    with the plan's cache size and look-ahead.
+
+    Device storage is a cache holding every row; it keeps `base`'s look-ahead so that even
+    first touches are staged ahead of their batch. A host-cached table without look-ahead (how
+    TorchRec's UVM caching is priced) is reactive: `base.policy` if it is ('lru'/'lfu'), else
+    'lru'.
     """
-    reactive = table.lookahead == 0
-    policy = (base.policy if base.is_reactive else "lru") if reactive else "lookahead"
+    if table.storage != HOST_CACHED:
+        return dataclasses.replace(base, capacity=1.0)
+    if table.lookahead == 0:  # reactive; its window may still hold the pipeline's batches
+        return dataclasses.replace(
+            base,
+            capacity=float(table.cache_fraction),
+            prefetch_depth=0,
+            policy=base.policy if base.is_reactive else "lru",
+        )
     return dataclasses.replace(
         base,
-        capacity=float(table.cache_fraction) if table.storage == HOST_CACHED else 1.0,
+        capacity=float(table.cache_fraction),
         lookahead=table.lookahead,
         prefetch_depth=table.prefetch_depth,
-        policy=policy,
+        policy="lookahead",
     )
 
 

@@ -150,3 +150,27 @@ def test_bad_config_fails_before_any_worker_starts(tmp_path, override, match):
     assert done.returncode != 0
     assert match in done.stderr, done.stderr[-2000:]
     assert "torch.distributed.run" not in done.stderr  # no worker was launched
+
+
+def _plan_file(tmp_path: Path) -> str:
+    """A distcache plan for the tiny job's tables, saved as `python -m distcache plan` would."""
+    from distcache.data.sources import JobData
+    from distcache.placement import job_topology, job_workload
+    from distcache.planner.solver import solve
+
+    config = load_job_config(ROOT / "configs" / "tiny_cpu.toml", ["--data.batch_size=32"])
+    data = JobData(config.data, steps=10, rank=0, world_size=2)
+    plan = solve(job_workload(config, data), job_topology("cpu", 2))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return str(path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("planner", ["distcache", "torchrec", "file"])
+def test_every_planner_places_the_job(tmp_path, planner):
+    choice = _plan_file(tmp_path) if planner == "file" else planner
+    done = _torchrun(tmp_path / "run", f"--plan.planner={choice}", "--train.steps=10")
+    assert done.returncode == 0, done.stderr[-3000:]
+    [record] = _records(tmp_path / "run", "train")
+    assert record["critical_misses"] == 0 and record["loads"] > 0

@@ -108,7 +108,8 @@ def test_to_sharding_plan_kernels_and_cache_configs() -> None:
     assert (t1.capacity, t1.lookahead, t1.prefetch_depth, t1.policy) == (0.5, 2, 1, "lookahead")
     assert t1.optimizer == "rowwise_adagrad"  # from the workload
     t2 = module_plan["t2"].cache_config
-    assert (t2.capacity, t2.lookahead, t2.policy) == (1.0, 0, "lru")  # device: every row
+    # device: a cache of every row, staged ahead with the base config's look-ahead
+    assert (t2.capacity, t2.lookahead, t2.prefetch_depth, t2.policy) == (1.0, 8, 1, "lookahead")
 
 
 def test_cache_config_keeps_base_settings_and_a_reactive_policy() -> None:
