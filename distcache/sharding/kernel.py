@@ -31,7 +31,7 @@ from distcache.cache.config import CacheConfig
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.errors import DistcacheConfigError
 from distcache.sharding.plan import CACHE_CONFIG_KEY
-from distcache.sharding.state import sharded_state, sharded_weight
+from distcache.sharding.state import host_table, sharded_state, sharded_weight
 
 # TorchRec's fused optimizer names -> distcache's row optimizers.
 _OPTIMIZERS = {
@@ -136,6 +136,11 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
         sharding_type: ShardingType | None = None,
     ):
         super().__init__(config, pg, device, sharding_type)
+        # The rows live in host memory whatever device the plan names: describe the shards so.
+        config = dataclasses.replace(
+            config, embedding_tables=[host_table(t) for t in config.embedding_tables]
+        )
+        self._config = config
         names = [t.name for t in config.embedding_tables]
         if len(set(names)) != len(names):
             raise NotImplementedError(

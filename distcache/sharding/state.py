@@ -11,18 +11,49 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _remote_device
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
+
+
+def _on_host(shard: ShardMetadata, local: torch.Tensor | None = None) -> ShardMetadata:
+    """The shard placed where its rows live: the host store, whatever device the plan names
+    (a CUDA plan places shards on `cuda:i`; distcache keeps their rows in host memory)."""
+    rank = shard.placement.rank() if shard.placement is not None else 0
+    device = "cpu" if local is None else local.device
+    return ShardMetadata(
+        list(shard.shard_offsets), list(shard.shard_sizes), _remote_device(f"rank:{rank}/{device}")
+    )
+
+
+def _host_metadata(
+    metadata: ShardedTensorMetadata, local: torch.Tensor | None = None
+) -> ShardedTensorMetadata:
+    out = copy.deepcopy(metadata)
+    out.shards_metadata = [_on_host(s, local) for s in metadata.shards_metadata]
+    out.tensor_properties.pin_memory = False if local is None else local.is_pinned()
+    return out
+
+
+def host_table(table: ShardedEmbeddingTable) -> ShardedEmbeddingTable:
+    """A copy of the shard's table config whose metadata places it in host memory."""
+    out = copy.copy(table)
+    if table.local_metadata is not None:
+        out.local_metadata = _on_host(table.local_metadata)
+    if table.global_metadata is not None:
+        out.global_metadata = _host_metadata(table.global_metadata)
+    return out
 
 
 def sharded_weight(
     table: ShardedEmbeddingTable, local: torch.Tensor, pg: dist.ProcessGroup | None
 ) -> ShardedTensor:
     """The table's weights `[num_embeddings, dim]`, this rank holding `local` (a view)."""
-    metadata = copy.deepcopy(table.global_metadata)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        [Shard(local, table.local_metadata)], metadata, process_group=pg
+        [Shard(local, _on_host(table.local_metadata, local))],
+        _host_metadata(table.global_metadata, local),
+        process_group=pg,
     )
 
 
@@ -55,7 +86,7 @@ def sharded_state(
 
     def state_shard(s: ShardMetadata) -> ShardMetadata:
         row = group[s.shard_offsets[1]] * table.num_embeddings + s.shard_offsets[0]
-        return ShardMetadata([row, 0], [s.shard_sizes[0], width], s.placement)
+        return _on_host(ShardMetadata([row, 0], [s.shard_sizes[0], width], s.placement), local)
 
     metadata = ShardedTensorMetadata(
         shards_metadata=[state_shard(s) for s in shards],
@@ -63,6 +94,7 @@ def sharded_state(
         tensor_properties=copy.deepcopy(table.global_metadata.tensor_properties),
     )
     metadata.tensor_properties.requires_grad = False
+    metadata.tensor_properties.pin_memory = local.is_pinned()
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         [Shard(local, state_shard(table.local_metadata))], metadata, process_group=pg
     )

@@ -111,7 +111,7 @@ def reference_optimizer(config: CacheConfig, params):
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
     """A loss whose gradient differs per column and is an integer (exact in fp32)."""
-    weights = torch.arange(out.shape[1], dtype=out.dtype) % 3 - 1
+    weights = torch.arange(out.shape[1], dtype=out.dtype, device=out.device) % 3 - 1
     return (out * weights).sum()
 
 
