@@ -1,0 +1,707 @@
+"""Issue 7's headline: Criteo Terabyte-sized tables trained on one device through a 1-2 % cache.
+
+The model: 26 tables of Criteo Terabyte's sizes (MLPerf DLRM, 187.8 M rows; --tables kaggle:
+Kaggle's, 33.8 M) / --scale, dim 64, one power-law id per feature per sample (as in Criteo), a
+small DLRM dense part in plain torch (bottom MLP, dot interaction, top MLP), SGD everywhere (no
+per-row optimizer state). At --scale 1 the rows take 48 GB of host memory (pinned on CUDA,
+rounded up to 64 GiB by torch's host allocator); no TorchRec is needed.
+
+Variants, one after another (each freed before the next: one full-size copy of the tables at a
+time), all from the same initial weights and batches:
+- distcache: `CachedEmbeddingBags` at each --capacities, look-ahead L (--lookahead batches
+  enqueued ahead), rows staged K (--prefetch-depth) batches ahead, again while a batch trains;
+- lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
+- device: every row in device memory (`nn.EmbeddingBag`, sparse SGD), if it fits;
+- cpu_embeddings (CUDA only): those bags in host memory, pooled embeddings sent to the device.
+A variant that cannot run is skipped with the reason (memory; a cache smaller than the distinct
+rows of the batches it pins, K + 1 or 1, measured on the batches before building).
+
+Rows start from a 4 Mi-float random block tiled over each table, scaled to TorchRec's
+uniform(+-1/sqrt(rows)): a seeded `uniform_` runs on one thread, minutes for 12 G floats.
+
+A cached variant trains until its cache is full (it evicts; at most --max-warmup steps), so the
+timed steps are steady-state ones; then every variant trains --warmup steps, then --steps timed
+ones (the device synchronized at both ends). Reported: samples/s; for the caches the hit rate
+(rows resident / distinct rows looked up), MB staged per step (loaded + written back),
+critical-path misses, the time training waited on staging as a fraction of the step (gpu: the
+compute stream's stall at the staging events, CUDA events around `Stager.wait`; host:
+`CacheStats.wait_s`, lookups staging on the critical path), and the planning time per batch
+(host time in the scheduler's prepare, commit, stage_next and release; on CUDA it includes the
+host's waits for the device at the scheduler's synchronizations). Then --profile-steps steps
+run under `torch.profiler`: top ops by self CPU and device time and the `## headline:* ##`
+phases go to the JSON. `loss_max_diff`: largest difference of a variant's per-step losses from
+the first variant's (same batches, same weights).
+
+Usage::
+
+    python benchmarks/gpu_headline.py --device cuda --json $OUT/gpu_headline.json
+    python benchmarks/gpu_headline.py --device cpu --scale 1000 --steps 5  # dry run
+    # (add --threads 1 where the cores are shared: idle OpenMP threads spin and drown timings)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import print_table, write_json  # noqa: E402
+
+from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
+from distcache.cache.engine import CacheEngine  # noqa: E402
+from distcache.data.traces import zipf_trace  # noqa: E402
+
+# The MLPerf DLRM Terabyte table sizes (also `distcache.data.criteo.CRITEO_TERABYTE_TABLE_SIZES`,
+# whose module imports TorchRec; the planner's copy does not).
+from distcache.planner.workloads import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS  # noqa: E402
+
+TABLE_ROWS = {"terabyte": CRITEO_TERABYTE_ROWS, "kaggle": CRITEO_KAGGLE_ROWS}
+
+DENSE_FEATURES = 13
+BOTTOM = (512, 256)  # bottom MLP hidden widths, then the embedding dim
+TOP = (512, 256)  # top MLP hidden widths, then 1 logit
+VARIANTS = ("distcache", "lru", "device", "cpu_embeddings")
+_BLOCK = 1 << 22  # floats in the random block tiled over the rows
+_GIB = 1 << 30
+_DEVICE_SLACK = 4 * _GIB  # bytes/device left for activations, maps and the allocator
+_HOST_SLACK = 8 * _GIB  # bytes/host left for the process, batches and staging buffers
+
+
+def _fractions(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"capacities must lie in (0, 1], got {text!r}")
+    return values
+
+
+def _variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}: expected {VARIANTS}")
+    return names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--tables", choices=tuple(TABLE_ROWS), default="terabyte")
+    ap.add_argument("--scale", type=float, default=1.0, help="table rows = Criteo rows / scale")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument(
+        "--batch", type=int, default=0, help="samples per step (default: 4096 / scale, >= 16)"
+    )
+    ap.add_argument("--alpha", type=float, default=1.05, help="power-law exponent of the ids")
+    ap.add_argument("--capacities", type=_fractions, default=[0.02])
+    ap.add_argument("--lru-capacities", type=_fractions, default=None, help="default: capacities")
+    ap.add_argument("--lookahead", type=int, default=8, help="L: batches enqueued ahead")
+    ap.add_argument("--prefetch-depth", type=int, default=1, help="K: batches staged ahead")
+    ap.add_argument("--variants", type=_variants, default=list(VARIANTS))
+    ap.add_argument("--lr", type=float, default=0.05, help="SGD, embeddings and dense part")
+    ap.add_argument(
+        "--max-warmup", type=int, default=1000, help="most steps a cached variant trains to fill"
+    )
+    ap.add_argument("--warmup", type=int, default=10, help="steps before timing (once full)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--profile-steps", type=int, default=5, help="0: no profile")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--json", default=None, help="default: benchmarks/results/gpu_headline_<device>.json"
+    )
+    args = ap.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
+    if (
+        not args.scale > 0
+        or args.dim < 1
+        or args.steps < 1
+        or min(args.warmup, args.max_warmup) < 0
+    ):
+        ap.error("--scale must be > 0, --dim and --steps >= 1, --warmup and --max-warmup >= 0")
+    if not 0 <= args.prefetch_depth <= args.lookahead:
+        ap.error("expected 0 <= --prefetch-depth <= --lookahead")
+    args.batch = args.batch or max(16, round(4096 / args.scale))
+    args.lru_capacities = args.capacities if args.lru_capacities is None else args.lru_capacities
+    args.json = args.json or str(
+        Path(__file__).resolve().parent / "results" / f"gpu_headline_{args.device}.json"
+    )
+    return args
+
+
+# ---------------------------------------------------------------- data and model
+
+
+class Data:
+    """The batches of the run, on the host and on the device.
+
+    ids: `[n, F, B]` int64 table-local rows, one per feature and sample (bags of one id).
+    """
+
+    def __init__(self, rows: Sequence[int], args: argparse.Namespace, n: int, device):
+        per_table = [
+            zipf_trace(
+                rows=r, alpha=args.alpha, batch=args.batch, batches=n, seed=args.seed + t
+            ).ids.view(n, args.batch)
+            for t, r in enumerate(rows)
+        ]
+        gen = torch.Generator().manual_seed(args.seed)
+        self.ids = torch.stack(per_table, dim=1)  # [n, F, B]
+        self.ids_dev = self.ids.to(device)
+        self.dense = torch.randn(n, args.batch, DENSE_FEATURES, generator=gen).to(device)
+        self.labels = (torch.rand(n, args.batch, generator=gen) < 0.25).float().to(device)
+        bags = len(rows) * args.batch
+        self.offsets = torch.arange(bags + 1, device=device)  # [F * B + 1]: one id per bag
+        self.in_flight: dict[int, int] = {}  # window -> most distinct rows (`in_flight_rows`)
+
+    def values(self, t: int) -> torch.Tensor:
+        """Batch t's ids for `CachedEmbeddingBags`: `[F * B]`, feature major."""
+        return self.ids_dev[t].view(-1)
+
+
+def random_block(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(_BLOCK, generator=gen).mul_(2).sub_(1)  # [block] in [-1, 1)
+
+
+def tiled_uniform_(weight: torch.Tensor, rows: int, block: torch.Tensor) -> None:
+    """Fill `weight` `[rows, dim]` with `block` scaled to +-1/sqrt(rows), tiled (a copy per
+    block: memory-bound, unlike a seeded `uniform_`, which runs on one thread)."""
+    flat = weight.view(-1)
+    scaled = (block * math.sqrt(1.0 / rows)).to(weight.device)
+    for start in range(0, flat.numel(), scaled.numel()):
+        part = flat[start : start + scaled.numel()]
+        part.copy_(scaled[: part.numel()])
+
+
+class TiledCachedBags(CachedEmbeddingBags):
+    """`CachedEmbeddingBags` whose rows start from `tiled_uniform_` of the run's block."""
+
+    def _init_weights(self, seed: int) -> None:
+        block = random_block(seed)
+        for spec in self.tables:
+            store, lo, hi = self.table_slab(spec.name)
+            tiled_uniform_(store.weights[lo:hi], spec.num_embeddings, block)
+
+
+class PlainBags(nn.Module):
+    """Every row in memory on `device`: one `nn.EmbeddingBag` (sparse gradients) per table."""
+
+    def __init__(self, tables: list[TableSpec], device: torch.device, seed: int):
+        super().__init__()
+        block = random_block(seed)
+        self.bags = nn.ModuleList()
+        for t in tables:
+            weight = torch.empty(t.num_embeddings, t.embedding_dim, device=device)
+            tiled_uniform_(weight, t.num_embeddings, block)
+            self.bags.append(
+                nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode="sum", sparse=True)
+            )
+            del weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Pooled `[B, F * dim]` of one id per feature per sample (`ids` `[F, B]`)."""
+        return torch.cat([bag(i.unsqueeze(1)) for bag, i in zip(self.bags, ids, strict=True)], 1)
+
+
+def _mlp(sizes: Sequence[int], final_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        layers.append(nn.Linear(a, b))
+        if final_relu or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DenseDLRM(nn.Module):
+    """DLRM's dense part: bottom MLP, pairwise dot interaction with the pooled embeddings, top
+    MLP; `forward(dense [B, 13], pooled [B, F * D]) -> logits [B]`."""
+
+    def __init__(self, num_features: int, dim: int):
+        super().__init__()
+        self.num_features, self.dim = num_features, dim
+        self.bottom = _mlp((DENSE_FEATURES, *BOTTOM, dim), final_relu=True)
+        pairs = (num_features + 1) * num_features // 2
+        self.top = _mlp((dim + pairs, *TOP, 1), final_relu=False)
+        li, lj = torch.tril_indices(num_features + 1, num_features + 1, offset=-1)
+        self.register_buffer("li", li, persistent=False)
+        self.register_buffer("lj", lj, persistent=False)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)  # [B, D]
+        z = torch.cat([x.unsqueeze(1), pooled.view(-1, self.num_features, self.dim)], 1)
+        dots = torch.bmm(z, z.transpose(1, 2))[:, self.li, self.lj]  # [B, pairs]
+        return self.top(torch.cat([x, dots], 1)).squeeze(1)
+
+
+# ---------------------------------------------------------------- variants
+
+
+class _Probe:
+    """Host time in the scheduler's per-batch methods and in the stager, and (CUDA) the compute
+    stream's stall at each lookup's staging event, for the engines of one module."""
+
+    def __init__(self, engines: list[CacheEngine], cuda: bool):
+        self.cuda = cuda
+        self.reset()
+        for engine in engines:
+            for name in ("prepare", "commit", "stage_next", "release"):
+                self._timed(engine.scheduler, name, "plan_s")
+            self._timed(engine.stager, "run", "stage_s")
+            if cuda:
+                self._evented(engine.stager)
+
+    def reset(self) -> None:
+        self.plan_s = self.stage_s = 0.0
+        self.waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _timed(self, obj: object, name: str, bucket: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                setattr(self, bucket, getattr(self, bucket) + time.perf_counter() - start)
+
+        setattr(obj, name, timed)
+
+    def _evented(self, stager: object) -> None:
+        inner = stager.wait
+
+        def wait(plan):
+            before = torch.cuda.Event(enable_timing=True)
+            before.record()
+            inner(plan)
+            after = torch.cuda.Event(enable_timing=True)
+            after.record()
+            self.waits.append((before, after))
+
+        stager.wait = wait
+
+    def stall_s(self) -> float:
+        """Seconds the compute stream waited for staged rows (call after a synchronize)."""
+        return sum(b.elapsed_time(a) for b, a in self.waits) / 1e3
+
+
+class Run:
+    """One variant being trained: `step(t)` trains batch t and returns its loss (on device)."""
+
+    def __init__(self, name: str, capacity: float | None, step: Callable[[int], torch.Tensor]):
+        self.name, self.capacity, self.step = name, capacity, step
+        self.bags: CachedEmbeddingBags | None = None
+        self.probe: _Probe | None = None
+
+
+def _phase(name: str):
+    return torch.profiler.record_function(f"## headline:{name} ##")
+
+
+def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
+    lookahead = name == "distcache"
+    config = CacheConfig(
+        capacity=capacity,
+        lookahead=args.lookahead if lookahead else 0,
+        prefetch_depth=args.prefetch_depth if lookahead else 0,
+        policy="lookahead" if lookahead else "lru",
+        learning_rate=args.lr,
+        check_ids=False,  # a host sync on CUDA; the ids are generated in range
+    )
+    bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
+    dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)
+    n = data.ids.shape[0]
+    enqueued = 0
+
+    def step(t: int) -> torch.Tensor:
+        nonlocal enqueued
+        if lookahead:
+            with _phase("enqueue"):
+                while enqueued < n and enqueued <= t + config.lookahead:
+                    bags.enqueue(data.values(enqueued), data.offsets)
+                    enqueued += 1
+            with _phase("stage"):
+                bags.prefetch()
+        with _phase("forward"):
+            pooled = bags(data.values(t), data.offsets)
+        if lookahead:
+            with _phase("stage"):
+                bags.prefetch()  # the next batches' rows move while this one trains
+        with _phase("dense"):
+            loss = F.binary_cross_entropy_with_logits(
+                dense_model(data.dense[t], pooled), data.labels[t]
+            )
+        with _phase("backward"):
+            dense_opt.zero_grad()
+            loss.backward()  # the rows' SGD step happens here, in the cache
+            dense_opt.step()
+        return loss.detach()
+
+    run = Run(name, capacity, step)
+    run.bags = bags
+    run.probe = _Probe(bags.engines, device.type == "cuda")
+    return run
+
+
+def plain_run(name, tables, data, dense_model, args, device) -> Run:
+    where = torch.device("cpu") if name == "cpu_embeddings" else device
+    bags = PlainBags(tables, where, args.seed)
+    sparse_opt = torch.optim.SGD(bags.parameters(), lr=args.lr)
+    dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)
+    ids = data.ids if where.type == "cpu" else data.ids_dev
+
+    def step(t: int) -> torch.Tensor:
+        with _phase("forward"):
+            pooled = bags(ids[t]).to(device)  # cpu_embeddings: [B, F * D] cross to the device
+            loss = F.binary_cross_entropy_with_logits(
+                dense_model(data.dense[t], pooled), data.labels[t]
+            )
+        with _phase("backward"):
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+            loss.backward()
+            sparse_opt.step()
+            dense_opt.step()
+        return loss.detach()
+
+    return Run(name, None, step)
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device) -> None:
+    """Give freed tables back (device caching allocator, pinned host blocks) before the next."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):  # pinned blocks are cached until emptied
+            torch._C._host_emptyCache()
+
+
+def _host_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _pinned_bytes(nbytes: int) -> int:
+    """What the CUDA caching host allocator pins for a block: rounded up to a power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def in_flight_rows(data: Data, rows: Sequence[int], window: int) -> int:
+    """The most distinct rows that `window` consecutive batches use (all tables, one id space)."""
+    if window not in data.in_flight:
+        starts = torch.tensor([0, *rows[:-1]], device=data.ids_dev.device).cumsum(0)
+        engine_rows = (data.ids_dev + starts.view(1, -1, 1)).view(data.ids.shape[0], -1)
+        n = engine_rows.shape[0]  # [n, F * B] rows in one id space
+        data.in_flight[window] = max(
+            torch.unique(engine_rows[s : s + window]).numel() for s in range(n - window + 1)
+        )
+    return data.in_flight[window]
+
+
+def skip_reason(name, capacity, tables, data, args, device) -> str | None:
+    """Why a variant cannot run here, or None."""
+    table_bytes = sum(t.num_embeddings for t in tables) * args.dim * 4
+    host = _host_available()
+    cuda = device.type == "cuda"
+    if name in ("distcache", "lru"):
+        rows = [t.num_embeddings for t in tables]
+        cache = sum(CacheConfig(capacity=capacity).capacity_rows(r) for r in rows)
+        window = args.prefetch_depth + 1 if name == "distcache" else 1
+        need = in_flight_rows(data, rows, window)
+        if cache < need:
+            return (
+                f"a {capacity:g} cache holds {cache:,} rows but {window} batch(es) in flight use "
+                f"{need:,} distinct rows: use a smaller --batch or a larger capacity"
+            )
+        pinned = _pinned_bytes(table_bytes) if cuda else table_bytes
+        if host is not None and pinned + _HOST_SLACK > host:
+            return f"the host store needs {pinned / _GIB:.1f} GiB, {host / _GIB:.1f} GiB free"
+    elif name == "device" and cuda:
+        free, _ = torch.cuda.mem_get_info(device)
+        if table_bytes + _DEVICE_SLACK > free:
+            return (
+                f"the rows need {table_bytes / _GIB:.1f} GiB of device memory, "
+                f"{free / _GIB:.1f} GiB free (with {_DEVICE_SLACK / _GIB:g} GiB slack)"
+            )
+    elif name == "cpu_embeddings":
+        if not cuda:
+            return "on a CPU run it is the 'device' variant"
+        if host is not None and table_bytes + _HOST_SLACK > host:
+            need, free = table_bytes / _GIB, host / _GIB
+            return f"the rows need {need:.1f} GiB of host memory, {free:.1f} GiB free"
+    return None
+
+
+def _cache_totals(bags: CachedEmbeddingBags) -> dict[str, float]:
+    keys = ("unique", "hits", "loads", "writebacks", "critical_misses", "bytes_loaded")
+    stats = [s.as_dict() for s in bags.stats().values()]
+    totals = {k: float(sum(s[k] for s in stats)) for k in (*keys, "bytes_written", "wait_s")}
+    totals["capacity"] = float(sum(s["capacity"] for s in stats))
+    return totals
+
+
+def _device_time(event) -> float:
+    value = getattr(event, "self_device_time_total", None)
+    return float(value if value is not None else getattr(event, "self_cuda_time_total", 0.0))
+
+
+def profile_summary(run: Run, first: int, args, device: torch.device, top: int = 15) -> dict:
+    """Top ops by self CPU and self device time over --profile-steps steps, and the phases."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for t in range(first, first + args.profile_steps):
+            run.step(t)
+        _sync(device)
+    rows = [
+        {
+            "name": e.key,
+            "calls": e.count,
+            "self_cpu_ms": e.self_cpu_time_total / 1e3 / args.profile_steps,
+            "cpu_total_ms": e.cpu_time_total / 1e3 / args.profile_steps,
+            "self_device_ms": _device_time(e) / 1e3 / args.profile_steps,
+        }
+        for e in prof.key_averages()
+    ]
+    out = {
+        "steps": args.profile_steps,
+        "per_step": True,
+        "phases": [r for r in rows if r["name"].startswith("## headline:")],
+        "top_self_cpu": sorted(rows, key=lambda r: -r["self_cpu_ms"])[:top],
+    }
+    if device.type == "cuda":
+        out["top_self_device"] = sorted(rows, key=lambda r: -r["self_device_ms"])[:top]
+    return out
+
+
+def _full(bags: CachedEmbeddingBags) -> bool:
+    return all(st.evictions > 0 for st in bags.stats().values())
+
+
+def measure(run: Run, args, device: torch.device) -> dict:
+    """Fill the cache (cached variants), warm up, time --steps steps, then profile."""
+    losses: list[torch.Tensor] = []
+    t = 0
+    while run.bags is not None and t < args.max_warmup and not _full(run.bags):
+        losses.append(run.step(t))
+        t += 1
+    fill_steps = t
+    for t in range(fill_steps, fill_steps + args.warmup):
+        losses.append(run.step(t))
+    first = fill_steps + args.warmup
+    _sync(device)
+    before = _cache_totals(run.bags) if run.bags is not None else {}
+    if run.probe is not None:
+        run.probe.reset()
+    start = time.perf_counter()
+    for t in range(first, first + args.steps):
+        losses.append(run.step(t))
+    _sync(device)
+    wall = time.perf_counter() - start
+    out: dict = {
+        "variant": run.name,
+        "capacity": run.capacity,
+        "wall_s": wall,
+        "samples_per_s": args.steps * args.batch / wall,
+        "step_ms": 1e3 * wall / args.steps,
+        "fill_steps": fill_steps,
+        "losses": torch.stack(losses).cpu().tolist(),  # every step from the first
+    }
+    out["final_loss"] = sum(out["losses"][-5:]) / 5
+    if run.bags is not None:
+        out["cache_full"] = _full(run.bags)
+        out.update(_cache_metrics(run, before, wall, args.steps))
+    if args.profile_steps:
+        try:
+            out["profile"] = profile_summary(run, first + args.steps, args, device)
+        except Exception as err:  # e.g. no CUPTI: keep the measurement
+            out["profile"] = {"error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+def _cache_metrics(run: Run, before: dict[str, float], wall: float, steps: int) -> dict:
+    """The cache's counters over the timed steps, per step or as fractions of their time."""
+    after = _cache_totals(run.bags)
+    d = {k: after[k] - before[k] for k in after if k != "capacity"}
+    probe = run.probe
+    return {
+        "cache_rows": after["capacity"],
+        "hit_rate": d["hits"] / d["unique"] if d["unique"] else 0.0,
+        "loads_per_step": d["loads"] / steps,
+        "writebacks_per_step": d["writebacks"] / steps,
+        "mb_staged_per_step": (d["bytes_loaded"] + d["bytes_written"]) / 1e6 / steps,
+        "critical_misses": int(d["critical_misses"]),
+        "wait_host_fraction": d["wait_s"] / wall,
+        "wait_gpu_fraction": probe.stall_s() / wall if probe.cuda else None,
+        "plan_ms_per_batch": 1e3 * probe.plan_s / steps,
+        "plan_fraction": probe.plan_s / wall,
+        "stage_host_fraction": probe.stage_s / wall,
+    }
+
+
+# ---------------------------------------------------------------- main
+
+
+def run_variant(name, capacity, tables, data, args, device: torch.device) -> dict:
+    """Build one variant, measure it; its model is freed on return."""
+    torch.manual_seed(args.seed)  # every variant starts from the same dense weights
+    dense_model = DenseDLRM(len(tables), args.dim).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    if name in ("distcache", "lru"):
+        run = cached_run(name, capacity, tables, data, dense_model, args, device)
+    else:
+        run = plain_run(name, tables, data, dense_model, args, device)
+    build_s = time.perf_counter() - start
+    result = {**measure(run, args, device), "build_s": build_s}
+    if device.type == "cuda":
+        result["device_peak_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
+    return result
+
+
+def _plan(args) -> list[tuple[str, float | None]]:
+    out: list[tuple[str, float | None]] = []
+    if "distcache" in args.variants:
+        out += [("distcache", c) for c in args.capacities]
+    if "lru" in args.variants:
+        out += [("lru", c) for c in args.lru_capacities]
+    out += [(v, None) for v in ("device", "cpu_embeddings") if v in args.variants]
+    return out
+
+
+def _report(results: list[dict], args, total_rows: int) -> None:
+    base = {r["variant"]: r["samples_per_s"] for r in results if "samples_per_s" in r}
+    trained = [r for r in results if "losses" in r]
+    for r in trained:
+        n = min(len(r["losses"]), len(trained[0]["losses"]))
+        pairs = zip(r["losses"][:n], trained[0]["losses"][:n], strict=True)
+        r["loss_max_diff"] = max((abs(a - b) for a, b in pairs), default=0.0)
+    for r in results:
+        r["cap"] = "" if r.get("capacity") is None else f"{100 * r['capacity']:g} %"
+        if "samples_per_s" in r and base.get("device"):
+            r["x_device"] = r["samples_per_s"] / base["device"]
+        if "samples_per_s" in r and base.get("cpu_embeddings"):
+            r["x_cpu_embeddings"] = r["samples_per_s"] / base["cpu_embeddings"]
+    print(
+        f"\nCriteo {args.tables} tables / {args.scale:g}: {total_rows:,} rows x {args.dim} "
+        f"({total_rows * args.dim * 4 / 1e9:.2f} GB fp32), batch {args.batch}, {args.device}, "
+        f"L={args.lookahead} K={args.prefetch_depth}, {args.steps} steps after {args.warmup}"
+    )
+    print_table(
+        results,
+        [
+            ("variant", "variant"),
+            ("cap", "capacity"),
+            ("samples_per_s", "samples/s"),
+            ("x_device", "x device"),
+            ("x_cpu_embeddings", "x cpu emb"),
+            ("hit_rate", "hit rate"),
+            ("mb_staged_per_step", "MB staged/step"),
+            ("critical_misses", "critical misses"),
+            ("wait_gpu_fraction", "wait gpu"),
+            ("wait_host_fraction", "wait host"),
+            ("plan_ms_per_batch", "plan ms/batch"),
+            ("plan_fraction", "plan"),
+            ("final_loss", "loss (last 5)"),
+            ("loss_max_diff", "loss diff"),
+            ("fill_steps", "fill steps"),
+            ("skipped", "skipped"),
+        ],
+    )
+
+
+def _print_profile(result: dict) -> None:
+    profile = result.get("profile")
+    if not profile or "error" in profile:
+        return
+    key = "top_self_device" if "top_self_device" in profile else "top_self_cpu"
+    unit = "self_device_ms" if key == "top_self_device" else "self_cpu_ms"
+    print(f"  {result['variant']} {result.get('cap', '')}: top ops by {unit} per step")
+    for r in profile[key][:8]:
+        print(f"    {r[unit]:9.3f}  {r['name'][:90]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rows = tuple(max(3, round(r / args.scale)) for r in TABLE_ROWS[args.tables])
+    tables = [
+        TableSpec(name=f"t{i}", num_embeddings=r, embedding_dim=args.dim)
+        for i, r in enumerate(rows)
+    ]
+    steps = args.max_warmup + args.warmup + args.steps + args.profile_steps
+    data = Data(rows, args, steps + args.lookahead + 1, device)
+    config = {**vars(args), "rows": list(rows), "total_rows": sum(rows)}
+    if device.type == "cuda":
+        config["gpu"] = torch.cuda.get_device_name(device)
+    results: list[dict] = []
+    failed = False
+    for name, capacity in _plan(args):
+        label = name if capacity is None else f"{name} {100 * capacity:g} %"
+        reason = skip_reason(name, capacity, tables, data, args, device)
+        if reason:
+            print(f"{label}: skipped: {reason}", flush=True)
+            results.append({"variant": name, "capacity": capacity, "skipped": reason})
+            continue
+        try:
+            result = run_variant(name, capacity, tables, data, args, device)
+        except Exception as err:  # one variant failing (e.g. out of memory) keeps the others
+            print(f"{label}: FAILED\n{traceback.format_exc()}", flush=True)
+            result = {"variant": name, "capacity": capacity, "error": traceback.format_exc()}
+            result["skipped"] = f"failed: {type(err).__name__}: {str(err)[:200]}"
+            failed = True
+        _release(device)
+        if result.get("critical_misses") and name == "distcache":
+            failed = True
+        if "samples_per_s" in result:
+            print(
+                f"{label}: {result['samples_per_s']:,.0f} samples/s, "
+                f"{result['step_ms']:.1f} ms/step, built in {result['build_s']:.1f} s",
+                flush=True,
+            )
+        results.append(result)
+        write_json(args.json, config, results)  # after each variant: a timeout keeps the rest
+    _report(results, args, sum(rows))
+    for r in results:
+        _print_profile(r)
+    write_json(args.json, config, results)
+    print(f"results: {args.json}")
+    if failed:
+        print("FAIL: a variant failed, or distcache had critical-path misses")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

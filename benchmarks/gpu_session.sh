@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Issue 7 on one GPU: the CUDA tests and the measurements, in three device commands of under
+# ten minutes each (the device budget is 30 minutes, machine start included).
+#
+# Before, on a machine that reaches the package registry, at the project root: fill .whl/ with
+# TorchRec for the GPU machine (torchrec 1.6.1 + fbgemm-gpu-cpu 1.6.0, ~9 MB, git-ignored):
+#     bash ../shared/device/wheels.sh
+# Then with the device tool, from the project root, one call per stage, in this order:
+#     run(command="bash benchmarks/gpu_session.sh tests",    carry=[".whl"], timeout_s=600)
+#     run(command="bash benchmarks/gpu_session.sh headline",                 timeout_s=600)
+#     run(command="bash benchmarks/gpu_session.sh kaggle",   carry=[".whl"], timeout_s=600)
+# Each stage writes its logs and JSON under $OUT (the device tool's output folder; ./gpu_out
+# elsewhere) and exits non-zero if a step failed, after running the others. Commit the JSON
+# under benchmarks/results/ with the device named (the files record the command and machine).
+#
+# Stages:
+#   tests     pytest tests/gpu (TorchRec ones need .whl), host-sync report, a small CUDA run of
+#             gpu_headline.py (checks the script before the big run)                  ~4 min
+#   headline  gpu_headline.py at Criteo Terabyte size (48 GB of rows in host memory): distcache
+#             and lru at 2 %, all rows on the device, embeddings on the CPU; then 1 %  ~8 min
+#   kaggle    throughput.py --device cuda (TorchRec DMP; see its notes below), and the same
+#             comparison without TorchRec: gpu_headline.py --tables kaggle at 100/5/2/1 % + lru
+#             at 5/2 % + device + cpu_embeddings                                        ~6 min
+#
+# throughput.py on this machine: its 'torchrec' variant needs FBGEMM's CUDA kernels (absent:
+# fbgemm-gpu-cpu only), and its batches move their KeyedJaggedTensors to the GPU, where
+# TorchRec's FBGEMM ops fail. It runs here under a time limit so its log shows where it stops;
+# the kaggle stage's gpu_headline.py run measures the same variants without TorchRec.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+status=0
+
+step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T), limit ${limit}s): $*"
+    timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local code=${PIPESTATUS[0]}
+    if [ "$code" -ne 0 ]; then
+        echo "== $name FAILED (exit $code$([ "$code" -eq 124 ] && echo ', time limit')): $OUT/$name.log"
+        status=1
+    fi
+}
+
+install_torchrec() {  # the install prefix printed by ../shared/device/wheels.sh
+    if ! compgen -G ".whl/*.whl" >/dev/null; then
+        echo "no .whl/ here: TorchRec tests skip (run ../shared/device/wheels.sh, carry .whl)"
+        return
+    fi
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+}
+
+environment() {
+    {
+        date
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+        free -g || true
+        nproc
+        $PY -c "import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+        $PY -c "import torchrec, fbgemm_gpu; print('torchrec', torchrec.__version__)" 2>&1 | tail -1
+    } 2>&1 | tee "$OUT/environment.txt"
+}
+
+stage_tests() {
+    install_torchrec
+    environment
+    export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json  # written by test_overlap_cuda.py
+    step pytest_gpu 420 $PY -m pytest tests/gpu -q -p no:cacheprovider \
+        --junitxml "$OUT/pytest_gpu.xml"
+    step headline_smoke 120 $PY benchmarks/gpu_headline.py --device cuda --scale 100 \
+        --steps 10 --max-warmup 300 --json "$OUT/gpu_headline_smoke.json"
+}
+
+stage_headline() {
+    environment
+    step headline_terabyte 420 $PY benchmarks/gpu_headline.py --device cuda \
+        --capacities 0.02 --lru-capacities 0.02 --json "$OUT/gpu_headline_terabyte.json"
+    step headline_terabyte_1pct 150 $PY benchmarks/gpu_headline.py --device cuda \
+        --variants distcache --capacities 0.01 --json "$OUT/gpu_headline_terabyte_1pct.json"
+}
+
+stage_kaggle() {
+    install_torchrec
+    environment
+    step throughput_cuda 180 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
+        --capacities 1.0,0.05,0.02,0.01 --lru-capacities 0.05,0.02 --warmup 10 --steps 30 \
+        --threads 8 --timeout 170 --json "$OUT/throughput_cuda_kaggle.json"
+    step headline_kaggle 330 $PY benchmarks/gpu_headline.py --device cuda --tables kaggle \
+        --dim 16 --capacities 1.0,0.05,0.02,0.01 --lru-capacities 0.05,0.02 --max-warmup 400 \
+        --json "$OUT/gpu_headline_kaggle.json"
+}
+
+case "${1:-}" in
+    tests) stage_tests ;;
+    headline) stage_headline ;;
+    kaggle) stage_kaggle ;;
+    *)
+        echo "usage: $0 tests|headline|kaggle (see the top of this file)" >&2
+        exit 2
+        ;;
+esac
+echo "== done ($(date +%T)), status $status; outputs in $OUT"
+exit $status

@@ -1,0 +1,61 @@
+"""Shared by the CUDA tests: device-aware helpers around `tests/unit/cache/reference.py`.
+
+Each test module names its device in a module constant `DEVICE` (CUDA, skipped without one);
+the helpers take the device as an argument, so a test module's logic can be checked on a CPU
+machine by running a copy of it with `DEVICE = torch.device("cpu")`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distcache import CachedEmbeddingBags
+from tests.unit.cache.reference import Batch
+
+CUDA_REASON = "needs a CUDA device (the cache's device path: side stream, pinned memory, events)"
+
+
+def loss_on_device(out: torch.Tensor) -> torch.Tensor:
+    """`reference.loss_of` with its column weights on `out`'s device: an integer gradient per
+    column (exact in fp32), so bitwise comparisons hold whatever the summation order."""
+    weights = torch.arange(out.shape[1], dtype=out.dtype, device=out.device) % 3 - 1
+    return (out * weights).sum()
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    values, offsets = batch
+    return values.to(device), offsets.to(device)
+
+
+def train_windowed(
+    cached: CachedEmbeddingBags,
+    batches: list[Batch],
+    *,
+    lookahead: int,
+    stage_while_training: bool = True,
+) -> list[torch.Tensor]:
+    """Train `cached` on `batches` as the look-ahead pipeline does: batches up to t + L enqueued,
+    rows staged K ahead before the lookup and again while batch t trains; returns the outputs
+    (on the CPU)."""
+    device = cached.device
+    outs = []
+    enqueued = 0
+    for t, batch in enumerate(batches):
+        while enqueued < len(batches) and enqueued <= t + lookahead:
+            cached.enqueue(*to_device(batches[enqueued], device))
+            enqueued += 1
+        cached.prefetch()
+        out = cached(*to_device(batch, device))
+        if stage_while_training:
+            cached.prefetch()
+        loss_on_device(out).backward()
+        outs.append(out.detach().cpu())
+    return outs
+
+
+def counters(cached: CachedEmbeddingBags) -> dict[str, dict[str, float]]:
+    """Each engine's counters, without the host timings (which differ run to run)."""
+    return {
+        name: {k: v for k, v in s.as_dict().items() if k not in ("staging_s", "wait_s")}
+        for name, s in cached.stats().items()
+    }

@@ -1,0 +1,143 @@
+"""DESIGN invariant 5 on CUDA: training through the cache equals training without it, and the
+CUDA engine equals the CPU engine bitwise (outputs, final rows, and every cache counter).
+
+Bitwise where fp32 is exact: SGD with integer weights, integer gradients and lr 1. Row-wise
+Adagrad is compared within float tolerance (CUDA's index_add_ sums in any order).
+"""
+
+import pytest
+import torch
+
+from distcache import CacheConfig, CachedEmbeddingBags
+from distcache.cache.policies import make_policy
+from distcache.cache.scheduler import Scheduler
+from distcache.cache.select import largest
+from distcache.data.traces import zipf_trace
+from tests.gpu.common import CUDA_REASON, counters, loss_on_device, train_windowed
+from tests.unit.cache.reference import (
+    ReferenceBags,
+    integer_weights,
+    make_batches,
+    make_tables,
+    reference_optimizer,
+)
+
+DEVICE = torch.device("cuda")
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cuda" and not torch.cuda.is_available(), reason=CUDA_REASON
+)
+
+# Two widths: t0 and t1 share one cache (one engine), t2 has its own.
+TABLES = make_tables([8, 8, 4], [300, 200, 100])
+BATCHES = make_batches(TABLES, batch_size=8, num_batches=40, max_len=3, seed=0)
+
+
+def _cached(config: CacheConfig, device: torch.device, victim_batches: int = 1):
+    cached = CachedEmbeddingBags(TABLES, config, device=device, victim_batches=victim_batches)
+    for t, w in zip(TABLES, integer_weights(TABLES, 0), strict=True):
+        cached.load_table_weight(t.name, w)
+    return cached
+
+
+def _reference(config: CacheConfig) -> tuple[ReferenceBags, list[torch.Tensor]]:
+    """The same tables uncached (`nn.EmbeddingBag`, torch optimizer), on the CPU."""
+    ref = ReferenceBags(TABLES, integer_weights(TABLES, 0))
+    opt = reference_optimizer(config, ref.parameters())
+    outs = []
+    for values, offsets in BATCHES:
+        out = ref(values, offsets)
+        opt.zero_grad()
+        loss_on_device(out).backward()
+        opt.step()
+        outs.append(out.detach())
+    return ref, outs
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru"])
+@pytest.mark.parametrize(
+    ("capacity", "depth", "victim_batches"),
+    [(24, 1, 1), (40, 2, 1), (40, 2, 4), (0.3, 1, 1), (1.0, 1, 1)],
+)
+def test_cuda_equals_cpu_engine_and_reference_bitwise(policy, capacity, depth, victim_batches):
+    config = CacheConfig(
+        capacity=capacity, lookahead=4, prefetch_depth=depth, policy=policy, learning_rate=1.0
+    )
+    ref, ref_outs = _reference(config)
+    runs = {}
+    for device in (DEVICE, torch.device("cpu")):
+        cached = _cached(config, device, victim_batches)
+        outs = train_windowed(cached, BATCHES, lookahead=config.lookahead)
+        weights = {t.name: cached.table_weight(t.name).clone() for t in TABLES}
+        runs[device.type] = (outs, weights, counters(cached))
+    (outs, weights, stats), (cpu_outs, cpu_weights, cpu_stats) = runs[DEVICE.type], runs["cpu"]
+    for step, (mine, cpu, expected) in enumerate(zip(outs, cpu_outs, ref_outs, strict=True)):
+        assert torch.equal(mine, expected), f"step {step}: {DEVICE} output differs from reference"
+        assert torch.equal(mine, cpu), f"step {step}: {DEVICE} output differs from the CPU engine"
+    for t, bag in zip(TABLES, ref.bags, strict=True):
+        assert torch.equal(weights[t.name], bag.weight.data), t.name
+        assert torch.equal(weights[t.name], cpu_weights[t.name]), t.name
+    # The schedule itself is device-independent: same hits, loads, write-backs, evictions.
+    assert stats == cpu_stats
+    if capacity != 1.0:
+        assert all(s["evictions"] > 0 and s["writebacks"] > 0 for s in stats.values()), stats
+    if policy == "lookahead":
+        assert all(s["critical_misses"] == 0 for s in stats.values()), stats
+    else:
+        assert all(s["critical_misses"] > 0 for s in stats.values()), stats
+
+
+def test_rowwise_adagrad_on_cuda_matches_reference_within_tolerance():
+    config = CacheConfig(
+        capacity=40, lookahead=4, prefetch_depth=2, optimizer="rowwise_adagrad", learning_rate=0.1
+    )
+    ref, ref_outs = _reference(config)
+    cached = _cached(config, DEVICE)
+    outs = train_windowed(cached, BATCHES, lookahead=config.lookahead)
+    for step, (mine, expected) in enumerate(zip(outs, ref_outs, strict=True)):
+        torch.testing.assert_close(mine, expected, msg=f"step {step}")
+    for t, bag in zip(TABLES, ref.bags, strict=True):
+        torch.testing.assert_close(cached.table_weight(t.name), bag.weight.data)
+    assert all(s["writebacks"] > 0 for s in counters(cached).values())
+
+
+@pytest.mark.parametrize("n", [1, 100, 3000, 20000])
+def test_largest_on_cuda_equals_cpu(n):
+    """The victim selection picks the same slots on both devices (ties to the lower index), also
+    where it samples a threshold (more than 8192 keys, n below a quarter of them)."""
+    gen = torch.Generator().manual_seed(n)
+    keys = torch.randint(0, 500, (100_000,), generator=gen, dtype=torch.int64)  # many ties
+    expected = largest(keys, n, torch.Generator().manual_seed(1))
+    cuda_gen = torch.Generator(device=DEVICE).manual_seed(1)
+    assert torch.equal(largest(keys.to(DEVICE), n, cuda_gen).cpu(), expected)
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
+def test_scheduler_plans_on_cuda_equal_cpu(policy):
+    """At a size where victims are chosen by sampling: every plan of a zipf trace is the same
+    on both devices (loads, write-backs, the batch's slots)."""
+    rows, capacity, batch, lookahead = 50_000, 12_000, 2048, 4
+    trace = zipf_trace(rows=rows, alpha=1.05, batch=batch, batches=30, seed=0)
+    plans = {}
+    for device in (DEVICE, torch.device("cpu")):
+        sched = Scheduler(rows, capacity, make_policy(policy), lookahead=lookahead, device=device)
+        got = []
+        enqueued = 0
+        for t in range(trace.num_batches):
+            while enqueued < trace.num_batches and enqueued <= t + lookahead:
+                sched.enqueue(trace.batch(enqueued).to(device))
+                enqueued += 1
+            plan = sched.stage_next()
+            sched.residency.dirty[plan.slots] = True  # as if the batch trained
+            sched.release(plan)
+            got.append(
+                [
+                    x.cpu()
+                    for x in (plan.slots, plan.load_rows, plan.load_slots, plan.writeback_rows)
+                ]
+            )
+        plans[device.type] = got
+    assert sched.counters.evictions > 0
+    for step, (mine, cpu) in enumerate(zip(plans[DEVICE.type], plans["cpu"], strict=True)):
+        names = ("slots", "load_rows", "load_slots", "writeback")
+        for name, a, b in zip(names, mine, cpu, strict=True):
+            assert torch.equal(a, b), f"step {step}: {name} differs"
