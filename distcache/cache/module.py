@@ -242,8 +242,11 @@ class CachedEmbeddingBags(nn.Module):
             g_bags = torch.arange(g_lengths.numel(), device=self.device)
             g_bag_of_id = torch.repeat_interleave(g_bags, g_lengths, output_size=ids.numel())
             divisor = None
-            mean = self._mean[group.features]
-            if bool(mean.any()):
+            # Decided on the host from the table configs: no device read-back per batch.
+            if any(
+                self.tables[self.feature_table_map[f]].pooling == "mean" for f in group.features
+            ):
+                mean = self._mean[group.features]
                 length = g_lengths.clamp(min=1).to(torch.float32)
                 bag_mean = mean.repeat_interleave(batch_size)
                 divisor = torch.where(bag_mean, length, torch.ones_like(length))
