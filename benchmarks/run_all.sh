@@ -23,3 +23,4 @@ $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 \
     --json $out/throughput_cpu_2ranks.json
 $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 --small-tables resident \
     --json $out/throughput_cpu_2ranks_resident.json
+$PY benchmarks/planner.py --threads 1 --json $out/planner_cpu.json

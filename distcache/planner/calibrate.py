@@ -1,22 +1,39 @@
 """`python -m distcache calibrate`: measure this machine and write a `Topology` JSON.
 
-Each measurement is a small function returning one number (or one fitted link), so each can be
-tested and re-used on its own:
+Each measurement is a small function returning one number (or one fit), so each can be tested
+and re-used on its own:
 
 - `measure_copy_bandwidth`: bytes/s of a large tensor copy on the compute device.
 - `measure_host_to_device_bandwidth`: bytes/s from pinned host memory to the GPU (CUDA only).
-- `measure_lookup_rate`: embedding-bag rows/s, forward plus a row-wise SGD update of every row
-  looked up (what a training step does per id).
-- `measure_dense_flops`: achieved FLOP/s of an MLP forward + backward.
-- `measure_collectives`: gloo all-to-all and all-reduce between `ranks` local processes, fitted
-  as `time = latency + bytes / bandwidth` over several message sizes.
+- `measure_lookup_costs`: a training step of distcache's cache kernel (look-ahead window,
+  every row resident, power-law ids), timed at two batch sizes and two widths and fitted as
+  `seconds = fixed + row accesses / rows_per_s + bytes / bytes_per_s`, row accesses and bytes
+  counted as the cost model counts them (2 per id, 2 per distinct row); the fixed part is the
+  kernel's share of `sharding_overhead_s`, measured below with the rest of the framework.
+- `measure_dense_flops`: achieved FLOP/s of a wide MLP forward + backward (compute-bound).
+- `measure_dense_layer_overhead`: seconds per layer of an MLP too small to compute anything
+  (forward, backward, SGD update): the dispatch cost of a layer.
+- `measure_activation_bandwidth`: bytes/s of the memory-bound activation traffic of a narrow,
+  deep MLP on a large batch, once its flops and layer overheads are taken out.
+- `measure_staging_costs`: what a partial cache's misses add to a step, fitted as bytes
+  moved (loads and write-backs, with the scheduler's work: the host-to-device rate on CPU)
+  plus the slots it scores once per batch to pick victims.
+- `measure_collectives`: gloo all-to-all and all-reduce between the local ranks, fitted as
+  `time = latency + bytes / bandwidth` over several message sizes; `measure_sync_latency`:
+  what a collective costs between compute bursts, when peers compete for the cores.
+- `distcache.planner.measure.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
+  giving the framework's fixed costs per step and per sharding type and the bytes/s of a
+  data-parallel table's dense update.
 
 `calibrate` runs them all and `topology_from` turns the results into a `Topology`. On CPU the
-"device" is host memory: device memory bandwidth and host-to-device bandwidth come from the same
-copy, and device and host memory are the same pool (each is MemAvailable / ranks; a planner must
-not fill both). On one machine the inter-node figures equal the intra-node ones. The network is
-measured with gloo over host tensors on CUDA machines too (an NCCL measurement needs one GPU per
-rank).
+compute measurements run in every rank at once (each with its share of the cores), as the
+ranks of a job compete for cores and memory; each figure is the mean over ranks. On CPU the
+"device" is host memory: device and host memory are the same pool (each is MemAvailable /
+ranks; a planner must not fill both). On one machine the inter-node figures equal the
+intra-node ones; one rank has no network to measure, so its figures are the CPU preset's. The
+network is measured with gloo over host tensors on CUDA machines too (an NCCL measurement
+needs one GPU per rank); there only rank 0 measures compute, and the CPU-only figures (layer
+and framework overheads, activation and dense-update rates) keep their GPU defaults.
 
 Example::
 
@@ -26,24 +43,33 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from distcache.errors import DistcacheConfigError
+from distcache.planner.cost import ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES
+from distcache.planner.measure import (
+    MeasureOptions,
+    free_port,
+    measure_framework_costs,
+    run_ranks,
+)
+from distcache.planner.topology import preset
 from distcache.planner.types import Topology
 
 __all__ = [
@@ -51,14 +77,20 @@ __all__ = [
     "LinkFit",
     "Measurements",
     "calibrate",
+    "LookupCosts",
+    "StagingCosts",
     "fit_latency_bandwidth",
     "main",
+    "measure_activation_bandwidth",
     "measure_collectives",
     "measure_copy_bandwidth",
-    "measure_dense_flops",
     "measure_copy_latency",
+    "measure_dense_flops",
+    "measure_dense_layer_overhead",
     "measure_host_to_device_bandwidth",
-    "measure_lookup_rate",
+    "measure_lookup_costs",
+    "measure_staging_costs",
+    "measure_sync_latency",
     "topology_from",
 ]
 
@@ -76,27 +108,48 @@ class CalibrationSizes:
 
     copy_bytes: int = 256 * _MIB
     """Size of the copied tensor (two of them are allocated)."""
-    lookup_rows: int = 1_000_000
-    lookup_dim: int = 64
-    lookup_bags: int = 8192
-    lookup_pooling: int = 8
-    """Ids per bag; a step looks up lookup_bags * lookup_pooling rows."""
+    lookup_rows: int = 500_000
+    lookup_dims: tuple[int, ...] = (16, 64)
+    """Widths the lookup is timed at (>= 2 to tell per-row from per-byte costs)."""
+    lookup_bags: tuple[int, ...] = (512, 2048)
+    """Bags per step the lookup is timed at (>= 2 to tell fixed from per-row costs)."""
+    lookup_pooling: int = 4
+    """Ids per bag; a step looks up bags * lookup_pooling rows."""
+    lookup_alpha: float = 1.05
+    """Power-law exponent of the lookup's ids (the planner's default access profile)."""
+    staging_capacities: tuple[float, ...] = (0.02, 0.05, 0.1)
+    """Cache fractions `measure_staging_costs` times (each must hold 2 batches' rows)."""
     mlp_batch: int = 2048
     mlp_widths: tuple[int, ...] = (512, 1024, 1024, 512, 256)
     """Layer widths, input first: an MLP of len - 1 linear layers."""
+    activation_batch: int = 4096
+    activation_widths: tuple[int, ...] = (8, 1024, 8, 1024, 8)
+    """A narrow, deep MLP whose time is mostly activation traffic."""
     message_bytes: tuple[int, ...] = tuple(4096 << (2 * i) for i in range(8))  # 4 KiB .. 64 MiB
     repeats: int = 5
     """Timed repetitions of each compute measurement (the median is kept)."""
+    framework_rows: int = 250_000
+    """Rows of the data-parallel table whose dense update `measure_framework_costs` times:
+    16 MB, a size replicated tables have (one that outgrows the last-level cache updates
+    slower: here 1.6 GB/s at 16-32 MB, 1.0 GB/s at 64 MB)."""
+    framework_batch: int = 512
+    """Batch of the run that times the framework's cost per id."""
+    framework_steps: int = 30
+    framework_warmup: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("copy_bytes", "lookup_rows", "lookup_dim", "lookup_bags", "lookup_pooling"):
+        for name in ("copy_bytes", "lookup_rows", "lookup_pooling", "mlp_batch", "repeats"):
             _check_positive(name, getattr(self, name))
-        _check_positive("mlp_batch", self.mlp_batch)
-        _check_positive("repeats", self.repeats)
-        if len(self.mlp_widths) < 2 or min(self.mlp_widths) < 1:
-            raise DistcacheConfigError(
-                f"mlp_widths must hold >= 2 widths, each >= 1, got {self.mlp_widths}"
-            )
+        for name in ("activation_batch", "framework_steps", "framework_rows", "framework_batch"):
+            _check_positive(name, getattr(self, name))
+        for name in ("lookup_dims", "lookup_bags"):
+            values = getattr(self, name)
+            if len(set(values)) < 2 or min(values) < 1:
+                raise DistcacheConfigError(f"{name} must hold >= 2 distinct sizes >= 1: {values}")
+        for name in ("mlp_widths", "activation_widths"):
+            widths = getattr(self, name)
+            if len(widths) < 2 or min(widths) < 1:
+                raise DistcacheConfigError(f"{name} must hold >= 2 widths, each >= 1, got {widths}")
         if len(self.message_bytes) < 2 or min(self.message_bytes) < 64:
             raise DistcacheConfigError(
                 f"message_bytes must hold >= 2 sizes, each >= 64, got {self.message_bytes}"
@@ -106,14 +159,20 @@ class CalibrationSizes:
 FULL = CalibrationSizes()
 QUICK = CalibrationSizes(
     copy_bytes=16 * _MIB,
-    lookup_rows=100_000,
-    lookup_dim=32,
-    lookup_bags=1024,
-    lookup_pooling=4,
+    lookup_rows=20_000,
+    lookup_dims=(8, 32),
+    lookup_bags=(64, 256),
+    staging_capacities=(0.2, 0.4, 0.8),
     mlp_batch=256,
     mlp_widths=(128, 256, 128),
+    activation_batch=512,
+    activation_widths=(8, 256, 8),
     message_bytes=(1024, 16 * 1024, 256 * 1024),
     repeats=3,
+    framework_rows=50_000,
+    framework_batch=128,
+    framework_steps=6,
+    framework_warmup=2,
 )
 
 
@@ -126,8 +185,18 @@ class LinkFit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LookupCosts:
+    """A cache-kernel step: `fixed_s + accesses / rows_per_s + bytes / bytes_per_s`."""
+
+    rows_per_s: float
+    bytes_per_s: float | None
+    """None where the widths measured did not tell bytes from rows (noise)."""
+    fixed_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Measurements:
-    """Raw results of `calibrate`, per rank."""
+    """Raw results of `calibrate`, per rank (the mean over ranks on CPU)."""
 
     device: str
     ranks: int
@@ -136,11 +205,23 @@ class Measurements:
     host_to_device_bw_bytes_per_s: float
     host_to_device_latency_s: float
     lookup_rows_per_s: float
+    lookup_bytes_per_s: float | None
+    cache_scan_rows_per_s: float | None = None
     dense_flops_per_s: float
-    all_to_all: LinkFit
-    all_reduce: LinkFit
+    dense_layer_overhead_s: float
+    dense_activation_bytes_per_s: float | None
+    all_to_all: LinkFit | None
+    """None on one rank (no network)."""
+    all_reduce: LinkFit | None
+    sync_latency_s: float | None = None
+    """`measure_sync_latency`; None on one rank."""
     device_memory_bytes: int
     host_memory_bytes: int
+    step_overhead_s: float = 0.0
+    sharding_overhead_s: float = 0.0
+    id_overhead_s: float = 0.0
+    dense_update_bytes_per_s: float | None = None
+    """CPU only (`measure_framework_costs`); the GPU defaults elsewhere."""
     seconds: float = field(default=0.0, compare=False)
     """Wall time of the whole calibration."""
 
@@ -220,44 +301,195 @@ def measure_copy_latency(*, device: str = "cpu", repeats: int = 50) -> float:
     return _median_seconds(lambda: dst.copy_(src, non_blocking=True), dev, repeats)
 
 
-def measure_lookup_rate(
+def _lookup_step(
+    *, rows: int, dim: int, bags: int, pooling: int, alpha: float, repeats: int, device: str
+) -> tuple[float, float]:
+    """(median seconds, mean distinct rows) of a training step of distcache's cache kernel on
+    one table with every row resident: the next batch enters the look-ahead window and is
+    staged, the batch is looked up (sum-pooled) and its rows updated (SGD) in backward."""
+    from distcache.cache.config import CacheConfig
+    from distcache.cache.module import CachedEmbeddingBags, TableSpec
+    from distcache.data.traces import zipf_trace
+
+    dev = torch.device(device)
+    config = CacheConfig(capacity=1.0, lookahead=1, prefetch_depth=1, check_ids=False)
+    table = TableSpec(name="t", num_embeddings=rows, embedding_dim=dim)
+    kernel = CachedEmbeddingBags([table], config, device=dev)
+    every, whole = torch.arange(rows, device=dev), torch.tensor([0, rows], device=dev)
+    kernel.enqueue(every, whole)  # load every row: the steps below only look up and update
+    kernel(every, whole).sum().backward()
+    n = bags * pooling
+    trace = zipf_trace(rows=rows, alpha=alpha, batch=n, batches=repeats + 3, seed=dim)
+    batches = [ids.to(dev) for ids in trace]  # [n] each
+    offsets = torch.arange(0, n + 1, pooling, device=dev)  # [bags + 1]
+    kernel.enqueue(batches[0], offsets)
+    step = iter(range(len(batches) - 1))
+
+    def train() -> None:
+        i = next(step)
+        kernel.enqueue(batches[i + 1], offsets)
+        kernel.prefetch()
+        kernel(batches[i], offsets).sum().backward()
+
+    seconds = _median_seconds(train, dev, repeats)
+    unique = statistics.mean(int(b.unique().numel()) for b in batches)
+    return seconds, unique
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagingCosts:
+    """A partial cache's extra time per step: `moved bytes / bytes_per_s + slots /
+    scan_rows_per_s` (its victims are picked by scoring every slot once per batch)."""
+
+    bytes_per_s: float | None
+    """None where no partial cache was measurably slower than a whole one (noise)."""
+    scan_rows_per_s: float | None
+    """None where the capacities measured did not tell scanning from moving (noise)."""
+
+
+def measure_staging_costs(
     *,
     rows: int = FULL.lookup_rows,
-    dim: int = FULL.lookup_dim,
-    bags: int = FULL.lookup_bags,
+    dim: int = FULL.lookup_dims[0],
+    bags: int = FULL.lookup_bags[-1],
     pooling: int = FULL.lookup_pooling,
+    alpha: float = FULL.lookup_alpha,
+    capacities: Sequence[float] = FULL.staging_capacities,
+    lookahead: int = 8,
     repeats: int = 5,
     device: str = "cpu",
-    seed: int = 0,
-) -> float:
-    """Embedding-bag rows/s for a training step: a sum-pooled forward over uniform random ids,
-    then a row-wise SGD update of every row looked up (gather the bag's gradient, index_add it).
+) -> StagingCosts:
+    """What a cache's misses cost per step, as the cost model counts it: look-ahead caches of
+    each of `capacities` (fractions of the rows; L = `lookahead`, the solver's default, K = 1)
+    and one holding every row train on the same power-law batches; each partial cache's extra
+    time per step is fitted as `bytes moved (loads + write-backs) / bytes_per_s + its slots /
+    scan_rows_per_s`.
 
-    Uniform ids are the pessimistic case (no reuse in the CPU cache); skewed real traffic runs
-    somewhat faster.
+    On CPU this, not a plain copy, is the host-to-device rate: a miss also costs the
+    scheduler's look-ahead bookkeeping and the gathers and scatters of rows and their maps,
+    and once full the cache scores every slot to pick each batch's victims. (A reactive LRU
+    cache does less bookkeeping: its misses cost less.)
 
     Args:
-        rows: Table rows; `rows * dim * 4` bytes are allocated.
+        rows, pooling, alpha, device: as in `measure_lookup_costs`.
         dim: Embedding dimension.
         bags: Bags per step.
-        pooling: Ids per bag.
-        repeats: Timed steps; the median is kept.
-        device: 'cpu' or 'cuda'.
-        seed: Seed of the random ids.
+        capacities: >= 2 cache sizes, fractions of the rows (each must hold 2 batches' rows).
+        lookahead: batches in the look-ahead window.
+        repeats: 4 x repeats steps are timed, after 8 x repeats that fill the cache.
     """
+    kw = {"rows": rows, "dim": dim, "bags": bags, "pooling": pooling, "alpha": alpha}
+    kw |= {"lookahead": lookahead, "repeats": repeats, "device": device}
+    whole, _ = _cached_steps(capacity=1.0, **kw)
+    points = []  # (extra seconds, bytes moved, slots) of the caches that were slower
+    for fraction in capacities:
+        seconds, moved = _cached_steps(capacity=fraction, **kw)
+        if seconds > whole and moved > 0:
+            points.append((seconds - whole, moved, math.ceil(fraction * rows)))
+    if not points:  # lost in the noise
+        return StagingCosts(bytes_per_s=None, scan_rows_per_s=None)
+    t, moved, slots = (np.array(c, dtype=np.float64) for c in zip(*points, strict=True))
+    if len(points) >= 2:
+        design = np.stack([moved, slots], axis=1) / t[:, None]  # relative errors
+        (per_byte, per_slot), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+        if per_byte > 0 and per_slot > 0:
+            return StagingCosts(
+                bytes_per_s=float(1 / per_byte), scan_rows_per_s=float(1 / per_slot)
+            )
+    return StagingCosts(bytes_per_s=float(moved.sum() / t.sum()), scan_rows_per_s=None)
+
+
+def _cached_steps(
+    *, rows: int, dim: int, bags: int, pooling: int, alpha: float, capacity: float,
+    lookahead: int, repeats: int, device: str = "cpu",
+) -> tuple[float, float]:  # fmt: skip
+    """(median seconds, bytes moved) per training step of a cache kernel fed `lookahead`
+    batches ahead; a cache of every row is loaded whole first."""
+    from distcache.cache.config import CacheConfig
+    from distcache.cache.module import CachedEmbeddingBags, TableSpec
+    from distcache.data.traces import zipf_trace
+
     dev = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(rows, dim, generator=gen).to(dev)  # [rows, dim]
-    ids = torch.randint(rows, (bags * pooling,), generator=gen).to(dev)  # [bags * pooling]
-    offsets = torch.arange(0, bags * pooling, pooling, device=dev)  # [bags]
-    bag_of_id = torch.arange(bags, device=dev).repeat_interleave(pooling)  # [bags * pooling]
-    grad = torch.full((bags, dim), 1e-6, device=dev)  # [bags, dim]: stands in for dL/dbag
+    config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=1, check_ids=False)
+    table = TableSpec(name="t", num_embeddings=rows, embedding_dim=dim)
+    kernel = CachedEmbeddingBags([table], config, device=dev)
+    if capacity >= 1.0:
+        engine = kernel.engines[0]
+        engine.enqueue(torch.arange(rows, device=dev))
+        engine.release(engine.lookup_plan())
+    n, warm, steps = bags * pooling, 8 * repeats, 4 * repeats
+    trace = zipf_trace(rows=rows, alpha=alpha, batch=n, batches=warm + steps + lookahead, seed=1)
+    batches = [ids.to(dev) for ids in trace]  # [n] each
+    offsets = torch.arange(0, n + 1, pooling, device=dev)  # [bags + 1]
+    for ids in batches[:lookahead]:
+        kernel.enqueue(ids, offsets)
+    times, before = [], kernel.stats()["t"]
+    for i in range(warm + steps):
+        if i == warm:
+            before = kernel.stats()["t"]
+        _sync(dev)
+        start = time.perf_counter()
+        kernel.enqueue(batches[i + lookahead], offsets)
+        kernel.prefetch()
+        kernel(batches[i], offsets).sum().backward()
+        _sync(dev)
+        times.append(time.perf_counter() - start)
+    after = kernel.stats()["t"]
+    moved = after.bytes_loaded + after.bytes_written - before.bytes_loaded - before.bytes_written
+    return statistics.median(times[warm:]), moved / steps
 
-    def step() -> None:
-        F.embedding_bag(ids, weight, offsets, mode="sum")
-        weight.index_add_(0, ids, grad.index_select(0, bag_of_id), alpha=-0.01)
 
-    return ids.numel() / _median_seconds(step, dev, repeats)
+def measure_lookup_costs(
+    *,
+    rows: int = FULL.lookup_rows,
+    dims: Sequence[int] = FULL.lookup_dims,
+    bags: Sequence[int] = FULL.lookup_bags,
+    pooling: int = FULL.lookup_pooling,
+    alpha: float = FULL.lookup_alpha,
+    repeats: int = 5,
+    device: str = "cpu",
+) -> LookupCosts:
+    """A training step of distcache's cache kernel on one table with every row resident (the
+    next batch enters the look-ahead window, the batch is looked up and its rows updated by
+    SGD in backward), timed at every (dim, bags) and fitted by least relative squares as
+    `fixed + accesses / rows_per_s + bytes / bytes_per_s`, counted as the cost model counts
+    them: 2 accesses per id (gather, gradient) and 2 per distinct row (read and write in the
+    update); bytes = accesses·dim·4.
+
+    A per-byte cost the noise makes non-positive is dropped (bytes_per_s None) and the rest
+    refitted; a non-positive per-row cost falls back to the largest step's average rate.
+
+    Args:
+        rows: Table rows (every row resident: twice `rows * dim * 4` bytes).
+        dims: Widths timed (>= 2).
+        bags: Bags per step timed (>= 2).
+        pooling: Ids per bag.
+        alpha: Power-law exponent of the ids.
+        repeats: Timed steps of each size; the median is kept.
+        device: 'cpu' or 'cuda'.
+    """
+    points = []  # (seconds, accesses, bytes)
+    for dim in dims:
+        for b in bags:
+            seconds, unique = _lookup_step(
+                rows=rows, dim=dim, bags=b, pooling=pooling, alpha=alpha, repeats=repeats,
+                device=device,
+            )  # fmt: skip
+            ids = b * pooling
+            points.append((seconds, 2 * ids + 2 * unique, (2 * ids + 2 * unique) * dim * 4))
+    t, accesses, traffic = (np.array(c, dtype=np.float64) for c in zip(*points, strict=True))
+    for columns in ((np.ones_like(t), accesses, traffic), (np.ones_like(t), accesses)):
+        design = np.stack(columns, axis=1) / t[:, None]  # relative errors: sizes span decades
+        coef, *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+        if coef[-1] > 0 and coef[1] > 0:
+            break
+    per_row = coef[1] if coef[1] > 0 else float(t.max() / accesses[t.argmax()])
+    per_byte = float(coef[2]) if len(coef) == 3 and coef[2] > 0 else None
+    return LookupCosts(
+        rows_per_s=float(1.0 / per_row),
+        bytes_per_s=None if per_byte is None else 1.0 / per_byte,
+        fixed_s=max(0.0, float(coef[0])),
+    )
 
 
 def measure_dense_flops(
@@ -292,6 +524,69 @@ def measure_dense_flops(
     return flops / _median_seconds(step, dev, repeats)
 
 
+def measure_dense_layer_overhead(
+    *, layers: int = 8, repeats: int = 5, device: str = "cpu"
+) -> float:
+    """Seconds per layer of a step of an MLP too small to compute anything (batch 4, width 4,
+    Linear + ReLU layers): forward, backward and an SGD update — the dispatch cost a layer
+    adds to every step, whatever its size.
+
+    Args:
+        layers: Linear layers of the MLP.
+        repeats: Timed steps; the median is kept.
+        device: 'cpu' or 'cuda'.
+    """
+    return _mlp_step_seconds(4, (4,) * (layers + 1), repeats, device) / layers
+
+
+def measure_activation_bandwidth(
+    *,
+    batch: int = FULL.activation_batch,
+    widths: Sequence[int] = FULL.activation_widths,
+    flops_per_s: float,
+    layer_overhead_s: float,
+    repeats: int = 5,
+    device: str = "cpu",
+) -> float | None:
+    """Bytes/s of the activation traffic of an MLP step (forward, backward, SGD update), as
+    the cost model counts it (per layer of i inputs and o outputs, batch·4·(3·i + 7·o) bytes):
+    its time less its flops at `flops_per_s` and its layers at `layer_overhead_s`. A narrow,
+    deep MLP on a large batch makes the traffic most of the time; None if nothing is left.
+
+    Args:
+        batch: Rows of the input.
+        widths: Layer widths, input first.
+        flops_per_s: `measure_dense_flops`'s rate.
+        layer_overhead_s: `measure_dense_layer_overhead`'s cost.
+        repeats: Timed steps; the median is kept.
+        device: 'cpu' or 'cuda'.
+    """
+    pairs = list(zip(widths[:-1], widths[1:], strict=True))
+    seconds = _mlp_step_seconds(batch, widths, repeats, device)
+    seconds -= sum(6 * batch * i * o for i, o in pairs) / flops_per_s
+    seconds -= len(pairs) * layer_overhead_s
+    elements = sum(ACTIVATION_IN_PASSES * i + ACTIVATION_OUT_PASSES * o for i, o in pairs)
+    return batch * elements * 4 / seconds if seconds > 0 else None
+
+
+def _mlp_step_seconds(batch: int, widths: Sequence[int], repeats: int, device: str) -> float:
+    """Median seconds of an MLP step: forward, backward, SGD update."""
+    dev = torch.device(device)
+    layers: list[torch.nn.Module] = []
+    for n_in, n_out in zip(widths[:-1], widths[1:], strict=True):
+        layers += [torch.nn.Linear(n_in, n_out), torch.nn.ReLU()]
+    mlp = torch.nn.Sequential(*layers).to(dev)
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=1e-6)
+    x = torch.randn(batch, widths[0], device=dev)  # [batch, widths[0]]
+
+    def step() -> None:
+        optimizer.zero_grad()
+        mlp(x).sum().backward()
+        optimizer.step()
+
+    return _median_seconds(step, dev, repeats)
+
+
 def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
     """Fit `seconds = latency + nbytes / bandwidth`, minimizing the relative error (sizes span
     decades; a plain least-squares fit would let the largest message decide the latency).
@@ -315,12 +610,6 @@ def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float]) -> 
     return LinkFit(latency_s=float(latency), bw_bytes_per_s=float(1.0 / per_byte))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _collective_seconds(
     op: Callable[[torch.Tensor, torch.Tensor], object], numel: int, repeats: int
 ) -> float:
@@ -336,11 +625,84 @@ def _collective_seconds(
     return statistics.median(times)
 
 
-def _collective_worker(
-    rank: int, world: int, port: int, sizes: tuple[int, ...], timeout_s: float, results: object
-) -> None:
-    """One rank of `measure_collectives`: rank 0 reports the slowest rank's time per size."""
-    torch.set_num_threads(1)
+def measure_collectives(sizes: Sequence[int] = FULL.message_bytes) -> dict[str, LinkFit]:
+    """Fit gloo all-to-all and all-reduce on every rank of the current process group (>= 2
+    ranks), one buffer size after another, each timed as the slowest rank's median.
+
+    The bytes of each fit are those a rank sends: `(ranks - 1) / ranks` of its buffer for an
+    all-to-all, twice that for a ring all-reduce (the NCCL-tests "bus bandwidth" convention).
+
+    Args:
+        sizes: Buffer bytes per rank, one measurement each.
+
+    Returns:
+        {'all_to_all': LinkFit, 'all_reduce': LinkFit}, the same on every rank.
+    """
+    world = dist.get_world_size()
+    ops = {
+        "all_to_all": lambda out, inp: dist.all_to_all_single(out, inp),
+        "all_reduce": lambda out, inp: dist.all_reduce(inp),
+    }
+    share = (world - 1) / world
+    sent = {"all_to_all": share, "all_reduce": 2 * share}
+    fits = {}
+    for name, op in ops.items():
+        seconds = []
+        for size in sizes:
+            numel = max(world, size // 4 // world * world)  # all-to-all splits evenly
+            repeats = max(3, min(30, (64 * _MIB) // size))
+            slowest = torch.tensor([_collective_seconds(op, numel, repeats)])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            seconds.append(float(slowest))
+        fits[name] = fit_latency_bandwidth([s * sent[name] for s in sizes], seconds)
+    return fits
+
+
+def measure_sync_latency(
+    *, burst_s: float = 2e-3, collectives: int = 6, repeats: int = 20
+) -> float:
+    """Seconds a small all-to-all costs between bursts of compute, on every rank of the
+    current (gloo) process group: what a collective costs inside a training step, where each
+    rank arrives from its own computation. On an idle machine this is about the network
+    latency; on cores shared with other processes it also holds the time a rank waits for a
+    peer that the OS had descheduled, which can be far more.
+
+    Each rank alternates `burst_s` of matrix products and a 64-element all-to-all,
+    `collectives` times per repetition, each repetition from a barrier; the cost is the
+    median repetition's time less the same compute alone, per collective.
+
+    Args:
+        burst_s: compute between collectives (a few ms: the gap between a CPU step's
+            collectives).
+        collectives: collectives per repetition.
+        repeats: timed repetitions.
+    """
+    a = torch.randn(128, 128)
+    products = max(1, round(burst_s / _median_seconds(lambda: a @ a, torch.device("cpu"), 20)))
+    inp, out = torch.ones(64), torch.empty(64)
+
+    def repetition(talk: bool) -> None:
+        for _ in range(collectives):
+            for _ in range(products):
+                a @ a
+            if talk:
+                dist.all_to_all_single(out, inp)
+
+    seconds = {}
+    for talk in (False, True):
+        times = []
+        for _ in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            repetition(talk)
+            times.append(time.perf_counter() - t0)
+        seconds[talk] = statistics.median(times[2:])
+    cost = torch.tensor([max(0.0, seconds[True] - seconds[False]) / collectives])
+    dist.all_reduce(cost, op=dist.ReduceOp.MAX)
+    return float(cost)
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -348,66 +710,6 @@ def _collective_worker(
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
-    ops = {
-        "all_to_all": lambda out, inp: dist.all_to_all_single(out, inp),
-        "all_reduce": lambda out, inp: dist.all_reduce(inp),
-    }
-    try:
-        report: dict[str, list[float]] = {}
-        for name, op in ops.items():
-            for size in sizes:
-                numel = max(world, size // 4 // world * world)  # all-to-all splits evenly
-                repeats = max(3, min(30, (64 * _MIB) // size))
-                seconds = torch.tensor([_collective_seconds(op, numel, repeats)])
-                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-                report.setdefault(name, []).append(float(seconds))
-        if rank == 0:
-            results.put(report)  # type: ignore[attr-defined]
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_collectives(
-    *, ranks: int = 2, sizes: Sequence[int] = FULL.message_bytes, timeout_s: float = 120.0
-) -> dict[str, LinkFit]:
-    """Fit gloo all-to-all and all-reduce between `ranks` processes on this machine.
-
-    The bytes of each fit are those a rank sends: `(ranks - 1) / ranks` of its buffer for an
-    all-to-all, twice that for a ring all-reduce (the NCCL-tests "bus bandwidth" convention).
-    Ranks are spawned on a free local port; a rank that dies or a run that passes `timeout_s`
-    raises instead of hanging.
-
-    Args:
-        ranks: Processes (>= 2).
-        sizes: Buffer bytes per rank, one measurement each.
-        timeout_s: Deadline of the whole measurement, also the process-group timeout.
-
-    Returns:
-        {'all_to_all': LinkFit, 'all_reduce': LinkFit}.
-    """
-    if ranks < 2:
-        raise DistcacheConfigError(f"ranks must be >= 2 to measure collectives, got {ranks}")
-    results = mp.get_context("spawn").SimpleQueue()
-    args = (ranks, _free_port(), tuple(sizes), timeout_s, results)
-    context = mp.start_processes(_collective_worker, args, nprocs=ranks, join=False)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=0.5, grace_period=2.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gloo calibration did not finish within {timeout_s} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if results.empty():
-        raise RuntimeError("gloo calibration: rank 0 exited without a report")
-    report = results.get()
-    share = (ranks - 1) / ranks
-    sent = {"all_to_all": share, "all_reduce": 2 * share}
-    return {
-        name: fit_latency_bandwidth([s * sent[name] for s in sizes], report[name]) for name in sent
-    }
 
 
 def _mem_available_bytes() -> int:
@@ -422,62 +724,152 @@ def _mem_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def calibrate(
-    *, ranks: int = 2, device: str = "cpu", sizes: CalibrationSizes = FULL, timeout_s: float = 300
-) -> Measurements:
-    """Measure this machine as seen by one of `ranks` ranks.
-
-    On CPU the compute measurements run with `cpu_count // ranks` threads, each rank's share
-    when all ranks train at once (the contention of a shared memory bus is not modelled).
-
-    Args:
-        ranks: Ranks on this machine (>= 2, for the collectives).
-        device: 'cpu' or 'cuda'.
-        sizes: Problem sizes (`FULL` or `QUICK`).
-        timeout_s: Deadline of the collective measurement.
-    """
-    if device not in ("cpu", "cuda"):
-        raise DistcacheConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if ranks < 2:
-        raise DistcacheConfigError(f"ranks must be >= 2 to measure collectives, got {ranks}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DistcacheConfigError("device 'cuda' asked for, but torch sees no CUDA device")
-    start = time.perf_counter()
-    threads = torch.get_num_threads()
-    share = max(1, (os.cpu_count() or 1) // ranks) if device == "cpu" else threads
-    torch.set_num_threads(share)
-    try:
-        s, kw = sizes, {"repeats": sizes.repeats, "device": device}
-        copy_bw = measure_copy_bandwidth(nbytes=s.copy_bytes, **kw)
-        lookup = measure_lookup_rate(
-            rows=s.lookup_rows, dim=s.lookup_dim, bags=s.lookup_bags, pooling=s.lookup_pooling, **kw
+def _compute(device: str, s: CalibrationSizes) -> dict[str, Any]:
+    """This rank's compute measurements (`Measurements` fields)."""
+    kw: dict[str, Any] = {"repeats": s.repeats, "device": device}
+    out: dict[str, Any] = {"copy_bw_bytes_per_s": measure_copy_bandwidth(nbytes=s.copy_bytes, **kw)}
+    lookup = measure_lookup_costs(
+        rows=s.lookup_rows, dims=s.lookup_dims, bags=s.lookup_bags, pooling=s.lookup_pooling,
+        alpha=s.lookup_alpha, **kw,
+    )  # fmt: skip
+    out |= {"lookup_rows_per_s": lookup.rows_per_s, "lookup_bytes_per_s": lookup.bytes_per_s}
+    flops = measure_dense_flops(batch=s.mlp_batch, widths=s.mlp_widths, **kw)
+    out |= {"dense_flops_per_s": flops, "dense_layer_overhead_s": 0.0}
+    out["host_to_device_latency_s"] = measure_copy_latency(device=device)
+    if device == "cuda":  # the stager's copies are DMA; the achieved flops cover the rest
+        out["host_to_device_bw_bytes_per_s"] = measure_host_to_device_bandwidth(
+            nbytes=s.copy_bytes, repeats=s.repeats
         )
-        flops = measure_dense_flops(batch=s.mlp_batch, widths=s.mlp_widths, **kw)
-        h2d_latency = measure_copy_latency(device=device)
-        if device == "cuda":
-            h2d = measure_host_to_device_bandwidth(nbytes=s.copy_bytes, repeats=s.repeats)
-            device_memory = torch.cuda.mem_get_info()[0]
-        else:
-            h2d = copy_bw
+        return out
+    staging = measure_staging_costs(
+        rows=s.lookup_rows, dim=s.lookup_dims[0], bags=s.lookup_bags[-1],
+        pooling=s.lookup_pooling, alpha=s.lookup_alpha, capacities=s.staging_capacities, **kw,
+    )  # fmt: skip
+    # Lost in the noise: the copies alone (the scheduler's share unmeasured).
+    out["host_to_device_bw_bytes_per_s"] = staging.bytes_per_s or out["copy_bw_bytes_per_s"]
+    out["cache_scan_rows_per_s"] = staging.scan_rows_per_s
+    layer = out["dense_layer_overhead_s"] = measure_dense_layer_overhead(**kw)
+    out["dense_activation_bytes_per_s"] = measure_activation_bandwidth(
+        batch=s.activation_batch, widths=s.activation_widths, flops_per_s=flops,
+        layer_overhead_s=layer, **kw,
+    )  # fmt: skip
+    return out
+
+
+def _calibration_worker(
+    rank: int, world: int, port: int, device: str, sizes: CalibrationSizes, timeout_s: float,
+    threads: int, out: str,
+) -> None:  # fmt: skip
+    """One rank of `calibrate`: compute (all ranks at once on CPU, rank 0 on CUDA), the
+    collectives, then (CPU) the framework's costs on a one-rank process group of its own, all
+    ranks again at once."""
+    caller_threads = torch.get_num_threads()  # one rank runs in the caller's process
+    torch.set_num_threads(threads)
+    result: dict[str, Any] = {}
+    try:
+        _init(rank, world, port, timeout_s)
+        try:
+            dist.barrier()
+            if device == "cpu" or rank == 0:
+                result = _compute(device, sizes)
+            dist.barrier()
+            if world > 1:
+                links = measure_collectives(sizes.message_bytes)
+                result["links"] = {k: dataclasses.asdict(v) for k, v in links.items()}
+                result["sync_latency_s"] = measure_sync_latency(repeats=4 * sizes.repeats)
+        finally:
+            dist.destroy_process_group()
+        if device == "cpu":
+            _init(0, 1, free_port(), timeout_s)  # this rank alone: TorchRec's plans name ranks
+            try:
+                options = MeasureOptions(
+                    steps=sizes.framework_steps, warmup=sizes.framework_warmup, threads=threads
+                )
+                rates = topology_from(
+                    _measurements(device, world, threads, [result], None), name="x"
+                )
+                costs = measure_framework_costs(
+                    rates, big_rows=sizes.framework_rows, big_batch=sizes.framework_batch,
+                    options=options,
+                )  # fmt: skip
+                result.update(dataclasses.asdict(costs))
+            finally:
+                dist.destroy_process_group()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
-        torch.set_num_threads(threads)
-    links = measure_collectives(ranks=ranks, sizes=s.message_bytes, timeout_s=timeout_s)
+        torch.set_num_threads(caller_threads)
+
+
+def _measurements(
+    device: str,
+    ranks: int,
+    threads: int,
+    per_rank: list[dict[str, Any]],
+    links: dict[str, LinkFit] | None,
+    seconds: float = 0.0,
+) -> Measurements:
+    """The mean over ranks of each measured figure (None where a rank measured none)."""
+    fields = {f.name for f in dataclasses.fields(Measurements)}
+
+    def mean(name: str) -> Any:
+        values = [r[name] for r in per_rank if r.get(name) is not None]
+        return statistics.mean(values) if values else None
+
+    measured = {name: mean(name) for name in per_rank[0] if name in fields}
     host_memory = _mem_available_bytes() // ranks
+    device_memory = torch.cuda.mem_get_info()[0] if device == "cuda" else host_memory
     return Measurements(
         device=device,
         ranks=ranks,
-        threads_per_rank=share,
-        copy_bw_bytes_per_s=copy_bw,
-        host_to_device_bw_bytes_per_s=h2d,
-        host_to_device_latency_s=h2d_latency,
-        lookup_rows_per_s=lookup,
-        dense_flops_per_s=flops,
-        all_to_all=links["all_to_all"],
-        all_reduce=links["all_reduce"],
-        device_memory_bytes=device_memory if device == "cuda" else host_memory,
+        threads_per_rank=threads,
+        all_to_all=(links or {}).get("all_to_all"),
+        all_reduce=(links or {}).get("all_reduce"),
+        device_memory_bytes=device_memory,
         host_memory_bytes=host_memory,
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
+        **measured,
     )
+
+
+def calibrate(
+    *,
+    ranks: int = 2,
+    device: str = "cpu",
+    sizes: CalibrationSizes = FULL,
+    timeout_s: float = 300,
+    threads: int | None = None,
+) -> Measurements:
+    """Measure this machine as seen by one of `ranks` ranks.
+
+    On CPU every rank measures at once with `threads` threads (default `cpu_count // ranks`,
+    its share when all ranks train at once); the figures are the means over ranks. Calibrate
+    with the threads the jobs will train with: on shared cores more threads than free cores
+    make OpenMP spin, and every rate collapses.
+
+    Args:
+        ranks: Ranks on this machine (1 measures no network: the CPU preset's figures stand in).
+        device: 'cpu' or 'cuda'.
+        sizes: Problem sizes (`FULL` or `QUICK`).
+        timeout_s: Deadline of the whole calibration.
+        threads: Torch threads per rank on CPU.
+    """
+    if device not in ("cpu", "cuda"):
+        raise DistcacheConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if ranks < 1:
+        raise DistcacheConfigError(f"ranks must be >= 1, got {ranks}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DistcacheConfigError("device 'cuda' asked for, but torch sees no CUDA device")
+    start = time.perf_counter()
+    if threads is not None and threads < 1:
+        raise DistcacheConfigError(f"threads must be >= 1, got {threads}")
+    threads = threads or max(1, (os.cpu_count() or 1) // ranks)
+    threads = threads if device == "cpu" else torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as out:
+        args = (device, sizes, timeout_s, threads, out)
+        run_ranks(_calibration_worker, ranks, args, timeout_s=timeout_s)
+        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
+    links = {k: LinkFit(**v) for k, v in per_rank[0].get("links", {}).items()}
+    return _measurements(device, ranks, threads, per_rank, links, time.perf_counter() - start)
 
 
 def topology_from(m: Measurements, *, name: str) -> Topology:
@@ -485,9 +877,16 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
 
     Device memory bandwidth is the copy's memory traffic (2x the bytes copied; on CUDA a
     device-to-device copy). The network figures are conservative: the lower bandwidth and the
-    higher latency of all-to-all and all-reduce. Inter-node equals intra-node (one machine).
+    higher latency of all-to-all and all-reduce; the sync latency is what a collective costs
+    between compute bursts (`measure_sync_latency`, contention included), at least that;
+    without a network (one rank), the CPU preset's. Inter-node equals intra-node (one machine).
     """
-    bw = min(m.all_to_all.bw_bytes_per_s, m.all_reduce.bw_bytes_per_s)
+    if m.all_to_all is not None and m.all_reduce is not None:
+        bw = min(m.all_to_all.bw_bytes_per_s, m.all_reduce.bw_bytes_per_s)
+        latency = max(m.all_to_all.latency_s, m.all_reduce.latency_s)
+    else:
+        cpu = preset("cpu", world_size=1)
+        bw, latency = cpu.intra_node_bw_bytes_per_s, cpu.network_latency_s
     return Topology(
         name=name,
         world_size=m.ranks,
@@ -500,18 +899,34 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
         host_to_device_latency_s=m.host_to_device_latency_s,
         intra_node_bw_bytes_per_s=bw,
         inter_node_bw_bytes_per_s=bw,
-        network_latency_s=max(m.all_to_all.latency_s, m.all_reduce.latency_s),
+        network_latency_s=latency,
         dense_flops_per_s=m.dense_flops_per_s,
         lookup_rows_per_s=m.lookup_rows_per_s,
+        lookup_bytes_per_s=m.lookup_bytes_per_s,
+        cache_scan_rows_per_s=m.cache_scan_rows_per_s,
+        dense_update_bytes_per_s=m.dense_update_bytes_per_s,
+        dense_activation_bytes_per_s=m.dense_activation_bytes_per_s,
+        dense_layer_overhead_s=m.dense_layer_overhead_s,
+        step_overhead_s=m.step_overhead_s,
+        sharding_overhead_s=m.sharding_overhead_s,
+        id_overhead_s=m.id_overhead_s,
+        sync_latency_s=None if m.sync_latency_s is None else max(latency, m.sync_latency_s),
     )
 
 
 def _summary(m: Measurements) -> str:
-    def si(v: float, unit: str) -> str:
+    def si(v: float | None, unit: str) -> str:
+        if v is None:
+            return "-"
         exp = min(4, max(0, int(math.log10(max(v, 1.0)) // 3)))
         return f"{v / 10 ** (3 * exp):.3g} {' kMGT'[exp].strip()}{unit}"
 
-    link = "{}: latency {:.1f} us, {}".format
+    def link(name: str, fit: LinkFit | None) -> str:
+        if fit is None:
+            return f"  {name}: not measured (one rank)"
+        return f"  {name}: latency {fit.latency_s * 1e6:.1f} us, {si(fit.bw_bytes_per_s, 'B/s')}"
+
+    ms = "{:.3f} ms".format
     return "\n".join(
         [
             f"calibrated {m.device}, {m.ranks} ranks, {m.threads_per_rank} threads/rank, "
@@ -519,16 +934,23 @@ def _summary(m: Measurements) -> str:
             f"  memory copy        {si(m.copy_bw_bytes_per_s, 'B/s')}",
             f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')}, "
             f"latency {m.host_to_device_latency_s * 1e6:.1f} us",
-            f"  embedding lookup   {si(m.lookup_rows_per_s, 'rows/s')}",
-            f"  dense compute      {si(m.dense_flops_per_s, 'FLOP/s')}",
-            "  " + link("gloo all-to-all", m.all_to_all.latency_s * 1e6,
-                        si(m.all_to_all.bw_bytes_per_s, "B/s")),
-            "  " + link("gloo all-reduce", m.all_reduce.latency_s * 1e6,
-                        si(m.all_reduce.bw_bytes_per_s, "B/s")),
+            f"  embedding lookup   {si(m.lookup_rows_per_s, 'rows/s')} + "
+            f"{si(m.lookup_bytes_per_s, 'B/s')}",
+            f"  dense compute      {si(m.dense_flops_per_s, 'FLOP/s')}, "
+            f"{ms(1e3 * m.dense_layer_overhead_s)} per layer, activations "
+            f"{si(m.dense_activation_bytes_per_s, 'B/s')}",
+            f"  dense update (DP)  {si(m.dense_update_bytes_per_s, 'B/s')}",
+            f"  framework          {ms(1e3 * m.step_overhead_s)} per step, "
+            f"{ms(1e3 * m.sharding_overhead_s)} per sharding type, "
+            f"{1e9 * m.id_overhead_s:.0f} ns per id routed",
+            link("gloo all-to-all", m.all_to_all),
+            link("gloo all-reduce", m.all_reduce),
+            "  collective between compute bursts: "
+            + ("-" if m.sync_latency_s is None else ms(1e3 * m.sync_latency_s)),
             f"  memory per rank    device {si(m.device_memory_bytes, 'B')}, "
             f"host {si(m.host_memory_bytes, 'B')}",
         ]
-    )  # fmt: skip
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -537,11 +959,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m distcache calibrate", description="Measure this machine as a Topology."
     )
     parser.add_argument("--out", help="JSON file to write (default: stdout)")
-    parser.add_argument("--ranks", type=int, default=2, help="local ranks (>= 2; default 2)")
+    parser.add_argument("--ranks", type=int, default=2, help="local ranks (default 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (tests, smoke runs)")
     parser.add_argument("--name", help="topology name (default: calibrated-DEVICE-xRANKS)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="collectives deadline, s")
+    parser.add_argument("--timeout", type=float, default=300.0, help="deadline, s")
+    parser.add_argument("--threads", type=int, help="torch threads per rank (default cpus/ranks)")
     args = parser.parse_args(None if argv is None else list(argv))
     try:
         m = calibrate(
@@ -549,6 +972,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             sizes=QUICK if args.quick else FULL,
             timeout_s=args.timeout,
+            threads=args.threads,
         )
     except DistcacheConfigError as e:
         print(f"calibrate: {e}", file=sys.stderr)

@@ -20,7 +20,11 @@ the model is ``--module-path``, default "" for a bare EBC).
 
 ``compare`` prints distcache's plan, TorchRec's, the all-table-wise and all-row-wise
 baselines and every ``--plan FILE`` (repeatable) side by side (`compare.format_table`), or
-JSON with ``--json``; ``--no-torchrec`` skips TorchRec's planner. All figures are modelled.
+JSON with ``--json``; ``--no-torchrec`` skips TorchRec's planner. Figures are modelled; with
+``--measure`` each plan also runs here for ``--measure-steps`` steps after
+``--measure-warmup`` (`compare.measure_rows`) when the topology fits this machine (``cpu`` or a
+calibrated JSON, at most 2 ranks), next to its modelled step; for larger topologies it says
+why nothing ran and the figures stay modelled.
 
 Config file (strict: an unknown section or key is an error naming the allowed ones)::
 
@@ -48,6 +52,8 @@ Example::
     python -m distcache plan --preset criteo-terabyte --topology h100 --world-size 8 \\
         --device-memory 16GB --out plan.json
     python -m distcache compare --preset criteo-terabyte --world-size 64 --plan plan.json
+    python -m distcache compare --config small.toml --topology topology.json --world-size 2 \\
+        --measure
 """
 
 from __future__ import annotations
@@ -374,7 +380,7 @@ def _read_plan(path: Path) -> Plan:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from distcache.planner.compare import compare, format_table, rows_to_json
+    from distcache.planner.compare import compare, format_table, measure_rows, rows_to_json
 
     workload, topology = workload_from_args(args), topology_from_args(args)
     plans = _load_plans(args.plan, workload, topology)
@@ -385,7 +391,13 @@ def _compare(args: argparse.Namespace) -> int:
         include_torchrec=not args.no_torchrec,
         torchrec_timeout_s=args.torchrec_timeout,
     )
-    # A measured column (`--measure`) would be filled in here, from runs of each row's plan.
+    if args.measure:
+        from distcache.planner.measure import MeasureOptions
+
+        options = MeasureOptions(steps=args.measure_steps, warmup=args.measure_warmup)
+        rows, skipped = measure_rows(rows, workload, topology, options=options)
+        if skipped:
+            print(f"--measure: {skipped}", file=sys.stderr)
     if args.json:
         print(rows_to_json(rows, workload=workload, topology=topology))
     else:
@@ -406,4 +418,15 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         "--torchrec-timeout", type=_positive_int, help="seconds for TorchRec's proposals"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run each plan here (CPU topologies of <= 2 ranks) and report its step time",
+    )
+    parser.add_argument(
+        "--measure-steps", type=_positive_int, default=20, help="timed steps per plan"
+    )
+    parser.add_argument(
+        "--measure-warmup", type=_positive_int, default=10, help="warm-up steps per plan"
+    )
     return _run(_compare, parser, sys.argv[1:] if argv is None else argv)

@@ -13,6 +13,12 @@ the machine this runs on. Rows:
   when that does not fit);
 - any plans the caller passes.
 
+With `measure_rows` (`python -m distcache compare --measure`), every row's plan is also run
+for real on this machine when the topology fits it (a CPU topology of at most
+`measure.MAX_LOCAL_RANKS` ranks; `measure.measure_plans`): TorchRec's plan runs on distcache's
+engine as `from_sharding_plan` reads it, i.e. its cached tables as reactive LRU caches at
+TorchRec's load factor. Larger topologies keep modelled figures only, and say why.
+
 The per-term times are those of the rank that sets the step (the slowest), so they add up to
 the step time. "TorchRec est" is TorchRec's own model of the same plan (`torchrec_estimate`;
 blank where TorchRec cannot express the plan, e.g. a look-ahead cache): it covers only the
@@ -34,6 +40,7 @@ from typing import Any
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost
 from distcache.planner.export import from_sharding_plan
+from distcache.planner.measure import MeasureOptions, measure_plans, unmeasurable_reason
 from distcache.planner.solver import SolverOptions, solve, uniform_plan
 from distcache.planner.torchrec_planner import torchrec_estimate, torchrec_plan
 from distcache.planner.types import (
@@ -53,6 +60,10 @@ MODELLED_NOTE = (
     "(the topology is not this machine). 'TorchRec est' is TorchRec's own model of the plan's "
     "embedding part (no dense MLPs, no input all-to-all); 'plan s' is measured planning time."
 )
+MEASURED_NOTE = (
+    "Except 'measured ms' and 'measured samples/s': the median step of the plan run on this "
+    "machine (local gloo ranks, distcache's engine; TorchRec's plan as reactive LRU caches)."
+)
 # (label, StepCost field) of the per-term columns, in step order.
 TERMS = (
     ("dense", "dense_compute_s"),
@@ -61,6 +72,7 @@ TERMS = (
     ("in a2a", "input_all_to_all_s"),
     ("out a2a", "output_all_to_all_s"),
     ("allreduce", "all_reduce_s"),
+    ("overhead", "overhead_s"),
 )
 
 
@@ -77,6 +89,8 @@ class ComparisonRow:
     planning_s: float | None = None
     """Seconds the planner took (None for fixed plans)."""
     note: str = ""
+    measured_step_s: float | None = None
+    """Median step time of the plan run on this machine (`measure_rows`); None: not run."""
 
     @property
     def critical_rank(self) -> int | None:
@@ -129,6 +143,9 @@ class ComparisonRow:
                 None if self.torchrec_estimate_s is None else 1e3 * self.torchrec_estimate_s
             ),
             "planning_s": self.planning_s,
+            "measured_step_ms": (
+                None if self.measured_step_s is None else 1e3 * self.measured_step_s
+            ),
             "note": self.note,
             "plan": None if self.plan is None else json.loads(self.plan.to_json()),
         }
@@ -236,6 +253,43 @@ def _torchrec_row(workload: Workload, topology: Topology, timeout_s: float | Non
     )
 
 
+def measure_rows(
+    rows: list[ComparisonRow],
+    workload: Workload,
+    topology: Topology,
+    *,
+    options: MeasureOptions | None = None,
+) -> tuple[list[ComparisonRow], str]:
+    """`rows` with `measured_step_s` filled in by running their plans here, in turns.
+
+    Rows without a plan, or whose plan does not fit the topology, are not run (noted).
+
+    Args:
+        rows: from `compare`.
+        workload: the rows' workload.
+        topology: the rows' topology; it must fit this machine.
+        options: steps and warm-up of each run.
+
+    Returns:
+        (rows, why nothing was measured: "" when something was).
+    """
+    reason = unmeasurable_reason(workload, topology)
+    if reason:
+        return rows, f"not measured: {reason}; every figure is modelled"
+    runnable = {r.name: r.plan for r in rows if r.plan is not None and r.fits}
+    if not runnable:
+        return rows, "not measured: no row has a plan that fits the topology"
+    results = measure_plans(runnable, workload, world_size=topology.world_size, options=options)
+    out = []
+    for row in rows:
+        if row.name in results:
+            row = replace(row, measured_step_s=results[row.name].step_s)
+        elif row.plan is not None:
+            row = _with_note(row, "not measured: the plan does not fit the topology")
+        out.append(row)
+    return out, ""
+
+
 def _with_note(row: ComparisonRow, note: str) -> ComparisonRow:
     return replace(row, note="; ".join(filter(None, (note, row.note))))
 
@@ -248,24 +302,32 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def format_table(rows: list[ComparisonRow], *, title: str | None = None) -> str:
     """A fixed-width text table of `rows`, headed by `title` and the "modelled" label."""
+    measured = any(r.measured_step_s is not None for r in rows)
     header = ["plan", "dev GB", "host GB", *(label for label, _ in TERMS)]
     header += ["step ms", "samples/s", "fits", "TorchRec est ms", "plan s"]
+    header += ["measured ms", "measured samples/s"] if measured else []
     body = []
     for row in rows:
         terms = row.terms_ms
-        body.append(
-            [
-                row.name,
-                _fmt(row.device_memory_gb),
-                _fmt(row.host_memory_gb),
-                *(_fmt(terms.get(label), 3) for label, _ in TERMS),
-                _fmt(row.step_ms, 3),
-                _fmt(row.samples_per_s, 0),
-                {None: "-", True: "yes", False: "NO"}[row.fits],
-                _fmt(None if row.torchrec_estimate_s is None else 1e3 * row.torchrec_estimate_s, 3),
-                _fmt(row.planning_s, 1),
+        cells = [
+            row.name,
+            _fmt(row.device_memory_gb),
+            _fmt(row.host_memory_gb),
+            *(_fmt(terms.get(label), 3) for label, _ in TERMS),
+            _fmt(row.step_ms, 3),
+            _fmt(row.samples_per_s, 0),
+            {None: "-", True: "yes", False: "NO"}[row.fits],
+            _fmt(None if row.torchrec_estimate_s is None else 1e3 * row.torchrec_estimate_s, 3),
+            _fmt(row.planning_s, 1),
+        ]
+        if measured:
+            step = row.measured_step_s
+            batch = row.cost.global_batch_size if row.cost else None
+            cells += [
+                _fmt(None if step is None else 1e3 * step, 3),
+                _fmt(None if step is None or batch is None else batch / step, 0),
             ]
-        )
+        body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -273,7 +335,8 @@ def format_table(rows: list[ComparisonRow], *, title: str | None = None) -> str:
         return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
 
     out = [title] if title else []
-    out += [MODELLED_NOTE, line(header), line(["-" * w for w in widths])]
+    out += [MODELLED_NOTE + (" " + MEASURED_NOTE if measured else "")]
+    out += [line(header), line(["-" * w for w in widths])]
     out += [line(cells) for cells in body]
     notes = [f"  {row.name}: {row.note}" for row in rows if row.note]
     if notes:
@@ -288,7 +351,12 @@ def rows_to_json(
     topology: Topology | None = None,
 ) -> str:
     """The rows (with their plans) as JSON, labelled modelled, with the inputs when given."""
-    data: dict[str, Any] = {"modelled": True, "note": MODELLED_NOTE}
+    measured = any(r.measured_step_s is not None for r in rows)
+    data: dict[str, Any] = {
+        "modelled": True,
+        "measured": measured,
+        "note": MODELLED_NOTE + (" " + MEASURED_NOTE if measured else ""),
+    }
     if workload is not None:
         data["workload"] = workload.name
         data["batch_size_per_rank"] = workload.batch_size_per_rank

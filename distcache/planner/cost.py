@@ -10,23 +10,47 @@ U_table(n) otherwise, from `stats.expected_unique`.
 - lookup (fwd + bwd) = (2·n·e + 2·U·r) / device memory bandwidth: the forward gathers n rows,
   the backward scatters n gradients and reads + writes each touched row with its optimizer
   state; e and r rounded up to 32-byte sectors (random access moves no less). With
-  `lookup_rows_per_s` set: (2·n + 2·U) / lookup_rows_per_s. Data-parallel tables get a dense
-  gradient, so their update touches all R rows (U = R).
+  `lookup_rows_per_s` set (a measured CPU): (2·n + 2·U) / lookup_rows_per_s, plus
+  (2·n·e + 2·U·r) / lookup_bytes_per_s when that is measured too (wide rows cost more).
+- data-parallel tables: the lookup of their n ids with U = 0, plus a dense update: their
+  gradient is a whole [R, D] tensor, filled, accumulated and applied by the optimizer, so
+  R·r bytes stream through memory `DENSE_UPDATE_PASSES` times (or at the measured
+  `dense_update_bytes_per_s`).
 - staging (host-cached shards) = 2·loads·r / host-device bandwidth + 2 transfer latencies:
   loads per step from `expected_loads` — 'frequency' with look-ahead (L > 0), 'lru' without —
-  and as many write-backs (nearly every victim was trained). With L > 0 and K > 0 it overlaps
-  the rank's compute (dense + lookup): exposed = max(0, staging - compute); else fully exposed.
-  The cache must hold the rows of the K + 1 batches in flight: cache rows >= (K + 1)·U.
+  and as many write-backs (nearly every victim was trained). With L > 0 and K > 0 on a GPU it
+  overlaps the rank's compute (dense + lookup), on the stager's own stream: exposed =
+  max(0, staging - compute); else, and always on CPU (the stager copies in program order on
+  the training thread), fully exposed. The cache must hold the rows of the K + 1 batches in
+  flight: cache rows >= (K + 1)·U. On a calibrated CPU the host-device bandwidth is the
+  stager's measured rate, its scheduler's work per row included, and a look-ahead cache
+  scores every slot once per step to pick victims: + cache rows / cache_scan_rows_per_s
+  (LRU's score is one subtraction per slot, not priced).
 - all-to-all: each consumer rank sends B·P·8 bytes of ids to each shard (row-wise: /S) and each
   shard sends B·D_shard·dtype bytes of pooled embeddings (row-wise: partial sums, D) to each
   consumer; backward sends the gradients back the same way. A rank's time per collective is
-  max(max(sent, received) over NVLink / intra bandwidth, same over the NIC / inter bandwidth)
-  plus one network latency: links are full duplex and both kinds run at once.
+  max(max(sent, received) over NVLink / intra bandwidth, same over the NIC / inter bandwidth):
+  links are full duplex and both kinds run at once. Latencies: each sharding type a plan uses
+  (data parallel aside) routes its ids with 3 collectives (TorchRec's splits, lengths and
+  values all-to-alls), back to back as a step starts, each one network latency, and its
+  embeddings with 2 (forward, backward), each entered from the rank's own computation: a
+  `sync_latency_s`, which on cores shared by ranks holds the wait for a descheduled peer.
 - all-reduce (dense MLP parameters + data-parallel tables' gradients, X bytes), hierarchical:
-  2·(k-1)/k·X / intra + 2·(N-1)/N·X/k / inter for N nodes of k ranks, plus a latency.
-- dense compute = 3 · DLRM forward flops per sample · B / dense_flops_per_s.
-- step (per rank) = dense + lookup + exposed staging + all-to-alls + all-reduce; the plan's
-  step is the slowest rank's.
+  2·(k-1)/k·X / intra + 2·(N-1)/N·X/k / inter for N nodes of k ranks, plus a sync latency
+  (two with data-parallel tables: TorchRec all-reduces their gradients apart from the MLPs').
+- dense compute = 3 · DLRM forward flops per sample · B / dense_flops_per_s, plus per step
+  `dense_layer_overhead_s` for each layer (MLP layers and the interaction) and, when
+  `dense_activation_bytes_per_s` is measured, the layers' activation traffic (per layer of
+  i inputs and o outputs, B·dtype·(3·i + 7·o) bytes: the forward product and bias + ReLU, the
+  ReLU's gradient, both backward products) at that rate.
+- overhead = step_overhead_s + sharding_overhead_s per sharding type the plan uses +
+  id_overhead_s per id the rank sends (B·P per table; column-wise: to each of its S shards):
+  host time a CPU spends in the framework; the shard serving an id pays id_overhead_s too,
+  in its lookup. These, the per-layer cost, the activation rate and
+  the per-byte lookup cost are measured on CPU by `python -m distcache calibrate`; the GPU
+  presets leave them at defaults that add nothing (asynchronous launches hide host time).
+- step (per rank) = overhead + dense + lookup + exposed staging + all-to-alls + all-reduce;
+  the plan's step is the slowest rank's.
 - memory: device = shard rows·r (device storage), or cache rows·(r + 40 B slot metadata) +
   shard rows·(32 B look-ahead / 8 B LRU index), + data-parallel tables R·r on every rank;
   host = shard rows·r for host-cached shards. Row-wise shards are priced at ceil(R/S) rows.
@@ -46,6 +70,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +99,15 @@ CACHE_ROW_INDEX_BYTES_LOOKAHEAD = 32  # per shard row: slot map + look-ahead rec
 CACHE_ROW_INDEX_BYTES_REACTIVE = 8  # per shard row: slot map (int64), LRU policy
 CACHE_SLOT_BYTES = 40  # per slot: row map, stamp, next use, count (int64), dirty, pin
 ACCESS_BYTES = 32  # granularity of random memory access (a GPU DRAM sector)
+# Passes over a data-parallel table's rows per step without a measured rate: fill the dense
+# gradient, then the optimizer reads it and the weights and writes the weights.
+DENSE_UPDATE_PASSES = 4
+INPUT_COLLECTIVES = 3  # per sharding type: TorchRec's splits, lengths and values all-to-alls
+OUTPUT_COLLECTIVES = 2  # per sharding type: pooled embeddings forward, gradients backward
+# Activation traffic per dense layer, in elements of its input (i) and output (o) per sample:
+# forward product reads i, writes o; bias + ReLU read and write o; ReLU backward reads the
+# gradient and the output and writes o; the backward products read o twice, read i, write i.
+ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES = 3, 7
 
 # ---------------------------------------------------------------------------------------------
 # Access statistics on a binned profile
@@ -238,6 +272,7 @@ class ShardTerms:
     staging_bytes_per_step: float
     staging_s: float
     staging_overlapped: bool
+    """Staging runs beside compute: look-ahead with K > 0 on a GPU (on CPU it never does)."""
     device_memory_bytes: int
     host_memory_bytes: int
     ids_bytes_per_peer: float
@@ -265,9 +300,21 @@ def lookup_time_s(
         topology: gives the device memory bandwidth or measured `lookup_rows_per_s`.
     """
     if topology.lookup_rows_per_s:
-        return (2 * ids + 2 * unique_rows) / topology.lookup_rows_per_s
+        seconds = (2 * ids + 2 * unique_rows) / topology.lookup_rows_per_s
+        if topology.lookup_bytes_per_s:
+            traffic = 2 * ids * dim_bytes + 2 * unique_rows * row_bytes
+            seconds += traffic / topology.lookup_bytes_per_s
+        return seconds
     read, update = _sectors(dim_bytes), _sectors(row_bytes)
     return (2 * ids * read + 2 * unique_rows * update) / topology.device_memory_bw_bytes_per_s
+
+
+def dense_update_time_s(table_bytes: float, topology: Topology) -> float:
+    """A data-parallel table's dense gradient and update over all of its `table_bytes` (rows
+    with their optimizer state), once per step."""
+    if topology.dense_update_bytes_per_s:
+        return table_bytes / topology.dense_update_bytes_per_s
+    return DENSE_UPDATE_PASSES * table_bytes / topology.device_memory_bw_bytes_per_s
 
 
 def _sectors(num_bytes: int) -> int:
@@ -276,13 +323,17 @@ def _sectors(num_bytes: int) -> int:
     return -(-num_bytes // ACCESS_BYTES) * ACCESS_BYTES
 
 
-def staging_time_s(staging_bytes: float, topology: Topology) -> float:
-    """Host-device time of a cache's traffic per step: one load and one write-back transfer."""
+def staging_time_s(staging_bytes: float, topology: Topology, cache_rows: int = 0) -> float:
+    """Host-device time of a cache's traffic per step: one load and one write-back transfer,
+    and, where the topology measures it, the victim choice scoring the cache's `cache_rows`
+    slots."""
     if staging_bytes <= 0:
         return 0.0
+    scan = cache_rows / topology.cache_scan_rows_per_s if topology.cache_scan_rows_per_s else 0.0
     return (
         staging_bytes / topology.host_to_device_bw_bytes_per_s
         + 2 * topology.host_to_device_latency_s
+        + scan
     )
 
 
@@ -331,9 +382,18 @@ def shard_terms(
     dim = table.dim // split if sharding == COLUMN_WISE else table.dim
     row_bytes = (dim + OPTIMIZER_STATE[workload.optimizer](dim)) * dtype
     rows, ids, unique = shard_access(table, workload, topology, sharding=sharding, shards=shards)
+    sharded = sharding != DATA_PARALLEL
     lookup_s = lookup_time_s(
-        ids=ids, unique_rows=unique, dim_bytes=dim * dtype, row_bytes=row_bytes, topology=topology
+        ids=ids,
+        unique_rows=unique if sharded else 0.0,  # data parallel: a dense update instead
+        dim_bytes=dim * dtype,
+        row_bytes=row_bytes,
+        topology=topology,
     )
+    if sharded:
+        lookup_s += topology.id_overhead_s * ids  # routing the ids this shard serves
+    else:
+        lookup_s += dense_update_time_s(rows * row_bytes, topology)
     cached = storage == HOST_CACHED
     cache_rows = min(rows, math.ceil(cache_fraction * rows)) if cached else rows
     loads = 0.0
@@ -350,7 +410,6 @@ def shard_terms(
         if cached
         else rows * row_bytes
     )
-    sharded = sharding != DATA_PARALLEL
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,
@@ -362,8 +421,11 @@ def shard_terms(
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
         staging_bytes_per_step=staging_bytes,
-        staging_s=staging_time_s(staging_bytes, topology),
-        staging_overlapped=lookahead > 0 and prefetch_depth > 0,
+        # Look-ahead victims are scored over every slot; LRU's one subtraction is not priced.
+        staging_s=staging_time_s(staging_bytes, topology, cache_rows if lookahead > 0 else 0),
+        staging_overlapped=lookahead > 0
+        and prefetch_depth > 0
+        and topology.compute_device == "cuda",
         device_memory_bytes=int(device_bytes),
         host_memory_bytes=rows * row_bytes if cached else 0,
         ids_bytes_per_peer=per_rank_ids * ID_BYTES / (split if sharding == ROW_WISE else 1)
@@ -425,10 +487,34 @@ def dense_parameter_bytes(workload: Workload) -> float:
     return (bottom + top) * workload.dtype_bytes
 
 
+def dense_layers(workload: Workload) -> list[tuple[int, int]]:
+    """(inputs, outputs) per sample of each dense layer: the MLPs' and the interaction's."""
+    features = len(workload.tables) + 1
+    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
+    layers, inputs = [], workload.dense_in_features
+    for out in workload.bottom_mlp:
+        layers.append((inputs, out))
+        inputs = out
+    pairs = features * (features - 1) // 2
+    layers.append((features * width, pairs))
+    inputs = width + pairs
+    for out in workload.top_mlp:
+        layers.append((inputs, out))
+        inputs = out
+    return layers
+
+
 def dense_compute_s(workload: Workload, topology: Topology) -> float:
-    """Forward + backward (3x forward) of the dense part over the rank's batch."""
-    flops = 3 * dense_flops_per_sample(workload) * workload.batch_size_per_rank
-    return flops / topology.dense_flops_per_s
+    """Forward + backward (3x forward) of the dense part over the rank's batch, with the
+    layers' fixed cost and activation traffic where the topology measures them."""
+    batch = workload.batch_size_per_rank
+    seconds = 3 * dense_flops_per_sample(workload) * batch / topology.dense_flops_per_s
+    layers = dense_layers(workload)
+    seconds += len(layers) * topology.dense_layer_overhead_s
+    if topology.dense_activation_bytes_per_s:
+        elements = sum(ACTIVATION_IN_PASSES * i + ACTIVATION_OUT_PASSES * o for i, o in layers)
+        seconds += batch * elements * workload.dtype_bytes / topology.dense_activation_bytes_per_s
+    return seconds
 
 
 def all_reduce_s(num_bytes: float, topology: Topology) -> float:
@@ -439,7 +525,13 @@ def all_reduce_s(num_bytes: float, topology: Topology) -> float:
     nodes = topology.num_nodes
     intra = 2 * (per_node - 1) / per_node * num_bytes / topology.intra_node_bw_bytes_per_s
     inter = 2 * (nodes - 1) / nodes * num_bytes / per_node / topology.inter_node_bw_bytes_per_s
-    return intra + inter + topology.network_latency_s
+    return intra + inter + sync_latency_s(topology)
+
+
+def sync_latency_s(topology: Topology) -> float:
+    """Latency of a collective the ranks enter from their own computation (outputs,
+    all-reduces): `Topology.sync_latency_s`, at least the network's."""
+    return max(topology.network_latency_s, topology.sync_latency_s or 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,8 +634,8 @@ def rank_totals(
     Args:
         load: [..., TERMS, W] accumulated `shard_contribution`s.
         dense_s: dense compute per step.
-        global_s: terms every rank pays alike (all-reduce).
-        latency_s: latency of one all-to-all (0 when no table is sharded).
+        global_s: terms every rank pays alike (`GlobalTerms.shared_s`).
+        latency_s: all-to-all latencies per step not in `global_s`.
         topology: the link rates.
 
     Returns:
@@ -552,7 +644,7 @@ def rank_totals(
     compute = dense_s + load[..., LOOKUP, :]
     exposed = np.maximum(load[..., OVERLAPPED, :] - compute, 0.0) + load[..., EXPOSED, :]
     a2a = a2a_pair_s(load, IDS_SI, topology) + 2 * a2a_pair_s(load, EMB_SI, topology)
-    return compute + exposed + a2a + 3 * latency_s + global_s
+    return compute + exposed + a2a + latency_s + global_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,13 +691,52 @@ def validate_plan(plan: Plan, workload: Workload, topology: Topology) -> None:
             )
 
 
+@dataclass(frozen=True)
+class GlobalTerms:
+    """What every rank pays alike, per step."""
+
+    all_reduce_s: float
+    input_latency_s: float
+    """Latencies of the input all-to-alls, 3 per sharding type (data parallel aside)."""
+    output_latency_s: float
+    """Sync latencies of the output all-to-alls, forward and backward, 2 per sharding type."""
+    overhead_s: float
+    """`Topology.step_overhead_s` + `sharding_overhead_s` per sharding type used."""
+
+    @property
+    def shared_s(self) -> float:
+        return self.all_reduce_s + self.input_latency_s + self.output_latency_s + self.overhead_s
+
+
 def global_terms(
-    workload: Workload, topology: Topology, dp_bytes: float, sharded: bool
-) -> tuple[float, float]:
-    """(all-reduce seconds, all-to-all latency) of a plan with `dp_bytes` of data-parallel
-    gradients and, if `sharded`, at least one sharded table."""
-    latency = topology.network_latency_s if sharded and topology.world_size > 1 else 0.0
-    return all_reduce_s(dense_parameter_bytes(workload) + dp_bytes, topology), latency
+    workload: Workload,
+    topology: Topology,
+    dp_bytes: float,
+    shardings: Collection[str],
+    sent_ids: float = 0.0,
+) -> GlobalTerms:
+    """The shared terms of a plan with `dp_bytes` of data-parallel gradients whose tables use
+    the sharding types `shardings` (the set of `TablePlan.sharding`s), each rank sending
+    `sent_ids` ids per step (`sent_ids_per_rank`)."""
+    kinds = set(shardings)
+    routed = len(kinds - {DATA_PARALLEL}) if topology.world_size > 1 else 0
+    all_reduce = all_reduce_s(dense_parameter_bytes(workload) + dp_bytes, topology)
+    if dp_bytes > 0 and topology.world_size > 1:
+        all_reduce += sync_latency_s(topology)  # the data-parallel tables' own all-reduce
+    return GlobalTerms(
+        all_reduce_s=all_reduce,
+        input_latency_s=INPUT_COLLECTIVES * topology.network_latency_s * routed,
+        output_latency_s=OUTPUT_COLLECTIVES * sync_latency_s(topology) * routed,
+        overhead_s=topology.step_overhead_s
+        + topology.sharding_overhead_s * len(kinds)
+        + topology.id_overhead_s * sent_ids,
+    )
+
+
+def sent_ids_per_rank(terms: ShardTerms, shards: int) -> float:
+    """Ids each rank sends a table of `shards` shards per step (column-wise: to every shard;
+    row-wise: each id to one); 0 for data parallel."""
+    return terms.ids_bytes_per_peer / ID_BYTES * shards
 
 
 def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
@@ -627,19 +758,20 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}
     load = np.zeros((len(RANK_TERMS), topology.world_size))
-    dp_bytes, sharded, violations = 0.0, False, []
+    dp_bytes, sent, violations = 0.0, 0.0, []
     for tp in plan.tables:
         terms = table_plan_terms(tp, tables[tp.table], workload, topology)
         load += shard_contribution(terms, tp.ranks, topology)
         dp_bytes += terms.all_reduce_bytes
-        sharded = sharded or tp.sharding != DATA_PARALLEL
+        sent += sent_ids_per_rank(terms, len(tp.ranks))
         if not terms.fits_working_set:
             violations.append(
                 f"table {tp.table!r}: cache of {terms.cache_rows} rows per shard is smaller than "
                 f"the {math.ceil(terms.working_set_rows)} rows its {tp.prefetch_depth + 1} "
                 "batches in flight touch"
             )
-    all_reduce, latency = global_terms(workload, topology, dp_bytes, sharded)
+    kinds = {tp.sharding for tp in plan.tables}
+    shared = global_terms(workload, topology, dp_bytes, kinds, sent)
     dense = dense_compute_s(workload, topology)
     for kind, row, limit in (
         ("device", DEVICE_MEMORY, topology.device_memory_bytes),
@@ -650,7 +782,7 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
                 f"rank {rank}: {kind} memory {load[row, rank] / 1e9:.2f} GB > {limit / 1e9:.2f} GB"
             )
     return PlanCost(
-        per_rank=_step_costs(load, dense, all_reduce, latency, topology),
+        per_rank=_step_costs(load, dense, shared, topology),
         device_memory_bytes=tuple(int(b) for b in load[DEVICE_MEMORY]),
         host_memory_bytes=tuple(int(b) for b in load[HOST_MEMORY]),
         global_batch_size=workload.batch_size_per_rank * topology.world_size,
@@ -660,12 +792,12 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
 
 
 def _step_costs(
-    load: np.ndarray, dense_s: float, all_reduce: float, latency: float, topology: Topology
+    load: np.ndarray, dense_s: float, shared: GlobalTerms, topology: Topology
 ) -> tuple[StepCost, ...]:
     compute = dense_s + load[LOOKUP]
     exposed = np.maximum(load[OVERLAPPED] - compute, 0.0) + load[EXPOSED]
-    ids = a2a_pair_s(load, IDS_SI, topology) + latency
-    emb = 2 * (a2a_pair_s(load, EMB_SI, topology) + latency)
+    ids = a2a_pair_s(load, IDS_SI, topology) + shared.input_latency_s
+    emb = 2 * a2a_pair_s(load, EMB_SI, topology) + shared.output_latency_s
     return tuple(
         StepCost(
             dense_compute_s=dense_s,
@@ -674,7 +806,8 @@ def _step_costs(
             exposed_staging_s=float(exposed[r]),
             input_all_to_all_s=float(ids[r]),
             output_all_to_all_s=float(emb[r]),
-            all_reduce_s=all_reduce,
+            all_reduce_s=shared.all_reduce_s,
+            overhead_s=shared.overhead_s,
         )
         for r in range(topology.world_size)
     )

@@ -18,11 +18,16 @@ judged by (step, work), work being the rank time summed over ranks (see `_State`
    priced on every rank at once; column-wise shards go to the S ranks where they cost least.
    When memory binds (caches were needed), two more passes run: ties broken toward less
    device memory, and memory first (largest tables first, least memory each).
-3. Local search until no move helps or the time budget ends: re-place one of the tables that
-   load the slowest rank, or two tables together (a swap); a move is kept if it lowers the
-   step, or keeps it and lowers the work.
-4. The uniform device baselines (`uniform_plan`) are loaded and improved the same way; the
-   best plan wins, so the result is never worse than a fitting baseline.
+3. Local search until no move helps or the move budget (`SolverOptions.max_moves`, tried
+   moves over all starts) is spent: re-place one of the tables that load the slowest rank, or
+   two tables together (a swap); a move is kept if it lowers the step, or keeps it and lowers
+   the work. The budget counts moves, not seconds, so the same inputs give the same plan
+   whatever the machine's load; a wall-time limit (`time_limit_s`) only guards against a
+   runaway search, far above a normal run.
+4. More starts, improved the same way: the uniform device baselines (`uniform_plan`), so the
+   result is never worse than a fitting baseline; and, when each sharding type a plan uses
+   costs at least 1 % of the step (`cost.global_terms`: latencies, CPU overheads), the greedy
+   restricted to one sharding type, which single moves cannot reach. The best plan wins.
 5. Explanations: per table, the chosen placement and the best placement of every other kind
    with the step the plan would have, or why it does not fit.
 
@@ -41,7 +46,8 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +79,7 @@ _RTOL = 1e-5  # relative: estimated steps closer than this are equal when pickin
 
 @dataclass(frozen=True, kw_only=True)
 class SolverOptions:
-    """What `solve` may choose from, and how long it may search."""
+    """What `solve` may choose from, and how far it may search."""
 
     shardings: tuple[str, ...] = SHARDING_TYPES
     """Allowed sharding types."""
@@ -87,9 +93,15 @@ class SolverOptions:
     """Prefetch depths K tried with each L (pairs with K > L are skipped; L = 0 uses K = 0)."""
     column_wise_shards: tuple[int, ...] = (2, 4)
     """Shard counts tried for column-wise tables (those dividing the dim, at most the ranks)."""
-    time_budget_s: float = 6.0
-    """Target wall time of `solve`: the greedy passes and the explanations always run, local
-    improvement gets what is left."""
+    max_moves: int = 1000
+    """Local-search moves tried over all starts (the best start gets twice the others' share).
+    A budget of moves, not seconds, keeps the plan deterministic; the search often stops
+    earlier, when no move helps (1000 synthetic tables on 128 H100s: ~500 moves, ~1.5 s).
+    0: greedy only."""
+    time_limit_s: float = 120.0
+    """Safety limit on the local search's wall time, far above a normal run (1000 tables on
+    128 ranks: ~1.5 s of search, ~5 s in all on 2 shared CPU cores). Only a runaway search
+    reaches it; the plan then depends on the machine's speed, and a warning says so."""
     explain: bool = True
     """Fill `Plan.explanations` (one more pass over the tables)."""
 
@@ -123,7 +135,8 @@ class SolverOptions:
             all(s >= 2 for s in self.column_wise_shards),
             f"column_wise_shards must be >= 2: {self.column_wise_shards}",
         )
-        check(self.time_budget_s >= 0, f"time_budget_s must be >= 0, got {self.time_budget_s}")
+        check(self.max_moves >= 0, f"max_moves must be >= 0, got {self.max_moves}")
+        check(self.time_limit_s > 0, f"time_limit_s must be > 0, got {self.time_limit_s}")
 
     def lookahead_pairs(self) -> tuple[tuple[int, int], ...]:
         """The (L, K) pairs tried for caches."""
@@ -209,7 +222,6 @@ class _Problem:
         self.world = W = topology.world_size
         self.dense_s = C.dense_compute_s(workload, topology)
         self.dense_bytes = C.dense_parameter_bytes(workload)
-        self.latency_s = topology.network_latency_s if W > 1 else 0.0
         self.node, self.node_starts, self.node_size = C.node_layout(topology)
         self.nodes = len(self.node_starts)
         self.same_node = (self.node[None, :] == np.arange(self.nodes)[:, None]).astype(float)
@@ -377,17 +389,20 @@ class _State:
         self.p = problem
         self.load = np.zeros((len(C.RANK_TERMS), problem.world))
         self.dp_bytes = 0.0
-        self.sharded = 0
+        self.kinds: Counter[str] = Counter()  # tables placed per sharding type
+        self.sent_ids = 0.0  # ids each rank sends per step
         self.link_work_s = 0.0
         self.placed: list[tuple[_Mode, tuple[int, ...]] | None] = [None] * len(problem.tables)
         self.contrib: list[np.ndarray | None] = [None] * len(problem.tables)
 
     def constant_s(self, mode: _Mode | None = None) -> float:
-        """What every rank pays alike (all-reduce, all-to-all latencies) if `mode` were added."""
+        """What every rank pays alike (all-reduce, all-to-all latencies, per-sharding-type
+        overheads) if `mode` were added."""
         dp = self.dp_bytes + (mode.terms.all_reduce_bytes if mode else 0.0)
-        sharded = self.sharded > 0 or (mode is not None and mode.sharding != DATA_PARALLEL)
-        all_reduce = C.all_reduce_s(self.p.dense_bytes + dp, self.p.topology)
-        return all_reduce + (3 * self.p.latency_s if sharded else 0.0)
+        sent = self.sent_ids + (C.sent_ids_per_rank(mode.terms, mode.shards) if mode else 0.0)
+        kinds = {k for k, n in self.kinds.items() if n > 0}
+        kinds |= {mode.sharding} if mode is not None else set()
+        return C.global_terms(self.p.workload, self.p.topology, dp, kinds, sent).shared_s
 
     def core(self) -> np.ndarray:
         """[W] compute and exposed staging per rank."""
@@ -412,7 +427,8 @@ class _State:
             contrib = C.shard_contribution(mode.terms, ranks, self.p.topology)
         self.load += contrib
         self.dp_bytes += mode.terms.all_reduce_bytes
-        self.sharded += mode.sharding != DATA_PARALLEL
+        self.kinds[mode.sharding] += 1
+        self.sent_ids += C.sent_ids_per_rank(mode.terms, mode.shards)
         self.link_work_s += _link_work(mode.terms, self.p.pair_s[list(ranks)].sum())
         self.placed[index], self.contrib[index] = (mode, ranks), contrib
 
@@ -421,7 +437,8 @@ class _State:
         (mode, ranks), contrib = self.placed[index], self.contrib[index]
         self.load -= contrib
         self.dp_bytes -= mode.terms.all_reduce_bytes
-        self.sharded -= mode.sharding != DATA_PARALLEL
+        self.kinds[mode.sharding] -= 1
+        self.sent_ids -= C.sent_ids_per_rank(mode.terms, mode.shards)
         self.link_work_s -= _link_work(mode.terms, self.p.pair_s[list(ranks)].sum())
         self.placed[index] = self.contrib[index] = None
         return mode, ranks, contrib
@@ -459,14 +476,19 @@ def _link_work(terms: ShardTerms, pair_s: float) -> float:
 
 
 def _evaluate(
-    state: _State, index: int, enough: Callable[[_Candidate], bool] | None = None
+    state: _State,
+    index: int,
+    enough: Callable[[_Candidate], bool] | None = None,
+    kinds: Collection[str] | None = None,
 ) -> list[_Candidate]:
-    """Every mode of table `index` at its best ranks. With `enough`, stop after data parallel
-    and table-wise when a table-wise candidate satisfies it: row- and column-wise move more
-    bytes than table-wise for the same lookups, so they only help a table that would be the
-    bottleneck."""
+    """Every mode of table `index` at its best ranks (only sharding types in `kinds`, if
+    given). With `enough`, stop after data parallel and table-wise when a table-wise
+    candidate satisfies it: row- and column-wise move more bytes than table-wise for the same
+    lookups, so they only help a table that would be the bottleneck."""
     out: list[_Candidate] = []
     for group in state.p.groups[index]:  # data parallel, table-wise, then the others
+        if kinds is not None and group.sharding not in kinds:
+            continue
         if group.sharding in (ROW_WISE, COLUMN_WISE) and enough is not None:
             if any(c.fits and c.mode.sharding == TABLE_WISE and enough(c) for c in out):
                 break
@@ -654,10 +676,10 @@ def _memory(c: _Candidate) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _greedy(problem: _Problem, prefer: str) -> _State:
+def _greedy(problem: _Problem, prefer: str, kinds: Collection[str] | None = None) -> _State:
     """Tables by decreasing least work (least memory with `prefer` 'memory'), each at the
     candidate `_pick` prefers among those that leave enough memory, summed over ranks, for the
-    least memory of the tables left."""
+    least memory of the tables left; only sharding types in `kinds`, if given."""
     state, world = _State(problem), problem.world
     if prefer == "memory":
         order = sorted(range(len(problem.tables)), key=lambda i: -problem.least_memory[i][0])
@@ -680,7 +702,7 @@ def _greedy(problem: _Problem, prefer: str) -> _State:
         def enough(c: _Candidate, rest: float = remaining) -> bool:
             return allowed(c) and c.step_s <= (c.work_s + rest) / world + _TIE
 
-        candidates = _evaluate(state, index, enough)
+        candidates = _evaluate(state, index, enough, kinds)
         choice = _pick(candidates, remaining, world, prefer, allowed)
         if choice is None:
             raise _no_fit_error(state, index)
@@ -703,16 +725,44 @@ def _no_fit_error(state: _State, index: int) -> DistcacheConfigError:
     )
 
 
-def _improve(state: _State, deadline: float, singles: int = 16, pairs: int = 6) -> None:
-    """Local search until no move lowers (step, work) or the deadline: re-place one of the
-    `singles` tables loading the slowest rank most; failing that, re-place one of the `pairs`
-    heaviest together with any other table (either first), which frees memory for a swap."""
+class _MoveBudget:
+    """Moves the local search may still try, and its wall-time safety limit."""
+
+    def __init__(self, moves: int, time_limit_s: float):
+        self.moves = moves
+        self.deadline = time.monotonic() + time_limit_s
+        self.timed_out = False
+
+    def take(self, limit: int) -> bool:
+        """Spend one move of a start allowed `limit` more; False once either is spent."""
+        if limit <= 0 or self.moves <= 0:
+            return False
+        if time.monotonic() > self.deadline:
+            self.timed_out = True
+            return False
+        self.moves -= 1
+        return True
+
+
+def _improve(
+    state: _State, budget: _MoveBudget, moves: int, singles: int = 16, pairs: int = 6
+) -> None:
+    """Local search until no move lowers (step, work) or `moves` tries are spent: re-place one
+    of the `singles` tables loading the slowest rank most; failing that, re-place one of the
+    `pairs` heaviest together with any other table (either first), which frees memory for a
+    swap."""
     topology = state.p.topology
     weight = np.zeros(len(C.RANK_TERMS))  # rough seconds per unit of each rank term
     weight[[C.LOOKUP, C.OVERLAPPED, C.EXPOSED]] = 1.0
     weight[C.IDS_SI : C.EMB_RE + 1 : 2] = 1 / topology.intra_node_bw_bytes_per_s
     weight[C.IDS_SE : C.EMB_RE + 1 : 2] = 1 / topology.inter_node_bw_bytes_per_s
-    while time.monotonic() < deadline:
+    left = budget.moves
+    stop = left - moves  # the budget's level at which this start's share is spent
+
+    def tried(m: tuple[int, ...]) -> bool:
+        return budget.take(budget.moves - stop) and _try_move(state, m)
+
+    while budget.moves > stop and not budget.timed_out:
         slowest = int(np.argmax(state.totals()))
         heavy = [
             i
@@ -721,9 +771,9 @@ def _improve(state: _State, deadline: float, singles: int = 16, pairs: int = 6) 
                 reverse=True,
             )
         ]
-        moves = [(i,) for i in heavy[:singles]]
-        moves += [(i, j) for i in heavy[:pairs] for j in heavy[: 4 * pairs] if i != j]
-        if not any(time.monotonic() < deadline and _try_move(state, m) for m in moves):
+        candidates = [(i,) for i in heavy[:singles]]
+        candidates += [(i, j) for i in heavy[:pairs] for j in heavy[: 4 * pairs] if i != j]
+        if not any(tried(m) for m in candidates):
             return
 
 
@@ -779,7 +829,7 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     Args:
         workload: tables, batch and dense model.
         topology: the hardware.
-        options: what may be chosen and the search's time budget (defaults: `SolverOptions()`).
+        options: what may be chosen and the search's move budget (defaults: `SolverOptions()`).
 
     Raises:
         DistcacheConfigError: when no placement of some table fits the memory limits.
@@ -791,7 +841,6 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     """
     options = options or SolverOptions()
     began = time.monotonic()
-    deadline = began + options.time_budget_s
     problem = _Problem(workload, topology, options)
     log.debug("solve: menus of %d tables in %.2f s", len(problem.tables), time.monotonic() - began)
     states, error = [], None
@@ -803,6 +852,7 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
         cached = any(m.storage == HOST_CACHED for s in states for m, _ in s.placed)
         if states and not cached:
             break  # memory was not binding: the other passes would find the same plan
+    states += _single_type_starts(problem, states)
     for sharding in (TABLE_WISE, ROW_WISE, COLUMN_WISE, DATA_PARALLEL):
         if sharding in options.shardings and DEVICE in options.storages:
             shards = max(options.column_wise_shards, default=None)
@@ -812,24 +862,53 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     if not states:
         raise error
     log.debug("solve: %d starts by %.2f s", len(states), time.monotonic() - began)
-    if options.explain:  # keep time for the explanations: one full evaluation per table
-        sample = list(range(min(8, len(problem.tables))))
-        start = time.monotonic()
-        for index in sample:
-            _evaluate(states[0], index)
-        deadline -= (time.monotonic() - start) / len(sample) * len(problem.tables)
     unique = {tuple((m, r) for m, r, *_ in s.placed): s for s in states}  # drop duplicates
     states = sorted(unique.values(), key=lambda s: s.score())
-    for i, state in enumerate(states):  # the best start first, with the largest share
+    budget = _MoveBudget(options.max_moves, options.time_limit_s)
+    for i, state in enumerate(states):  # the best start first, with twice the others' share
         if state.score()[0] > 1.25 * states[0].score()[0]:
             break  # too far behind to overtake the best
-        share = max(deadline - time.monotonic(), 0.0) / (len(states) - i) * (2 if i == 0 else 1)
-        _improve(state, time.monotonic() + share, pairs=6 if i == 0 else 0)
+        share = budget.moves * (2 if i == 0 else 1) // (len(states) - i + (i == 0))
+        _improve(state, budget, share, pairs=6 if i == 0 else 2)
+    if budget.timed_out:
+        log.warning(
+            "solve: the local search hit its %.0f s safety limit; the plan now depends on this "
+            "machine's speed (lower SolverOptions.max_moves for a deterministic plan)",
+            options.time_limit_s,
+        )
     best = min(states, key=lambda s: s.score())
-    log.debug("solve: improved by %.2f s, step %.4g s", time.monotonic() - began, best.score()[0])
+    log.debug(
+        "solve: improved by %.2f s (%d moves left), step %.4g s",
+        time.monotonic() - began,
+        budget.moves,
+        best.score()[0],
+    )
     explanations = _explain(best) if options.explain else {}
     log.debug("solve: explained by %.2f s", time.monotonic() - began)
     return best.plan(f"distcache-{workload.name}-{topology.name}", explanations)
+
+
+def _single_type_starts(problem: _Problem, states: list[_State]) -> list[_State]:
+    """Greedy starts with every table of one sharding type, when each type a plan uses costs
+    at least 1 % of the best start's step (its latencies and overhead, `cost.global_terms`):
+    moving one table at a time, the local search cannot drop a type that many tables use."""
+    if not states:
+        return []
+    best = min(s.score()[0] for s in states)
+    workload, topology = problem.workload, problem.topology
+    per_type = C.global_terms(workload, topology, 0.0, {TABLE_WISE}).shared_s
+    per_type -= C.global_terms(workload, topology, 0.0, ()).shared_s
+    if per_type < 0.01 * best:
+        return []
+    starts = []
+    for sharding in problem.options.shardings:
+        for prefer in ("time", "time_memory", "memory"):  # as `solve`'s passes
+            try:
+                starts.append(_greedy(problem, prefer, kinds=(sharding,)))
+                break
+            except DistcacheConfigError:
+                continue  # no fitting placement of this type for some table, this way
+    return starts
 
 
 def _explain(state: _State) -> dict[str, str]:

@@ -125,8 +125,10 @@ def preset(
     'cpu': a small shared machine like the one distcache's tests run on (2 cores, ~20 GB RAM),
     every rank on one node and "device" memory being host memory: 4 GB for embeddings and
     their caches, 8 GB host store, ~5 GB/s gathers, ~3 GB/s store-to-cache copies, ~1 GB/s
-    between ranks (gloo over shared memory), 50 GFLOP/s dense. Run `python -m distcache
-    calibrate` for measured numbers.
+    between ranks on a node (gloo's TCP transport over loopback, bound by the CPU's copies),
+    the same 1 GB/s across nodes (a 10 GbE NIC carries 1.25 GB/s, but gloo crosses it through
+    the same CPU-bound TCP stack, so inter-node never beats intra-node), 50 GFLOP/s dense.
+    Run `python -m distcache calibrate` for measured numbers.
 
     Args:
         name: one of PRESETS.
@@ -172,6 +174,12 @@ def _gpu(name: str, world_size: int, memory: int | None, ranks_per_node: int | N
     )
 
 
+# CPU ranks talk through gloo's TCP transport: on one node over loopback, bound by the CPU's
+# copies; across nodes through the same stack and a NIC, so never faster than on one node.
+_GLOO_LOOPBACK_BYTES_PER_S = 1e9
+_NIC_10G_BYTES_PER_S = 1.25e9  # 10 GbE
+
+
 def _cpu(world_size: int, memory: int | None, ranks_per_node: int | None) -> Topology:
     return Topology(
         name=f"cpux{world_size}",
@@ -183,8 +191,8 @@ def _cpu(world_size: int, memory: int | None, ranks_per_node: int | None) -> Top
         device_memory_bw_bytes_per_s=5e9,  # random row gathers, 2 cores
         host_to_device_bw_bytes_per_s=3e9,  # host store -> cache: gather + copy
         host_to_device_latency_s=2e-6,
-        intra_node_bw_bytes_per_s=1e9,  # gloo between processes on one machine
-        inter_node_bw_bytes_per_s=1.25e9,  # 10 GbE
+        intra_node_bw_bytes_per_s=_GLOO_LOOPBACK_BYTES_PER_S,
+        inter_node_bw_bytes_per_s=min(_NIC_10G_BYTES_PER_S, _GLOO_LOOPBACK_BYTES_PER_S),
         network_latency_s=50e-6,
         dense_flops_per_s=50e9,
     )

@@ -136,6 +136,37 @@ class Topology:
     """Achieved (not peak) rate of the dense MLPs, forward + backward."""
     lookup_rows_per_s: float | None = None
     """Measured embedding-bag rows/s; None: derived from device memory bandwidth."""
+    # Measured on CPU by `python -m distcache calibrate`; the defaults are the GPU presets'.
+    lookup_bytes_per_s: float | None = None
+    """With `lookup_rows_per_s`: the per-byte part of a lookup's cost (rows of different widths
+    cost differently), measured at two widths; None: rows/s alone."""
+    cache_scan_rows_per_s: float | None = None
+    """Cache slots per second the look-ahead scheduler scores to pick victims (every slot of a
+    full cache, once per batch with misses); None: not priced (the GPU presets)."""
+    dense_update_bytes_per_s: float | None = None
+    """Table bytes per second of a data-parallel table's dense gradient and update (fill,
+    accumulate, optimizer step over every row); None: device memory bandwidth divided by the
+    passes `cost.DENSE_UPDATE_PASSES` counts."""
+    dense_activation_bytes_per_s: float | None = None
+    """Rate of the dense layers' memory-bound activation traffic (bias, ReLU, their gradients);
+    None: not priced apart (the GPU presets' achieved `dense_flops_per_s` covers it)."""
+    dense_layer_overhead_s: float = 0.0
+    """Host time per dense layer per step (dispatch of its forward, backward and update);
+    0 on GPUs, where launches are asynchronous and hide behind the device's work."""
+    step_overhead_s: float = 0.0
+    """Host time per step outside every priced term (the training framework: DMP, DDP, the
+    pipeline, loss); 0 on GPUs (asynchronous launches, as above)."""
+    sharding_overhead_s: float = 0.0
+    """Host time per step and rank for each sharding type a plan uses (its input and output
+    distribution, lookup module and per-batch cache calls); 0 on GPUs (as above)."""
+    id_overhead_s: float = 0.0
+    """Host time per id routed, on the rank sending it and on the rank serving it (TorchRec's
+    input distribution outside the cache kernel: bucketing, permutes, validation); 0 on GPUs
+    (as above)."""
+    sync_latency_s: float | None = None
+    """What a collective costs when the ranks arrive from their own computation, the wait for
+    a peer the OS descheduled included (CPU ranks sharing cores); None: `network_latency_s`
+    (the GPU presets: each rank has its own GPU and host cores)."""
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
@@ -157,6 +188,22 @@ class Topology:
             "dense_flops_per_s",
         ):
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (
+            "lookup_bytes_per_s",
+            "cache_scan_rows_per_s",
+            "dense_update_bytes_per_s",
+            "dense_activation_bytes_per_s",
+            "sync_latency_s",
+        ):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"{name} must be > 0 or None, got {value}")
+        for name in (
+            "dense_layer_overhead_s",
+            "step_overhead_s",
+            "sharding_overhead_s",
+            "id_overhead_s",
+        ):
+            _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def num_nodes(self) -> int:
@@ -282,11 +329,15 @@ class StepCost:
     input_all_to_all_s: float = 0.0
     output_all_to_all_s: float = 0.0
     all_reduce_s: float = 0.0
+    overhead_s: float = 0.0
+    """Host time of the framework: per step, per sharding type and per id this rank sends
+    (`Topology.step_overhead_s`, `sharding_overhead_s`, `id_overhead_s`)."""
 
     @property
     def total_s(self) -> float:
         return (
-            self.dense_compute_s
+            self.overhead_s
+            + self.dense_compute_s
             + self.lookup_s
             + self.exposed_staging_s
             + self.input_all_to_all_s

@@ -1,31 +1,73 @@
 """`python -m distcache calibrate`: the quick run end to end, and each measurement's sanity."""
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
 from distcache.planner.calibrate import (
     QUICK,
     fit_latency_bandwidth,
     main,
+    measure_activation_bandwidth,
+    measure_collectives,
     measure_copy_bandwidth,
     measure_dense_flops,
-    measure_lookup_rate,
+    measure_dense_layer_overhead,
+    measure_lookup_costs,
+    measure_staging_costs,
+    measure_sync_latency,
 )
+from distcache.planner.measure import run_ranks
 from distcache.planner.types import Topology
 
 
 def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
+    """One rank runs in this process (fast); `test_network_figures_on_two_ranks` spawns two."""
     out = tmp_path / "topology.json"
-    assert main(["--quick", "--ranks", "2", "--out", str(out), "--timeout", "60"]) == 0
+    assert main(["--quick", "--ranks", "1", "--threads", "1", "--out", str(out)]) == 0
     topology = Topology.from_dict(json.loads(out.read_text()))
-    assert topology.world_size == topology.ranks_per_node == 2
+    assert topology.world_size == topology.ranks_per_node == 1
     assert topology.compute_device == "cpu"
     for name, value in topology.to_dict().items():
         if isinstance(value, float | int) and not isinstance(value, bool):
-            assert value > 0, name
-    assert "embedding lookup" in capsys.readouterr().err
+            assert value > 0 or name.endswith("overhead_s") and value == 0, name
+    # The CPU-only figures are measured (their GPU defaults are None / 0).
+    assert topology.lookup_rows_per_s and topology.dense_update_bytes_per_s
+    assert topology.dense_layer_overhead_s > 0 and topology.step_overhead_s > 0
+    printed = capsys.readouterr().err
+    assert "embedding lookup" in printed and "per sharding type" in printed
+    assert "not measured (one rank)" in printed  # the CPU preset's network figures stand in
+
+
+def _network_rank(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        fits = measure_collectives((1024, 64 * 1024))
+        sync = measure_sync_latency(burst_s=5e-4, collectives=2, repeats=3)
+        if rank == 0:
+            Path(out, "net.json").write_text(
+                json.dumps(
+                    {k: [f.latency_s, f.bw_bytes_per_s] for k, f in fits.items()} | {"sync": sync}
+                )
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_network_figures_on_two_ranks(tmp_path):
+    run_ranks(_network_rank, 2, (str(tmp_path),), timeout_s=120)
+    net = json.loads((tmp_path / "net.json").read_text())
+    for name in ("all_to_all", "all_reduce"):
+        latency, bandwidth = net[name]
+        assert latency > 0 and bandwidth > 0, name
+    assert net["sync"] >= 0
 
 
 def test_copy_bandwidth_in_sane_range():
@@ -33,10 +75,20 @@ def test_copy_bandwidth_in_sane_range():
 
 
 def test_compute_rates_positive():
-    lookup = measure_lookup_rate(rows=10_000, dim=16, bags=256, pooling=4, repeats=2)
+    lookup = measure_lookup_costs(rows=5_000, dims=(8, 32), bags=(32, 128), pooling=4, repeats=2)
+    assert 1e4 < lookup.rows_per_s < 1e11 and lookup.fixed_s >= 0
+    assert lookup.bytes_per_s is None or lookup.bytes_per_s > 0
+    staging = measure_staging_costs(rows=5_000, dim=8, bags=64, capacities=(0.4, 0.8), repeats=2)
+    assert staging.bytes_per_s is None or staging.bytes_per_s > 0
+    assert staging.scan_rows_per_s is None or staging.scan_rows_per_s > 0
     flops = measure_dense_flops(batch=64, widths=(32, 64, 16), repeats=2)
-    assert 1e4 < lookup < 1e11
     assert 1e6 < flops < 1e15
+    layer = measure_dense_layer_overhead(layers=4, repeats=3)
+    assert 0 < layer < 0.1
+    activations = measure_activation_bandwidth(
+        batch=256, widths=(8, 64, 8), flops_per_s=flops, layer_overhead_s=0.0, repeats=2
+    )
+    assert activations is None or activations > 0
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -52,7 +104,7 @@ def test_fit_stays_positive_on_noise():
 
 
 def test_bad_arguments_fail_cleanly(capsys):
-    assert main(["--quick", "--ranks", "1"]) == 2
-    assert "ranks must be >= 2" in capsys.readouterr().err
+    assert main(["--quick", "--ranks", "0"]) == 2
+    assert "ranks must be >= 1" in capsys.readouterr().err
     with pytest.raises(DistcacheConfigError, match="mlp_widths"):
         type(QUICK)(mlp_widths=(8,))

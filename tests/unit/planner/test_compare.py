@@ -23,7 +23,7 @@ from distcache.planner.workloads import workload_preset
 from distcache.sharding import CACHED_KERNEL, CachedParameterSharding
 
 WORKLOAD = workload_preset("synthetic:tables=6,rows=20000,dim=16,seed=1", batch_size_per_rank=256)
-FAST = SolverOptions(time_budget_s=0.5)
+FAST = SolverOptions(max_moves=100)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,11 @@ from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import (
     CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
     CACHE_SLOT_BYTES,
+    DENSE_UPDATE_PASSES,
     BinnedProfile,
     dense_flops_per_sample,
     dense_parameter_bytes,
+    global_terms,
     plan_cost,
     shard_terms,
 )
@@ -87,7 +89,8 @@ def test_two_tables_on_two_ranks_by_hand():
     lookup_b = (2 * 200 * 32 + 2 * unique_b * 32) / 1e11
     loads_b = expected_loads(profile_b, 200, 250, "frequency")
     staging_b = 2 * loads_b * 32 / 1e10 + 2 * 1e-5
-    ids = max(100 * 2 * 8, 100 * 1 * 8) / 1e10 + LATENCY  # a's ids dominate both directions
+    # a's ids dominate both directions; one sharding type: 3 input and 2 output collectives
+    ids = max(100 * 2 * 8, 100 * 1 * 8) / 1e10 + 3 * LATENCY
     emb = 2 * (max(100 * 16 * 4, 100 * 8 * 4) / 1e10 + LATENCY)
     all_reduce = dense_parameter_bytes(WORKLOAD) / 1e10 + LATENCY  # 2 nodes of one rank
     r0, r1 = cost.per_rank
@@ -248,3 +251,96 @@ def test_measured_lookup_rate_and_overlap_rule():
     assert _terms(table, lookahead=4, prefetch_depth=1, **cache).staging_overlapped
     assert not _terms(table, lookahead=4, prefetch_depth=0, **cache).staging_overlapped
     assert not _terms(table, lookahead=0, prefetch_depth=0, **cache).staging_overlapped
+
+
+def test_cpu_staging_is_never_hidden():
+    """On CPU the stager copies on the training thread: look-ahead staging is still exposed."""
+    cpu = dataclasses.replace(TOPOLOGY, compute_device="cpu")
+    cache = {"storage": HOST_CACHED, "cache_fraction": 0.5, "lookahead": 4, "prefetch_depth": 1}
+    table = WORKLOAD.tables[0]
+    assert _terms(table, **cache).staging_overlapped
+    assert not _terms(table, cpu, **cache).staging_overlapped
+    rank = plan_cost(PLAN, WORKLOAD, cpu).per_rank[1]
+    assert rank.exposed_staging_s == pytest.approx(rank.staging_s)
+
+
+def test_data_parallel_tables_pay_a_dense_update():
+    table = WORKLOAD.tables[0]  # 1000 rows of 16 floats (64 B, 2 sectors), 200 ids per rank
+    dp = shard_terms(table, WORKLOAD, TOPOLOGY, sharding=DATA_PARALLEL, shards=2)
+    lookups = 2 * 200 * 64 / 1e11
+    assert dp.lookup_s == pytest.approx(lookups + DENSE_UPDATE_PASSES * 1000 * 64 / 1e11)
+    measured = dataclasses.replace(TOPOLOGY, dense_update_bytes_per_s=1e9)
+    dp = shard_terms(table, WORKLOAD, measured, sharding=DATA_PARALLEL, shards=2)
+    assert dp.lookup_s == pytest.approx(lookups + 1000 * 64 / 1e9)
+
+
+def test_measured_lookup_bytes_add_to_the_row_rate():
+    table = WORKLOAD.tables[0]
+    measured = dataclasses.replace(TOPOLOGY, lookup_rows_per_s=1e8, lookup_bytes_per_s=1e10)
+    terms = _terms(table, measured)
+    accesses = 2 * 400 + 2 * terms.unique_rows_per_step
+    assert terms.lookup_s == pytest.approx(accesses / 1e8 + accesses * 64 / 1e10)
+
+
+def test_fixed_costs_per_step_sharding_type_and_layer():
+    costly = dataclasses.replace(
+        TOPOLOGY,
+        step_overhead_s=1e-3,
+        sharding_overhead_s=2e-4,
+        dense_layer_overhead_s=1e-5,
+        dense_activation_bytes_per_s=1e9,
+    )
+    mixed = Plan(
+        name="mixed",
+        tables=(
+            TablePlan(table="a", sharding=TABLE_WISE, ranks=(0,)),
+            TablePlan(table="b", sharding=DATA_PARALLEL, ranks=(0, 1)),
+        ),
+    )
+    base, cost = plan_cost(mixed, WORKLOAD, TOPOLOGY), plan_cost(mixed, WORKLOAD, costly)
+    for plain, rank in zip(base.per_rank, cost.per_rank, strict=True):
+        assert rank.overhead_s == pytest.approx(1e-3 + 2 * 2e-4)  # two sharding types
+        # 5 layers: bottom 13->8->4, the interaction (12 inputs, 3 pairs), top 7->4->1;
+        # activation elements per sample: sum of 3 * inputs + 7 * outputs.
+        elements = (3 * 13 + 7 * 8) + (3 * 8 + 7 * 4) + (3 * 12 + 7 * 3) + (3 * 7 + 7 * 4)
+        elements += 3 * 4 + 7 * 1
+        extra = 5 * 1e-5 + 100 * elements * 4 / 1e9
+        assert rank.dense_compute_s == pytest.approx(plain.dense_compute_s + extra)
+        assert rank.all_reduce_s == pytest.approx(plain.all_reduce_s)
+    assert cost.step_s > base.step_s
+    only_tw = plan_cost(PLAN, WORKLOAD, costly).per_rank[0]
+    assert only_tw.overhead_s == pytest.approx(1e-3 + 2e-4)
+
+
+def test_latencies_per_routed_sharding_type():
+    """Each sharding type routes ids with 3 collectives and embeddings with 2; data-parallel
+    tables route nothing but add an all-reduce of their own."""
+    two = global_terms(WORKLOAD, TOPOLOGY, 0.0, {TABLE_WISE, ROW_WISE})
+    assert (two.input_latency_s, two.output_latency_s) == pytest.approx((6 * LATENCY, 4 * LATENCY))
+    with_dp = global_terms(WORKLOAD, TOPOLOGY, 1000.0, {TABLE_WISE, DATA_PARALLEL})
+    assert with_dp.input_latency_s == pytest.approx(3 * LATENCY)
+    alone = global_terms(WORKLOAD, TOPOLOGY, 1000.0, {TABLE_WISE})
+    assert with_dp.all_reduce_s == pytest.approx(alone.all_reduce_s)
+    assert alone.all_reduce_s == pytest.approx(
+        global_terms(WORKLOAD, TOPOLOGY, 0.0, {TABLE_WISE}).all_reduce_s + 1000 / 1e10 + LATENCY
+    )
+    one_rank = dataclasses.replace(TOPOLOGY, world_size=1)
+    assert global_terms(WORKLOAD, one_rank, 0.0, {TABLE_WISE}).shared_s == 0.0
+    # Ranks sharing cores: collectives entered from computation wait for a descheduled peer.
+    shared = dataclasses.replace(TOPOLOGY, sync_latency_s=5 * LATENCY)
+    synced = global_terms(WORKLOAD, shared, 1000.0, {TABLE_WISE, DATA_PARALLEL})
+    assert synced.input_latency_s == pytest.approx(3 * LATENCY)  # back to back: no skew
+    assert synced.output_latency_s == pytest.approx(2 * 5 * LATENCY)
+    assert synced.all_reduce_s == pytest.approx(with_dp.all_reduce_s + 2 * 4 * LATENCY)
+
+
+def test_victim_choice_scans_the_whole_cache_where_measured():
+    table = TableStats(name="big", rows=200_000, dim=16, alpha=1.05)
+    cache = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 8, "prefetch_depth": 1}
+    plain = _terms(table, **cache)
+    scanned = _terms(table, dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7), **cache)
+    assert scanned.staging_s == pytest.approx(plain.staging_s + 10_000 / 1e7)
+    assert _terms(table, dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)).staging_s == 0
+    lru = {**cache, "lookahead": 0, "prefetch_depth": 0}
+    measured = dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)
+    assert _terms(table, measured, **lru).staging_s == _terms(table, **lru).staging_s

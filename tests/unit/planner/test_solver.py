@@ -27,7 +27,7 @@ from distcache.planner.types import (
 from distcache.planner.workloads import workload_preset
 
 FRACTIONS = (0.25, 0.5)
-QUICK = SolverOptions(cache_fractions=FRACTIONS, column_wise_shards=(2,), time_budget_s=2.0)
+QUICK = SolverOptions(cache_fractions=FRACTIONS, column_wise_shards=(2,), max_moves=500)
 
 
 def _toy(seed: int, world: int = 2, per_node: int = 1) -> tuple[Workload, Topology]:
@@ -243,7 +243,8 @@ def test_uniform_plans():
         ({"cache_fractions": (0.0,)}, "cache_fractions"),
         ({"lookaheads": (-1,)}, "lookaheads"),
         ({"column_wise_shards": (1,)}, "column_wise_shards"),
-        ({"time_budget_s": -1}, "time_budget_s"),
+        ({"max_moves": -1}, "max_moves"),
+        ({"time_limit_s": 0}, "time_limit_s"),
     ],
 )
 def test_options_are_validated(kwargs, message):
@@ -254,3 +255,47 @@ def test_options_are_validated(kwargs, message):
 def test_lookahead_pairs():
     options = SolverOptions(lookaheads=(0, 4), prefetch_depths=(1, 2))
     assert options.lookahead_pairs() == ((0, 0), (4, 1), (4, 2))
+
+
+def test_same_inputs_give_the_same_plan_whatever_the_clock(monkeypatch):
+    """The local search stops on a move budget, not on wall time: a machine 1000x slower
+    (a clock that jumps 10 ms per reading) finds the plan an idle one finds."""
+    workload, topology = _toy(2)  # tight memory: the local search re-places tables
+    first = solve(workload, topology, options=QUICK)
+    assert solve(workload, topology, options=QUICK) == first
+    now = [0.0]
+
+    def slow_clock() -> float:
+        now[0] += 0.01
+        return now[0]
+
+    monkeypatch.setattr(solver_module.time, "monotonic", slow_clock)
+    slow = solve(workload, topology, options=QUICK)
+    assert slow == first and slow.explanations == first.explanations
+
+
+def test_move_budget_bounds_the_search():
+    workload = workload_preset("synthetic:tables=40,rows=1e6,seed=1")
+    topology = Topology(
+        name="tight",
+        world_size=8,
+        ranks_per_node=4,
+        device_memory_bytes=3 * 10**8,
+        host_memory_bytes=10**11,
+        device_memory_bw_bytes_per_s=2e12,
+        host_to_device_bw_bytes_per_s=5e10,
+        intra_node_bw_bytes_per_s=4e11,
+        inter_node_bw_bytes_per_s=5e10,
+        dense_flops_per_s=2e14,
+    )
+    greedy = plan_cost(
+        solve(workload, topology, options=SolverOptions(max_moves=0, explain=False)),
+        workload,
+        topology,
+    )
+    searched = [
+        solve(workload, topology, options=SolverOptions(max_moves=300, explain=False))
+        for _ in range(2)
+    ]
+    assert searched[0] == searched[1]
+    assert plan_cost(searched[0], workload, topology).step_s <= greedy.step_s * (1 + 1e-9)

@@ -57,6 +57,12 @@ def test_cpu_preset_is_one_node():
     assert (cpu.compute_device, cpu.ranks_per_node, cpu.num_nodes) == ("cpu", 2, 1)
 
 
+@pytest.mark.parametrize("name", ["h100", "h200", "cpu"])
+def test_intra_node_links_are_no_slower_than_inter_node(name):
+    topology = preset(name, world_size=16, ranks_per_node=8)
+    assert topology.intra_node_bw_bytes_per_s >= topology.inter_node_bw_bytes_per_s
+
+
 def test_preset_errors():
     with pytest.raises(DistcacheConfigError, match="allowed.*h100"):
         preset("a100", world_size=8)

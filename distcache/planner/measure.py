@@ -1,0 +1,548 @@
+"""Run plans for real on this machine: the measured side of `compare --measure` and of
+`benchmarks/planner.py`.
+
+A plan of a workload is trained for a few steps on `world_size` local gloo ranks (CPU): the
+workload becomes a TorchRec DLRM (`distcache.dlrm.build_dlrm`), the plan its `ShardingPlan`
+(`export.to_sharding_plan`, distcache's sharder: data-parallel tables keep TorchRec's dense
+kernel, every other table distcache's cache, a device-stored table being a cache of every
+row, loaded whole before timing), trained by `LookaheadTrainPipeline` on `SyntheticClickLog`
+batches whose ids follow each table's power law (`hash_ids`: hot rows spread over the id
+space). Every plan of a call trains in the same processes, in turns step by step (the order
+rotated every step), each step timed from a barrier, so the machine's drift touches them
+alike; a step's time is the slowest rank's, and a plan's is the median over the timed steps
+after the warm-up (partial caches fill during it).
+
+The pipeline runs one look-ahead window: every cache at the smallest (L, K) of the plan's
+caches (`runnable_plan`). What can be measured (`unmeasurable_reason`): a CPU topology of at
+most `MAX_LOCAL_RANKS` ranks, a workload of one embedding dim whose MLPs end as DLRM's do
+(bottom MLP at the dim, top MLP of >= 2 layers at 1), one integral pooling factor and
+power-law tables (not id counts).
+
+`measure_framework_costs` times tiny plans to fit what the cost model cannot derive on CPU
+(`python -m distcache calibrate` runs it).
+
+Example::
+
+    results = measure_plans({"tw": plan}, workload, world_size=2)
+    print(results["tw"].step_s)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distcache.errors import DistcacheConfigError
+from distcache.planner.cost import plan_cost
+from distcache.planner.types import (
+    DATA_PARALLEL,
+    DEVICE,
+    ROW_WISE,
+    TABLE_WISE,
+    Plan,
+    TablePlan,
+    TableStats,
+    Topology,
+    Workload,
+)
+
+MAX_LOCAL_RANKS = 2
+"""Ranks this machine runs at once (2 shared cores: more would time the scheduler)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureOptions:
+    """How long and how each plan is run."""
+
+    steps: int = 20
+    """Timed steps per plan."""
+    warmup: int = 10
+    """Steps per plan before timing (caches fill, allocators settle)."""
+    threads: int = 1
+    """Torch threads per rank; 1 on a shared machine (more than free cores makes OpenMP spin)."""
+    learning_rate: float = 0.05
+    seed: int = 0
+    timeout_s: float = 600.0
+    """Deadline of the whole run; a rank that dies or overruns fails it instead of hanging."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("warmup", 0), ("threads", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise DistcacheConfigError(f"MeasureOptions.{name} must be an int >= {low}")
+        if not self.timeout_s > 0 or not self.learning_rate >= 0:
+            raise DistcacheConfigError("MeasureOptions: timeout_s must be > 0, learning_rate >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One plan run on this machine."""
+
+    plan: str
+    world_size: int
+    step_s: float
+    """Median over the timed steps of the slowest rank's step time."""
+    step_s_per_step: tuple[float, ...]
+    """The slowest rank's time of each timed step."""
+    cache: dict[str, float]
+    """Cache counters of the timed steps per step, averaged over ranks: ids, unique, hits,
+    loads, writebacks; critical_misses summed over the timed steps and ranks."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def unmeasurable_reason(workload: Workload, topology: Topology) -> str | None:
+    """Why plans of `workload` on `topology` cannot run here, or None when they can."""
+    if topology.compute_device != "cpu":
+        return f"topology {topology.name} is a {topology.compute_device} topology; this is a CPU"
+    if topology.world_size > MAX_LOCAL_RANKS:
+        return (
+            f"topology {topology.name} has {topology.world_size} ranks; this machine runs at "
+            f"most {MAX_LOCAL_RANKS}"
+        )
+    return workload_unmeasurable_reason(workload)
+
+
+def workload_unmeasurable_reason(workload: Workload) -> str | None:
+    """Why `workload` cannot be built as a DLRM and fed synthetic batches, or None."""
+    dims = {t.dim for t in workload.tables}
+    if len(dims) > 1:
+        return f"DLRM needs one embedding dim; workload {workload.name} has {sorted(dims)}"
+    dim = dims.pop()
+    if not workload.bottom_mlp or workload.bottom_mlp[-1] != dim:
+        return f"the bottom MLP {workload.bottom_mlp} must end at the embedding dim {dim}"
+    if len(workload.top_mlp) < 2 or workload.top_mlp[-1] != 1:
+        return f"the top MLP {workload.top_mlp} must have >= 2 layers, the last of width 1"
+    poolings = {t.pooling_factor for t in workload.tables}
+    if len(poolings) > 1 or any(p != int(p) for p in poolings):
+        return f"the synthetic log draws one integral pooling factor, not {sorted(poolings)}"
+    for t in workload.tables:
+        if t.counts is not None or t.alpha is None:
+            return f"table {t.name}: only power-law tables are generated here, not id counts"
+    if workload.dtype_bytes != 4:
+        return f"only float32 tables run here, not {workload.dtype_bytes}-byte ones"
+    return None
+
+
+def runnable_plan(plan: Plan) -> Plan:
+    """`plan` as the pipeline runs it: every table in one look-ahead window.
+
+    The pipeline routes ahead by the smallest look-ahead of its caches, and a device-stored
+    table is a cache of every row (no misses), so device tables take the plan's largest (L, K)
+    among its cached tables; the modelled cost does not change (`cost.shard_terms` prices L
+    and K for host-cached tables only).
+    """
+    cached = [t for t in plan.tables if t.storage != DEVICE and t.lookahead > 0]
+    if not cached:
+        return plan
+    lookahead = max(t.lookahead for t in cached)
+    depth = max(t.prefetch_depth for t in cached)
+    tables = tuple(
+        dataclasses.replace(t, lookahead=lookahead, prefetch_depth=depth)
+        if t.storage == DEVICE and t.sharding != DATA_PARALLEL
+        else t
+        for t in plan.tables
+    )
+    return dataclasses.replace(plan, tables=tables)
+
+
+def measure_plans(
+    plans: dict[str, Plan],
+    workload: Workload,
+    *,
+    world_size: int,
+    options: MeasureOptions | None = None,
+) -> dict[str, Measurement]:
+    """Train every plan of `plans` on `world_size` local gloo ranks, in turns; time them.
+
+    Args:
+        plans: plans of `workload` by name (each placing every table on ranks < world_size).
+        workload: tables, batch and MLPs (see `unmeasurable_reason` for what runs).
+        world_size: ranks (1 runs in this process when no process group is up).
+        options: steps, warm-up, threads.
+
+    Raises:
+        DistcacheConfigError: the workload cannot run here.
+        TimeoutError, RuntimeError: a rank overran `options.timeout_s` or failed.
+    """
+    options = options or MeasureOptions()
+    reason = workload_unmeasurable_reason(workload)
+    if reason or not 1 <= world_size <= MAX_LOCAL_RANKS:
+        reason = reason or f"{world_size} ranks; this machine runs 1 to {MAX_LOCAL_RANKS}"
+        raise DistcacheConfigError(f"cannot measure here: {reason}")
+    names = list(plans)
+    job = ([plans[n] for n in names], workload, options)
+    with tempfile.TemporaryDirectory() as out:
+        run_ranks(_rank_main, world_size, (*job, out), timeout_s=options.timeout_s)
+        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
+    return {
+        name: _summarize(name, [r[i] for r in per_rank], world_size, options)
+        for i, name in enumerate(names)
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(fn: Callable[..., None], world_size: int, args: tuple, *, timeout_s: float) -> None:
+    """Run `fn(rank, world_size, port, *args)` on `world_size` local processes (spawned).
+
+    One rank runs in this process when no process group is up (it has no peer to wait for).
+    A rank that raises or dies fails the run at once, and so does the deadline.
+    """
+    port = free_port()
+    if world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+        fn(0, 1, port, *args)
+        return
+    context = mp.start_processes(
+        fn, (world_size, port, *args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=0.5, grace_period=2.0):  # raises when a rank fails
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the ranks did not finish within {timeout_s} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    plans: list[Plan],
+    workload: Workload,
+    options: MeasureOptions,
+    out_dir: str,
+) -> None:
+    threads = torch.get_num_threads()  # one rank runs in the caller's process
+    torch.set_num_threads(options.threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=options.timeout_s),
+    )
+    try:
+        results = _run_here(plans, workload, options)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def time_plans_here(
+    plans: dict[str, Plan], workload: Workload, *, options: MeasureOptions | None = None
+) -> dict[str, list[float]]:
+    """This rank's step seconds of each plan, trained by the ranks of the (initialized, gloo)
+    default process group in turns, as `measure_plans` does; no process is started.
+
+    Args:
+        plans: plans of `workload` by name, for the group's size.
+        workload: a measurable workload (`unmeasurable_reason`).
+        options: steps and warm-up (threads and timeout are the caller's).
+    """
+    options = options or MeasureOptions()
+    names = list(plans)
+    results = _run_here([plans[n] for n in names], workload, options)
+    return {name: r["step_s"] for name, r in zip(names, results, strict=True)}
+
+
+def _run_here(
+    plans: list[Plan], workload: Workload, options: MeasureOptions
+) -> list[dict[str, Any]]:
+    runs = [_build(runnable_plan(p), workload, options) for p in plans]
+    return _timed(runs, options)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank: models and batches
+
+
+@dataclass
+class _Run:
+    step: Callable[[], Any]
+    stats: Callable[[], dict[str, float]]
+
+
+def dlrm_config(workload: Workload) -> Any:
+    """The `distcache.dlrm.DLRMConfig` of a measurable workload (table i is `t{i}`)."""
+    from distcache.dlrm import DLRMConfig
+
+    return DLRMConfig(
+        rows=tuple(t.rows for t in workload.tables),
+        dim=workload.tables[0].dim,
+        dense_in_features=workload.dense_in_features,
+        dense_hidden=tuple(workload.bottom_mlp[:-1]),
+        over_hidden=tuple(workload.top_mlp[:-1]),
+    )
+
+
+def _renamed(plan: Plan, workload: Workload) -> tuple[Plan, Workload]:
+    """Plan and workload with table i named `t{i}`, as `build_dlrm` names it."""
+    from distcache.dlrm import table_name
+
+    names = {t.name: table_name(i) for i, t in enumerate(workload.tables)}
+    tables = tuple(dataclasses.replace(t, name=names[t.name]) for t in workload.tables)
+    placed = tuple(dataclasses.replace(t, table=names[t.table]) for t in plan.tables)
+    return (
+        dataclasses.replace(plan, tables=placed, explanations={}),
+        dataclasses.replace(workload, tables=tables),
+    )
+
+
+def _build(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.distributed.types import ShardingEnv
+
+    from distcache.cache.config import CacheConfig
+    from distcache.dlrm import EBC_PATH, apply_embedding_optimizer, build_dlrm, dense_optimizer
+    from distcache.pipeline import LookaheadTrainPipeline
+    from distcache.planner.export import to_sharding_plan
+    from distcache.sharding import CachedEmbeddingBagCollectionSharder, cache_stats
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan, named = _renamed(plan, workload)
+    # Tables on the meta device: each rank allocates only its shards when DMP shards them.
+    model = build_dlrm(dlrm_config(workload), table_device=torch.device("meta"), seed=options.seed)
+    apply_embedding_optimizer(model, workload.optimizer, lr=options.learning_rate)
+    base = CacheConfig(optimizer=workload.optimizer, learning_rate=options.learning_rate)
+    sharding_plan = to_sharding_plan(
+        plan, named, module_path=EBC_PATH, world_size=world, base_config=base
+    )
+    device = torch.device("cpu")
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=device,
+        plan=sharding_plan,
+        sharders=[*get_default_sharders(), CachedEmbeddingBagCollectionSharder(base)],
+    )
+    _make_whole_caches_resident(dmp)
+    optimizer = dense_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=options.learning_rate))
+    pipeline = LookaheadTrainPipeline(dmp, optimizer, device)
+    batches = iter(_batches(workload, options, rank, world, pipeline.lookahead))
+    return _Run(
+        step=lambda: pipeline.progress(batches)[0].detach(),
+        stats=lambda: _counters(cache_stats(dmp)),
+    )
+
+
+def _make_whole_caches_resident(model: torch.nn.Module) -> None:
+    """Load every row of each cache as large as its shard (a device-stored table): what the
+    plan prices is every row resident, not a cache still filling (under a power law its cold
+    misses would last thousands of steps). Partial caches warm up in the warm-up steps."""
+    from distcache.sharding import ShardedCachedEmbeddingBagCollection
+
+    for module in model.modules():
+        if not isinstance(module, ShardedCachedEmbeddingBagCollection):
+            continue
+        for kernel in module.cached_kernels():
+            for engine in kernel.bags.engines:
+                rows = engine.scheduler.num_rows
+                if engine.capacity >= rows:
+                    engine.enqueue(torch.arange(rows, device=engine.device))
+                    engine.release(engine.lookup_plan())
+
+
+def _batches(
+    workload: Workload, options: MeasureOptions, rank: int, world: int, lookahead: int
+) -> list[Any]:
+    """This rank's batches, in host memory: power-law ids, each table's exponent."""
+    from distcache.data.synthetic import SyntheticClickLog, SyntheticConfig
+
+    n = options.warmup + options.steps + lookahead + 2
+    config = SyntheticConfig(
+        table_sizes=tuple(t.rows for t in workload.tables),
+        alpha=tuple(float(t.alpha) for t in workload.tables),
+        pooling=int(workload.tables[0].pooling_factor),
+        dense_features=workload.dense_in_features,
+        batch_size=workload.batch_size_per_rank,
+        num_batches=n,
+        seed=options.seed,
+        hash_ids=True,
+    )
+    log = SyntheticClickLog(config, rank=rank, world_size=world)
+    return [log.batch(i) for i in range(n)]
+
+
+_COUNTERS = ("ids", "unique", "hits", "loads", "writebacks", "critical_misses")
+
+
+def _counters(stats: dict[str, Any]) -> dict[str, float]:
+    return {k: float(sum(s.as_dict()[k] for s in stats.values())) for k in _COUNTERS}
+
+
+def _timed(runs: list[_Run], options: MeasureOptions) -> list[dict[str, Any]]:
+    """Each run trains warmup + steps steps, in turns; per-step times of the timed ones."""
+    times: list[list[float]] = [[] for _ in runs]
+    before: list[dict[str, float]] = [{} for _ in runs]
+    for step in range(options.warmup + options.steps):
+        if step == options.warmup:
+            before = [r.stats() for r in runs]
+        shift = step % len(runs)  # rotate the order so no run always follows another
+        for i in [*range(shift, len(runs)), *range(shift)]:
+            dist.barrier()
+            start = time.perf_counter()
+            runs[i].step()
+            if step >= options.warmup:
+                times[i].append(time.perf_counter() - start)
+    return [
+        {"step_s": times[i], "before": before[i], "after": r.stats()} for i, r in enumerate(runs)
+    ]
+
+
+def _summarize(
+    name: str, ranks: Sequence[dict[str, Any]], world_size: int, options: MeasureOptions
+) -> Measurement:
+    per_step = tuple(max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True))
+    cache = {
+        k: sum(r["after"].get(k, 0.0) - r["before"].get(k, 0.0) for r in ranks)
+        / world_size
+        / options.steps
+        for k in _COUNTERS
+    }
+    cache["critical_misses"] = sum(
+        r["after"].get("critical_misses", 0.0) - r["before"].get("critical_misses", 0.0)
+        for r in ranks
+    )
+    return Measurement(
+        plan=name,
+        world_size=world_size,
+        step_s=statistics.median(per_step),
+        step_s_per_step=per_step,
+        cache=cache,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The framework's fixed costs (for `calibrate`)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameworkCosts:
+    """What a training step costs on CPU beyond the priced work (`Topology` fields)."""
+
+    step_overhead_s: float
+    sharding_overhead_s: float
+    id_overhead_s: float
+    dense_update_bytes_per_s: float | None
+    """None when the big table's update was lost in the noise (the model's default stands)."""
+
+
+def measure_framework_costs(
+    topology: Topology,
+    *,
+    big_rows: int = 250_000,
+    big_batch: int = 512,
+    options: MeasureOptions | None = None,
+) -> FrameworkCosts:
+    """Time tiny plans on this rank and fit the costs the cost model cannot derive.
+
+    The model is a DLRM too small to compute much (MLPs of one layer and two, tables `t0` of
+    1000 rows and `t1` of `big_rows`, dim 16). At batch 8, four plans differ in one thing
+    each: (t0, t1) table-wise / table-wise, table-wise / row-wise (a second sharding type),
+    data parallel / table-wise (a second type, data parallel), table-wise / data parallel
+    (the big table's dense update); the first plan runs again at `big_batch` (more ids).
+    With `topology`'s other rates (its framework costs ignored) each run's priced time is
+    subtracted from its measured median step:
+
+    - dense update: table bytes per second from the last two plans' difference;
+    - sharding overhead: the mean of what a second sharding type adds (row-wise, data parallel);
+    - step overhead: what remains of the first plan once its one sharding type is paid;
+    - id overhead: what the bigger batch adds, per id routed (sent and served).
+
+    Args:
+        topology: the calibrated rates (lookups, dense compute); its world size is ignored.
+        big_rows: rows of `t1`: its dense update should take far longer than a step's noise.
+        big_batch: the batch of the second run of the first plan.
+        options: steps and warm-up.
+
+    Runs in this process, whose default process group must be of one rank (TorchRec's plans
+    name global ranks).
+    """
+    workload = Workload(
+        name="calibration",
+        tables=(
+            TableStats(name="t0", rows=1000, dim=16),
+            TableStats(name="t1", rows=big_rows, dim=16),
+        ),
+        batch_size_per_rank=8,
+        dense_in_features=4,
+        bottom_mlp=(16,),
+        top_mlp=(4, 1),
+    )
+    layouts = {
+        "tw": (TABLE_WISE, TABLE_WISE),
+        "tw+rw": (TABLE_WISE, ROW_WISE),
+        "dp+tw": (DATA_PARALLEL, TABLE_WISE),
+        "tw+dp": (TABLE_WISE, DATA_PARALLEL),
+    }
+    plans = {
+        name: Plan(
+            name=name,
+            tables=tuple(
+                TablePlan(table=t, sharding=k, ranks=(0,))
+                for t, k in zip(("t0", "t1"), kinds, strict=True)
+            ),
+        )
+        for name, kinds in layouts.items()
+    }
+    bigger = dataclasses.replace(workload, batch_size_per_rank=big_batch)
+    measured = {
+        n: statistics.median(s)
+        for n, s in time_plans_here(plans, workload, options=options).items()
+    }
+    tw = {"tw": plans["tw"]}
+    big_s = statistics.median(time_plans_here(tw, bigger, options=options)["tw"])
+    free = dataclasses.replace(
+        topology,
+        world_size=1,
+        ranks_per_node=1,
+        step_overhead_s=0.0,
+        sharding_overhead_s=0.0,
+        id_overhead_s=0.0,
+        dense_update_bytes_per_s=None,
+    )
+    extra_bytes = (big_rows - 1000) * workload.row_bytes(workload.tables[0])
+    update_s = measured["tw+dp"] - measured["dp+tw"]
+    update_rate = extra_bytes / update_s if update_s > 0 else None
+    free = dataclasses.replace(free, dense_update_bytes_per_s=update_rate)
+    excess = {n: measured[n] - plan_cost(p, workload, free).step_s for n, p in plans.items()}
+    big_excess = big_s - plan_cost(plans["tw"], bigger, free).step_s
+    routed = 2 * 2 * (big_batch - workload.batch_size_per_rank)  # 2 tables, sent and served
+    per_type = 0.5 * (excess["tw+rw"] + excess["dp+tw"]) - excess["tw"]
+    sharding = max(0.0, per_type)
+    return FrameworkCosts(
+        step_overhead_s=max(0.0, excess["tw"] - sharding),
+        sharding_overhead_s=sharding,
+        id_overhead_s=max(0.0, (big_excess - excess["tw"]) / routed),
+        dense_update_bytes_per_s=update_rate,
+    )

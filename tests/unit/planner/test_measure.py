@@ -1,0 +1,125 @@
+"""Plans run for real on this machine (`distcache.planner.measure`) and `compare --measure`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from distcache.errors import DistcacheConfigError
+from distcache.planner.cli import compare_main
+from distcache.planner.measure import (
+    MeasureOptions,
+    measure_plans,
+    runnable_plan,
+    unmeasurable_reason,
+)
+from distcache.planner.solver import uniform_plan
+from distcache.planner.topology import preset
+from distcache.planner.types import (
+    DATA_PARALLEL,
+    HOST_CACHED,
+    TABLE_WISE,
+    Plan,
+    TableStats,
+    Workload,
+)
+
+WORKLOAD = Workload(
+    name="tiny",
+    tables=(TableStats(name="users", rows=3000, dim=8), TableStats(name="ads", rows=500, dim=8)),
+    batch_size_per_rank=16,
+    bottom_mlp=(8,),
+    top_mlp=(4, 1),
+)
+FEW = MeasureOptions(steps=3, warmup=2)
+CONFIG = """
+[model]
+name = "tiny"
+batch_size_per_rank = 16
+bottom_mlp = [8]
+top_mlp = [4, 1]
+
+[[tables]]
+name = "users"
+rows = 3000
+dim = 8
+
+[[tables]]
+name = "ads"
+rows = 500
+dim = 8
+alpha = 1.2
+"""
+
+
+def test_plans_train_on_one_rank_with_their_caches() -> None:
+    cpu = preset("cpu", world_size=1)
+    device = uniform_plan(WORKLOAD, cpu, TABLE_WISE)
+    cached = uniform_plan(
+        WORKLOAD, cpu, TABLE_WISE, storage=HOST_CACHED, cache_fraction=0.5, lookahead=2,
+        prefetch_depth=1,
+    )  # fmt: skip
+    mixed = Plan(
+        name="mixed",
+        tables=(cached.tables[0], uniform_plan(WORKLOAD, cpu, DATA_PARALLEL).tables[1]),
+    )
+    plans = {"device": device, "cached": cached, "mixed": mixed}
+    results = measure_plans(plans, WORKLOAD, world_size=1, options=FEW)
+    assert set(results) == set(plans)
+    for name, m in results.items():
+        assert m.step_s > 0 and len(m.step_s_per_step) == FEW.steps, name
+        assert m.cache["critical_misses"] == 0, name  # staged ahead, or every row resident
+    assert results["device"].cache["loads"] == 0  # device storage: every row resident
+    assert results["cached"].cache["ids"] == 2 * 16  # one id per sample and table
+
+
+def test_device_tables_join_the_look_ahead_window() -> None:
+    cpu = preset("cpu", world_size=1)
+    plan = uniform_plan(WORKLOAD, cpu, TABLE_WISE)
+    cached = dataclasses.replace(
+        plan.tables[0], storage=HOST_CACHED, cache_fraction=0.5, lookahead=4, prefetch_depth=1
+    )
+    run = runnable_plan(dataclasses.replace(plan, tables=(cached, plan.tables[1])))
+    assert (run.tables[1].lookahead, run.tables[1].prefetch_depth) == (4, 1)
+    assert runnable_plan(plan) == plan
+
+
+def test_what_cannot_run_here_is_refused_with_a_reason() -> None:
+    assert unmeasurable_reason(WORKLOAD, preset("cpu", world_size=2)) is None
+    assert "cuda" in unmeasurable_reason(WORKLOAD, preset("h100", world_size=2))
+    assert "at most 2" in unmeasurable_reason(WORKLOAD, preset("cpu", world_size=8))
+    wide = dataclasses.replace(WORKLOAD, bottom_mlp=(8, 16))
+    assert "embedding dim" in unmeasurable_reason(wide, preset("cpu", world_size=1))
+    with pytest.raises(DistcacheConfigError, match="embedding dim"):
+        measure_plans({}, wide, world_size=1)
+
+
+def test_compare_measure_runs_every_plan_here(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(CONFIG)
+    args = ["--config", str(config), "--topology", "cpu", "--world-size", "1", "--json"]
+    args += ["--measure", "--measure-steps", "2", "--measure-warmup", "1"]
+    assert compare_main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["measured"] is True
+    rows = {r["name"]: r for r in data["rows"]}
+    assert {"distcache", "torchrec", "all table-wise"} <= set(rows)
+    for name in ("distcache", "torchrec", "all table-wise"):  # TorchRec's plan runs too
+        assert rows[name]["measured_step_ms"] > 0, name
+        assert rows[name]["step_ms"] > 0  # the modelled figure stays beside it
+
+
+def test_compare_measure_skips_topologies_larger_than_this_machine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spec = "synthetic:tables=2,rows=2000,dim=16,seed=1"
+    args = ["--preset", spec, "--topology", "h100", "--world-size", "8", "--no-torchrec"]
+    assert compare_main([*args, "--measure"]) == 0
+    captured = capsys.readouterr()
+    assert "--measure: not measured" in captured.err and "modelled" in captured.err
+    assert "measured ms" not in captured.out and "modelled" in captured.out
