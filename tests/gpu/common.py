@@ -10,16 +10,9 @@ from __future__ import annotations
 import torch
 
 from distcache import CachedEmbeddingBags
-from tests.unit.cache.reference import Batch
+from tests.unit.cache.reference import Batch, loss_of
 
 CUDA_REASON = "needs a CUDA device (the cache's device path: side stream, pinned memory, events)"
-
-
-def loss_on_device(out: torch.Tensor) -> torch.Tensor:
-    """`reference.loss_of` with its column weights on `out`'s device: an integer gradient per
-    column (exact in fp32), so bitwise comparisons hold whatever the summation order."""
-    weights = torch.arange(out.shape[1], dtype=out.dtype, device=out.device) % 3 - 1
-    return (out * weights).sum()
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -48,7 +41,7 @@ def train_windowed(
         out = cached(*to_device(batch, device))
         if stage_while_training:
             cached.prefetch()
-        loss_on_device(out).backward()
+        loss_of(out).backward()
         outs.append(out.detach().cpu())
     return outs
 

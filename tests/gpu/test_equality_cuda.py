@@ -13,10 +13,11 @@ from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler
 from distcache.cache.select import largest
 from distcache.data.traces import zipf_trace
-from tests.gpu.common import CUDA_REASON, counters, loss_on_device, train_windowed
+from tests.gpu.common import CUDA_REASON, counters, train_windowed
 from tests.unit.cache.reference import (
     ReferenceBags,
     integer_weights,
+    loss_of,
     make_batches,
     make_tables,
     reference_optimizer,
@@ -47,7 +48,7 @@ def _reference(config: CacheConfig) -> tuple[ReferenceBags, list[torch.Tensor]]:
     for values, offsets in BATCHES:
         out = ref(values, offsets)
         opt.zero_grad()
-        loss_on_device(out).backward()
+        loss_of(out).backward()
         opt.step()
         outs.append(out.detach())
     return ref, outs

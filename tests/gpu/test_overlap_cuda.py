@@ -23,8 +23,8 @@ import torch
 
 import distcache
 from distcache import CacheConfig, CachedEmbeddingBags
-from tests.gpu.common import CUDA_REASON, loss_on_device, to_device
-from tests.unit.cache.reference import make_batches, make_tables
+from tests.gpu.common import CUDA_REASON, to_device
+from tests.unit.cache.reference import loss_of, make_batches, make_tables
 
 DEVICE = torch.device("cuda")
 pytestmark = pytest.mark.skipif(
@@ -86,7 +86,7 @@ class _Window:
         self.bags.prefetch()
         out = self.bags(*self.batches[self.t])
         self.bags.prefetch()
-        loss_on_device(out).backward()
+        loss_of(out).backward()
         self.t += 1
         return out
 
@@ -143,7 +143,7 @@ def test_staging_runs_on_its_own_stream_and_lookups_wait_on_its_event(monkeypatc
         )
         assert host_waits == [], f"the lookup waited on the host: {host_waits}"
         bags.prefetch()
-        loss_on_device(out).backward()
+        loss_of(out).backward()
         window.t += 1
     assert engine.stats().loads > 0 and engine.stats().critical_misses == 0
 
@@ -182,7 +182,7 @@ def test_prefetch_returns_while_the_compute_stream_is_busy():
     start = time.perf_counter()
     bags.prefetch()  # stages batch t + 1
     host_s = time.perf_counter() - start
-    loss_on_device(out).backward()
+    loss_of(out).backward()
     torch.cuda.synchronize(DEVICE)
     assert host_s < busy_s / 3, (
         f"prefetch() took {host_s:.3f} s on the host while the compute stream was busy for "

@@ -1,5 +1,10 @@
-"""DESIGN invariants 1-4 and 6, checked on the host store and cache while training."""
+"""DESIGN invariants 1-4 and 6, checked on the host store and cache while training.
 
+Tests taking `device` run here on the CPU and, imported by `tests/gpu/test_invariants_cuda.py`
+with its own `device` fixture, on CUDA.
+"""
+
+import pytest
 import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags
@@ -32,11 +37,21 @@ class StoreSpy:
         store.gather, store.scatter = spy_gather, spy_scatter
 
 
-def _setup(capacity=10, depth=1):
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _on(batch, device):
+    values, offsets = batch
+    return values.to(device), offsets.to(device)
+
+
+def _setup(capacity=10, depth=1, device="cpu"):
     tables = make_tables([4], [40])
     weights = integer_weights(tables, 0)
     config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=depth, learning_rate=1.0)
-    cached = CachedEmbeddingBags(tables, config)
+    cached = CachedEmbeddingBags(tables, config, device=device)
     cached.load_table_weight("t0", weights[0])
     ref = ReferenceBags(tables, weights)
     return tables, config, cached, ref, reference_optimizer(config, ref.parameters())
@@ -69,8 +84,10 @@ def test_one_authoritative_copy_and_no_lost_update_without_flush():
     assert engine.stats().writebacks > 0
 
 
-def test_clean_rows_never_written_back_and_writes_precede_loads():
-    tables, config, cached, ref, _ = _setup(capacity=8)
+def test_clean_rows_never_written_back_and_writes_precede_loads(device):
+    """Invariants 3-4 in the order the host store sees them: a write-back only for a row
+    updated since it was loaded, and a row is loaded again only after its write-back."""
+    tables, config, cached, ref, _ = _setup(capacity=8, device=device)
     (engine,) = cached.engines
     spy = StoreSpy(engine)
     batches = make_batches(tables, batch_size=2, num_batches=40, max_len=3, seed=2)
@@ -87,7 +104,7 @@ def test_clean_rows_never_written_back_and_writes_precede_loads():
     for t, batch in enumerate(batches):
         train = t % 3 != 0  # every third batch is only read (eval): its rows stay clean
         cached.train(train)
-        out = cached(*batch)  # stages the batch: write-backs and loads are logged
+        out = cached(*_on(batch, device))  # stages the batch: write-backs and loads are logged
         for op, rows in spy.log:
             for r in rows:
                 if op == "write":
@@ -102,43 +119,45 @@ def test_clean_rows_never_written_back_and_writes_precede_loads():
     assert engine.stats().writebacks > 0 and engine.stats().evictions > engine.stats().writebacks
 
 
-def test_flush_then_store_equals_reference_and_second_flush_writes_nothing():
-    tables, config, cached, ref, opt = _setup(capacity=12)
+def test_flush_then_store_equals_reference_and_second_flush_writes_nothing(device):
+    tables, config, cached, ref, opt = _setup(capacity=12, device=device)
     (engine,) = cached.engines
     for batch in make_batches(tables, batch_size=3, num_batches=15, max_len=3, seed=3):
-        loss_of(cached(*batch)).backward()
+        loss_of(cached(*_on(batch, device))).backward()
         opt.zero_grad()
         loss_of(ref(*batch)).backward()
         opt.step()
     assert engine.flush() > 0
-    assert not engine.scheduler.residency.dirty.any()
+    assert not bool(engine.scheduler.residency.dirty.any())
     assert torch.equal(engine.store.weights, ref.bags[0].weight.data)
     assert engine.flush() == 0
 
 
-def test_state_dict_flushes_and_round_trips():
-    tables, config, cached, ref, opt = _setup(capacity=12)
+def test_state_dict_flushes_and_round_trips(device):
+    """Invariant 6: `state_dict()` holds every update, also those only in the cache."""
+    tables, config, cached, ref, opt = _setup(capacity=12, device=device)
     batches = make_batches(tables, batch_size=3, num_batches=20, max_len=3, seed=4)
     for batch in batches[:10]:
-        loss_of(cached(*batch)).backward()
+        loss_of(cached(*_on(batch, device))).backward()
         opt.zero_grad()
         loss_of(ref(*batch)).backward()
         opt.step()
     state = cached.state_dict()  # no explicit flush (invariant 6)
+    assert state["t0.weight"].device.type == "cpu"  # the host store, whatever the device
     assert torch.equal(state["t0.weight"], ref.bags[0].weight.data)
-    fresh = CachedEmbeddingBags(tables, config, seed=99)
+    fresh = CachedEmbeddingBags(tables, config, seed=99, device=device)
     fresh.load_state_dict(state)
     for batch in batches[10:]:
-        loss_of(fresh(*batch)).backward()
+        loss_of(fresh(*_on(batch, device))).backward()
         opt.zero_grad()
         loss_of(ref(*batch)).backward()
         opt.step()
     assert torch.equal(fresh.table_weight("t0"), ref.bags[0].weight.data)
 
 
-def test_load_clears_cached_rows():
-    tables, config, cached, _, _ = _setup(capacity=12)
-    batch = make_batches(tables, batch_size=3, num_batches=1, max_len=3, seed=5)[0]
+def test_load_clears_cached_rows(device):
+    tables, config, cached, _, _ = _setup(capacity=12, device=device)
+    batch = _on(make_batches(tables, batch_size=3, num_batches=1, max_len=3, seed=5)[0], device)
     cached.eval()
     cached(*batch)
     (engine,) = cached.engines
@@ -146,4 +165,4 @@ def test_load_clears_cached_rows():
     zeros = torch.zeros(40, 4)
     cached.load_table_weight("t0", zeros)
     assert engine.scheduler.residency.num_resident() == 0
-    assert torch.equal(cached(*batch), torch.zeros(3, 4))  # no stale cached row is served
+    assert torch.equal(cached(*batch).cpu(), torch.zeros(3, 4))  # no stale cached row is served
