@@ -10,6 +10,8 @@ Usage::
         --capacity 0.01,0.02,0.05 --lookahead 8 --prefetch-depth 1 --json out.json
     python benchmarks/cache_policies.py --trace movielens --batch 512 --capacity 0.02,0.05,0.1
     python benchmarks/cache_policies.py --trace my_trace.npz --capacity 5000
+    python benchmarks/cache_policies.py --trace movielens --batch 64 --capacity 0.2,0.3 \
+        --policies optimal,lookahead --lookahead 8,16,32,64,128,256   # an L sweep
 """
 
 from __future__ import annotations
@@ -44,14 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="zipf:rows=1e6,alpha=1.05,batch=16384,batches=200,seed=0")
     ap.add_argument("--batch", type=int, default=None, help="events per batch (--trace movielens)")
     ap.add_argument("--capacity", default="0.01,0.02,0.05")
-    ap.add_argument("--lookahead", type=int, default=8)
+    ap.add_argument(
+        "--lookahead",
+        default="8",
+        help="L for 'lookahead'; a list (8,64,256) runs one look-ahead row per L",
+    )
     ap.add_argument(
         "--prefetch-depth",
         default="1",
         help="K for 'lookahead'; a list (0,1) runs one look-ahead row per K. K=0 has the same "
         "capacity semantics as the optimum (only the batch looked up is pinned)",
     )
-    ap.add_argument("--victim-batches", type=int, default=1)
     ap.add_argument("--policies", default="optimal,lookahead,lru,lfu")
     ap.add_argument("--json", default=None, help="write results and config here")
     args = ap.parse_args(argv)
@@ -75,12 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     depths = [int(k) for k in args.prefetch_depth.split(",")]
-    runs = [(p, k) for p in policies for k in (depths if p == "lookahead" else [0])]
+    lookaheads = [int(la) for la in args.lookahead.split(",")]
+    runs = [
+        (p, la, k)
+        for p in policies
+        for la in (lookaheads if p == "lookahead" else [lookaheads[0]])
+        for k in (depths if p == "lookahead" else [0])
+    ]
     results = []
     for capacity in capacities:
         optimum = None
-        for policy, depth in runs:
-            label = f"{policy} K={depth}" if policy == "lookahead" else policy
+        for policy, lookahead, depth in runs:
+            label = f"{policy} L={lookahead} K={depth}" if policy == "lookahead" else policy
             row = {"policy": label, "capacity": capacity, "capacity_frac": capacity / distinct}
             try:
                 r = simulate(
@@ -88,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                     num_rows=trace.num_rows,
                     capacity=capacity,
                     policy=policy,
-                    lookahead=args.lookahead,
+                    lookahead=lookahead,
                     prefetch_depth=depth,
-                    victim_batches=args.victim_batches,
                 )
             except CacheCapacityError as err:
                 row["error"] = str(err).split(":", 1)[1].strip()[:60]
@@ -98,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             row.update(r.as_dict())
             row["policy"] = label
+            row["ms_per_batch"] = 1e3 * r.seconds / max(1, r.batches)
             if policy == "optimal":
                 optimum = r.loads
             row["x_optimal"] = r.loads / optimum if optimum else None
@@ -114,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             ("writebacks", "write-backs"),
             ("critical_misses", "critical misses"),
             ("ids_per_s", "ids/s"),
+            ("ms_per_batch", "ms/batch"),
             ("error", "error"),
         ],
     )

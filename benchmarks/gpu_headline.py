@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import print_table, write_json  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
+from distcache.cache.config import DEFAULT_LOOKAHEAD  # noqa: E402
 from distcache.cache.engine import CacheEngine  # noqa: E402
 from distcache.data.traces import zipf_trace  # noqa: E402
 
@@ -106,7 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=1.05, help="power-law exponent of the ids")
     ap.add_argument("--capacities", type=_fractions, default=[0.02])
     ap.add_argument("--lru-capacities", type=_fractions, default=None, help="default: capacities")
-    ap.add_argument("--lookahead", type=int, default=8, help="L: batches enqueued ahead")
+    ap.add_argument(
+        "--lookahead", type=int, default=DEFAULT_LOOKAHEAD, help="L: batches enqueued ahead"
+    )
     ap.add_argument("--prefetch-depth", type=int, default=1, help="K: batches staged ahead")
     ap.add_argument("--variants", type=_variants, default=list(VARIANTS))
     ap.add_argument("--lr", type=float, default=0.05, help="SGD, embeddings and dense part")
@@ -252,16 +255,17 @@ class DenseDLRM(nn.Module):
 
 
 class _Probe:
-    """Host time in the scheduler's per-batch methods and in the stager, and (CUDA) the compute
-    stream's stall at each lookup's staging event, for the engines of one module."""
+    """Host time in the scheduler's per-batch methods and in handing plans to the stager (the
+    training thread's part of staging), and (CUDA) the compute stream's stall at each lookup's
+    staging event, for the engines of one module."""
 
     def __init__(self, engines: list[CacheEngine], cuda: bool):
         self.cuda = cuda
         self.reset()
         for engine in engines:
-            for name in ("prepare", "commit", "stage_next", "release"):
+            for name in ("enqueue", "stage_next", "release"):
                 self._timed(engine.scheduler, name, "plan_s")
-            self._timed(engine.stager, "run", "stage_s")
+            self._timed(engine.stager, "submit", "stage_s")
             if cuda:
                 self._evented(engine.stager)
 
@@ -287,10 +291,11 @@ class _Probe:
         def wait(plan):
             before = torch.cuda.Event(enable_timing=True)
             before.record()
-            inner(plan)
+            result = inner(plan)
             after = torch.cuda.Event(enable_timing=True)
             after.record()
             self.waits.append((before, after))
+            return result
 
         stager.wait = wait
 
@@ -320,7 +325,6 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
         prefetch_depth=args.prefetch_depth if lookahead else 0,
         policy="lookahead" if lookahead else "lru",
         learning_rate=args.lr,
-        check_ids=False,  # a host sync on CUDA; the ids are generated in range
     )
     bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
     dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)

@@ -60,6 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table, write_json  # noqa: E402
 
+from distcache.cache.config import DEFAULT_LOOKAHEAD  # noqa: E402
+
 TARGET_CAPACITY = 0.05  # issue 4: distcache at 5 % ...
 TARGET_X_TORCHREC = 0.7  # ... reaches 0.7 x TorchRec's in-memory pipeline (CPU, 2 ranks)
 TARGET_WAIT = 0.05  # ... and waits on staging less than 5 % of its step time
@@ -82,7 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=1.05, help="power-law exponent of the ids")
     ap.add_argument("--capacities", type=_capacities, default=[1.0, 0.05, 0.02, 0.01])
     ap.add_argument("--lru-capacities", type=_capacities, default=[0.05, 0.02])
-    ap.add_argument("--lookahead", type=int, default=8, help="L: batches routed ahead")
+    ap.add_argument(
+        "--lookahead", type=int, default=DEFAULT_LOOKAHEAD, help="L: batches routed ahead"
+    )
     ap.add_argument("--prefetch-depth", type=int, default=1, help="K: batches staged ahead")
     ap.add_argument(
         "--small-tables",
@@ -96,8 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--check-ids",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="distcache validates ids (default: on CPU yes; on CUDA no, it syncs the host)",
+        default=True,
+        help="distcache validates ids (on the device, without a host sync)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpus/ranks)")
     ap.add_argument("--warmup", type=int, default=20)
@@ -109,8 +113,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         ap.error(f"--ranks {args.ranks} needs as many GPUs; {torch.cuda.device_count()} found")
-    if args.check_ids is None:
-        args.check_ids = args.device == "cpu"
     return args
 
 

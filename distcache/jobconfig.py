@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distcache.cache.config import DEFAULT_LOOKAHEAD
 from distcache.errors import DistcacheConfigError
 
 DATA_SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
@@ -115,7 +116,7 @@ class ModelConfig:
 class CacheSection:
     capacity: float = 0.05
     """Fraction of each table shard's rows in the device cache (1.0: everything)."""
-    lookahead: int = 8
+    lookahead: int = DEFAULT_LOOKAHEAD
     prefetch_depth: int = 1
     policy: str = "lookahead"
     optimizer: str = "sgd"

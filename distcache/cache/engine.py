@@ -3,6 +3,14 @@
 A shard is one or more tables of the same width whose rows are concatenated into one id space
 (table t's row r is engine row `row_offset[t] + r`), so one cache serves them all and the hot
 rows of any table compete for the same slots.
+
+The per-batch path (`enqueue`, `prefetch`, `lookup_plan`, `apply_gradients`, `release`) never
+reads the device back on the training thread: the scheduler runs on its own stream with
+fixed-shape buffers, the stager's worker thread moves rows and is the only one that waits, and
+a lookup waits for its rows on the device (an event). What the device alone knows (a cache too
+small for the batches in flight, invalid ids flagged by the caller) reaches the host with the
+plan's counts, which the worker has already waited for; the error is raised at the batch's
+lookup, before it reads a row, after every evicted dirty row has been written back.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from distcache.cache.optimizers import make_optimizer
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler, StagePlan
 from distcache.cache.stager import Stager
+from distcache.cache.streams import Streams
 from distcache.errors import LookaheadWindowError
 
 
@@ -39,7 +48,7 @@ class CacheStats:
     capacity: int
     num_rows: int
     staging_s: float = 0.0
-    """Host time spent staging batches ahead of their lookup."""
+    """Host time spent planning and queueing batches staged ahead of their lookup."""
     wait_s: float = 0.0
     """Host time lookups spent staging or waiting for rows (the critical path)."""
 
@@ -61,7 +70,6 @@ class CacheEngine:
         config: cache settings (capacity, L, K, policy, optimizer).
         device: where the cache and its maps live.
         name: the shard, for messages.
-        victim_batches: see `Scheduler`.
         capacity: cache rows (default: `config.capacity_rows(num_rows)`).
     """
 
@@ -73,7 +81,6 @@ class CacheEngine:
         config: CacheConfig,
         device: torch.device | str = "cpu",
         name: str = "cache",
-        victim_batches: int = 1,
         capacity: int | None = None,
     ):
         device = torch.device(device)
@@ -81,22 +88,24 @@ class CacheEngine:
         self.config = config
         self.dim = dim
         self.device = device
+        self.streams = Streams(device)
         self.optimizer = make_optimizer(config)
         state_dim = self.optimizer.state_dim(dim)
         self.store = HostStore(num_rows, dim, state_dim, pin_memory=device.type == "cuda")
         capacity = config.capacity_rows(num_rows) if capacity is None else capacity
-        self.weights = torch.zeros(capacity, dim, device=device)  # [capacity, dim]
-        self.state = torch.zeros(capacity, state_dim, device=device)  # [capacity, state_dim]
+        # One more row for the sentinel slot: padding and invalid ids read its zeros.
+        self.weights = torch.zeros(capacity + 1, dim, device=device)  # [capacity + 1, dim]
+        self.state = torch.zeros(capacity + 1, state_dim, device=device)
         self.scheduler = Scheduler(
             num_rows,
             capacity,
             make_policy(config.policy),
             lookahead=config.lookahead,
             device=device,
-            victim_batches=victim_batches,
             name=name,
         )
-        self.stager = Stager(self.store, self.weights, self.state)
+        self.stager = Stager(self.store, self.weights, self.state, self.streams)
+        self._checks: dict[int, torch.Tensor] = {}  # seq -> caller's check words, until staged
         self._ahead: deque[StagePlan] = deque()  # staged, not yet looked up
         self._active: deque[StagePlan] = deque()  # looked up, not yet released
         self._staging_s = 0.0
@@ -107,9 +116,26 @@ class CacheEngine:
         return self.scheduler.capacity
 
     # ------------------------------------------------------------ batch flow
-    def enqueue(self, ids: torch.Tensor) -> int:
-        """Add a future batch's (validated) engine rows `[n]` to the look-ahead window."""
-        return self.scheduler.enqueue(ids)
+    def check_room(self) -> None:
+        """Raise `LookaheadWindowError` if the window cannot take one more batch."""
+        self.scheduler.check_room()
+
+    def enqueue(self, ids: torch.Tensor, check: torch.Tensor | None = None) -> int:
+        """Add a future batch's engine rows `[n]` (int64, in range or the sentinel row
+        `num_rows`) to the look-ahead window; returns its seq.
+
+        `check`: device int64 words the caller wants back on the host with the batch's plan
+        (`StagePlan.host_check` after `lookup_plan`), e.g. an invalid-id record.
+        """
+        s = self.streams
+        produced = s.record()  # the ids are made on the current stream
+        with s.on(s.schedule):
+            s.wait(produced)
+            s.keep_for(ids, s.schedule)
+            seq = self.scheduler.enqueue(ids)
+        if check is not None:
+            self._checks[seq] = check
+        return seq
 
     def prefetch(self, depth: int | None = None) -> int:
         """Stage enqueued batches until `depth` (default: the config's `prefetch_depth`) are
@@ -124,28 +150,34 @@ class CacheEngine:
         staged = 0
         start = time.perf_counter()
         while len(self._ahead) < depth and self.scheduler.num_unstaged:
-            plan = self.scheduler.stage_next()
-            self.stager.run(plan)
-            self._ahead.append(plan)
+            self._ahead.append(self._stage(critical=False))
             staged += 1
         if staged:
             self._staging_s += time.perf_counter() - start
         return staged
 
     def lookup_plan(self) -> StagePlan:
-        """The next batch's plan, its rows resident: staged ahead, or staged now (critical)."""
+        """The next batch's plan, its rows resident (on the device once the current stream
+        gets there): staged ahead, or staged now (critical).
+
+        Raises `CacheCapacityError` if the batch's rows did not fit (the window is then
+        dropped: nothing is lost, the rows in the cache stay there).
+        """
         self.release_stale()
         start = time.perf_counter()
         if self._ahead:
             plan = self._ahead.popleft()
         elif self.scheduler.num_unstaged:
-            plan = self.scheduler.stage_next(critical=True)
-            self.stager.run(plan)
+            plan = self._stage(critical=True)
         else:
             raise LookaheadWindowError(f"{self.name}: lookup with no enqueued batch")
-        self.stager.wait(plan)
+        plan.host_counts, plan.host_check = self.stager.wait(plan)
         self._wait_s += time.perf_counter() - start
         self._active.append(plan)
+        error = self.scheduler.capacity_error(plan, plan.host_counts)
+        if error is not None:
+            self.drop_window()
+            raise error
         return plan
 
     def apply_gradients(
@@ -164,41 +196,71 @@ class CacheEngine:
                 "(a later forward started first). distcache updates rows in backward: run "
                 "backward before the next forward."
             )
-        slots = plan.slots
         if self.optimizer.per_id:
             # Stateless and linear (SGD): scatter-add each id's step -lr * g, as a sparse SGD
             # step does. Scaling the few bags first is cheaper than index_add_(alpha=...).
             step = (bag_grad * -self.optimizer.lr).index_select(0, bag_of_id)  # [n, dim]
             self.weights.index_add_(0, plan.id_slots, step)
         else:
-            grad = torch.zeros(slots.numel(), self.dim, device=bag_grad.device)
-            grad.index_add_(0, plan.inverse, bag_grad.index_select(0, bag_of_id))  # [u, dim]
-            weights = self.weights[slots]
-            state = self.state[slots]
+            # Summed per row at its representative; other entries (duplicates, padding) stay
+            # zero and update the sentinel slot, which is zeroed below.
+            grad = torch.zeros(plan.slots.numel(), self.dim, device=bag_grad.device)
+            grad.index_add_(0, plan.inverse, bag_grad.index_select(0, bag_of_id))  # [n, dim]
+            weights = self.weights[plan.slots]
+            state = self.state[plan.slots]
             self.optimizer.update(weights, state, grad)
-            self.weights.index_copy_(0, slots, weights)
-            self.state.index_copy_(0, slots, state)
+            self.weights.index_copy_(0, plan.slots, weights)
+            self.state.index_copy_(0, plan.slots, state)
+        sentinel = self.scheduler.residency.sentinel_slot
+        self.weights[sentinel].zero_()
+        self.state[sentinel].zero_()
         self.optimizer.step()
-        self.scheduler.residency.dirty[slots] = True
-        self.release(plan)
+        self.release(plan, updated=True)
 
-    def release(self, plan: StagePlan) -> None:
-        """The batch is done: unpin its rows (without an update, e.g. in evaluation)."""
+    def release(self, plan: StagePlan, *, updated: bool = False) -> None:
+        """The batch is done: unpin its rows (`updated`: it was trained, its rows are dirty)."""
         self._active.remove(plan)
-        self.scheduler.release(plan)
+        s = self.streams
+        done = s.record()  # after the batch's lookup (and update) on the current stream
+        with s.on(s.schedule):
+            s.wait(done)
+            self.scheduler.release(plan, updated=updated)
+        self.stager.victims_free = done  # staging may overwrite unpinned slots after this
 
     def release_stale(self) -> None:
         """Release batches looked up but never backpropagated (forward without backward)."""
         while self._active:
             self.release(self._active[0])
 
+    def _stage(self, *, critical: bool) -> StagePlan:
+        s = self.streams
+        with s.on(s.schedule):
+            plan = self.scheduler.stage_next(critical=critical)
+            self.stager.submit(plan, self._checks.pop(plan.seq, None))
+        return plan
+
     # ------------------------------------------------------------ state
+    def drop_window(self) -> None:
+        """Forget the batches in the window after an error: their queued transfers finish
+        (dirty victims reach the host store), resident rows stay, nothing is lost."""
+        self.stager.drain()
+        self._ahead.clear()
+        self._active.clear()
+        self._checks.clear()
+        with self._on_schedule_after_current():
+            self.scheduler.drop_window()
+
     def flush(self) -> int:
-        """Write every dirty resident row back to the host store; returns rows written."""
+        """Write every dirty resident row back to the host store; returns rows written.
+
+        Not part of the per-batch path: it reads the dirty bits on the host.
+        """
+        self.stager.drain()
         res = self.scheduler.residency
-        slots = res.dirty_slots()
-        self.stager.write_back(slots, res.row_of[slots])
-        res.dirty[slots] = False
+        with self._on_schedule_after_current():
+            slots = res.dirty_slots()
+            self.stager.write_back(slots, res.row_of[slots])
+            res.dirty[slots] = False
         return slots.numel()
 
     def reset(self) -> None:
@@ -206,12 +268,24 @@ class CacheEngine:
 
         Dirty rows are discarded, so call `flush()` first unless the store was just overwritten.
         """
+        self.stager.drain()
         self._ahead.clear()
         self._active.clear()
-        self.scheduler.clear()
+        self._checks.clear()
+        with self._on_schedule_after_current():
+            self.scheduler.clear()
+            self.weights.zero_()
+            self.state.zero_()
+
+    def _on_schedule_after_current(self):  # noqa: ANN202
+        s = self.streams
+        s.wait(s.record(), s.schedule)
+        return s.on(s.schedule)
 
     def stats(self) -> CacheStats:
+        """The counters (reads the device: call it every few batches, not every batch)."""
         c = self.scheduler.counters
+        row_bytes = self.store.row_bytes
         return CacheStats(
             batches=c.batches,
             ids=c.ids,
@@ -221,8 +295,8 @@ class CacheEngine:
             writebacks=c.writebacks,
             evictions=c.evictions,
             critical_misses=c.critical_misses,
-            bytes_loaded=self.stager.bytes_loaded,
-            bytes_written=self.stager.bytes_written,
+            bytes_loaded=c.loads * row_bytes,
+            bytes_written=c.writebacks * row_bytes,
             capacity=self.capacity,
             num_rows=self.store.num_rows,
             staging_s=self._staging_s,

@@ -1,4 +1,10 @@
-"""Id validation: every id must lie in [0, rows) of the table its feature looks up."""
+"""Id validation without a device read-back: every id must lie in [0, rows) of its feature's table.
+
+`find_invalid` runs on the device with the batch: it returns which ids are invalid (the caller
+redirects them to the sentinel row, so they read zeros and nothing is loaded or updated for
+them) and a record of the first one. The record reaches the host with the batch's plan, and
+`raise_if_invalid` raises before the batch is looked up.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +14,47 @@ import torch
 
 from distcache.errors import InvalidIdError
 
+RECORD_SIZE = 4  # invalid count, position of the first invalid id, its value, its feature
 
-def check_ids(
-    values: torch.Tensor,
-    feature_of_id: torch.Tensor,
-    rows: torch.Tensor,
-    describe: Callable[[int], str],
-) -> None:
-    """Raise `InvalidIdError` if an id is negative or not below its feature's table size.
+
+def find_invalid(
+    values: torch.Tensor, feature_of_id: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Invalid ids of a batch, on the device.
 
     Args:
-        values: ids `[n]`.
-        feature_of_id: the feature of each id `[n]`.
+        values: ids `[n]` int64.
+        feature_of_id: the feature of each id `[n]` int64.
         rows: table rows of each feature `[features]`.
+
+    Returns:
+        bad: `[n]` bool, the ids outside [0, rows of their feature).
+        record: `[4]` int64: how many, the position of the first, its value and its feature.
+    """
+    n = values.numel()
+    bad = (values < 0) | (values >= rows[feature_of_id])
+    if n == 0:
+        return bad, torch.zeros(RECORD_SIZE, dtype=torch.int64, device=values.device)
+    position = torch.arange(n, device=values.device)
+    first = torch.where(bad, position, n).amin().clamp_(max=n - 1).view(1)  # [1]
+    record = torch.cat([bad.sum().view(1), first, values[first], feature_of_id[first]])
+    return bad, record
+
+
+def raise_if_invalid(
+    record: list[int], rows_of: Callable[[int], int], describe: Callable[[int], str]
+) -> None:
+    """Raise `InvalidIdError` if the host copy of a `find_invalid` record counts invalid ids.
+
+    Args:
+        record: the record, on the host.
+        rows_of: the table rows of feature f.
         describe: names feature f for the message, e.g. "table 't1' (feature 'f1')".
     """
-    bad = (values < 0) | (values >= rows[feature_of_id])
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        feature = int(feature_of_id[i])
+    count, position, value, feature = record
+    if count:
         raise InvalidIdError(
-            f"{describe(feature)}: id {int(values[i])} at position {i} is out of range: ids "
-            f"must be in [0, {int(rows[feature])}) ({int(bad.sum())} invalid id(s) in this "
-            "batch; nothing was enqueued or updated)"
+            f"{describe(feature)}: id {value} at position {position} is out of range: ids must "
+            f"be in [0, {rows_of(feature)}) ({count} invalid id(s) in this batch; the batch was "
+            "not trained and nothing was updated)"
         )

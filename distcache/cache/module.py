@@ -24,9 +24,10 @@ from torch import nn
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheEngine, CacheStats
 from distcache.cache.host_store import HostStore
-from distcache.cache.ids import check_ids
+from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.scheduler import StagePlan
-from distcache.errors import DistcacheConfigError
+from distcache.cache.select import pack
+from distcache.errors import CacheCapacityError, DistcacheConfigError, InvalidIdError
 
 POOLINGS = ("sum", "mean")
 
@@ -61,17 +62,35 @@ class _Group:
 
     engine: CacheEngine
     tables: list[int]  # indices into the module's tables
-    row_offsets: torch.Tensor  # [len(tables)] int64 first engine row of each table
+    row_offsets: list[int]  # first engine row of each table
     features: list[int]  # indices of the features whose table is in this group
-    feature_row_offset: torch.Tensor  # [num features] int64 engine row of the feature's row 0
+    feature_row_offset: torch.Tensor  # [F] int64 engine row of the feature's row 0 (0: not here)
+    member: torch.Tensor  # [F] bool the feature's table is in this group
+    feature_index: torch.Tensor  # [len(features)] int64 the group's features
+    position: torch.Tensor  # [F] int64 index of the feature among the group's (0: not here)
+    has_mean: bool  # some feature of the group pools by mean (decided on the host)
+
+    @property
+    def sentinel_row(self) -> int:
+        return self.engine.scheduler.residency.sentinel_row
 
 
 @dataclass
 class _GroupBatch:
-    ids: torch.Tensor  # [n] int64 engine rows
-    offsets: torch.Tensor  # [t * B + 1] int64
-    bag_of_id: torch.Tensor  # [n] int64
+    """One group's part of a batch, in fixed-shape buffers of the batch's n ids."""
+
+    ids: torch.Tensor  # [n] int64 engine rows; sentinel row for padding and invalid ids
+    offsets: torch.Tensor  # [t * B + 1] int64 the group's bags (ids past the last are padding)
+    bag_of_id: torch.Tensor  # [n] int64; t * B (one zero-gradient bag past the end) for padding
     bag_divisor: torch.Tensor | None  # [t * B] len for mean bags, 1 for sum bags; None if all sum
+    padded: bool  # the group has only some features: its ids were packed and padded
+
+
+@dataclass
+class _Batch:
+    groups: list[_GroupBatch]
+    num_ids: int
+    num_bags: int
 
 
 class CachedEmbeddingBags(nn.Module):
@@ -83,7 +102,6 @@ class CachedEmbeddingBags(nn.Module):
         device: where caches and lookups live ("cpu" or a CUDA device).
         seed: seed of the default initialization, uniform(-1/sqrt(rows), 1/sqrt(rows)) as in
             TorchRec.
-        victim_batches: see `Scheduler` (1: victims chosen exactly for every batch).
         feature_table_map: the table of each input feature (default: one feature per table).
 
     Example::
@@ -105,7 +123,6 @@ class CachedEmbeddingBags(nn.Module):
         *,
         device: torch.device | str = "cpu",
         seed: int = 0,
-        victim_batches: int = 1,
         feature_table_map: list[int] | None = None,
     ):
         super().__init__()
@@ -130,6 +147,7 @@ class CachedEmbeddingBags(nn.Module):
         self._rows = torch.tensor([tables[t].num_embeddings for t in fmap], device=self.device)
         self._mean = torch.tensor([tables[t].pooling == "mean" for t in fmap], device=self.device)
         self._groups: list[_Group] = []
+        num_features = len(fmap)
         for dim in dict.fromkeys(t.embedding_dim for t in tables):
             members = [i for i, t in enumerate(tables) if t.embedding_dim == dim]
             sizes = [tables[i].num_embeddings for i in members]
@@ -139,35 +157,44 @@ class CachedEmbeddingBags(nn.Module):
                 config=config,
                 device=self.device,
                 name="+".join(tables[i].name for i in members),
-                victim_batches=victim_batches,
                 # The tables share one cache as large as their own caches together.
                 capacity=sum(config.capacity_rows(n) for n in sizes),
             )
-            starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).to(self.device)
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
             features = [f for f, t in enumerate(fmap) if t in members]
-            offset = torch.full((len(fmap),), -1, dtype=torch.int64)
-            for f in features:
-                offset[f] = starts[members.index(fmap[f])]
-            self._groups.append(_Group(engine, members, starts, features, offset.to(self.device)))
+            offset = [starts[members.index(t)] if t in members else 0 for t in fmap]
+            position = [features.index(f) if f in features else 0 for f in range(num_features)]
+            group = _Group(
+                engine=engine,
+                tables=members,
+                row_offsets=starts,
+                features=features,
+                feature_row_offset=torch.tensor(offset, device=self.device),
+                member=torch.tensor([t in members for t in fmap], device=self.device),
+                feature_index=torch.tensor(features, dtype=torch.int64, device=self.device),
+                position=torch.tensor(position, device=self.device),
+                has_mean=any(tables[fmap[f]].pooling == "mean" for f in features),
+            )
+            self._groups.append(group)
         self._anchor = torch.zeros((), requires_grad=True)
-        self._routed: deque[list[_GroupBatch]] = deque()  # enqueued batches, oldest first
+        self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups
     def enqueue(self, values: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Add a future batch to every cache's look-ahead window (ids validated here).
+        """Add a future batch to every cache's look-ahead window.
 
-        The batch enters every cache or, if one refuses it, none.
+        Ids are validated on the device: an invalid id raises `InvalidIdError` when its batch is
+        looked up (`forward`), before the batch reads a row; it is never loaded or updated.
         """
-        self._enqueue_routed(self._route(values, offsets))
+        self._enqueue_routed(*self._route(values, offsets))
 
-    def _enqueue_routed(self, routed: list[_GroupBatch]) -> None:
-        prepared = [
-            g.engine.scheduler.prepare(b.ids) for g, b in zip(self._groups, routed, strict=True)
-        ]
-        for group, pending in zip(self._groups, prepared, strict=True):
-            group.engine.scheduler.commit(pending)
-        self._routed.append(routed)
+    def _enqueue_routed(self, batch: _Batch, check: torch.Tensor | None) -> None:
+        for group in self._groups:  # the batch enters every cache or none
+            group.engine.check_room()
+        for k, (group, part) in enumerate(zip(self._groups, batch.groups, strict=True)):
+            group.engine.enqueue(part.ids, check if k == 0 else None)
+        self._routed.append(batch)
 
     def prefetch(self) -> None:
         """Stage enqueued batches' rows, up to `prefetch_depth` batches ahead."""
@@ -179,12 +206,18 @@ class CachedEmbeddingBags(nn.Module):
 
         The batch must be the oldest enqueued one, if any is enqueued; with an empty window it
         is enqueued and staged now, its misses counted as critical-path misses.
+
+        Raises:
+            InvalidIdError: an id of the batch is out of its table's range.
+            CacheCapacityError: the batch's rows do not fit in a cache beside the batches in
+                flight.
+            After either, the look-ahead window is empty (its batches are dropped, not
+            trained) and every update made so far is kept: enqueue again and go on.
         """
         if not self._routed:  # nothing enqueued: enqueue now, staged on the critical path
-            self._enqueue_routed(self._route(values, offsets))
+            self._enqueue_routed(*self._route(values, offsets))
         routed = self._routed[0]  # validated and routed when enqueued
-        bags = sum(b.offsets.numel() - 1 for b in routed)
-        if bags != offsets.numel() - 1 or sum(b.ids.numel() for b in routed) != values.numel():
+        if routed.num_bags != offsets.numel() - 1 or routed.num_ids != values.numel():
             raise ValueError(
                 f"forward got a batch of {values.numel()} ids in {offsets.numel() - 1} bags that "
                 "does not match the oldest enqueued batch: batches must be looked up in the "
@@ -194,9 +227,9 @@ class CachedEmbeddingBags(nn.Module):
         batch_size = (offsets.numel() - 1) // len(self.feature_table_map)
         train = self.training and torch.is_grad_enabled()
         per_feature: list[torch.Tensor | None] = [None] * len(self.feature_table_map)
-        for group, batch in zip(self._groups, routed, strict=True):
+        for group, batch in zip(self._groups, routed.groups, strict=True):
             engine = group.engine
-            plan = engine.lookup_plan()
+            plan = self._lookup(engine)
             if train:
                 pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch)
             else:
@@ -209,8 +242,26 @@ class CachedEmbeddingBags(nn.Module):
                 per_feature[f] = part
         return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
 
-    def _route(self, values: torch.Tensor, offsets: torch.Tensor) -> list[_GroupBatch]:
-        """Validate a batch and split it into each group's engine rows."""
+    def _lookup(self, engine: CacheEngine) -> StagePlan:
+        """The engine's next plan; after an error, the window is dropped, then it is raised."""
+        try:
+            plan = engine.lookup_plan()
+            if plan.host_check is not None:
+                raise_if_invalid(plan.host_check, self._rows_of, self._describe)
+        except (CacheCapacityError, InvalidIdError):
+            self.drop_window()
+            raise
+        return plan
+
+    def drop_window(self) -> None:
+        """Forget every enqueued batch (not trained); cached rows and updates are kept."""
+        for group in self._groups:
+            group.engine.drop_window()
+        self._routed.clear()
+
+    def _route(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[_Batch, torch.Tensor]:
+        """Split a batch into each group's engine rows, on the device; invalid ids go to the
+        sentinel row, recorded in the returned check words (None without `check_ids`)."""
         num_features = len(self.feature_table_map)
         num_bags = offsets.numel() - 1
         if num_bags < 0 or num_bags % num_features:
@@ -220,46 +271,47 @@ class CachedEmbeddingBags(nn.Module):
             )
         values = values.to(self.device, torch.int64)
         offsets = offsets.to(self.device, torch.int64)
+        n = values.numel()
         batch_size = num_bags // num_features
         lengths = offsets.diff()  # [F * B]
         bag = torch.arange(num_bags, device=self.device)
-        bag_of_id = torch.repeat_interleave(bag, lengths, output_size=values.numel())
+        bag_of_id = torch.repeat_interleave(bag, lengths, output_size=n)
         feature_of_id = bag_of_id // max(batch_size, 1)
+        bad, check = None, None
         if self.config.check_ids:
-            self._check_ids(values, feature_of_id)
-        routed = []
+            bad, check = find_invalid(values, feature_of_id, self._rows)
+        parts = []
         for group in self._groups:
-            if len(group.features) == num_features:
-                g_values, g_lengths, g_feature = values, lengths, feature_of_id
-            else:
-                in_group = torch.zeros(num_features, dtype=torch.bool, device=self.device)
-                in_group[group.features] = True
-                mask = in_group[feature_of_id]
-                g_values, g_feature = values[mask], feature_of_id[mask]
-                g_lengths = lengths.view(num_features, batch_size)[group.features].reshape(-1)
-            ids = g_values + group.feature_row_offset[g_feature]
-            g_offsets = torch.cat([offsets[:1] * 0, g_lengths.cumsum(0)])
-            g_bags = torch.arange(g_lengths.numel(), device=self.device)
-            g_bag_of_id = torch.repeat_interleave(g_bags, g_lengths, output_size=ids.numel())
+            ids = values + group.feature_row_offset[feature_of_id]
+            if bad is not None:
+                ids = torch.where(bad, group.sentinel_row, ids)
+            padded = len(group.features) < num_features
+            if not padded:
+                g_lengths, g_offsets, g_bag_of_id = lengths, offsets, bag_of_id
+            else:  # pack the group's ids first (features are feature-major, so bags stay whole)
+                member = group.member[feature_of_id]
+                rank = member.cumsum(0) - 1
+                g_lengths = lengths.view(num_features, batch_size)[group.feature_index].reshape(-1)
+                g_offsets = torch.cat([offsets[:1] * 0, g_lengths.cumsum(0)])
+                local_bag = group.position[feature_of_id] * batch_size + bag_of_id % max(
+                    batch_size, 1
+                )
+                ids = pack(member, rank, ids, n, group.sentinel_row)
+                g_bag_of_id = pack(member, rank, local_bag, n, g_lengths.numel())
             divisor = None
-            # Decided on the host from the table configs: no device read-back per batch.
-            if any(
-                self.tables[self.feature_table_map[f]].pooling == "mean" for f in group.features
-            ):
-                mean = self._mean[group.features]
+            if group.has_mean:  # decided on the host from the table configs
+                mean = self._mean[group.feature_index]
                 length = g_lengths.clamp(min=1).to(torch.float32)
                 bag_mean = mean.repeat_interleave(batch_size)
                 divisor = torch.where(bag_mean, length, torch.ones_like(length))
-            routed.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor))
-        return routed
+            parts.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded))
+        return _Batch(parts, n, num_bags), check
 
-    def _check_ids(self, values: torch.Tensor, feature_of_id: torch.Tensor) -> None:
-        def describe(feature: int) -> str:
-            return (
-                f"table {self.tables[self.feature_table_map[feature]].name!r} (feature {feature})"
-            )
+    def _rows_of(self, feature: int) -> int:
+        return self.tables[self.feature_table_map[feature]].num_embeddings
 
-        check_ids(values, feature_of_id, self._rows, describe)
+    def _describe(self, feature: int) -> str:
+        return f"table {self.tables[self.feature_table_map[feature]].name!r} (feature {feature})"
 
     # ------------------------------------------------------------ state
     def flush(self) -> None:
@@ -317,7 +369,7 @@ class CachedEmbeddingBags(nn.Module):
         for group in self._groups:
             for k, t in enumerate(group.tables):
                 if self.tables[t].name == name:
-                    lo = int(group.row_offsets[k])
+                    lo = group.row_offsets[k]
                     return group, lo, lo + self.tables[t].num_embeddings
         raise KeyError(f"no table {name!r}; tables are {[t.name for t in self.tables]}")
 
@@ -326,7 +378,7 @@ class CachedEmbeddingBags(nn.Module):
         for group in self._groups:
             for k, t in enumerate(group.tables):
                 spec = self.tables[t]
-                lo = int(group.row_offsets[k])
+                lo = group.row_offsets[k]
                 bound = math.sqrt(1.0 / spec.num_embeddings)
                 rows = group.engine.store.weights[lo : lo + spec.num_embeddings]
                 rows.uniform_(-bound, bound, generator=gen)
@@ -384,5 +436,7 @@ class _CachedPooledLookup(torch.autograd.Function):
         grad = grad_output
         if batch.bag_divisor is not None:
             grad = grad / batch.bag_divisor.unsqueeze(1)
+        if batch.padded:  # padding ids point at one more bag, whose gradient is zero
+            grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
         engine.apply_gradients(plan, grad, batch.bag_of_id)
         return None, None, None, None

@@ -2,14 +2,25 @@
 
 Data flow of one batch through the scheduler::
 
-    enqueue(ids)        unique rows + inverse; the policy learns the batch's future use
+    enqueue(ids)        the batch enters the window: deduplicated, linked to its rows' earlier
+                        uses; the policy learns which resident rows it uses next
     stage_next()        hits pinned; victims chosen among unpinned slots; StagePlan emitted
                         (write back dirty victims, then load the misses into their slots)
     ... the stager executes the plan, the batch is looked up, trained ...
-    release(plan)       the batch's slots are unpinned
+    release(plan)       the batch's slots are unpinned (and marked dirty if it was trained)
 
-Per-batch work is tensor ops over the batch's unique rows and one pass over the slots when
-victims are chosen; no Python loop over ids.
+Nothing here reads the device back. Every tensor has a shape the host knows (the batch's id count
+n, the cache's capacity C); what only the device knows (how many rows miss, how many victims are
+dirty) stays there as counts, and plans are padded to n entries with the sentinel row and slot
+(`Residency`). Counters accumulate on the device and are read only by `counters`. The per-batch
+work is O(n) plus, once the cache may be full, O(C + classes) to choose victims; it does not grow
+with the window's length.
+
+Errors that only the device can detect cannot be raised here without a read-back, so they are
+recorded in the plan (`StagePlan.counts`) with a guarantee that nothing wrong is written: a
+batch whose misses do not fit gets the slots there are, its other rows read the sentinel slot,
+and every evicted dirty row is still written back. The engine raises the error when the plan's
+counts reach the host, before the batch is looked up.
 """
 
 from __future__ import annotations
@@ -21,47 +32,44 @@ import torch
 
 from distcache.cache.policies import EvictionPolicy
 from distcache.cache.residency import Residency
-from distcache.cache.select import largest
+from distcache.cache.select import pack, select_largest
+from distcache.cache.window import Window, WindowBatch
 from distcache.errors import CacheCapacityError, LookaheadWindowError
 
-
-@dataclass
-class _Pending:
-    seq: int
-    rows: torch.Tensor  # [u] int64 unique rows
-    inverse: torch.Tensor  # [n] int64 position of each id in `rows`
+# Entries of `StagePlan.counts` (int64, on the device until the stager mirrors them).
+UNIQUE, MISSES, LOADS, WRITEBACKS, EVICTIONS, CANDIDATES = range(6)
+NUM_COUNTS = 6
 
 
 @dataclass(eq=False)
 class StagePlan:
     """What staging one batch does: the transfers, and the batch's ids remapped to slots.
 
-    The stager must write `writeback_*` back before it loads `load_*` (a victim's slot may be
-    reused by a row loaded in the same plan).
+    Transfers are packed at the front of `size`-entry buffers (`size = min(n, capacity)`); their
+    counts are `counts[LOADS]` and `counts[WRITEBACKS]`, on the device. The stager must write
+    `writeback_*` back before it loads `load_*` (a victim's slot may be reused by a row loaded in
+    the same plan).
     """
 
     seq: int
-    rows: torch.Tensor  # [u] int64 unique rows of the batch
-    inverse: torch.Tensor  # [n] int64 index into `rows` of each id
-    slots: torch.Tensor  # [u] int64 slot of each unique row
-    load_rows: torch.Tensor  # [m] int64 rows to bring in
-    load_slots: torch.Tensor  # [m] int64 their slots
-    writeback_rows: torch.Tensor  # [w] int64 dirty victims to write out
-    writeback_slots: torch.Tensor  # [w] int64 their slots (before the loads overwrite them)
-    evicted: int  # rows evicted (clean or dirty)
+    batch: WindowBatch  # the batch's ids, representatives and inverse
+    slots: torch.Tensor  # [n] int64 slot of each representative id; sentinel slot otherwise
+    id_slots: torch.Tensor  # [n] int64 slot of every id, in input order
+    load_rows: torch.Tensor  # [size] int64 rows to bring in (first counts[LOADS])
+    load_slots: torch.Tensor  # [size] int64 their slots
+    writeback_rows: torch.Tensor  # [size] int64 dirty victims to write out (first counts[WB])
+    writeback_slots: torch.Tensor  # [size] int64 their slots (before the loads overwrite them)
+    counts: torch.Tensor  # [NUM_COUNTS] int64 on the device
     critical: bool  # staged when the batch was looked up: its loads stall training
-    _id_slots: torch.Tensor | None = None
+    pinned_batches: int  # batches in flight when it was staged (for error messages)
+    host_counts: list[int] | None = None  # `counts` on the host, once looked up (engine)
+    host_check: list[int] | None = None  # the caller's check words, once looked up (engine)
 
     @property
-    def id_slots(self) -> torch.Tensor:
-        """`[n]` the slot of every id of the batch, in input order."""
-        if self._id_slots is None:
-            self._id_slots = self.slots[self.inverse]
-        return self._id_slots
-
-    @property
-    def hits(self) -> int:
-        return self.rows.numel() - self.load_rows.numel()
+    def inverse(self) -> torch.Tensor:
+        """`[n]` index of each id's representative (as `unique(return_inverse=True)`, in input
+        order)."""
+        return self.batch.inv
 
 
 @dataclass
@@ -76,20 +84,19 @@ class SchedulerCounters:
     critical_misses: int = 0
 
 
+_DEVICE_COUNTERS = ("ids", "unique", "hits", "loads", "writebacks", "evictions", "critical_misses")
+
+
 class Scheduler:
     """Look-ahead window and residency bookkeeping for one cache.
 
     Args:
-        num_rows: rows of the shard; ids must lie in [0, num_rows) (validated by the caller).
+        num_rows: rows of the shard; ids must lie in [0, num_rows), or be the sentinel row
+            `num_rows` (padding, invalid ids: they read zeros and are never loaded).
         capacity: cache slots, 1 <= capacity <= num_rows.
         policy: the eviction policy (bound here to the sizes).
         lookahead: L, future batches that may be enqueued beyond the one training.
         device: where ids and maps live.
-        victim_batches: victims are chosen for about this many batches' misses at once and used
-            while still valid (unpinned, untouched since); 1 selects exactly for every batch.
-            A speed/quality trade-off: pooled victims go stale (rows loaded since are often
-            better victims). Measured: 4 made look-ahead load 22 % more rows on zipf(1e6, 0.9,
-            batch 8192) at 5 % (857,608 vs 703,945) and 2 % more on zipf(1e5, 1.05, batch 256).
         name: the table or table group, for error messages.
     """
 
@@ -101,7 +108,6 @@ class Scheduler:
         *,
         lookahead: int,
         device: torch.device | str = "cpu",
-        victim_batches: int = 1,
         name: str = "cache",
     ):
         device = torch.device(device)
@@ -112,21 +118,15 @@ class Scheduler:
         self.capacity = capacity
         self.lookahead = lookahead
         self.policy = policy
-        self.victim_batches = victim_batches
+        self.device = device
         self.residency = Residency(num_rows, capacity, device)
-        policy.bind(num_rows, capacity, device)
-        self.counters = SchedulerCounters()
-        self._unstaged: deque[_Pending] = deque()
+        self.window = Window(num_rows, device)
+        self._slot_index = torch.arange(capacity, device=device)
+        self._totals = torch.zeros(len(_DEVICE_COUNTERS), dtype=torch.int64, device=device)
+        self._unstaged: deque[WindowBatch] = deque()
         self._staged: deque[StagePlan] = deque()
-        self._next_seq = 0
-        self._epoch = 0
-        self._stamp = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self._pool = torch.empty(0, dtype=torch.int64, device=device)
-        self._pool_epoch = 0
-        self._num_pinned = 0  # slots with pin > 0, kept without a pass over the slots
-        self._fill = 0  # slots [0, fill) have held a row; [fill, capacity) are free
-        self._gen = torch.Generator(device=device)
-        self._gen.manual_seed(0)
+        self._batches = 0
+        self.clear()
 
     # ---------------------------------------------------------------- window
     @property
@@ -142,16 +142,8 @@ class Scheduler:
     def staged(self) -> tuple[StagePlan, ...]:
         return tuple(self._staged)
 
-    def enqueue(self, ids: torch.Tensor) -> int:
-        """Add the next batch's ids `[n]` (int64 rows, validated) to the window; returns its seq."""
-        return self.commit(self.prepare(ids))
-
-    def prepare(self, ids: torch.Tensor) -> _Pending:
-        """Check that a batch can enter the window, without changing any state.
-
-        Callers enqueueing one batch into several caches prepare them all, then commit them all,
-        so a batch rejected by one cache is enqueued in none.
-        """
+    def check_room(self) -> None:
+        """Raise `LookaheadWindowError` if one more batch would overflow the window."""
         in_window = len(self._unstaged) + len(self._staged)
         if in_window > self.lookahead:
             raise LookaheadWindowError(
@@ -159,163 +151,160 @@ class Scheduler:
                 f"released, and lookahead={self.lookahead} allows {self.lookahead + 1} "
                 "(the training batch plus L future ones)"
             )
-        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        if rows.numel() > self.capacity:
-            raise CacheCapacityError(
-                f"{self.name}: a batch uses {rows.numel()} distinct rows but the cache holds "
-                f"{self.capacity}; all of a batch's rows must be resident when it is looked up. "
-                f"Use a capacity of at least {rows.numel()} rows (more to stage batches ahead)."
-            )
-        return _Pending(-1, rows, inverse)
 
-    def commit(self, batch: _Pending) -> int:
-        """Enqueue a prepared batch; returns its seq."""
-        batch.seq = seq = self._next_seq
+    def enqueue(self, ids: torch.Tensor) -> int:
+        """Add the next batch's ids `[n]` (int64 rows in range, or the sentinel row) to the
+        window; returns its seq."""
+        self.check_room()
+        seq = self._next_seq
         self._next_seq += 1
-        slots = self.residency.slot_of[batch.rows]
-        self._touch(slots)
-        self.policy.on_enqueue(seq, batch.rows, slots)
+        batch, fresh = self.window.enter(seq, ids)
+        self.policy.on_enqueue(seq, ids, fresh)
         self._unstaged.append(batch)
-        c = self.counters
-        c.batches += 1
-        c.ids += batch.inverse.numel()
-        c.unique += batch.rows.numel()
+        self._batches += 1
+        self._totals[0] += (ids != self.residency.sentinel_row).sum()
         return seq
 
     # ---------------------------------------------------------------- staging
     def stage_next(self, *, critical: bool = False) -> StagePlan:
-        """Plan the oldest enqueued batch's staging and update residency as if it were done.
-
-        Raises `CacheCapacityError` before changing any state if the unpinned slots cannot take
-        the batch's misses.
-        """
+        """Plan the oldest enqueued batch's staging and update residency as if it were done."""
         if not self._unstaged:
             raise LookaheadWindowError(f"{self.name}: no enqueued batch left to stage")
-        batch = self._unstaged[0]
-        res = self.residency
-        slots = res.slot_of[batch.rows]  # [u]
-        hit = slots >= 0
-        hit_slots = slots[hit]
-        miss_rows = batch.rows[~hit]
-        n_miss = miss_rows.numel()
-        newly_pinned = int((res.pin[hit_slots] == 0).sum())
-        available = self.capacity - self._num_pinned - newly_pinned
-        if n_miss > available:
-            self._raise_too_small(batch, n_miss, available)
-        self._unstaged.popleft()
+        batch = self._unstaged.popleft()
+        res, cap, n = self.residency, self.capacity, batch.size
+        size = min(n, cap)
+        next_use = self.window.leave(batch)  # [n] next use of each occurrence after this batch
+        slot = res.slot_of[batch.ids].long()  # [n] -1: not resident
+        miss = batch.rep & (slot < 0)
+        want = miss.sum()
+        hit_slots = torch.where(batch.rep & (slot >= 0), slot, res.sentinel_slot)
+        res.pin.index_add_(0, hit_slots, torch.ones_like(hit_slots, dtype=torch.int32))
+        victims, taken, candidates = self._victims(batch.seq, want, n, size)  # [size + 1]
+        rank = miss.cumsum(0) - 1
+        got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
+        slot = torch.where(got, victims[rank.clamp(0, size)], slot)
 
-        res.pin[hit_slots] += 1
-        self._num_pinned += newly_pinned
-        victims = self._choose_victims(n_miss, available, batch.seq)  # [m], all unpinned
-        victim_rows = res.row_of[victims]
-        was_resident = victim_rows >= 0
-        writeback = was_resident & res.dirty[victims]
-        wb_slots, wb_rows = victims[writeback], victim_rows[writeback]
-        res.slot_of[victim_rows[was_resident]] = -1
-        res.slot_of[miss_rows] = victims
-        res.row_of[victims] = miss_rows
-        res.dirty[victims] = False
-        res.pin[victims] += 1
-        self._num_pinned += n_miss
-        slots = slots.masked_scatter(~hit, victims)  # [u] every row's slot, misses filled in
-        self._touch(slots)
-        self.policy.on_stage(batch.seq, batch.rows, slots)
+        old = res.row_of[victims]  # [size + 1] the victims' rows (-1: free slot)
+        real = victims < cap
+        evicted = real & (old >= 0)
+        writeback = evicted & res.dirty[victims]
+        res.slot_of.index_fill_(0, torch.where(evicted, old, res.trash_row), -1)
+        res.slot_of.index_copy_(0, torch.where(got, batch.ids, res.trash_row), slot.int())
+        res.row_of.index_copy_(0, torch.where(got, slot, res.trash_slot), batch.ids)
+        res.dirty.index_fill_(0, victims, False)
+        loaded_slots = torch.where(got, slot, res.sentinel_slot)
+        res.pin.index_add_(0, loaded_slots, torch.ones_like(loaded_slots, dtype=torch.int32))
+        slot = torch.where(batch.rep & (slot >= 0), slot, res.sentinel_slot)
+        self.policy.on_stage(batch.seq, batch.ids, slot, got, next_use)
 
+        unique = (batch.rep & (batch.ids != res.sentinel_row)).sum()  # padding is no row
+        counts = torch.stack([unique, want, taken, writeback.sum(), evicted.sum(), candidates])
+        critical_misses = want if critical else torch.zeros_like(want)
+        self._totals[1:] += torch.stack(
+            [unique, unique - want, taken, counts[WRITEBACKS], counts[EVICTIONS], critical_misses]
+        )
         plan = StagePlan(
             seq=batch.seq,
-            rows=batch.rows,
-            inverse=batch.inverse,
-            slots=slots,
-            load_rows=miss_rows,
-            load_slots=victims,
-            writeback_rows=wb_rows,
-            writeback_slots=wb_slots,
-            evicted=int(was_resident.sum()),
+            batch=batch,
+            slots=slot,
+            id_slots=slot[batch.inv],
+            load_rows=pack(got, rank, batch.ids, size, res.sentinel_row),
+            load_slots=victims[:size],
+            writeback_rows=pack(writeback, writeback.cumsum(0) - 1, old, size, res.sentinel_row),
+            writeback_slots=pack(
+                writeback, writeback.cumsum(0) - 1, victims, size, res.sentinel_slot
+            ),
+            counts=counts,
             critical=critical,
+            pinned_batches=len(self._staged),
         )
         self._staged.append(plan)
-        c = self.counters
-        c.hits += batch.rows.numel() - n_miss
-        c.loads += n_miss
-        c.writebacks += wb_rows.numel()
-        c.evictions += plan.evicted
-        if critical:
-            c.critical_misses += n_miss
         return plan
 
-    def release(self, plan: StagePlan) -> None:
-        """The batch of `plan` is done (looked up and updated): unpin its slots."""
+    def release(self, plan: StagePlan, *, updated: bool = True) -> None:
+        """The batch of `plan` is done: unpin its slots; `updated`: it was trained, so its rows
+        are dirty."""
         if not self._staged or self._staged[0] is not plan:
             raise LookaheadWindowError(
                 f"{self.name}: batches must be released in the order they were staged"
             )
         self._staged.popleft()
-        pin = self.residency.pin
-        self._num_pinned -= int((pin[plan.slots] == 1).sum())
-        pin[plan.slots] -= 1
+        res = self.residency
+        res.pin.index_add_(0, plan.slots, torch.full_like(plan.slots, -1, dtype=torch.int32))
+        if updated:
+            res.dirty.index_fill_(0, plan.slots, True)
+
+    def capacity_error(self, plan: StagePlan, counts: list[int]) -> CacheCapacityError | None:
+        """The error for a plan whose host-mirrored `counts` show that its misses did not fit,
+        else None."""
+        if counts[LOADS] == counts[MISSES]:
+            return None
+        unique, misses, available = counts[UNIQUE], counts[MISSES], counts[CANDIDATES]
+        if unique > self.capacity:
+            return CacheCapacityError(
+                f"{self.name}: a batch uses {unique} distinct rows but the cache holds "
+                f"{self.capacity}; all of a batch's rows must be resident when it is looked "
+                f"up. Use a capacity of at least {unique} rows (more to stage batches ahead)."
+            )
+        pinned = self.capacity - available
+        return CacheCapacityError(
+            f"{self.name}: cache too small to stage batch {plan.seq}: it needs {misses} more "
+            f"rows but only {available} of {self.capacity} slots can be evicted; {pinned} slots "
+            f"are pinned by the {plan.pinned_batches} batch(es) in flight. The batches in flight "
+            f"use at least {pinned + unique} distinct rows. Use a capacity of at least "
+            f"{pinned + unique} rows, or a smaller prefetch_depth."
+        )
+
+    def drop_window(self) -> None:
+        """Forget every batch in the window (after an error): rows stay resident, dirty rows
+        stay dirty, every pin is released."""
+        self._unstaged.clear()
+        self._staged.clear()
+        self.window.clear()
+        self.residency.unpin_all()
 
     def clear(self) -> None:
         """Forget every resident row and every batch in the window (after a reload)."""
         self.residency.clear()
-        self.policy.bind(self.num_rows, self.capacity, self.residency.row_of.device)
+        self.window.clear()
+        self.policy.bind(self.residency, self.lookahead)
         self._unstaged.clear()
         self._staged.clear()
-        self._pool = self._pool[:0]
-        self._num_pinned = 0
-        self._fill = 0
         self._next_seq = 0  # the policy was re-bound: sequence numbers start again
-        self._epoch = 0
-        self._stamp.zero_()
+        # Slots are handed out in order and only `clear()` frees them, so the free slots are
+        # always [fill, capacity); `_fill_bound` bounds `fill` on the host.
+        self._fill = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._fill_bound = 0
+
+    @property
+    def counters(self) -> SchedulerCounters:
+        """The counters since the scheduler was built (reads the device: not per batch)."""
+        values = dict(zip(_DEVICE_COUNTERS, self._totals.tolist(), strict=True))
+        return SchedulerCounters(batches=self._batches, **values)
 
     # ---------------------------------------------------------------- victims
-    def _choose_victims(self, n: int, available: int, seq: int) -> torch.Tensor:
-        """n unpinned slots to load into: never-used slots first, then the policy's victims.
+    def _victims(
+        self, seq: int, want: torch.Tensor, n: int, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slots for `want` misses: `[size + 1]` (the chosen slots first, then the sentinel
+        slot), how many were chosen, and how many slots could have been.
 
-        Slots are handed out in order and only `clear()` frees them, so the free slots are
-        always `[fill, capacity)`: filling costs nothing, and the slots are scored only once
-        the cache is full.
+        While the host can tell that the free slots suffice (the cache holds the whole shard,
+        or every batch so far loaded at most its id count), the misses take the next free
+        slots and no slot is scored. Otherwise the policy's classes choose, free slots first.
         """
-        fresh = torch.arange(
-            self._fill, self._fill + min(n, self.capacity - self._fill), device=self._stamp.device
-        )
-        self._fill += fresh.numel()
-        n -= fresh.numel()
-        if n == 0:
-            return fresh
-        return torch.cat([fresh, self._evictable(n, available - fresh.numel(), seq)])
-
-    def _evictable(self, n: int, available: int, seq: int) -> torch.Tensor:
-        """The n best unpinned resident slots to evict, from the pool while it is valid."""
-        res = self.residency
-        if self._pool.numel():
-            pool = self._pool
-            valid = (res.pin[pool] == 0) & (self._stamp[pool] <= self._pool_epoch)
-            picked = valid.nonzero().squeeze(1)[:n]
-            if picked.numel() == n:
-                self._pool = pool[int(picked[-1]) + 1 :]
-                return pool[picked]
-        keys = self.policy.victim_keys(res, seq)
-        # Only unpinned resident slots qualify (slots taken fresh for this batch hold no row yet).
-        keys = torch.where((res.pin == 0) & (res.row_of >= 0), keys, -1)
-        want = min(available, n * self.victim_batches)
-        pool = largest(keys, want, self._gen)
-        self._pool, self._pool_epoch = pool[n:], self._epoch
-        return pool[:n]
-
-    def _touch(self, slots: torch.Tensor) -> None:
-        """Mark slots whose eviction score may have dropped: pooled victims there are stale."""
-        if self.victim_batches == 1:  # no pool outlives a batch: nothing can go stale
-            return
-        self._epoch += 1
-        self._stamp[slots[slots >= 0]] = self._epoch
-
-    def _raise_too_small(self, batch: _Pending, n_miss: int, available: int) -> None:
-        pinned = int((self.residency.pin > 0).sum())
-        needed = pinned + batch.rows.numel()
-        raise CacheCapacityError(
-            f"{self.name}: cache too small to stage batch {batch.seq}: it needs {n_miss} more "
-            f"rows but only {available} of {self.capacity} slots can be evicted; {pinned} slots "
-            f"are pinned by the {len(self._staged)} batch(es) in flight. The batches in flight "
-            f"use at least {needed} distinct rows. Use a capacity of at least {needed} rows, or "
-            "a smaller prefetch_depth."
-        )
+        cap, res = self.capacity, self.residency
+        index = torch.arange(size + 1, device=self.device)
+        if cap >= self.num_rows or self._fill_bound + n <= cap:
+            self._fill_bound = min(self.num_rows, self._fill_bound + n)
+            victims = torch.where(index < want, self._fill + index, res.sentinel_slot)
+            free = cap - self._fill
+            self._fill = self._fill + want
+            return victims, want, free
+        self._fill_bound = self.num_rows
+        keys, classes = self.policy.victim_keys(seq)
+        keys = torch.where(res.row_of[:cap] < 0, classes, keys)  # free slots first
+        keys = torch.where(res.pin[:cap] > 0, -1, keys)  # pinned slots never
+        picked, taken, candidates = select_largest(keys, classes + 1, want, size, self._slot_index)
+        victims = torch.cat([picked, picked.new_full((1,), res.sentinel_slot)])
+        return victims, taken, candidates

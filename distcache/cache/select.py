@@ -1,47 +1,64 @@
-"""Exact selection of the n largest keys, faster than `torch.topk` or a sort for large n on CPU."""
+"""Exact selection of the `want` largest keys, with shapes the host knows and `want` on the device.
+
+The cache needs as many victims as a batch has misses, a count that lives on the device. Sorting
+or `topk` by it would need it on the host, so the selection works by counting instead: keys are
+small non-negative classes (a policy's eviction order, bounded), a histogram over the classes
+gives, for every class, how many keys reach it, and the boundary class and the number of ties
+taken from it follow on the device. Every pass is over the keys or the classes: O(C + classes),
+no sort, no read-back.
+"""
 
 from __future__ import annotations
 
 import torch
 
-_SAMPLE = 4096
-_SMALL = 1 << 13
 
-
-def largest(keys: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Indices `[n]` of the `n` largest entries of `keys` `[m]`, in increasing index order.
-
-    Among equal keys at the boundary the lower indices are taken, so the result does not depend
-    on the random sample, which only estimates a threshold that keeps the candidates few (keys at
-    or above it, about 1.25 n of them). The n-th largest candidate is then found with a selection
-    (`kthvalue`), not a sort. CPU `topk` costs O(m log n) and is slow for the tens of thousands
-    of victims a large batch needs; this is a few linear passes.
+def select_largest(
+    keys: torch.Tensor, num_classes: int, want: torch.Tensor, size: int, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `want` entries with the largest keys, ties to the lowest indices, in increasing index
+    order.
 
     Args:
-        keys: int64 scores, higher is selected first.
-        n: how many to select, 0 <= n <= keys.numel().
-        generator: random source for the sample (its own, so it does not disturb user RNG).
+        keys: `[m]` int64 in [-1, num_classes); -1 is never selected.
+        num_classes: bound of the keys (a few hundred thousand at most: one histogram bin each).
+        want: 0-dim int64, how many to select (on the device).
+        size: capacity of the result, known on the host; at least min(want, candidates).
+        index: `[m]` int64 `arange(m)` (kept by the caller, to avoid one allocation per call).
+
+    Returns:
+        picked: `[size]` int64 the selected indices first, then `m` as padding.
+        taken: 0-dim int64, min(want, candidates).
+        candidates: 0-dim int64, how many keys are >= 0.
+
+    Example::
+
+        picked, taken, _ = select_largest(keys, 64, misses, size=n, index=torch.arange(m))
     """
     m = keys.numel()
-    if n <= 0:
-        return torch.empty(0, dtype=torch.int64, device=keys.device)
-    if n >= m:
-        return torch.arange(m, device=keys.device)
-    candidates = None
-    if m > _SMALL and 4 * n < m:
-        pick = torch.randint(m, (_SAMPLE,), device=keys.device, generator=generator)
-        sample = torch.sort(keys[pick], descending=True).values
-        # Sample rank expected to sit just above the n-th largest key, with a safety margin.
-        rank = min(_SAMPLE - 1, int(_SAMPLE * n / m * 1.25) + 16)
-        candidates = (keys >= sample[rank]).nonzero().squeeze(1)  # [c] increasing
-        if candidates.numel() < n:  # unlucky sample: select among all keys
-            candidates = None
-    values = keys if candidates is None else keys[candidates]
-    # The n-th largest value, then everything above it and the first ties equal to it.
-    threshold = torch.kthvalue(values, values.numel() - n + 1).values
-    above = values > threshold
-    ties = (values == threshold).nonzero().squeeze(1)[: n - int(above.sum())]
-    chosen = above
-    chosen[ties] = True
-    picked = chosen.nonzero().squeeze(1)
-    return picked if candidates is None else candidates[picked]
+    hist = torch.zeros(num_classes + 1, dtype=torch.int64, device=keys.device)
+    hist.index_add_(0, keys + 1, torch.ones_like(keys))  # bin 0: keys of -1
+    at_least = torch.zeros(num_classes + 1, dtype=torch.int64, device=keys.device)
+    below = hist[1:].cumsum(0)  # [c] keys <= c
+    at_least[:num_classes] = below[-1] - below + hist[1:]  # [c] keys >= c; [classes] = 0
+    # The boundary class: the largest c with at least `want` keys >= c (0 when too few exist).
+    boundary = ((at_least[:num_classes] >= want).sum() - 1).clamp(min=0)
+    # (Indexing with a 0-dim tensor would read it on the host: index_select keeps it there.)
+    need = want - at_least.index_select(0, (boundary + 1).view(1)).squeeze(0)  # boundary ties
+    tie = keys == boundary
+    take = (keys > boundary) | (tie & (tie.cumsum(0) <= need))
+    picked = torch.full((size + 1,), m, dtype=torch.int64, device=keys.device)
+    rank = (take.cumsum(0) - 1).clamp_(max=size)  # past `size` (never, when sized right): dropped
+    picked.scatter_(0, torch.where(take, rank, size), index)
+    candidates = at_least[0]
+    return picked[:size], torch.minimum(want, candidates), candidates
+
+
+def pack(
+    keep: torch.Tensor, rank: torch.Tensor, values: torch.Tensor, size: int, pad: int
+) -> torch.Tensor:
+    """`[size]`: the `values` whose `keep` is set, each at its `rank` (its index among the kept
+    ones), then `pad`. The compaction `values[keep]` with a shape the host knows."""
+    out = torch.full((size + 1,), pad, dtype=values.dtype, device=values.device)
+    out.scatter_(0, torch.where(keep, rank.clamp(max=size), size), values)
+    return out[:size]

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from distcache.cache.config import POLICIES, CacheConfig
+from distcache.cache.config import DEFAULT_LOOKAHEAD, POLICIES, CacheConfig
 from distcache.cache.engine import CacheEngine
 
 SIM_POLICIES = (*POLICIES, "optimal")
@@ -60,9 +60,8 @@ def simulate(
     num_rows: int,
     capacity: int,
     policy: str = "lookahead",
-    lookahead: int = 8,
+    lookahead: int = DEFAULT_LOOKAHEAD,
     prefetch_depth: int = 1,
-    victim_batches: int = 1,
     device: torch.device | str = "cpu",
 ) -> SimResult:
     """Replay `batches` (each `[n]` int64 ids in [0, num_rows)) through a cache.
@@ -74,7 +73,6 @@ def simulate(
         policy: 'lookahead', 'lru', 'lfu' or 'optimal' (Belady).
         lookahead: L, future batches visible to 'lookahead' (ignored by the others).
         prefetch_depth: K, batches staged ahead by 'lookahead' (ignored by the others).
-        victim_batches: see `Scheduler` (ignored by 'optimal', which is always exact).
         device: where the scheduler runs.
 
     Example::
@@ -84,8 +82,8 @@ def simulate(
     """
     if policy not in SIM_POLICIES:
         raise ValueError(f"unknown policy {policy!r}: expected one of {SIM_POLICIES}")
-    if policy == "optimal":  # Belady: the whole trace visible, exact victims every batch
-        lookahead, prefetch_depth, victim_batches = max(len(batches), 1), 0, 1
+    if policy == "optimal":  # Belady: the whole trace visible, nothing staged ahead
+        lookahead, prefetch_depth = max(len(batches), 1), 0
     elif policy != "lookahead":
         lookahead, prefetch_depth = 0, 0
     config = CacheConfig(
@@ -99,7 +97,6 @@ def simulate(
         dim=0,
         config=config,
         device=device,
-        victim_batches=victim_batches,
         name=f"simulate[{policy}]",
     )
     device = engine.device
@@ -117,7 +114,7 @@ def simulate(
         engine.apply_gradients(
             plan, no_grad, no_grad.new_zeros(plan.inverse.numel(), dtype=torch.int64)
         )
-        seen[plan.rows] = True
+        seen[plan.batch.ids] = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

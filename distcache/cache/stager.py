@@ -1,22 +1,46 @@
-"""`Stager`: executes a `StagePlan` between the host store and the device cache.
+"""`Stager`: executes `StagePlan`s between the host store and the device cache, off the training
+thread.
 
 Order matters (invariants 3 and 4): the dirty victims are written back before the misses are
 loaded, because a loaded row may reuse a victim's slot, and a row written back is only loaded
-again (by a later plan) after the write-back completed.
+again (by a later plan) after the write-back completed: plans run one at a time, in order, on one
+worker thread.
 
-On CPU the copies are plain tensor ops in program order. On CUDA the transfers run on a side
-stream: it first waits for the compute stream (the victims' last updates), copies victims to
-a pinned buffer and, once there, into the host store; host rows are gathered into a pinned
-buffer and copied to the device without blocking the compute stream, which waits on an event
-only when it looks the batch up.
+`submit(plan)` (training thread, schedule stream) queues copies of the plan's counts and host row
+lists into host buffers and records an event; it never waits. The worker thread then waits for
+that event (its job is to wait), reads how many rows move, and:
+1. write-back: on the staging stream, after the event that followed the last backward before the
+   plan was made (the victims' last update), gathers the dirty victims, copies them to the host
+   and scatters them into the host store;
+2. load: gathers the missed rows from the host store into a host buffer, copies them to the
+   device and into their slots on the staging stream, and records the plan's *ready* event.
+`wait(plan)` (training thread, at the batch's lookup) waits for the worker to have queued that,
+which it usually did K batches ago, and makes the compute stream wait for the ready event on the
+device. On CPU the same code runs: no streams or events, host copies in the worker thread.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
 import torch
 
 from distcache.cache.host_store import HostStore
-from distcache.cache.scheduler import StagePlan
+from distcache.cache.scheduler import LOADS, NUM_COUNTS, WRITEBACKS, StagePlan
+from distcache.cache.streams import Streams
+
+
+@dataclass(eq=False)
+class _Job:
+    plan: StagePlan
+    counts: torch.Tensor  # [NUM_COUNTS] host copy of plan.counts
+    load_rows: torch.Tensor  # [size] host copy of plan.load_rows
+    writeback_rows: torch.Tensor  # [size] host copy of plan.writeback_rows
+    check: torch.Tensor | None  # host copy of the caller's check words, if any
+    mirrored: torch.cuda.Event | None  # the host copies above are complete
+    victims_free: torch.cuda.Event | None  # the last backward before the plan was made
+    ready: torch.cuda.Event | None = None  # the plan's rows are in the cache
 
 
 class Stager:
@@ -24,76 +48,102 @@ class Stager:
 
     Args:
         store: the host store (authoritative for non-resident rows).
-        weights: the cache's weights `[capacity, dim]` on the device.
-        state: the cache's optimizer state `[capacity, state_dim]` on the device.
+        weights: the cache's weights `[capacity + 1, dim]` on the device (the last row is the
+            sentinel slot's).
+        state: the cache's optimizer state `[capacity + 1, state_dim]` on the device.
+        streams: the cache's streams.
     """
 
-    def __init__(self, store: HostStore, weights: torch.Tensor, state: torch.Tensor):
+    def __init__(
+        self, store: HostStore, weights: torch.Tensor, state: torch.Tensor, streams: Streams
+    ):
         self.store = store
         self.weights = weights
         self.state = state
+        self.streams = streams
         self.device = weights.device
-        self.bytes_loaded = 0
-        self.bytes_written = 0
-        self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._ready: dict[int, torch.cuda.Event] = {}
+        self.victims_free: torch.cuda.Event | None = None  # set by the engine after a backward
+        self._jobs: dict[int, tuple[_Job, Future[None]]] = {}
+        self._executor: ThreadPoolExecutor | None = None
 
-    def run(self, plan: StagePlan) -> None:
-        """Write back `plan`'s dirty victims, then load its misses."""
-        row_bytes = self.store.row_bytes
-        self.bytes_written += plan.writeback_rows.numel() * row_bytes
-        self.bytes_loaded += plan.load_rows.numel() * row_bytes
-        if self._cuda:
-            self._run_cuda(plan)
-        else:
-            self.write_back(plan.writeback_slots, plan.writeback_rows)
-            self._load(plan.load_slots, plan.load_rows)
+    def submit(self, plan: StagePlan, check: torch.Tensor | None = None) -> None:
+        """Queue `plan`'s transfers (call on the stream that made the plan); returns at once.
 
-    def wait(self, plan: StagePlan) -> None:
-        """Make the current stream wait until `plan`'s rows are in the cache."""
-        event = self._ready.pop(plan.seq, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        `check`: device int64 words to bring to the host with the plan's counts.
+        """
+        s = self.streams
+        size = plan.load_rows.numel()
+        job = _Job(
+            plan=plan,
+            counts=s.host_buffer((NUM_COUNTS,), torch.int64),
+            load_rows=s.host_buffer((size,), torch.int64),
+            writeback_rows=s.host_buffer((size,), torch.int64),
+            check=None if check is None else s.host_buffer(tuple(check.shape), torch.int64),
+            mirrored=None,
+            victims_free=self.victims_free,
+        )
+        job.counts.copy_(plan.counts, non_blocking=True)
+        job.load_rows.copy_(plan.load_rows, non_blocking=True)
+        job.writeback_rows.copy_(plan.writeback_rows, non_blocking=True)
+        if check is not None:
+            job.check.copy_(check, non_blocking=True)
+        job.mirrored = s.record()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="distcache-stager")
+        self._jobs[plan.seq] = (job, self._executor.submit(self._execute, job))
+
+    def wait(self, plan: StagePlan) -> tuple[list[int], list[int] | None]:
+        """Wait until `plan`'s transfers are queued (host) and make the current stream wait for
+        them (device). Returns the plan's counts (`scheduler.UNIQUE`, ...) and check words, now
+        on the host (the worker waited for their copies)."""
+        job, future = self._jobs.pop(plan.seq)
+        future.result()  # re-raises what the worker raised
+        self.streams.wait(job.ready)
+        check = None if job.check is None else job.check.numpy().tolist()
+        return job.counts.numpy().tolist(), check
+
+    def drain(self) -> None:
+        """Wait for every submitted plan (host); their rows are in place once the device gets
+        there (the current stream waits for them)."""
+        for job, future in list(self._jobs.values()):
+            future.result()
+            self.streams.wait(job.ready)
 
     def write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Copy cache `slots` `[w]` into host `rows` `[w]`, synchronously."""
+        """Copy cache `slots` `[w]` into host `rows` `[w]`, synchronously (flush)."""
         if rows.numel() == 0:
             return
         values = torch.cat([self.weights[slots], self.state[slots]], dim=1)
         self.store.scatter(rows.cpu(), values.cpu())
 
-    def _load(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        if rows.numel() == 0:
-            return
-        values = self.store.gather(rows)
-        dim = self.weights.shape[1]
-        self.weights.index_copy_(0, slots, values[:, :dim])
-        self.state.index_copy_(0, slots, values[:, dim:])
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
-    def _run_cuda(self, plan: StagePlan) -> None:
-        assert self._stream is not None
-        compute = torch.cuda.current_stream(self.device)
-        dim = self.weights.shape[1]
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(compute)
-            if plan.writeback_rows.numel():
-                values = torch.cat(
-                    [self.weights[plan.writeback_slots], self.state[plan.writeback_slots]], 1
-                )
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    # ------------------------------------------------------------ worker thread
+    def _execute(self, job: _Job) -> None:
+        s = self.streams
+        s.host_wait(job.mirrored)  # the worker, not the training thread, waits for the plan
+        counts = job.counts.numpy()  # a host buffer: no device read
+        loads, writebacks = int(counts[LOADS]), int(counts[WRITEBACKS])
+        plan = job.plan
+        with s.on(s.staging):
+            s.wait(job.mirrored, s.staging)
+            s.wait(job.victims_free, s.staging)
+            if writebacks:
+                slots = plan.writeback_slots[:writebacks]
+                values = torch.cat([self.weights[slots], self.state[slots]], dim=1)
+                host = s.host_buffer(tuple(values.shape), values.dtype)
                 host.copy_(values, non_blocking=True)
-                rows = plan.writeback_rows.to("cpu", non_blocking=True)
-                self._stream.synchronize()  # host scatter needs the bytes; compute runs on
-                self.store.scatter(rows, host)
-            if plan.load_rows.numel():
-                rows = plan.load_rows.cpu()
-                staged = torch.empty((rows.numel(), self.store.width), pin_memory=True)
-                self.store.gather(rows, out=staged)
-                values = staged.to(self.device, non_blocking=True)
-                # The caching host allocator keeps `staged` until this stream's copy has run.
-                self.weights.index_copy_(0, plan.load_slots, values[:, :dim])
-                self.state.index_copy_(0, plan.load_slots, values[:, dim:])
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        self._ready[plan.seq] = event
+                s.host_wait(s.record(s.staging))
+                self.store.scatter(job.writeback_rows[:writebacks], host)
+            if loads:
+                host = s.host_buffer((loads, self.store.width), self.weights.dtype)
+                self.store.gather(job.load_rows[:loads], out=host)
+                values = host.to(self.device, non_blocking=True)
+                dim = self.weights.shape[1]
+                slots = plan.load_slots[:loads]
+                self.weights.index_copy_(0, slots, values[:, :dim])
+                self.state.index_copy_(0, slots, values[:, dim:])
+            job.ready = s.record(s.staging)

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distcache.cache.config import DEFAULT_LOOKAHEAD
 from distcache.errors import DistcacheConfigError
 from distcache.planner import cost as C
 from distcache.planner.cost import ShardTerms, shard_terms
@@ -87,7 +88,7 @@ class SolverOptions:
     """Allowed storages for sharded tables (data parallel is always on the device)."""
     cache_fractions: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
     """Cache sizes tried for host-cached shards, as fractions of the shard's rows."""
-    lookaheads: tuple[int, ...] = (8,)
+    lookaheads: tuple[int, ...] = (DEFAULT_LOOKAHEAD,)
     """Look-ahead depths L tried for caches; 0 is a reactive (LRU) cache."""
     prefetch_depths: tuple[int, ...] = (1,)
     """Prefetch depths K tried with each L (pairs with K > L are skipped; L = 0 uses K = 0)."""

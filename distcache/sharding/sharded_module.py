@@ -17,7 +17,9 @@ from torchrec.distributed.types import ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.cache.engine import CacheStats
-from distcache.cache.ids import check_ids
+from distcache.cache.ids import find_invalid, raise_if_invalid
+from distcache.cache.streams import HostCopy
+from distcache.errors import InvalidIdError
 from distcache.sharding.kernel import CachedEmbeddingBagKernel
 from distcache.sharding.lookup import CachedGroupedLookup
 from distcache.sharding.plan import CACHED_KERNEL
@@ -35,18 +37,33 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """A sharded `EmbeddingBagCollection` whose `customized_kernel` tables are cached.
 
     Ids are validated in `input_dist`, on the rank whose batch holds them and before they are
-    routed: an out-of-range or negative id raises `InvalidIdError` there (TorchRec's default
-    bounds check would map it to row 0 with a warning).
+    routed, without reading the device back: an out-of-range or negative id is replaced by row
+    0 for routing (TorchRec's default bounds check does the same, with a warning) and recorded;
+    `compute_and_output_dist` raises `InvalidIdError` for that batch before any lookup, so the
+    batch is never trained and no row is updated. This rank's caches then drop their window.
     """
 
     check_ids: bool = True
 
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
         if self.check_ids and isinstance(features, KeyedJaggedTensor):
-            self._check_feature_ids(features)
+            features, ctx.distcache_check = self._check_feature_ids(features)
         return super().input_dist(ctx, features)
 
-    def _check_feature_ids(self, features: KeyedJaggedTensor) -> None:
+    def compute_and_output_dist(self, ctx, input):  # noqa: ANN001, ANN201, A002
+        check = getattr(ctx, "distcache_check", None)
+        if check is not None:
+            try:
+                raise_if_invalid(check.read(), self._rows_of_key, self._describe_key)
+            except InvalidIdError:
+                for kernel in self.cached_kernels():
+                    kernel.bags.drop_window()
+                raise
+        return super().compute_and_output_dist(ctx, input)
+
+    def _check_feature_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HostCopy]:
+        """The features with invalid ids replaced by 0, and the invalid-id record on its way to
+        the host."""
         if not hasattr(self, "_rows_of_feature"):
             self._rows_of_feature = {
                 f: (c.name, c.num_embeddings)
@@ -54,19 +71,33 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 for f in c.feature_names
             }
         keys = features.keys()
-        known = [self._rows_of_feature.get(k, (None, torch.iinfo(torch.int64).max)) for k in keys]
-        rows = torch.tensor([r for _, r in known], device=features.values().device)
-        per_key = torch.tensor(features.length_per_key(), device=rows.device)
-        feature_of_id = torch.repeat_interleave(
-            torch.arange(len(keys), device=rows.device),
-            per_key,
-            output_size=features.values().numel(),
+        self._checked_keys = keys
+        values = features.values()
+        device = values.device
+        rows = torch.tensor([self._rows_of_key_name(k) for k in keys], device=device)
+        lengths = features.lengths()
+        key_of_bag = torch.repeat_interleave(
+            torch.arange(len(keys), device=device),
+            torch.tensor(features.stride_per_key(), device=device),
+            output_size=lengths.numel(),
         )
+        key_of_id = torch.repeat_interleave(key_of_bag, lengths, output_size=values.numel())
+        bad, record = find_invalid(values, key_of_id, rows)
+        checked = copy.copy(features)  # the caller's batch is left as it was
+        checked._values = torch.where(bad, 0, values)
+        checked._jt_dict = None
+        return checked, HostCopy(record)
 
-        def describe(k: int) -> str:
-            return f"table {known[k][0]!r} (feature {keys[k]!r}, rank {dist.get_rank()})"
+    def _rows_of_key_name(self, key: str) -> int:
+        return self._rows_of_feature.get(key, (None, torch.iinfo(torch.int64).max))[1]
 
-        check_ids(features.values(), feature_of_id, rows, describe)
+    def _rows_of_key(self, k: int) -> int:
+        return self._rows_of_key_name(self._checked_keys[k])
+
+    def _describe_key(self, k: int) -> str:
+        key = self._checked_keys[k]
+        table = self._rows_of_feature.get(key, (None, 0))[0]
+        return f"table {table!r} (feature {key!r}, rank {dist.get_rank()})"
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:

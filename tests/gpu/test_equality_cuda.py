@@ -11,7 +11,7 @@ import torch
 from distcache import CacheConfig, CachedEmbeddingBags
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler
-from distcache.cache.select import largest
+from distcache.cache.select import select_largest
 from distcache.data.traces import zipf_trace
 from tests.gpu.common import CUDA_REASON, counters, train_windowed
 from tests.unit.cache.reference import (
@@ -33,8 +33,8 @@ TABLES = make_tables([8, 8, 4], [300, 200, 100])
 BATCHES = make_batches(TABLES, batch_size=8, num_batches=40, max_len=3, seed=0)
 
 
-def _cached(config: CacheConfig, device: torch.device, victim_batches: int = 1):
-    cached = CachedEmbeddingBags(TABLES, config, device=device, victim_batches=victim_batches)
+def _cached(config: CacheConfig, device: torch.device):
+    cached = CachedEmbeddingBags(TABLES, config, device=device)
     for t, w in zip(TABLES, integer_weights(TABLES, 0), strict=True):
         cached.load_table_weight(t.name, w)
     return cached
@@ -56,17 +56,21 @@ def _reference(config: CacheConfig) -> tuple[ReferenceBags, list[torch.Tensor]]:
 
 @pytest.mark.parametrize("policy", ["lookahead", "lru"])
 @pytest.mark.parametrize(
-    ("capacity", "depth", "victim_batches"),
-    [(24, 1, 1), (40, 2, 1), (40, 2, 4), (0.3, 1, 1), (1.0, 1, 1)],
+    ("capacity", "depth", "lookahead"),
+    [(24, 1, 4), (40, 2, 4), (40, 2, 32), (0.3, 1, 4), (1.0, 1, 4)],
 )
-def test_cuda_equals_cpu_engine_and_reference_bitwise(policy, capacity, depth, victim_batches):
+def test_cuda_equals_cpu_engine_and_reference_bitwise(policy, capacity, depth, lookahead):
     config = CacheConfig(
-        capacity=capacity, lookahead=4, prefetch_depth=depth, policy=policy, learning_rate=1.0
+        capacity=capacity,
+        lookahead=lookahead,
+        prefetch_depth=depth,
+        policy=policy,
+        learning_rate=1.0,
     )
     ref, ref_outs = _reference(config)
     runs = {}
     for device in (DEVICE, torch.device("cpu")):
-        cached = _cached(config, device, victim_batches)
+        cached = _cached(config, device)
         outs = train_windowed(cached, BATCHES, lookahead=config.lookahead)
         weights = {t.name: cached.table_weight(t.name).clone() for t in TABLES}
         runs[device.type] = (outs, weights, counters(cached))
@@ -101,21 +105,23 @@ def test_rowwise_adagrad_on_cuda_matches_reference_within_tolerance():
     assert all(s["writebacks"] > 0 for s in counters(cached).values())
 
 
-@pytest.mark.parametrize("n", [1, 100, 3000, 20000])
-def test_largest_on_cuda_equals_cpu(n):
-    """The victim selection picks the same slots on both devices (ties to the lower index), also
-    where it samples a threshold (more than 8192 keys, n below a quarter of them)."""
+@pytest.mark.parametrize("n", [0, 1, 100, 3000, 20000, 100_000])
+def test_select_largest_on_cuda_equals_cpu(n):
+    """The victim selection picks the same slots on both devices (ties to the lower index)."""
     gen = torch.Generator().manual_seed(n)
-    keys = torch.randint(0, 500, (100_000,), generator=gen, dtype=torch.int64)  # many ties
-    expected = largest(keys, n, torch.Generator().manual_seed(1))
-    cuda_gen = torch.Generator(device=DEVICE).manual_seed(1)
-    assert torch.equal(largest(keys.to(DEVICE), n, cuda_gen).cpu(), expected)
+    keys = torch.randint(-1, 500, (100_000,), generator=gen, dtype=torch.int64)  # many ties
+    index = torch.arange(keys.numel())
+    want = torch.tensor(n)
+    expected = select_largest(keys, 500, want, 100_000, index)
+    got = select_largest(keys.to(DEVICE), 500, want.to(DEVICE), 100_000, index.to(DEVICE))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a.cpu(), b)
 
 
 @pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
 def test_scheduler_plans_on_cuda_equal_cpu(policy):
-    """At a size where victims are chosen by sampling: every plan of a zipf trace is the same
-    on both devices (loads, write-backs, the batch's slots)."""
+    """At a size where the cache evicts every batch: every plan of a zipf trace is the same on
+    both devices (the batch's slots, loads, write-backs, counts)."""
     rows, capacity, batch, lookahead = 50_000, 12_000, 2048, 4
     trace = zipf_trace(rows=rows, alpha=1.05, batch=batch, batches=30, seed=0)
     plans = {}
@@ -128,17 +134,22 @@ def test_scheduler_plans_on_cuda_equal_cpu(policy):
                 sched.enqueue(trace.batch(enqueued).to(device))
                 enqueued += 1
             plan = sched.stage_next()
-            sched.residency.dirty[plan.slots] = True  # as if the batch trained
-            sched.release(plan)
+            sched.release(plan)  # as if the batch trained: its rows are dirty
             got.append(
                 [
                     x.cpu()
-                    for x in (plan.slots, plan.load_rows, plan.load_slots, plan.writeback_rows)
+                    for x in (
+                        plan.id_slots,
+                        plan.load_rows,
+                        plan.load_slots,
+                        plan.writeback_rows,
+                        plan.counts,
+                    )
                 ]
             )
         plans[device.type] = got
     assert sched.counters.evictions > 0
     for step, (mine, cpu) in enumerate(zip(plans[DEVICE.type], plans["cpu"], strict=True)):
-        names = ("slots", "load_rows", "load_slots", "writeback")
+        names = ("id_slots", "load_rows", "load_slots", "writeback_rows", "counts")
         for name, a, b in zip(names, mine, cpu, strict=True):
             assert torch.equal(a, b), f"step {step}: {name} differs"

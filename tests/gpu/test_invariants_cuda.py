@@ -33,8 +33,10 @@ def device() -> torch.device:
     return DEVICE
 
 
-def _settle() -> None:
-    """Wait for every stream (the stager's too) before reading the cache from the host."""
+def _settle(engine) -> None:
+    """Wait for the stager's worker thread and every stream before reading the cache from the
+    host."""
+    engine.stager.drain()
     if DEVICE.type == "cuda":
         torch.cuda.synchronize(DEVICE)
 
@@ -65,12 +67,11 @@ def test_one_authoritative_copy_and_no_lost_update_while_staging_ahead(depth):
         cached.prefetch()  # the next rows move while this batch trains
         loss_of(out).backward()
         expected_out = _reference_step(ref, opt, batch)
-        _settle()
+        _settle(engine)
         assert torch.equal(out.detach().cpu(), expected_out), f"step {t}"
         expected = ref.bags[0].weight.data
-        resident = (res.row_of >= 0).cpu()
-        rows = res.row_of.cpu()[resident]
-        slots = resident.nonzero().squeeze(1)
+        slots = res.resident_slots().cpu()
+        rows = res.row_of.cpu()[slots]
         assert torch.equal(engine.weights.cpu()[slots], expected[rows]), f"step {t}"
         others = torch.ones(ROWS, dtype=torch.bool)
         others[rows] = False

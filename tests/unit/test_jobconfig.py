@@ -39,7 +39,7 @@ def test_ints_are_accepted_as_floats():
         ("--cache.capacity=1.5", r"expected a fraction in \(0, 1\]"),
         ("--train.steps=2.5", r"\[train\] steps = 2.5 is invalid: expected an integer"),
         ("--train.steps=true", r"expected an integer"),
-        ("--cache.prefetch_depth=9", r"prefetch_depth = 9 is invalid: expected an integer in"),
+        ("--cache.prefetch_depth=65", r"prefetch_depth = 65 is invalid: expected an integer in"),
         ("--cache.policy=fifo", r"policy = 'fifo' is invalid: expected one of"),
         ("--model.bottom_mlp=[64,8]", r"ending with embedding_dim = 16"),
         ("--data.source=criteo_tsv", r"\[data\] paths = \[\] is invalid"),

@@ -122,10 +122,9 @@ def train_both(
     *,
     weights: list[torch.Tensor],
     use_window: bool = True,
-    victim_batches: int = 1,
 ):
     """Train cached and reference side by side; returns (cached, reference, outputs pairs)."""
-    cached = CachedEmbeddingBags(tables, config, victim_batches=victim_batches)
+    cached = CachedEmbeddingBags(tables, config)
     for t, w in zip(tables, weights, strict=True):
         cached.load_table_weight(t.name, w)
     ref = ReferenceBags(tables, weights)

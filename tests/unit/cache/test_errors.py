@@ -63,15 +63,25 @@ def test_bad_ids_name_table_value_and_range_and_change_nothing(bad, match):
     values = torch.tensor([1, 2, bad])
     offsets = torch.tensor([0, 1, 2, 2, 3])  # the bad id is in table t1's second bag
     before = [cached.table_weight(t.name).clone() for t in tables]
-    for call in (cached.enqueue, cached):
-        with pytest.raises(InvalidIdError, match=rf"table 't1' \(feature 1\): {match}.* \[0, 30\)"):
-            call(values, offsets)
+    error = rf"table 't1' \(feature 1\): {match}\d* at position 2.* \[0, 30\).*not trained"
+    cached.enqueue(*good)
+    cached.enqueue(values, offsets)  # checked on the device: no read-back here
+    loss_of(cached(*good)).backward()
+    with pytest.raises(InvalidIdError, match=error):  # raised at the bad batch's lookup
+        cached(values, offsets)
+    with pytest.raises(InvalidIdError, match=error):  # and on the critical path
+        cached(values, offsets)
     (engine,) = cached.engines
     assert engine.scheduler.num_unstaged == 0 and engine.scheduler.num_staged == 0
-    assert all(
-        torch.equal(cached.table_weight(t.name), w) for t, w in zip(tables, before, strict=True)
-    )
-    loss_of(cached(*good)).backward()  # still usable
+    trained = [cached.table_weight(t.name).clone() for t in tables]
+    assert not all(torch.equal(a, b) for a, b in zip(before, trained, strict=True))
+    # The bad batch changed nothing, and the cache goes on.
+    loss_of(cached(*good)).backward()
+    cached2 = CachedEmbeddingBags(tables, CacheConfig(capacity=10, learning_rate=1.0))
+    for _ in range(2):
+        loss_of(cached2(*good)).backward()
+    for t in tables:
+        assert torch.equal(cached.table_weight(t.name), cached2.table_weight(t.name))
 
 
 def test_cache_too_small_for_one_batch():
@@ -79,6 +89,7 @@ def test_cache_too_small_for_one_batch():
     cached = CachedEmbeddingBags(tables, CacheConfig(capacity=3))
     with pytest.raises(CacheCapacityError, match="uses 5 distinct rows but the cache holds 3"):
         cached(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 5]))
+    cached(torch.tensor([1, 2, 3]), torch.tensor([0, 3]))  # still usable
 
 
 def test_cache_too_small_for_batches_in_flight_loses_nothing():
@@ -88,19 +99,24 @@ def test_cache_too_small_for_batches_in_flight_loses_nothing():
     cached = CachedEmbeddingBags(tables, config)
     cached.load_table_weight("t0", weights[0])
     batches = [
-        (torch.tensor(ids), torch.tensor([0, len(ids)])) for ids in ([0, 1, 2], [3, 4, 5, 6], [7])
+        (torch.tensor(ids), torch.tensor([0, len(ids)]))
+        for ids in ([0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10])
     ]
     loss_of(cached(*batches[0])).backward()  # rows 0, 1, 2 updated and dirty
-    for b in batches:
-        cached.enqueue(*b)
+    cached.enqueue(*batches[1])
+    cached.enqueue(*batches[2])
+    cached.prefetch()  # [3..6] evicts a dirty row; [7..10] does not fit beside it
+    loss_of(cached(*batches[1])).backward()
     with pytest.raises(
         CacheCapacityError,
-        match=r"needs 4 more rows but only 3 of 6.*at least 7 rows, or a smaller prefetch_depth",
+        match=r"needs 4 more rows but only 2 of 6.*at least 8 rows, or a smaller prefetch_depth",
     ):
-        cached.prefetch()
+        cached(*batches[2])
+    step = torch.tensor([-1.0, 0.0, 1.0, -1.0])  # loss_of's gradient per column
     expected = weights[0].clone()
-    expected[[0, 1, 2]] -= torch.tensor([-1.0, 0.0, 1.0, -1.0])  # loss_of column weights
-    assert torch.equal(cached.table_weight("t0"), expected)  # the dirty rows were not lost
+    expected[[0, 1, 2, 3, 4, 5, 6]] -= step
+    assert torch.equal(cached.table_weight("t0"), expected)  # no update was lost
+    assert cached.engines[0].scheduler.num_staged == 0  # the window was dropped
 
 
 def test_empty_batches_and_empty_bags():
@@ -122,17 +138,21 @@ def test_offsets_must_cover_every_table():
         cached(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3]))
 
 
-def test_a_batch_refused_by_one_cache_enters_none():
+def test_a_batch_too_large_for_one_cache_is_trained_by_none():
     tables = [
         TableSpec(name="wide", num_embeddings=100, embedding_dim=8),
         TableSpec(name="narrow", num_embeddings=100, embedding_dim=4),
     ]
-    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=3))
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=3, learning_rate=1.0))
+    before = [cached.table_weight(t.name).clone() for t in tables]
     values = torch.tensor([1, 2, 3, 4, 5])  # wide: 1 row; narrow: 4 rows > 3 slots
     offsets = torch.tensor([0, 1, 5])
+    cached.enqueue(values, offsets)
     with pytest.raises(CacheCapacityError, match="narrow: a batch uses 4 distinct rows"):
-        cached.enqueue(values, offsets)
-    assert [e.scheduler.num_unstaged for e in cached.engines] == [0, 0]
+        cached(values, offsets)
+    assert [e.scheduler.num_unstaged + e.scheduler.num_staged for e in cached.engines] == [0, 0]
+    for t, w in zip(tables, before, strict=True):
+        assert torch.equal(cached.table_weight(t.name), w)
 
 
 def test_forward_must_follow_enqueue_order():

@@ -73,8 +73,9 @@ def test_one_authoritative_copy_and_no_lost_update_without_flush():
         loss_of(ref(*batch)).backward()
         opt.step()
         expected = ref.bags[0].weight.data
-        resident = res.row_of >= 0
-        rows, slots = res.row_of[resident], resident.nonzero().squeeze(1)
+        engine.stager.drain()  # staged-ahead transfers complete (the worker thread's)
+        slots = res.resident_slots()
+        rows = res.row_of[slots]
         # Resident rows: the cache slot is authoritative (invariant 2).
         assert torch.equal(engine.weights[slots], expected[rows])
         # Every other row: the host store holds the latest value, evicted dirty rows included.
@@ -92,15 +93,15 @@ def test_clean_rows_never_written_back_and_writes_precede_loads(device):
     spy = StoreSpy(engine)
     batches = make_batches(tables, batch_size=2, num_batches=40, max_len=3, seed=2)
     updated = set()  # rows updated since they were last loaded
-    original_run = engine.stager.run
+    original_execute = engine.stager._execute
 
-    def checked_run(plan):
+    def checked_execute(job):  # runs on the stager's worker thread, one plan at a time
         start = len(spy.log)
-        original_run(plan)
+        original_execute(job)
         ops = [op for op, _ in spy.log[start:]]
         assert ops == sorted(ops, key=lambda op: op != "write"), "write-backs before loads"
 
-    engine.stager.run = checked_run
+    engine.stager._execute = checked_execute
     for t, batch in enumerate(batches):
         train = t % 3 != 0  # every third batch is only read (eval): its rows stay clean
         cached.train(train)
@@ -128,7 +129,7 @@ def test_flush_then_store_equals_reference_and_second_flush_writes_nothing(devic
         loss_of(ref(*batch)).backward()
         opt.step()
     assert engine.flush() > 0
-    assert not bool(engine.scheduler.residency.dirty.any())
+    assert engine.scheduler.residency.dirty_slots().numel() == 0
     assert torch.equal(engine.store.weights, ref.bags[0].weight.data)
     assert engine.flush() == 0
 

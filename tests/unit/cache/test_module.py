@@ -99,15 +99,14 @@ def test_stateful_optimizers_match_torch(optimizer):
 @given(
     num_tables=st.integers(1, 3),
     policy=st.sampled_from(["lookahead", "lru", "lfu"]),
-    lookahead=st.integers(0, 4),
+    lookahead=st.sampled_from([0, 1, 2, 4, 16]),
     depth=st.integers(0, 4),
     capacity_extra=st.integers(0, 30),
     pooling=st.sampled_from(["sum", "mean"]),
-    victim_batches=st.sampled_from([1, 3]),
     seed=st.integers(0, 1000),
 )
 def test_sweep_equals_reference(
-    num_tables, policy, lookahead, depth, capacity_extra, pooling, victim_batches, seed
+    num_tables, policy, lookahead, depth, capacity_extra, pooling, seed
 ):
     depth = min(depth, lookahead)
     tables = make_tables(
@@ -134,7 +133,6 @@ def test_sweep_equals_reference(
         config,
         batches,
         weights=integer_weights(tables, seed),
-        victim_batches=victim_batches,
     )
     _check_equal(cached, ref, pairs, tables, exact=pooling == "sum")
     for s in cached.stats().values():

@@ -4,47 +4,72 @@ import pytest
 import torch
 
 from distcache.cache.policies import make_policy
-from distcache.cache.scheduler import Scheduler
-from distcache.errors import CacheCapacityError, LookaheadWindowError
+from distcache.cache.scheduler import LOADS, MISSES, UNIQUE, WRITEBACKS, Scheduler
+from distcache.errors import LookaheadWindowError
 
 
 def _ids(*rows):
     return torch.tensor(rows, dtype=torch.int64)
 
 
+def _loads(plan) -> list[int]:
+    return plan.load_rows[: int(plan.counts[LOADS])].tolist()
+
+
 def _check_bijection(s: Scheduler):
     res = s.residency
-    resident = (res.row_of >= 0).nonzero().squeeze(1)
-    assert torch.equal(res.slot_of[res.row_of[resident]], resident)
-    assert int((res.slot_of >= 0).sum()) == resident.numel() <= s.capacity
+    resident = res.resident_slots()
+    assert torch.equal(res.slot_of[res.row_of[resident]].long(), resident)
+    assert int((res.slot_of[: s.num_rows] >= 0).sum()) == resident.numel() <= s.capacity
+    assert int(res.slot_of[res.sentinel_row]) == res.sentinel_slot  # the sentinel stays paired
+
+
+def _check_pins(s: Scheduler):
+    """Each slot is pinned once per staged batch that uses it, and by nothing else."""
+    expected = torch.zeros(s.capacity + 2, dtype=torch.int32)
+    for plan in s.staged:
+        expected.index_add_(0, plan.slots, torch.ones_like(plan.slots, dtype=torch.int32))
+    assert torch.equal(s.residency.pin[: s.capacity], expected[: s.capacity])
 
 
 def test_lookahead_evicts_row_with_farthest_next_use():
     s = Scheduler(10, 3, make_policy("lookahead"), lookahead=4)
     for batch in ([0, 1, 2], [3], [0], [1], [2]):
         s.enqueue(_ids(*batch))
-    s.release(s.stage_next())
+    s.release(s.stage_next(), updated=False)
     plan = s.stage_next()  # batch [3]: rows 0, 1, 2 are next used at 2, 3, 4: evict 2
-    assert plan.load_rows.tolist() == [3]
-    assert plan.writeback_rows.numel() == 0  # nothing was updated (dirty)
+    assert _loads(plan) == [3]
+    assert int(plan.counts[WRITEBACKS]) == 0  # nothing was updated (dirty)
     assert s.residency.slot_of[2] == -1
-    s.release(plan)
+    s.release(plan, updated=False)
     for _ in range(2):
         p = s.stage_next()
-        assert p.load_rows.numel() == 0  # 0 and 1 hit
-        s.release(p)
+        assert int(p.counts[LOADS]) == 0  # 0 and 1 hit
+        s.release(p, updated=False)
     _check_bijection(s)
 
 
-def test_lookahead_prefers_rows_outside_window_then_lowest_count():
-    s = Scheduler(10, 3, make_policy("lookahead"), lookahead=3)
-    for batch in ([0, 1], [0, 2], [5], [0]):
+def test_lookahead_prefers_rows_outside_window_then_least_used():
+    s = Scheduler(10, 3, make_policy("lookahead"), lookahead=4)
+    for batch in ([1, 2], [2], [0], [5], [0]):
         s.enqueue(_ids(*batch))
-    s.release(s.stage_next())
-    s.release(s.stage_next())
-    plan = s.stage_next()  # [5]: 0 is used next; 1 and 2 not; 1 and 2 both seen once: one of them
-    assert plan.load_rows.tolist() == [5]
-    assert s.residency.slot_of[0] >= 0
+    for _ in range(3):
+        s.release(s.stage_next(), updated=False)
+    plan = s.stage_next()  # [5]: 0 is used next; 1 and 2 are not: 1 was used by fewer batches
+    assert _loads(plan) == [5]
+    assert s.residency.slot_of[1] == -1
+    assert s.residency.slot_of[0] >= 0 and s.residency.slot_of[2] >= 0
+
+
+def test_duplicates_and_the_inverse():
+    s = Scheduler(20, 8, make_policy("lookahead"), lookahead=2)
+    ids = _ids(7, 3, 7, 7, 9, 3)
+    s.enqueue(ids)
+    plan = s.stage_next()
+    assert plan.batch.rep.tolist() == [True, True, False, False, True, False]
+    assert plan.inverse.tolist() == [0, 1, 0, 0, 4, 1]
+    assert int(plan.counts[UNIQUE]) == 3 and _loads(plan) == [7, 3, 9]
+    assert torch.equal(s.residency.row_of[plan.id_slots], ids)
 
 
 def test_pinned_rows_are_never_evicted():
@@ -54,31 +79,42 @@ def test_pinned_rows_are_never_evicted():
     first, second, third = s.stage_next(), s.stage_next(), s.stage_next()
     s.release(first)  # only the first batch's slots may be reused
     fourth = s.stage_next()
-    assert sorted(fourth.load_slots.tolist()) == sorted(first.slots.tolist())
+    loaded = fourth.load_slots[: int(fourth.counts[LOADS])]
+    assert sorted(loaded.tolist()) == sorted(first.id_slots.tolist())
     for plan in (second, third):
-        assert torch.equal(s.residency.slot_of[plan.rows], plan.slots)
+        assert torch.equal(s.residency.slot_of[plan.batch.ids].long(), plan.id_slots)
+    _check_pins(s)
 
 
-def test_capacity_error_changes_nothing_and_names_the_sizes():
+def test_too_many_misses_are_recorded_and_lose_nothing():
     s = Scheduler(50, 4, make_policy("lookahead"), lookahead=3, name="tbl")
     s.enqueue(_ids(0, 1, 2))
     s.enqueue(_ids(3, 4, 5))
-    s.stage_next()
-    snapshot = [t.clone() for t in (s.residency.slot_of, s.residency.row_of, s.residency.pin)]
-    with pytest.raises(
-        CacheCapacityError, match=r"tbl: .*needs 3 more rows.*only 1 of 4.*at least 6"
-    ):
-        s.stage_next()
-    after = (s.residency.slot_of, s.residency.row_of, s.residency.pin)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, after, strict=True))
-    assert s.num_unstaged == 1
+    first = s.stage_next()
+    s.residency.dirty[first.slots[:3]] = True  # as if trained while pinned: must not be evicted
+    plan = s.stage_next()  # needs 3 slots, 1 is free
+    counts = plan.counts.tolist()
+    assert counts[MISSES] == 3 and counts[LOADS] == 1
+    error = s.capacity_error(plan, counts)
+    assert error is not None
+    assert "tbl: cache too small to stage batch 1: it needs 3 more rows but only 1 of 4" in str(
+        error
+    )
+    assert "Use a capacity of at least 6 rows" in str(error)
+    assert torch.equal(s.residency.slot_of[_ids(0, 1, 2)].long(), first.slots[:3])  # kept
+    missing = plan.id_slots == s.residency.sentinel_slot  # rows without a slot read zeros
+    assert int(missing.sum()) == 2
+    _check_bijection(s)
+    _check_pins(s)
 
 
-def test_batch_larger_than_cache_is_refused_at_enqueue():
+def test_batch_larger_than_cache_is_recorded():
     s = Scheduler(50, 2, make_policy("lru"), lookahead=1, name="tbl")
-    with pytest.raises(CacheCapacityError, match="3 distinct rows but the cache holds 2"):
-        s.enqueue(_ids(1, 2, 3, 3))
-    assert s.num_unstaged == 0
+    s.enqueue(_ids(1, 2, 3, 3))
+    plan = s.stage_next()
+    error = s.capacity_error(plan, plan.counts.tolist())
+    assert "tbl: a batch uses 3 distinct rows but the cache holds 2" in str(error)
+    _check_bijection(s)
 
 
 def test_window_errors():
@@ -94,28 +130,45 @@ def test_window_errors():
         s.release(b)
     s.release(a)
     s.release(b)
+    assert int(s.residency.pin[: s.capacity].sum()) == 0
+
+
+def test_drop_window_keeps_rows_and_dirt():
+    s = Scheduler(30, 6, make_policy("lookahead"), lookahead=4)
+    for batch in ([0, 1], [2, 3], [4, 5], [6]):
+        s.enqueue(_ids(*batch))
+    s.release(s.stage_next())  # rows 0, 1 trained: dirty
+    s.stage_next()
+    s.drop_window()
+    assert s.num_staged == s.num_unstaged == 0
     assert int(s.residency.pin.sum()) == 0
+    assert int(s.residency.dirty[: s.capacity].sum()) == 2
+    s.enqueue(_ids(0, 9))
+    plan = s.stage_next()
+    assert _loads(plan) == [9]  # row 0 is still resident
+    _check_bijection(s)
 
 
 @pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
-@pytest.mark.parametrize("victim_batches", [1, 4])
-def test_random_stream_keeps_bijection_and_pins(policy, victim_batches):
+@pytest.mark.parametrize("lookahead", [1, 6, 40])
+def test_random_stream_keeps_bijection_and_pins(policy, lookahead):
     gen = torch.Generator().manual_seed(0)
-    s = Scheduler(200, 40, make_policy(policy), lookahead=6, victim_batches=victim_batches)
+    s = Scheduler(200, 40, make_policy(policy), lookahead=lookahead)
     in_flight = []
-    for _ in range(3):
+    depth = min(2, lookahead)
+    for _ in range(depth):
         s.enqueue(torch.randint(0, 200, (12,), generator=gen))
-    for _ in range(60):
-        s.enqueue(torch.randint(0, 200, (12,), generator=gen))
+    for _ in range(120):
+        while s.num_unstaged + s.num_staged <= lookahead:
+            s.enqueue(torch.randint(0, 200, (12,), generator=gen))
         plan = s.stage_next()
+        assert int(plan.counts[LOADS]) == int(plan.counts[MISSES])
         for old in in_flight:  # rows of batches in flight stay where they were
-            assert torch.equal(s.residency.slot_of[old.rows], old.slots)
+            assert torch.equal(s.residency.slot_of[old.batch.ids].long(), old.id_slots)
         in_flight.append(plan)
-        if len(in_flight) > 2:
-            s.residency.dirty[in_flight[0].slots] = True
+        if len(in_flight) > depth:
             s.release(in_flight.pop(0))
         _check_bijection(s)
-        assert torch.equal(
-            s.residency.row_of[plan.id_slots], s.residency.row_of[plan.slots][plan.inverse]
-        )
+        _check_pins(s)
+        assert torch.equal(s.residency.row_of[plan.id_slots], plan.batch.ids)
     assert s.counters.writebacks > 0

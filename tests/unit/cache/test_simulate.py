@@ -88,24 +88,17 @@ def test_full_window_without_prefetch_matches_optimal():
     assert la.loads == opt.loads
 
 
-def test_longer_window_never_hurts_much_and_pool_stays_close():
+def test_longer_window_loads_less_and_approaches_optimal():
     batches = zipf_batches(2000, 80, 120, seed=3)
-    short = simulate(batches, num_rows=2000, capacity=300, lookahead=1, prefetch_depth=1)
-    long = simulate(batches, num_rows=2000, capacity=300, lookahead=16, prefetch_depth=1)
-    pooled = simulate(
-        batches, num_rows=2000, capacity=300, lookahead=16, prefetch_depth=1, victim_batches=4
-    )
-    assert long.loads <= short.loads
-    assert pooled.loads <= 1.05 * long.loads
+    opt = simulate(batches, num_rows=2000, capacity=300, policy="optimal").loads
+    loads = [
+        simulate(batches, num_rows=2000, capacity=300, lookahead=la, prefetch_depth=1).loads
+        for la in (1, 16, 119)
+    ]
+    assert loads[0] >= loads[1] >= loads[2] >= opt
+    assert loads[2] <= 1.02 * opt  # the whole trace ahead: Belady but for the pinned batch
 
 
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         simulate([torch.tensor([1])], num_rows=4, capacity=2, policy="fifo")
-
-
-def test_optimal_ignores_victim_pooling():
-    batches = zipf_batches(2000, 80, 60, seed=4)
-    exact = simulate(batches, num_rows=2000, capacity=300, policy="optimal")
-    pooled = simulate(batches, num_rows=2000, capacity=300, policy="optimal", victim_batches=4)
-    assert pooled.loads == exact.loads

@@ -16,6 +16,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import CacheParams, ShardingEnv
 
 from distcache import CacheConfig, DistcacheConfigError
+from distcache.cache.config import DEFAULT_LOOKAHEAD
 from distcache.planner.export import (
     cache_config_for,
     from_sharding_plan,
@@ -109,7 +110,8 @@ def test_to_sharding_plan_kernels_and_cache_configs() -> None:
     assert t1.optimizer == "rowwise_adagrad"  # from the workload
     t2 = module_plan["t2"].cache_config
     # device: a cache of every row, staged ahead with the base config's look-ahead
-    assert (t2.capacity, t2.lookahead, t2.prefetch_depth, t2.policy) == (1.0, 8, 1, "lookahead")
+    expected = (1.0, DEFAULT_LOOKAHEAD, 1, "lookahead")
+    assert (t2.capacity, t2.lookahead, t2.prefetch_depth, t2.policy) == expected
 
 
 def test_cache_config_keeps_base_settings_and_a_reactive_policy() -> None:

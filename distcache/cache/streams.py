@@ -1,0 +1,87 @@
+"""`Streams`: the streams and events one cache orders its work with; no-ops on CPU.
+
+On CUDA a cache uses three streams:
+- the *compute* stream (the caller's current stream): lookups, backward, the optimizer;
+- the *schedule* stream: the scheduler's bookkeeping and the plans (`Scheduler`), which depend on
+  the ids (produced on the compute stream) and on releases (after a backward);
+- the *staging* stream: the stager's copies between the host store and the cache.
+
+They are ordered by events only, never by the host waiting, except in the stager's worker thread,
+whose job is to wait. On CPU every method below does nothing (or the plain thing), so the same
+code runs on both and CI exercises it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class Streams:
+    """The schedule and staging streams of a cache on `device` (none on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.schedule = torch.cuda.Stream(device) if self.cuda else None
+        self.staging = torch.cuda.Stream(device) if self.cuda else None
+
+    @contextlib.contextmanager
+    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        """Make `stream` current (CUDA); nothing on CPU."""
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            yield
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        """An event after the work queued so far on `stream` (default: the current stream)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream or torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: current) wait for `event` on the device; the host goes on."""
+        if event is not None:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(event)
+
+    def host_wait(self, event: torch.cuda.Event | None) -> None:
+        """Block this host thread until `event` completed (only the stager's worker does)."""
+        if event is not None:
+            event.synchronize()
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for asynchronous copies (pinned on CUDA)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+
+    def keep_for(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """`tensor`, allocated on another stream, is used on `stream`: keep its memory until
+        that use completed."""
+        if stream is not None and tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
+class HostCopy:
+    """An asynchronous copy of a small device tensor to the host, read later.
+
+    Made where the tensor is computed; `read()` returns its values, waiting only if the copy has
+    not completed yet (in a pipeline it was queued batches before, so it has).
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        cuda = tensor.is_cuda
+        self._host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=cuda)
+        self._host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event() if cuda else None
+        if self._event is not None:
+            self._event.record()
+
+    def read(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.numpy().tolist()

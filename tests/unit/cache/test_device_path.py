@@ -1,0 +1,103 @@
+"""The per-batch path never reads the device back (DESIGN.md, "The device path").
+
+The path (route and enqueue a future batch, stage K ahead, look the training batch up, backward
+with the fused optimizer, release) runs under `SyncAudit` in steady state: the cache full,
+evicting, writing dirty rows back. The stager's worker thread is audited too. The scheduler also
+runs under `FakeTensorMode` on a (fake) CUDA device, which refuses any data-dependent op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from distcache import CacheConfig, CachedEmbeddingBags
+from distcache.cache.policies import make_policy
+from distcache.cache.scheduler import Scheduler
+from tests.device_audit import SyncAudit
+from tests.unit.cache.reference import loss_of, make_batches, make_tables
+
+TABLES = make_tables([8, 8, 4], [4000, 3000, 2000], ["sum", "mean", "sum"])
+
+
+@pytest.mark.parametrize(
+    ("policy", "optimizer", "depth"),
+    [("lookahead", "sgd", 1), ("lookahead", "adam", 3), ("lru", "rowwise_adagrad", 0)],
+)
+def test_steady_state_path_has_no_read_back(policy, optimizer, depth):
+    lookahead = 8
+    config = CacheConfig(
+        capacity=70,  # rows per table
+        lookahead=lookahead,
+        prefetch_depth=depth,
+        policy=policy,
+        optimizer=optimizer,
+        learning_rate=0.1,
+    )
+    cached = CachedEmbeddingBags(TABLES, config)
+    batches = make_batches(TABLES, batch_size=8, num_batches=60, max_len=2, seed=0)
+    audit = SyncAudit()
+    for engine in cached.engines:
+        engine.stager._execute = audit.wrap(engine.stager._execute)
+    enqueued = 0
+    for t, batch in enumerate(batches):
+        if t == 30:  # warm: caches full; from here on the whole path is audited
+            stats = cached.stats()
+            assert all(s.evictions > 0 and s.writebacks > 0 for s in stats.values()), stats
+            audit.sites.clear()
+            audit.__enter__()
+        while enqueued < len(batches) and enqueued <= t + lookahead:
+            cached.enqueue(*batches[enqueued])
+            enqueued += 1
+        cached.prefetch()
+        out = cached(*batch)
+        cached.prefetch()  # stage ahead while this batch trains
+        loss_of(out).backward()
+    audit.__exit__(None, None, None)
+    assert not audit.sites, f"device read-backs in the per-batch path: {audit.report()}"
+    stats = cached.stats()  # reading the counters is a read-back, outside the path
+    assert sum(s.loads for s in stats.values()) > 0
+    if policy == "lookahead":
+        assert all(s.critical_misses == 0 for s in stats.values())
+
+
+def test_the_audit_catches_read_backs():
+    x = torch.arange(10)
+    audit = SyncAudit()
+    with audit:
+        int(x.sum())
+        x[x > 3]
+        x.nonzero()
+        torch.unique(x)
+        torch.repeat_interleave(x, x)
+        x[torch.tensor([1, 2])]  # integer indexing: fine
+        torch.repeat_interleave(x, x, output_size=45)  # sized: fine
+    names = sorted(s.split(": ")[-1] for s in audit.sites)
+    assert names == [
+        "aten::_local_scalar_dense",
+        "aten::_unique2",
+        "aten::index",
+        "aten::nonzero",
+        "aten::repeat_interleave",
+    ], audit.report()
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
+def test_scheduler_runs_on_fake_tensors(policy):
+    """Under FakeTensorMode a tensor has no data: any op that needs its values on the host
+    raises, `.tolist()` and `.numpy()` included. The scheduler enqueues, stages (evicting: the
+    cache is smaller than the batches) and releases without one."""
+    with FakeTensorMode():
+        s = Scheduler(500, 40, make_policy(policy), lookahead=4)
+        plans = []
+        for _ in range(3):
+            s.enqueue(torch.randint(0, 500, (30,)))
+        for _ in range(12):
+            s.enqueue(torch.randint(0, 500, (30,)))
+            plans.append(s.stage_next())
+            if len(plans) > 1:
+                s.release(plans.pop(0))
+            assert plans[-1].id_slots.shape == (30,)
+    with pytest.raises(Exception, match="_local_scalar_dense"), FakeTensorMode():
+        _ = Scheduler(500, 40, make_policy(policy), lookahead=4).counters  # a read: caught
