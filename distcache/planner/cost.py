@@ -95,7 +95,7 @@ from distcache.planner.types import (
 
 ID_BYTES = 8  # int64 ids in the input all-to-all
 # Device metadata of a distcache cache (cache/residency.py, cache/policies.py):
-CACHE_ROW_INDEX_BYTES_LOOKAHEAD = 32  # per shard row: slot map + look-ahead record (4 x int64)
+CACHE_ROW_INDEX_BYTES_LOOKAHEAD = 8  # per shard row: slot map + latest window position (int32)
 CACHE_ROW_INDEX_BYTES_REACTIVE = 8  # per shard row: slot map (int64), LRU policy
 CACHE_SLOT_BYTES = 40  # per slot: row map, stamp, next use, count (int64), dirty, pin
 ACCESS_BYTES = 32  # granularity of random memory access (a GPU DRAM sector)

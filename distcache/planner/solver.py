@@ -16,8 +16,9 @@ judged by (step, work), work being the rank time summed over ranks (see `_State`
    traffic (device storage when a cache buys nothing). Candidates must leave enough memory,
    summed over ranks, for the least memory of the tables still to place. Table-wise is
    priced on every rank at once; column-wise shards go to the S ranks where they cost least.
-   When memory binds (caches were needed), two more passes run: ties broken toward less
-   device memory, and memory first (largest tables first, least memory each).
+   When memory binds (caches were needed), three more passes run: ties broken toward less
+   device memory, memory first (largest tables first, least memory each), and the smallest
+   tables first (for time: the small tables fill the device, the large ones get the caches).
 3. Local search until no move helps or the move budget (`SolverOptions.max_moves`, tried
    moves over all starts) is spent: re-place one of the tables that load the slowest rank, or
    two tables together (a swap); a move is kept if it lowers the step, or keeps it and lowers
@@ -678,14 +679,22 @@ def _memory(c: _Candidate) -> float:
 
 
 def _greedy(problem: _Problem, prefer: str, kinds: Collection[str] | None = None) -> _State:
-    """Tables by decreasing least work (least memory with `prefer` 'memory'), each at the
-    candidate `_pick` prefers among those that leave enough memory, summed over ranks, for the
-    least memory of the tables left; only sharding types in `kinds`, if given."""
+    """Tables by decreasing least work (least memory with `prefer` 'memory'; smallest whole
+    table first with 'small_first', which then picks as 'time': the small tables take the device
+    memory, the large ones the caches), each at the candidate `_pick` prefers among those that
+    leave enough memory, summed over ranks, for the least memory of the tables left; only
+    sharding types in `kinds`, if given."""
     state, world = _State(problem), problem.world
+    tables = range(len(problem.tables))
     if prefer == "memory":
-        order = sorted(range(len(problem.tables)), key=lambda i: -problem.least_memory[i][0])
+        order = sorted(tables, key=lambda i: -problem.least_memory[i][0])
+    elif prefer == "small_first":
+        workload = problem.workload
+        order = sorted(tables, key=lambda i: problem.tables[i].rows * workload.row_bytes(
+            problem.tables[i]))  # fmt: skip
+        prefer = "time"
     else:
-        order = sorted(range(len(problem.tables)), key=lambda i: -problem.work[i])
+        order = sorted(tables, key=lambda i: -problem.work[i])
     remaining = sum(problem.work)
     reserved = np.array(problem.least_memory, dtype=np.float64).sum(axis=0)  # (device, host)
     limits = np.array([problem.device_limit, problem.host_limit], dtype=np.float64) * world
@@ -845,7 +854,7 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     problem = _Problem(workload, topology, options)
     log.debug("solve: menus of %d tables in %.2f s", len(problem.tables), time.monotonic() - began)
     states, error = [], None
-    for prefer in ("time", "time_memory", "memory"):
+    for prefer in _PASSES:
         try:
             states.append(_greedy(problem, prefer))
         except DistcacheConfigError as exc:
@@ -889,6 +898,11 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     return best.plan(f"distcache-{workload.name}-{topology.name}", explanations)
 
 
+# Greedy passes: by work, picking for time; then, when memory binds (caches were needed), ties
+# broken toward less memory, memory first, and the smallest tables first.
+_PASSES = ("time", "time_memory", "memory", "small_first")
+
+
 def _single_type_starts(problem: _Problem, states: list[_State]) -> list[_State]:
     """Greedy starts with every table of one sharding type, when each type a plan uses costs
     at least 1 % of the best start's step (its latencies and overhead, `cost.global_terms`):
@@ -903,12 +917,13 @@ def _single_type_starts(problem: _Problem, states: list[_State]) -> list[_State]
         return []
     starts = []
     for sharding in problem.options.shardings:
-        for prefer in ("time", "time_memory", "memory"):  # as `solve`'s passes
+        for prefer in _PASSES:  # as `solve`'s passes
             try:
                 starts.append(_greedy(problem, prefer, kinds=(sharding,)))
-                break
             except DistcacheConfigError:
                 continue  # no fitting placement of this type for some table, this way
+            if not any(m.storage == HOST_CACHED for m, _ in starts[-1].placed):
+                break  # memory did not bind: the other passes would find the same plan
     return starts
 
 
