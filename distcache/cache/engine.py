@@ -206,8 +206,8 @@ class CacheEngine:
             # zero and update the sentinel slot, which is zeroed below.
             grad = torch.zeros(plan.slots.numel(), self.dim, device=bag_grad.device)
             grad.index_add_(0, plan.inverse, bag_grad.index_select(0, bag_of_id))  # [n, dim]
-            weights = self.weights[plan.slots]
-            state = self.state[plan.slots]
+            weights = self.weights.index_select(0, plan.slots)
+            state = self.state.index_select(0, plan.slots)
             self.optimizer.update(weights, state, grad)
             self.weights.index_copy_(0, plan.slots, weights)
             self.state.index_copy_(0, plan.slots, state)

@@ -32,12 +32,19 @@ def find_invalid(
         record: `[4]` int64: how many, the position of the first, its value and its feature.
     """
     n = values.numel()
-    bad = (values < 0) | (values >= rows[feature_of_id])
+    bad = (values < 0) | (values >= rows.index_select(0, feature_of_id))
     if n == 0:
         return bad, torch.zeros(RECORD_SIZE, dtype=torch.int64, device=values.device)
     position = torch.arange(n, device=values.device)
     first = torch.where(bad, position, n).amin().clamp_(max=n - 1).view(1)  # [1]
-    record = torch.cat([bad.sum().view(1), first, values[first], feature_of_id[first]])
+    record = torch.cat(
+        [
+            bad.sum().view(1),
+            first,
+            values.index_select(0, first),
+            feature_of_id.index_select(0, first),
+        ]
+    )
     return bad, record
 
 

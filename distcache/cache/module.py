@@ -282,25 +282,25 @@ class CachedEmbeddingBags(nn.Module):
             bad, check = find_invalid(values, feature_of_id, self._rows)
         parts = []
         for group in self._groups:
-            ids = values + group.feature_row_offset[feature_of_id]
+            ids = values + group.feature_row_offset.index_select(0, feature_of_id)
             if bad is not None:
                 ids = torch.where(bad, group.sentinel_row, ids)
             padded = len(group.features) < num_features
             if not padded:
                 g_lengths, g_offsets, g_bag_of_id = lengths, offsets, bag_of_id
             else:  # pack the group's ids first (features are feature-major, so bags stay whole)
-                member = group.member[feature_of_id]
-                rank = member.cumsum(0) - 1
-                g_lengths = lengths.view(num_features, batch_size)[group.feature_index].reshape(-1)
+                member = group.member.index_select(0, feature_of_id)
+                rank = member.cumsum(0, dtype=torch.int32) - 1
+                per_feature = lengths.view(num_features, batch_size)
+                g_lengths = per_feature.index_select(0, group.feature_index).reshape(-1)
                 g_offsets = torch.cat([offsets[:1] * 0, g_lengths.cumsum(0)])
-                local_bag = group.position[feature_of_id] * batch_size + bag_of_id % max(
-                    batch_size, 1
-                )
+                position = group.position.index_select(0, feature_of_id)
+                local_bag = position * batch_size + bag_of_id % max(batch_size, 1)
                 ids = pack(member, rank, ids, n, group.sentinel_row)
                 g_bag_of_id = pack(member, rank, local_bag, n, g_lengths.numel())
             divisor = None
             if group.has_mean:  # decided on the host from the table configs
-                mean = self._mean[group.feature_index]
+                mean = self._mean.index_select(0, group.feature_index)
                 length = g_lengths.clamp(min=1).to(torch.float32)
                 bag_mean = mean.repeat_interleave(batch_size)
                 divisor = torch.where(bag_mean, length, torch.ones_like(length))

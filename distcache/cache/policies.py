@@ -45,15 +45,16 @@ class EvictionPolicy(abc.ABC):
         self.residency = residency
         self.trash = residency.trash_slot
 
-    def on_enqueue(self, seq: int, ids: torch.Tensor, fresh: torch.Tensor) -> None:
-        """Batch `seq` entered the window: `ids` `[n]`, `fresh` `[n]` bool the representatives
-        of rows not used by any batch still waiting to be staged (this batch is their next use)."""
+    def on_enqueue(self, seq: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
+        """Batch `seq` entered the window: its distinct `rows` `[n]` (padded with the sentinel
+        row), `fresh` `[n]` bool those not used by any batch still waiting to be staged (this
+        batch is their next use)."""
 
     @abc.abstractmethod
     def on_stage(
         self,
         seq: int,
-        ids: torch.Tensor,
+        rows: torch.Tensor,
         slots: torch.Tensor,
         loaded: torch.Tensor,
         next_use: torch.Tensor,
@@ -61,16 +62,15 @@ class EvictionPolicy(abc.ABC):
         """Batch `seq` is made resident.
 
         Args:
-            ids: `[n]` its ids.
-            slots: `[n]` int64 the slot of each representative id; the sentinel slot for the
-                others (duplicates, padding).
-            loaded: `[n]` bool representatives loaded by this staging (not hits).
-            next_use: `[n]` int32 the seq of each id's next use after this batch, or `NO_USE`.
+            rows: `[n]` its distinct rows, padded with the sentinel row.
+            slots: `[n]` int64 the slot of each row; the sentinel slot for padding.
+            loaded: `[n]` bool rows loaded by this staging (not hits).
+            next_use: `[n]` int32 the seq of each row's next use after this batch, or `NO_USE`.
         """
 
     @abc.abstractmethod
     def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
-        """Eviction classes `[capacity]` int64 in [0, classes) for staging batch `seq`, and
+        """Eviction classes `[capacity]` (int32) in [0, classes) for staging batch `seq`, and
         `classes`; higher goes first. Free and pinned slots are handled by the scheduler."""
 
 
@@ -91,22 +91,23 @@ class LookaheadPolicy(EvictionPolicy):
     def bind(self, residency: Residency, lookahead: int) -> None:
         super().bind(residency, lookahead)
         slots, device = residency.capacity + 2, residency.row_of.device
-        self.next_use = torch.full((slots,), NO_USE, dtype=torch.int64, device=device)
-        self.uses = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.next_use = torch.full((slots,), NO_USE, dtype=torch.int32, device=device)
+        self.uses = torch.zeros(slots, dtype=torch.int32, device=device)
         self.far = lookahead + 1  # distance class of a row the window does not use
         self.use_bits = max(0, _class_bits(residency.capacity) - _bits(self.far + 1))
 
-    def on_enqueue(self, seq: int, ids: torch.Tensor, fresh: torch.Tensor) -> None:
-        slot = self.residency.slot_of[ids].long()
+    def on_enqueue(self, seq: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
+        slot = self.residency.slot_of.index_select(0, rows).long()
         self.next_use.index_fill_(0, torch.where(fresh & (slot >= 0), slot, self.trash), seq)
 
-    def on_stage(self, seq, ids, slots, loaded, next_use) -> None:  # noqa: ANN001
-        self.next_use.index_copy_(0, slots, next_use.long())
+    def on_stage(self, seq, rows, slots, loaded, next_use) -> None:  # noqa: ANN001
+        self.next_use.index_copy_(0, slots, next_use)
         self.uses.index_fill_(0, torch.where(loaded, slots, self.trash), 0)
-        self.uses.index_add_(0, slots, torch.ones_like(slots))
+        self.uses.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
 
     def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
         c = self.residency.capacity
+        # int32 throughout: seqs stay below 2**31, classes below 2**18 (half the bytes of int64)
         distance = (self.next_use[:c] - seq).clamp_(0, self.far)  # NO_USE -> far
         top = (1 << self.use_bits) - 1
         rarity = top - self.uses[:c].clamp(max=top)
@@ -119,9 +120,9 @@ class LRUPolicy(EvictionPolicy):
     def bind(self, residency: Residency, lookahead: int) -> None:
         super().bind(residency, lookahead)
         device = residency.row_of.device
-        self.last_use = torch.zeros(residency.capacity + 2, dtype=torch.int64, device=device)
+        self.last_use = torch.zeros(residency.capacity + 2, dtype=torch.int32, device=device)
 
-    def on_stage(self, seq, ids, slots, loaded, next_use) -> None:  # noqa: ANN001
+    def on_stage(self, seq, rows, slots, loaded, next_use) -> None:  # noqa: ANN001
         self.last_use.index_fill_(0, slots, seq)
 
     def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
@@ -142,14 +143,14 @@ class LFUPolicy(EvictionPolicy):
         self.age_bits = max(0, _class_bits(residency.capacity) - self.COUNT_BITS)
         device, slots = residency.row_of.device, residency.capacity + 2
         self.count = torch.zeros(residency.num_rows + 2, dtype=torch.int32, device=device)
-        self.slot_count = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.last_use = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.slot_count = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.last_use = torch.zeros(slots, dtype=torch.int32, device=device)
 
-    def on_stage(self, seq, ids, slots, loaded, next_use) -> None:  # noqa: ANN001
-        rows = torch.where(slots == self.residency.sentinel_slot, self.residency.trash_row, ids)
-        count = (self.count[rows] + 1).clamp_(max=(1 << self.COUNT_BITS) - 1)
+    def on_stage(self, seq, rows, slots, loaded, next_use) -> None:  # noqa: ANN001
+        rows = torch.where(slots == self.residency.sentinel_slot, self.residency.trash_row, rows)
+        count = (self.count.index_select(0, rows) + 1).clamp_(max=(1 << self.COUNT_BITS) - 1)
         self.count.index_copy_(0, rows, count)
-        self.slot_count.index_copy_(0, slots, count.long())
+        self.slot_count.index_copy_(0, slots, count)
         self.last_use.index_fill_(0, slots, seq)
 
     def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:

@@ -52,8 +52,8 @@ class StagePlan:
     """
 
     seq: int
-    batch: WindowBatch  # the batch's ids, representatives and inverse
-    slots: torch.Tensor  # [n] int64 slot of each representative id; sentinel slot otherwise
+    batch: WindowBatch  # the batch's distinct rows and inverse
+    slots: torch.Tensor  # [n] int64 slot of each of `batch.rows`; sentinel slot for padding
     id_slots: torch.Tensor  # [n] int64 slot of every id, in input order
     load_rows: torch.Tensor  # [size] int64 rows to bring in (first counts[LOADS])
     load_slots: torch.Tensor  # [size] int64 their slots
@@ -67,8 +67,7 @@ class StagePlan:
 
     @property
     def inverse(self) -> torch.Tensor:
-        """`[n]` index of each id's representative (as `unique(return_inverse=True)`, in input
-        order)."""
+        """`[n]` index in `batch.rows` of each id's row (as `unique(return_inverse=True)`)."""
         return self.batch.inv
 
 
@@ -159,7 +158,7 @@ class Scheduler:
         seq = self._next_seq
         self._next_seq += 1
         batch, fresh = self.window.enter(seq, ids)
-        self.policy.on_enqueue(seq, ids, fresh)
+        self.policy.on_enqueue(seq, batch.rows, fresh)
         self._unstaged.append(batch)
         self._batches += 1
         self._totals[0] += (ids != self.residency.sentinel_row).sum()
@@ -174,30 +173,31 @@ class Scheduler:
         res, cap, n = self.residency, self.capacity, batch.size
         size = min(n, cap)
         next_use = self.window.leave(batch)  # [n] next use of each occurrence after this batch
-        slot = res.slot_of[batch.ids].long()  # [n] -1: not resident
-        miss = batch.rep & (slot < 0)
+        slot = res.slot_of.index_select(0, batch.rows).long()  # [n] -1: not resident
+        miss = batch.valid & (slot < 0)
         want = miss.sum()
-        hit_slots = torch.where(batch.rep & (slot >= 0), slot, res.sentinel_slot)
+        hit_slots = torch.where(batch.valid & (slot >= 0), slot, res.sentinel_slot)
         res.pin.index_add_(0, hit_slots, torch.ones_like(hit_slots, dtype=torch.int32))
         victims, taken, candidates = self._victims(batch.seq, want, n, size)  # [size + 1]
-        rank = miss.cumsum(0) - 1
+        rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
         got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
-        slot = torch.where(got, victims[rank.clamp(0, size)], slot)
+        slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), slot)
 
-        old = res.row_of[victims]  # [size + 1] the victims' rows (-1: free slot)
+        old = res.row_of.index_select(0, victims)  # [size + 1] the victims' rows (-1: free)
         real = victims < cap
         evicted = real & (old >= 0)
-        writeback = evicted & res.dirty[victims]
+        writeback = evicted & res.dirty.index_select(0, victims)
         res.slot_of.index_fill_(0, torch.where(evicted, old, res.trash_row), -1)
-        res.slot_of.index_copy_(0, torch.where(got, batch.ids, res.trash_row), slot.int())
-        res.row_of.index_copy_(0, torch.where(got, slot, res.trash_slot), batch.ids)
+        res.slot_of.index_copy_(0, torch.where(got, batch.rows, res.trash_row), slot.int())
+        res.row_of.index_copy_(0, torch.where(got, slot, res.trash_slot), batch.rows)
         res.dirty.index_fill_(0, victims, False)
         loaded_slots = torch.where(got, slot, res.sentinel_slot)
         res.pin.index_add_(0, loaded_slots, torch.ones_like(loaded_slots, dtype=torch.int32))
-        slot = torch.where(batch.rep & (slot >= 0), slot, res.sentinel_slot)
-        self.policy.on_stage(batch.seq, batch.ids, slot, got, next_use)
+        slot = torch.where(batch.valid & (slot >= 0), slot, res.sentinel_slot)
+        self.policy.on_stage(batch.seq, batch.rows, slot, got, next_use)
 
-        unique = (batch.rep & (batch.ids != res.sentinel_row)).sum()  # padding is no row
+        unique = batch.valid.sum()
+        wb_rank = writeback.cumsum(0, dtype=torch.int32) - 1
         counts = torch.stack([unique, want, taken, writeback.sum(), evicted.sum(), candidates])
         critical_misses = want if critical else torch.zeros_like(want)
         self._totals[1:] += torch.stack(
@@ -207,13 +207,11 @@ class Scheduler:
             seq=batch.seq,
             batch=batch,
             slots=slot,
-            id_slots=slot[batch.inv],
-            load_rows=pack(got, rank, batch.ids, size, res.sentinel_row),
+            id_slots=slot.index_select(0, batch.inv),
+            load_rows=pack(got, rank, batch.rows, size, res.sentinel_row),
             load_slots=victims[:size],
-            writeback_rows=pack(writeback, writeback.cumsum(0) - 1, old, size, res.sentinel_row),
-            writeback_slots=pack(
-                writeback, writeback.cumsum(0) - 1, victims, size, res.sentinel_slot
-            ),
+            writeback_rows=pack(writeback, wb_rank, old, size, res.sentinel_row),
+            writeback_slots=pack(writeback, wb_rank, victims, size, res.sentinel_slot),
             counts=counts,
             critical=critical,
             pinned_batches=len(self._staged),

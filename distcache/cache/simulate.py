@@ -100,7 +100,7 @@ def simulate(
         name=f"simulate[{policy}]",
     )
     device = engine.device
-    seen = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    seen = torch.zeros(num_rows + 1, dtype=torch.bool, device=device)  # + the sentinel row
     no_grad = torch.zeros(1, 0, device=device)  # one zero-width "bag"
     enqueued = 0
     start = time.perf_counter()
@@ -114,7 +114,7 @@ def simulate(
         engine.apply_gradients(
             plan, no_grad, no_grad.new_zeros(plan.inverse.numel(), dtype=torch.int64)
         )
-        seen[plan.batch.ids] = True
+        seen[plan.batch.rows] = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -126,7 +126,7 @@ def simulate(
         prefetch_depth=prefetch_depth,
         batches=len(batches),
         ids=stats.ids,
-        unique_ids=int(seen.sum()),
+        unique_ids=int(seen[:num_rows].sum()),
         hits=stats.hits,
         loads=stats.loads,
         writebacks=stats.writebacks,

@@ -133,7 +133,9 @@ class Stager:
             s.wait(job.victims_free, s.staging)
             if writebacks:
                 slots = plan.writeback_slots[:writebacks]
-                values = torch.cat([self.weights[slots], self.state[slots]], dim=1)
+                values = torch.cat(
+                    [self.weights.index_select(0, slots), self.state.index_select(0, slots)], 1
+                )
                 host = s.host_buffer(tuple(values.shape), values.dtype)
                 host.copy_(values, non_blocking=True)
                 s.host_wait(s.record(s.staging))

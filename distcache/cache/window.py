@@ -1,23 +1,26 @@
 """`Window`: the ids of the batches in the look-ahead window, deduplicated, and each row's next use.
 
-A batch of n ids enters the window (`enter`) and gets n consecutive *positions* in a ring, one
-per id. Two arrays do all the work, with shapes the host knows (no `unique`, no sort, no
-read-back):
+A batch of n ids enters the window (`enter`) and gets n consecutive *positions* in a ring. All
+shapes are known on the host (no `unique`, no read-back):
 
+- The ids are sorted (a sort's output has the input's shape) and each distinct row is packed to
+  the front (`rows`: the batch's distinct rows in ascending order, then the sentinel row, which
+  is larger than every row); each id learns its row's index there (`inv`). That is
+  `unique(sorted=True, return_inverse=True)` with the padding the host can size. Every later
+  pass over a batch touches per-row arrays in ascending address order (3-4 x faster than random
+  order on a CPU, measured) and the padding hits one cache line.
 - `latest` `[rows + 2]` int32, per row: the position of the row's latest occurrence in a batch
-  that is in the window and not yet staged, or -1. Entering a batch scatters its positions there
-  with `amin`, so every id reads back the position of its row's *first* occurrence in the batch:
-  the id at that position is the row's representative (`rep`), and the others point at it
-  (`inv`). That is `unique(return_inverse=True)` in three O(n) passes, in input order.
+  that is in the window and not yet staged, or -1. Row k of a batch sits at position `base + k`.
 - `next_use` `[ring]` int32, per position: the seq of the next batch that uses the row after this
   occurrence (`NO_USE` while none is known). A batch entering links each of its rows to the row's
-  previous occurrence (read from `latest` before the scatter) in one scatter, and staging a batch
-  reads its own slice. Both cost O(n), whatever the window's length L.
+  previous occurrence (read from `latest`) in one scatter, and staging a batch reads its own
+  slice. Both cost O(n), whatever the window's length L.
 
 Staging a batch (`leave`) resets `latest` for the rows whose latest occurrence it held, so
 `latest[r] >= 0` means exactly "r is used by a batch still waiting to be staged". Positions are
 reused once their batch has left; the ring grows (keeping positions) when the window holds more
-ids than it. Memory: 4 bytes per table row, 4 bytes per id in the window.
+ids than it. Memory: 4 bytes per table row; about 20 bytes per id in the window (`rows`, `inv`,
+the ring).
 """
 
 from __future__ import annotations
@@ -27,22 +30,29 @@ from dataclasses import dataclass
 
 import torch
 
+from distcache.cache.select import pack
+
 NO_USE = torch.iinfo(torch.int32).max  # next_use of an occurrence whose row is not used again yet
 
 
 @dataclass(eq=False)
 class WindowBatch:
-    """One batch in the window: its ids and where they sit in the ring."""
+    """One batch in the window: its distinct rows and where they sit in the ring."""
 
     seq: int
-    base: int  # position of ids[0]; ids[i] sits at base + i
-    ids: torch.Tensor  # [n] int64 rows (invalid ids already redirected to the sentinel row)
-    rep: torch.Tensor  # [n] bool: the first occurrence of its row in the batch
-    inv: torch.Tensor  # [n] int64 index of the id's representative (inv[i] == i iff rep[i])
+    base: int  # position of rows[0]; rows[k] sits at base + k
+    rows: torch.Tensor  # [n] int64 the distinct rows (ascending), then sentinel rows
+    inv: torch.Tensor  # [n] int64 index in `rows` of each id's row
+    valid: torch.Tensor  # [n] bool rows[k] is a real row (not padding, not the sentinel)
 
     @property
     def size(self) -> int:
-        return self.ids.numel()
+        return self.rows.numel()
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """`[n]` the batch's ids (rebuilt: for tests and tools, not the per-batch path)."""
+        return self.rows[self.inv]
 
 
 class Window:
@@ -56,7 +66,7 @@ class Window:
 
     def __init__(self, num_rows: int, device: torch.device):
         self.device = device
-        self.trash_row = num_rows + 1
+        self.sentinel_row, self.trash_row = num_rows, num_rows + 1
         self.latest = torch.full((num_rows + 2,), -1, dtype=torch.int32, device=device)
         self.next_use = torch.full((1024,), NO_USE, dtype=torch.int32, device=device)
         self._live: deque[WindowBatch] = deque()  # entered and not yet left, oldest first
@@ -66,24 +76,30 @@ class Window:
         return len(self._live)
 
     def enter(self, seq: int, ids: torch.Tensor) -> tuple[WindowBatch, torch.Tensor]:
-        """Add batch `seq` with ids `[n]` (int64, in range); returns it and `fresh` `[n]` bool:
-        representatives whose row has no occurrence in a batch still waiting to be staged
+        """Add batch `seq` with ids `[n]` (int64, in range or the sentinel row); returns it and
+        `fresh` `[n]` bool: its rows with no occurrence in a batch still waiting to be staged
         (this batch is their next use)."""
         n = ids.numel()
         base = self._alloc(n)
-        idx = torch.arange(n, device=self.device)
-        pos = (idx + base).to(torch.int32)
-        prev = self.latest[ids]  # [n] latest live occurrence before this batch, or -1
-        self.latest.scatter_reduce_(0, ids, pos, reduce="amin", include_self=False)
-        first = self.latest[ids].long() - base  # [n] index of the row's first occurrence here
-        rep = first == idx
-        linked = rep & (prev >= 0)
+        ordered, order = torch.sort(ids)  # [n]
+        first = torch.ones(n, dtype=torch.bool, device=self.device)
+        first[1:] = ordered[1:] != ordered[:-1]  # the first id of each distinct row
+        rank = first.cumsum(0, dtype=torch.int32) - 1  # [n] each sorted id's row among the distinct
+        rows = pack(first, rank, ordered, n, self.sentinel_row)  # ascending, then sentinels
+        inv = torch.empty_like(rank).scatter_(0, order, rank)  # [n] back to input order
+        valid = rows != self.sentinel_row
+        prev = self.latest.index_select(0, rows)  # [n] latest live position, or -1
+        fresh = valid & (prev < 0)
         # The previous occurrence learns that this batch uses its row next.
-        self.next_use.index_fill_(0, torch.where(linked, prev.long(), self._trash), seq)
+        linked = torch.where(valid & (prev >= 0), prev.long(), self._trash)
+        self.next_use.index_fill_(0, linked, seq)
         self.next_use[base : base + n] = NO_USE
-        batch = WindowBatch(seq=seq, base=base, ids=ids, rep=rep, inv=first)
+        # Row k of the batch sits at position base + k from now on.
+        pos = torch.arange(base, base + n, dtype=torch.int32, device=self.device)
+        self.latest.index_copy_(0, torch.where(valid, rows, self.trash_row), pos)
+        batch = WindowBatch(seq=seq, base=base, rows=rows, inv=inv, valid=valid)
         self._live.append(batch)
-        return batch, rep & (prev < 0)
+        return batch, fresh
 
     def leave(self, batch: WindowBatch) -> torch.Tensor:
         """Batch `batch` (the oldest) is staged: returns `[n]` int32 the next use of each of its
@@ -94,8 +110,8 @@ class Window:
         n = batch.size
         next_use = self.next_use[batch.base : batch.base + n].clone()
         pos = torch.arange(batch.base, batch.base + n, dtype=torch.int32, device=self.device)
-        last_here = batch.rep & (self.latest[batch.ids] == pos)  # no later occurrence
-        self.latest.index_fill_(0, torch.where(last_here, batch.ids, self.trash_row), -1)
+        last_here = batch.valid & (self.latest.index_select(0, batch.rows) == pos)  # none later
+        self.latest.index_fill_(0, torch.where(last_here, batch.rows, self.trash_row), -1)
         if not self._live:
             self._tail = 0
         return next_use

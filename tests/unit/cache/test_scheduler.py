@@ -66,9 +66,11 @@ def test_duplicates_and_the_inverse():
     ids = _ids(7, 3, 7, 7, 9, 3)
     s.enqueue(ids)
     plan = s.stage_next()
-    assert plan.batch.rep.tolist() == [True, True, False, False, True, False]
-    assert plan.inverse.tolist() == [0, 1, 0, 0, 4, 1]
-    assert int(plan.counts[UNIQUE]) == 3 and _loads(plan) == [7, 3, 9]
+    sentinel = s.residency.sentinel_row
+    assert plan.batch.rows.tolist() == [3, 7, 9, sentinel, sentinel, sentinel]
+    assert plan.inverse.tolist() == [1, 0, 1, 1, 2, 0]
+    assert torch.equal(plan.batch.ids, ids)
+    assert int(plan.counts[UNIQUE]) == 3 and _loads(plan) == [3, 7, 9]
     assert torch.equal(s.residency.row_of[plan.id_slots], ids)
 
 
