@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,18 @@ def machine() -> dict[str, object]:
     return info
 
 
+def commit() -> str:
+    """The commit measured, with "+dirty" when the tree has uncommitted changes."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -43,6 +56,7 @@ def write_json(path: str | None, config: dict, results: list[dict]) -> None:
         return
     payload = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
         "config": config,

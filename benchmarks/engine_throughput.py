@@ -1,11 +1,19 @@
-"""Speed of the cache engine on this machine, each measurement next to its baseline.
+"""Speed and device memory of the cache engine on this machine, each next to its baseline.
 
-1. Scheduler: ids/s of the look-ahead scheduler (unique, hits, victims, residency updates) on
-   one large table with a small cache and big power-law batches; the reactive LRU scheduler
-   side by side. No rows move (simulator over the real engine).
-2. Forward + backward: steps/s of `CachedEmbeddingBags` (look-ahead window, fused SGD) at several
-   capacities next to `torch.nn.EmbeddingBag` with sparse gradients + `torch.optim.SGD` on the
-   same batches and sizes.
+1. Scheduler: ids/s and host ms per batch of the scheduler and stager (dedup, window, victims,
+   residency, the worker hand-off; zero-width rows, so no bytes move) on one large shard with a
+   2 % cache and big power-law batches, at L = 8, 64, 256 (its cost must not grow with L), and
+   the reactive LRU engine.
+2. Forward + backward: steps/s of `CachedEmbeddingBags` (look-ahead window, fused SGD) at 100,
+   5 and 1 % of the rows and reactive LRU at 5 %, next to `torch.nn.EmbeddingBag` with sparse
+   gradients + `torch.optim.SGD` on the same batches and sizes; host ms per step spent
+   scheduling (enqueue + prefetch) and waiting for rows.
+3. Device bytes per table row of each policy, measured (engines of two sizes, same cache) and
+   applied to Criteo Terabyte's 26 tables.
+
+Variants run step by step in turn, in an order rotated every step, so that this shared
+machine's drift touches them alike; each of --rounds rounds gives one steps/s (ids/s) per
+variant, and the tables report the median and range over rounds.
 
 Usage::
 
@@ -16,8 +24,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,45 +37,106 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
-from distcache.cache.simulate import simulate  # noqa: E402
+from distcache.cache.engine import CacheEngine  # noqa: E402
 from distcache.data.traces import zipf_trace  # noqa: E402
+from distcache.planner.workloads import workload_preset  # noqa: E402
+
+TARGET_IDS_PER_S = 5e6  # issue 11: scheduler ids/s on CPU
+TARGET_X_FULL = 0.9  # ... forward + backward at 5 % against 100 %
+
+
+def interleave(steps: dict[str, Callable[[], None]], rounds: int, per_round: int, warmup: int):
+    """Run every variant's step in turn (order rotated each step); returns per variant the
+    seconds per step of each round."""
+    names = list(steps)
+    for i in range(warmup):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            steps[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        spent = dict.fromkeys(names, 0.0)
+        for i in range(per_round):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                start = time.perf_counter()
+                steps[name]()
+                spent[name] += time.perf_counter() - start
+        for name in names:
+            times[name].append(spent[name] / per_round)
+    return times
+
+
+def summary(per_step_s: list[float], work: float) -> dict[str, float]:
+    """Median and range over rounds of `work` per second."""
+    rates = [work / s for s in per_step_s]
+    return {"median": statistics.median(rates), "low": min(rates), "high": max(rates)}
+
+
+class Replay:
+    """One engine replaying a cyclic trace as the pipeline drives it: L batches enqueued ahead,
+    K staged ahead, then look-up and release (zero-width rows: no bytes move)."""
+
+    def __init__(self, trace, rows: int, capacity: int, policy: str, lookahead: int):
+        config = CacheConfig(
+            capacity=capacity,
+            lookahead=lookahead,
+            prefetch_depth=1 if policy == "lookahead" else 0,
+            policy=policy,
+        )
+        self.engine = CacheEngine(num_rows=rows, dim=0, config=config, capacity=capacity)
+        self.trace, self.lookahead = trace, lookahead
+        self.t = self.enqueued = 0
+        self.no_grad = torch.zeros(1, 0)
+        self.host_s = 0.0
+
+    def step(self) -> None:
+        engine = self.engine
+        while self.enqueued <= self.t + self.lookahead:
+            engine.enqueue(self.trace[self.enqueued % len(self.trace)])
+            self.enqueued += 1
+        engine.prefetch()
+        plan = engine.lookup_plan()
+        engine.prefetch()
+        engine.apply_gradients(plan, self.no_grad, torch.zeros_like(plan.batch.ids))
+        self.t += 1
 
 
 def bench_scheduler(args) -> list[dict]:
-    trace = zipf_trace(
-        rows=args.sched_rows,
-        alpha=args.alpha,
-        batch=args.sched_batch,
-        batches=args.sched_batches,
-        seed=0,
-    )
-    batches = list(trace)
-    capacity = int(args.sched_capacity * args.sched_rows)
-    results = []
-    for policy, victim_batches in (("lookahead", 1), ("lookahead", 4), ("lru", 1)):
-        r = simulate(
-            batches,
-            num_rows=args.sched_rows,
-            capacity=capacity,
-            policy=policy,
-            lookahead=8,
-            prefetch_depth=1,
-            victim_batches=victim_batches,
-            device=args.device,
+    trace = list(
+        zipf_trace(
+            rows=args.sched_rows,
+            alpha=args.alpha,
+            batch=args.sched_batch,
+            batches=args.sched_batches,
+            seed=0,
         )
+    )
+    capacity = int(args.sched_capacity * args.sched_rows)
+    variants = {f"lookahead L={la}": ("lookahead", la) for la in (8, 64, 256)}
+    variants["lru"] = ("lru", 64)
+    replays = {
+        name: Replay(trace, args.sched_rows, capacity, policy, la)
+        for name, (policy, la) in variants.items()
+    }
+    # Warm-up fills the windows (L + 1 batches on the first step) and the caches.
+    times = interleave(
+        {n: r.step for n, r in replays.items()}, args.rounds, args.sched_steps, args.sched_warmup
+    )
+    results = []
+    for name, replay in replays.items():
+        stats = replay.engine.stats()
+        ids = summary(times[name], args.sched_batch)
         results.append(
             {
                 "bench": "scheduler",
-                "policy": policy,
-                "victim_batches": victim_batches,
+                "variant": name,
                 "rows": args.sched_rows,
                 "capacity": capacity,
                 "batch_ids": args.sched_batch,
-                "batches": len(batches),
-                "loads": r.loads,
-                "hit_rate": r.hits / max(1, r.hits + r.loads),
-                "ids_per_s": r.ids_per_s,
-                "ms_per_batch": 1e3 * r.seconds / len(batches),
+                "hit_rate": stats.hit_rate,
+                "ids_per_s": ids["median"],
+                "ids_per_s_low": ids["low"],
+                "ids_per_s_high": ids["high"],
+                "ms_per_batch": 1e3 * statistics.median(times[name]),
             }
         )
     return results
@@ -73,139 +144,219 @@ def bench_scheduler(args) -> list[dict]:
 
 def _batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
     n = args.batch_size * args.pooling
-    trace = zipf_trace(
-        rows=args.rows, alpha=args.alpha, batch=n, batches=args.warmup + args.steps, seed=1
-    )
+    trace = zipf_trace(rows=args.rows, alpha=args.alpha, batch=n, batches=args.pool, seed=1)
     offsets = torch.arange(0, n + 1, args.pooling)
     return [(ids, offsets) for ids in trace]
 
 
-def _time_steps(step, batches, warmup: int) -> float:
-    for b in batches[:warmup]:
-        step(b)
-    start = time.perf_counter()
-    for b in batches[warmup:]:
-        step(b)
-    return time.perf_counter() - start
+class Baseline:
+    """`nn.EmbeddingBag` with sparse gradients and SGD: every row in memory, no cache."""
+
+    def __init__(self, args, batches):
+        self.bag = torch.nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
+        self.opt = torch.optim.SGD(self.bag.parameters(), lr=0.01)
+        self.batches, self.t = batches, 0
+
+    def step(self) -> None:
+        values, offsets = self.batches[self.t % len(self.batches)]
+        self.opt.zero_grad()
+        self.bag(values, offsets[:-1]).sum().backward()
+        self.opt.step()
+        self.t += 1
 
 
-def bench_baseline(args, batches) -> dict:
-    bag = torch.nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
-    opt = torch.optim.SGD(bag.parameters(), lr=0.01)
+class Cached:
+    """`CachedEmbeddingBags` driven as the pipeline drives it (L ahead, K = 1 staged)."""
 
-    def step(batch):
-        opt.zero_grad()
-        bag(*batch[:1], batch[1][:-1]).sum().backward()
-        opt.step()
+    def __init__(self, args, batches, capacity: float, policy: str):
+        self.config = CacheConfig(
+            capacity=capacity,
+            lookahead=args.lookahead,
+            prefetch_depth=1 if policy == "lookahead" else 0,
+            policy=policy,
+            learning_rate=0.01,
+        )
+        table = TableSpec(name="t", num_embeddings=args.rows, embedding_dim=args.dim)
+        self.bags = CachedEmbeddingBags([table], self.config)
+        self.batches, self.t, self.enqueued = batches, 0, 0
+        self.schedule_s = 0.0
 
-    seconds = _time_steps(step, batches, args.warmup)
-    return {
-        "bench": "fwd+bwd",
-        "policy": "nn.EmbeddingBag (sparse) + SGD",
-        "capacity_frac": 1.0,
-        "steps_per_s": args.steps / seconds,
-    }
-
-
-def bench_cached(args, batches, capacity: float, policy: str) -> dict:
-    config = CacheConfig(
-        capacity=capacity,
-        lookahead=8,
-        prefetch_depth=1,
-        policy=policy,
-        learning_rate=0.01,
-        check_ids=True,
-    )
-    table = TableSpec(name="t", num_embeddings=args.rows, embedding_dim=args.dim)
-    bags = CachedEmbeddingBags([table], config, device=args.device)
-    enqueued = 0
-
-    def step(batch):
-        nonlocal enqueued
-        t = step.t
-        while enqueued < len(batches) and enqueued <= t + config.lookahead:
-            bags.enqueue(*batches[enqueued])
-            enqueued += 1
+    def step(self) -> None:
+        bags, n = self.bags, len(self.batches)
+        start = time.perf_counter()
+        while self.enqueued <= self.t + self.config.lookahead:
+            bags.enqueue(*self.batches[self.enqueued % n])
+            self.enqueued += 1
         bags.prefetch()
-        out = bags(*batch)
+        self.schedule_s += time.perf_counter() - start
+        out = bags(*self.batches[self.t % n])
+        start = time.perf_counter()
         bags.prefetch()
+        self.schedule_s += time.perf_counter() - start
         out.sum().backward()
-        step.t += 1
+        self.t += 1
 
-    step.t = 0
-    seconds = _time_steps(step, batches, args.warmup)
-    (stats,) = bags.stats().values()
-    return {
-        "bench": "fwd+bwd",
-        "policy": f"distcache {policy}",
-        "capacity_frac": capacity,
-        "capacity": stats.capacity,
-        "steps_per_s": args.steps / seconds,
-        "hit_rate": stats.hit_rate,
-        "critical_misses": stats.critical_misses,
-    }
+
+def bench_forward_backward(args) -> list[dict]:
+    batches = _batches(args)
+    variants: dict[str, Baseline | Cached] = {"nn.EmbeddingBag": Baseline(args, batches)}
+    for cap in (float(c) for c in args.capacities.split(",")):
+        variants[f"distcache {cap:g}"] = Cached(args, batches, cap, "lookahead")
+    variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
+    warmup = args.warmup + args.lookahead  # the first step fills the window
+    times = interleave({n: v.step for n, v in variants.items()}, args.rounds, args.steps, warmup)
+    steps_total = warmup + args.rounds * args.steps
+    base = summary(times["nn.EmbeddingBag"], 1.0)["median"]
+    full_name = next((n for n in variants if n == "distcache 1"), None)
+    full = summary(times[full_name], 1.0)["median"] if full_name else None
+    results = []
+    for name, v in variants.items():
+        rate = summary(times[name], 1.0)
+        row = {
+            "bench": "fwd+bwd",
+            "variant": name,
+            "steps_per_s": rate["median"],
+            "steps_per_s_low": rate["low"],
+            "steps_per_s_high": rate["high"],
+            "x_embedding_bag": rate["median"] / base,
+            "x_full_cache": rate["median"] / full if full else None,
+        }
+        if isinstance(v, Cached):
+            (stats,) = v.bags.stats().values()
+            row |= {
+                "capacity_frac": v.config.capacity,
+                "hit_rate": stats.hit_rate,
+                "critical_misses": stats.critical_misses,
+                "schedule_ms_per_step": 1e3 * v.schedule_s / steps_total,
+                "wait_ms_per_step": 1e3 * stats.wait_s / steps_total,
+            }
+        results.append(row)
+    return results
+
+
+def bench_device_bytes(args) -> list[dict]:
+    """Device bytes per table row: engines of two sizes with the same cache, the difference
+    of their device tensors (maps, window, policy state) divided by the difference of rows."""
+    tb_rows = sum(t.rows for t in workload_preset("criteo-terabyte").tables)
+    lo, hi, cap = 1_000_000, 3_000_000, 10_000
+    results = []
+    for policy in ("lookahead", "lru", "lfu"):
+        sizes = []
+        for rows in (lo, hi):
+            config = CacheConfig(capacity=cap, policy=policy)
+            engine = CacheEngine(num_rows=rows, dim=0, config=config)
+            sizes.append(_device_bytes(engine))
+        per_row = (sizes[1] - sizes[0]) / (hi - lo)
+        results.append(
+            {
+                "bench": "device bytes",
+                "variant": policy,
+                "bytes_per_row": per_row,
+                "criteo_tb_rows": tb_rows,
+                "criteo_tb_gb": per_row * tb_rows / 1e9,
+            }
+        )
+    return results
+
+
+def _device_bytes(engine: CacheEngine) -> int:
+    """Bytes of every tensor the engine keeps on its device (not the host store)."""
+    seen, total = set(), 0
+    stack = [engine.scheduler, engine.scheduler.residency, engine.scheduler.window]
+    stack.append(engine.scheduler.policy)
+    for obj in stack:
+        for value in vars(obj).values():
+            if isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
+                seen.add(value.data_ptr())
+                total += value.numel() * value.element_size()
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--alpha", type=float, default=1.05)
     ap.add_argument("--sched-rows", type=int, default=40_000_000)
     ap.add_argument("--sched-capacity", type=float, default=0.02)
     ap.add_argument("--sched-batch", type=int, default=200_000)
-    ap.add_argument("--sched-batches", type=int, default=40)
-    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--sched-batches", type=int, default=64, help="distinct batches (cycled)")
+    ap.add_argument("--sched-warmup", type=int, default=12)
+    ap.add_argument("--sched-steps", type=int, default=8, help="steps per round")
+    ap.add_argument("--rows", type=int, default=5_000_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--pooling", type=int, default=16)
+    ap.add_argument("--pool", type=int, default=80, help="distinct batches (cycled)")
+    ap.add_argument("--lookahead", type=int, default=CacheConfig().lookahead)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=10, help="steps per round")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--capacities", default="1.0,0.05,0.01")
+    ap.add_argument("--skip", default="", help="sections to skip: scheduler,fwd,bytes")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.sched_rows, args.sched_batch, args.sched_batches = 200_000, 1_000, 10
-        args.rows, args.batch_size, args.warmup, args.steps = 200_000, 32, 3, 5
-
-    sched = bench_scheduler(args)
-    print("scheduler (no rows moved):")
-    print_table(
-        sched,
-        [
-            ("policy", "policy"),
-            ("victim_batches", "victim batches"),
-            ("rows", "rows"),
-            ("capacity", "cache rows"),
-            ("batch_ids", "ids/batch"),
-            ("hit_rate", "hit rate"),
-            ("ms_per_batch", "ms/batch"),
-            ("ids_per_s", "ids/s"),
-        ],
-    )
-    batches = _batches(args)
-    fwd = [bench_baseline(args, batches)]
-    for cap in (float(c) for c in args.capacities.split(",")):
-        fwd.append(bench_cached(args, batches, cap, "lookahead"))
-    fwd.append(bench_cached(args, batches, 0.05, "lru"))
-    for r in fwd:
-        r["x_baseline"] = r["steps_per_s"] / fwd[0]["steps_per_s"]
-    print(
-        f"\nforward+backward: {args.rows:,} rows x {args.dim}, batch {args.batch_size} bags x "
-        f"{args.pooling} ids, zipf alpha {args.alpha}, {args.steps} steps after {args.warmup}"
-    )
-    print_table(
-        fwd,
-        [
-            ("policy", "what"),
-            ("capacity_frac", "capacity"),
-            ("hit_rate", "hit rate"),
-            ("critical_misses", "critical misses"),
-            ("steps_per_s", "steps/s"),
-            ("x_baseline", "x nn.EmbeddingBag"),
-        ],
-    )
-    write_json(args.json, vars(args), sched + fwd)
+        args.sched_warmup, args.sched_steps = 3, 2
+        args.rows, args.batch_size, args.pool, args.lookahead = 200_000, 32, 12, 4
+        args.warmup, args.steps, args.rounds = 2, 2, 2
+    skip = set(args.skip.split(","))
+    results = []
+    if "scheduler" not in skip:
+        sched = bench_scheduler(args)
+        print(f"scheduler (no rows moved), median [range] of {args.rounds} rounds:")
+        print_table(
+            sched,
+            [
+                ("variant", "variant"),
+                ("rows", "rows"),
+                ("capacity", "cache rows"),
+                ("batch_ids", "ids/batch"),
+                ("hit_rate", "hit rate"),
+                ("ms_per_batch", "ms/batch"),
+                ("ids_per_s", "ids/s"),
+                ("ids_per_s_low", "low"),
+                ("ids_per_s_high", "high"),
+            ],
+        )
+        results += sched
+    if "fwd" not in skip:
+        fwd = bench_forward_backward(args)
+        print(
+            f"\nforward+backward: {args.rows:,} rows x {args.dim}, batch {args.batch_size} bags x "
+            f"{args.pooling} ids, zipf alpha {args.alpha}, L={args.lookahead} K=1, "
+            f"{args.rounds} rounds of {args.steps} steps after {args.warmup}"
+        )
+        print_table(
+            fwd,
+            [
+                ("variant", "variant"),
+                ("hit_rate", "hit rate"),
+                ("critical_misses", "critical misses"),
+                ("steps_per_s", "steps/s"),
+                ("steps_per_s_low", "low"),
+                ("steps_per_s_high", "high"),
+                ("x_embedding_bag", "x nn.EmbeddingBag"),
+                ("x_full_cache", "x distcache 100 %"),
+                ("schedule_ms_per_step", "schedule ms/step"),
+                ("wait_ms_per_step", "wait ms/step"),
+            ],
+        )
+        results += fwd
+    if "bytes" not in skip:
+        sizes = bench_device_bytes(args)
+        print("\ndevice memory per table row (maps, window, policy; measured):")
+        print_table(
+            sizes,
+            [
+                ("variant", "policy"),
+                ("bytes_per_row", "bytes/row"),
+                ("criteo_tb_rows", "Criteo TB rows"),
+                ("criteo_tb_gb", "GB for Criteo TB"),
+            ],
+        )
+        results += sizes
+    write_json(args.json, vars(args), results)
     return 0
 
 

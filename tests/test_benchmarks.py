@@ -49,3 +49,27 @@ def test_throughput_smoke(tmp_path):
     assert summary[-1]["x_torchrec"] == 1.0
     per_rank = payload["results"][0]["per_rank"]
     assert len(per_rank) == 1 and len(per_rank[0][0]["step_s"]) == 3
+
+
+@pytest.mark.timeout(120)
+def test_engine_throughput_smoke(tmp_path):
+    out = tmp_path / "engine.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "engine_throughput.py"), "--quick",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    payload = json.loads(out.read_text())
+    assert payload["commit"] and "processor" in payload["machine"]
+    rows = {(r["bench"], r["variant"]): r for r in payload["results"]}
+    for la in (8, 64, 256):
+        assert rows["scheduler", f"lookahead L={la}"]["ids_per_s"] > 0
+    fwd = [r for r in payload["results"] if r["bench"] == "fwd+bwd"]
+    assert fwd[0]["variant"] == "nn.EmbeddingBag" and fwd[0]["x_embedding_bag"] == 1.0
+    assert all(r["critical_misses"] == 0 for r in fwd if r["variant"].startswith("distcache"))
+    # Measured, not assumed: look-ahead keeps 8 bytes per row (int32 slot map and window
+    # position), LRU the same, LFU 4 more (its per-row use counts).
+    per_row = {r["variant"]: r["bytes_per_row"] for r in payload["results"]
+               if r["bench"] == "device bytes"}  # fmt: skip
+    assert per_row == {"lookahead": 8.0, "lru": 8.0, "lfu": 12.0}
