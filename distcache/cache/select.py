@@ -39,7 +39,7 @@ def select_largest(
     hist = torch.zeros(num_classes + 1, dtype=keys.dtype, device=keys.device)
     hist.index_add_(0, keys + 1, torch.ones_like(keys))  # bin 0: keys of -1
     at_least = torch.zeros(num_classes + 1, dtype=keys.dtype, device=keys.device)
-    below = hist[1:].cumsum(0)  # [c] keys <= c
+    below = hist[1:].cumsum(0, dtype=hist.dtype)  # [c] keys <= c (an int cumsum is int64 else)
     at_least[:num_classes] = below[-1] - below + hist[1:]  # [c] keys >= c; [classes] = 0
     # The boundary class: the largest c with at least `want` keys >= c (0 when too few exist).
     boundary = ((at_least[:num_classes] >= want).sum() - 1).clamp(min=0)
