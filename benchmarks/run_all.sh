@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Re-creates every committed result under benchmarks/results/ (CPU; about 7 minutes on 2 cores).
+# Re-creates every committed result under benchmarks/results/ (CPU; about 20 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 out=benchmarks/results
-$PY benchmarks/cache_policies.py --trace zipf:rows=1e5,alpha=1.05,batch=256,batches=800 \
-    --capacity 0.02,0.05 --lookahead 8 --prefetch-depth 0,1 --json $out/cache_policies_zipf1e5_a1.05.json
+# Look-ahead L against Belady's optimum (how CacheConfig's default L was chosen), LRU and LFU.
+sweep="--policies optimal,lookahead,lru,lfu --lookahead 8,16,32,64,128,256 --prefetch-depth 1"
+$PY benchmarks/cache_policies.py --trace movielens --batch 64 --capacity 0.2,0.3 $sweep \
+    --json $out/lookahead_sweep_movielens.json
+$PY benchmarks/cache_policies.py --trace zipf:rows=1e5,alpha=1.05,batch=256,batches=600 \
+    --capacity 0.05,0.1 $sweep --json $out/lookahead_sweep_zipf1e5_a1.05.json
 $PY benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=0.9,batch=8192,batches=200 \
-    --capacity 0.05,0.1 --lookahead 8 --prefetch-depth 0,1 --json $out/cache_policies_zipf1e6_a0.9.json
-$PY benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=1.2,batch=4096,batches=400 \
-    --capacity 0.02,0.05 --lookahead 8 --prefetch-depth 0,1 --json $out/cache_policies_zipf1e6_a1.2.json
-$PY benchmarks/cache_policies.py --trace movielens --batch 32 \
-    --capacity 0.05,0.1,0.2 --lookahead 8 --prefetch-depth 0,1 --json $out/cache_policies_movielens.json
+    --capacity 0.05,0.1 $sweep --json $out/lookahead_sweep_zipf1e6_a0.9.json
 $PY benchmarks/engine_throughput.py --json $out/engine_throughput.json
 for i in 1 2 3; do
     $PY benchmarks/dlrm_sharded.py --warmup 30 --steps 40 --json $out/dlrm_sharded_run$i.json

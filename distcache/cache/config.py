@@ -30,8 +30,8 @@ class CacheConfig:
     cache, as large as their caches together."""
     lookahead: int = DEFAULT_LOOKAHEAD
     """L: how many future batches' ids the scheduler may see (>= 0). The scheduler's cost per
-    batch does not grow with L; the window holds about 16 bytes per id of each batch in it
-    (plus the batches themselves, in a pipeline)."""
+    batch does not grow with L; the window holds 17 bytes per id of each batch in it (plus
+    the batches themselves, in a pipeline)."""
     prefetch_depth: int = 1
     """K: how many batches ahead of the training batch rows are staged (0 <= K <= L). The cache
     must hold the unique rows of K + 1 consecutive batches."""

@@ -20,8 +20,7 @@ Staging a batch (`leave`) resets `latest` for the rows whose latest occurrence i
 `latest[r] >= 0` means exactly "r is used by a batch still waiting to be staged". Positions are
 reused once their batch has left; the ring grows (keeping positions) when the window holds more
 ids than it. Memory: 4 bytes per table row; 17 bytes per id in the window (`rows` int64, `inv`
-int32, `valid`,
-the ring).
+int32, `valid`, the ring).
 """
 
 from __future__ import annotations
