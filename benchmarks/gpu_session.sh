@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on one GPU: the CUDA tests and the measurements, in three device commands of under
+# One GPU (issues 11 and 12): the CUDA tests and the measurements, in three device commands of under
 # ten minutes each (the device budget is 30 minutes, machine start included).
 #
 # Before, on a machine that reaches the package registry, at the project root: fill .whl/ with
