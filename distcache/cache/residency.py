@@ -45,11 +45,6 @@ class Residency:
         self.slot_of[self.sentinel_row] = self.sentinel_slot
         self.row_of[self.sentinel_slot] = self.sentinel_row
 
-    @property
-    def slots(self) -> slice:
-        """The real slots (without the sentinel and trash)."""
-        return slice(0, self.capacity)
-
     # Whole-cache queries: host reads, for flush, checkpoints and tests (not the per-batch path).
     def resident_slots(self) -> torch.Tensor:
         """Slots `[n]` that hold a row."""
