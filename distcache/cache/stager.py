@@ -113,13 +113,14 @@ class Stager:
         """Copy cache `slots` `[w]` into host `rows` `[w]`, synchronously (flush)."""
         if rows.numel() == 0:
             return
-        values = torch.cat([self.weights[slots], self.state[slots]], dim=1)
-        self.store.scatter(rows.cpu(), values.cpu())
+        self.store.scatter(rows.cpu(), self._cached_rows(slots).cpu())
 
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+    def _cached_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """`[w, dim + state_dim]` the cache's rows at `slots`, weights then optimizer state (the
+        host store's layout)."""
+        return torch.cat(
+            [self.weights.index_select(0, slots), self.state.index_select(0, slots)], 1
+        )
 
     # ------------------------------------------------------------ worker thread
     def _execute(self, job: _Job) -> None:
@@ -132,10 +133,7 @@ class Stager:
             s.wait(job.mirrored, s.staging)
             s.wait(job.victims_free, s.staging)
             if writebacks:
-                slots = plan.writeback_slots[:writebacks]
-                values = torch.cat(
-                    [self.weights.index_select(0, slots), self.state.index_select(0, slots)], 1
-                )
+                values = self._cached_rows(plan.writeback_slots[:writebacks])
                 host = s.host_buffer(tuple(values.shape), values.dtype)
                 host.copy_(values, non_blocking=True)
                 s.host_wait(s.record(s.staging))

@@ -72,9 +72,6 @@ class Window:
         self._live: deque[WindowBatch] = deque()  # entered and not yet left, oldest first
         self._tail = 0  # end of the newest batch's positions
 
-    def __len__(self) -> int:
-        return len(self._live)
-
     def enter(self, seq: int, ids: torch.Tensor) -> tuple[WindowBatch, torch.Tensor]:
         """Add batch `seq` with ids `[n]` (int64, in range or the sentinel row); returns it and
         `fresh` `[n]` bool: its rows with no occurrence in a batch still waiting to be staged
@@ -91,7 +88,7 @@ class Window:
         prev = self.latest.index_select(0, rows)  # [n] latest live position, or -1
         fresh = valid & (prev < 0)
         # The previous occurrence learns that this batch uses its row next.
-        linked = torch.where(valid & (prev >= 0), prev.long(), self._trash)
+        linked = torch.where(valid & (prev >= 0), prev.long(), self.ring_size)
         self.next_use.index_fill_(0, linked, seq)
         self.next_use[base : base + n] = NO_USE
         # Row k of the batch sits at position base + k from now on.
@@ -124,10 +121,7 @@ class Window:
 
     @property
     def ring_size(self) -> int:
-        return self.next_use.numel() - 1  # the last entry is the trash position
-
-    @property
-    def _trash(self) -> int:
+        """Positions in the ring; `next_use[ring_size]`, one past them, is the trash entry."""
         return self.next_use.numel() - 1
 
     def _alloc(self, n: int) -> int:
