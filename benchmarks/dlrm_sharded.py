@@ -84,7 +84,7 @@ def _run(rank: int, world: int, port: int, args, out_dir: str) -> None:
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
     from distcache import CacheConfig
-    from distcache.dlrm import (
+    from distcache.job.dlrm import (
         DLRMConfig,
         apply_embedding_optimizer,
         build_dlrm,

@@ -12,7 +12,7 @@ power-law id per feature per sample (like Criteo). Variants, all in one run on t
 - torchrec: TorchRec's TrainPipelineSparseDist and default sharder, every row in device memory
   (its fused kernel);
 - cpu_embeddings (CUDA only): TorchRec's fused kernel on the host with the MLPs on the GPU; only
-  the pooled embeddings cross to the GPU (`distcache.dlrm.host_embedding_dlrm`).
+  the pooled embeddings cross to the GPU (`distcache.job.dlrm.host_embedding_dlrm`).
 
 At each capacity both policies treat alike the small tables, those whose cache could not hold
 the distinct rows of the K + 1 batches the pipeline keeps staged (measured on the batches):
@@ -125,7 +125,7 @@ def _batches(rank: int, args: argparse.Namespace, rows: tuple[int, ...], n: int)
     from torchrec.datasets.utils import Batch
 
     from distcache.data.traces import zipf_trace
-    from distcache.dlrm import feature_name
+    from distcache.job.dlrm import feature_name
 
     per_table = [
         zipf_trace(
@@ -190,7 +190,7 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from distcache import CacheConfig
-    from distcache.dlrm import (
+    from distcache.job.dlrm import (
         DLRMConfig,
         apply_embedding_optimizer,
         build_dlrm,
@@ -331,7 +331,7 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: st
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
         host_pg = dist.group.WORLD
-    from distcache.dlrm import scaled_rows
+    from distcache.job.dlrm import scaled_rows
     from distcache.planner.workloads import CRITEO_KAGGLE_ROWS
 
     rows = scaled_rows(CRITEO_KAGGLE_ROWS, args.scale)

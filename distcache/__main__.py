@@ -10,16 +10,16 @@ import sys
 
 # name -> (module, function, one-line help)
 COMMANDS = {
-    "demo": ("distcache.demo", "main", "the cache at work on a small synthetic job"),
+    "demo": ("distcache.job.demo", "main", "the cache at work on a small synthetic job"),
     "train": ("distcache.train", "main", "train a DLRM from a TOML config (see configs/)"),
-    "plan": ("distcache.planner.cli", "plan_main", "plan a workload on a topology; write JSON"),
+    "plan": ("distcache.job.plan_cli", "plan_main", "plan a workload on a topology; write JSON"),
     "compare": (
-        "distcache.planner.cli",
+        "distcache.job.plan_cli",
         "compare_main",
         "compare distcache's plan with TorchRec's planner and baselines",
     ),
     "calibrate": (
-        "distcache.planner.calibrate",
+        "distcache.job.calibrate",
         "main",
         "measure this machine and write a topology JSON",
     ),

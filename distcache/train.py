@@ -1,7 +1,7 @@
 """`python -m distcache train`: train a TorchRec DLRM with look-ahead caches from a TOML config.
 
 config -> data -> DLRM -> plan -> DistributedModelParallel with distcache's sharder ->
-`LookaheadTrainPipeline` -> the training loop (`distcache.trainer`). Run it under torchrun (or
+`LookaheadTrainPipeline` -> the training loop (`distcache.job.trainer`). Run it under torchrun (or
 torchx) for several ranks; alone, it is one rank.
 
 Example::
@@ -27,15 +27,15 @@ import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-from distcache import dlrm
 from distcache.cache.config import CacheConfig
-from distcache.checkpoint import Checkpointer
 from distcache.data.sources import JobData
 from distcache.errors import DistcacheConfigError
-from distcache.jobconfig import JobConfig, dump_toml, load_job_config
+from distcache.job import dlrm
+from distcache.job.checkpoint import Checkpointer
+from distcache.job.config import JobConfig, dump_toml, load_job_config
+from distcache.job.placement import job_sharding_plan
+from distcache.job.trainer import Trainer
 from distcache.pipeline import LookaheadTrainPipeline
-from distcache.placement import job_sharding_plan
-from distcache.trainer import Trainer
 
 log = logging.getLogger("distcache.train")
 
@@ -152,7 +152,7 @@ def build_model(config: JobConfig, rows: tuple[int, ...], dense_in: int) -> torc
 def shard(
     config: JobConfig, model: torch.nn.Module, data: JobData, world: int, device: torch.device
 ) -> DistributedModelParallel:
-    """The model under DMP, placed by the configured planner (`distcache.placement`)."""
+    """The model under DMP, placed by the configured planner (`distcache.job.placement`)."""
     sharder = dlrm.cached_sharder(
         data.table_sizes,
         cache_config(config),

@@ -2,7 +2,7 @@
 
 Both yield `torchrec.datasets.utils.Batch`es shaped as TorchRec's own Criteo pipeline shapes
 them: dense [B, 13] float32, one single-id bag per sample for each of the 26 categorical
-features (keys f0..f25, the names `distcache.dlrm` gives its features), labels [B] float32.
+features (keys f0..f25, the names `distcache.job.dlrm` gives its features), labels [B] float32.
 
 Conventions, those of TorchRec's `torchrec/datasets/criteo.py`:
 - an empty categorical cell is the hex string "0", so id 0 (never an empty bag), and every id is

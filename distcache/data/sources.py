@@ -37,7 +37,7 @@ class JobData:
     """Batches of one rank for a training job.
 
     Args:
-        config: the job's `[data]` section (`distcache.jobconfig.DataConfig`).
+        config: the job's `[data]` section (`distcache.job.config.DataConfig`).
         steps: training batches per rank.
         rank: this rank.
         world_size: ranks of the job.

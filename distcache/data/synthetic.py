@@ -134,7 +134,7 @@ class SyntheticConfig:
 
     @property
     def feature_names(self) -> list[str]:
-        """KeyedJaggedTensor keys, one per table: f0, f1, ... (as `distcache.dlrm` names them)."""
+        """KeyedJaggedTensor keys, one per table: f0, f1, ... (as `distcache.job.dlrm`)."""
         return feature_names(len(self.table_sizes))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from distcache.jobconfig import load_job_config
+from distcache.job.config import load_job_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CRITEO_TINY = ROOT.parent / "shared" / "data" / "criteo_tiny" / "train.tiny.tsv"
@@ -155,7 +155,7 @@ def test_bad_config_fails_before_any_worker_starts(tmp_path, override, match):
 def _plan_file(tmp_path: Path) -> str:
     """A distcache plan for the tiny job's tables, saved as `python -m distcache plan` would."""
     from distcache.data.sources import JobData
-    from distcache.placement import job_topology, job_workload
+    from distcache.job.placement import job_topology, job_workload
     from distcache.planner.solver import solve
 
     config = load_job_config(ROOT / "configs" / "tiny_cpu.toml", ["--data.batch_size=32"])

@@ -38,11 +38,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from distcache.errors import DistcacheConfigError
+from distcache.job.measure import MeasureOptions, measure_plans, unmeasurable_reason
 from distcache.planner.cost import plan_cost
-from distcache.planner.export import from_sharding_plan
-from distcache.planner.measure import MeasureOptions, measure_plans, unmeasurable_reason
 from distcache.planner.solver import SolverOptions, solve, uniform_plan
-from distcache.planner.torchrec_planner import torchrec_estimate, torchrec_plan
+from distcache.planner.torchrec.export import from_sharding_plan
+from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
 from distcache.planner.types import (
     COLUMN_WISE,
     ROW_WISE,

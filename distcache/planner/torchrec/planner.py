@@ -61,7 +61,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.planner.export import workload_ebc
+from distcache.planner.torchrec.export import workload_ebc
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,

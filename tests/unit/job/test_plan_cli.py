@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distcache.__main__ import main
-from distcache.planner.cli import compare_main, load_workload_config, plan_main
+from distcache.job.plan_cli import compare_main, load_workload_config, plan_main
 from distcache.planner.solver import solve
 from distcache.planner.topology import preset
 from distcache.planner.types import Plan

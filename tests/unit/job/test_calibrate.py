@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
-from distcache.planner.calibrate import (
+from distcache.job.calibrate import (
     QUICK,
     fit_latency_bandwidth,
     main,
@@ -21,7 +21,7 @@ from distcache.planner.calibrate import (
     measure_staging_costs,
     measure_sync_latency,
 )
-from distcache.planner.measure import run_ranks
+from distcache.job.measure import run_ranks
 from distcache.planner.types import Topology
 
 

@@ -1,4 +1,4 @@
-"""Plans run for real on this machine (`distcache.planner.measure`) and `compare --measure`."""
+"""Plans run for real on this machine (`distcache.job.measure`) and `compare --measure`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from distcache.errors import DistcacheConfigError
-from distcache.planner.cli import compare_main
-from distcache.planner.measure import (
+from distcache.job.measure import (
     MeasureOptions,
     measure_plans,
     runnable_plan,
     unmeasurable_reason,
 )
+from distcache.job.plan_cli import compare_main
 from distcache.planner.solver import uniform_plan
 from distcache.planner.topology import preset
 from distcache.planner.types import (

@@ -17,13 +17,13 @@ from torchrec.distributed.types import CacheParams, ShardingEnv
 
 from distcache import CacheConfig, DistcacheConfigError
 from distcache.cache.config import DEFAULT_LOOKAHEAD
-from distcache.planner.export import (
+from distcache.planner.torchrec.export import (
     cache_config_for,
     from_sharding_plan,
     to_sharding_plan,
     workload_ebc,
 )
-from distcache.planner.torchrec_planner import torchrec_module, torchrec_topology
+from distcache.planner.torchrec.planner import torchrec_module, torchrec_topology
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,

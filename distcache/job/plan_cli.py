@@ -321,7 +321,7 @@ def _save_torchrec(
 ) -> None:
     import torch
 
-    from distcache.planner.export import to_sharding_plan
+    from distcache.planner.torchrec.export import to_sharding_plan
 
     sharding_plan = _flag(
         "--torchrec-out",
@@ -380,7 +380,7 @@ def _read_plan(path: Path) -> Plan:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from distcache.planner.compare import compare, format_table, measure_rows, rows_to_json
+    from distcache.job.compare import compare, format_table, measure_rows, rows_to_json
 
     workload, topology = workload_from_args(args), topology_from_args(args)
     plans = _load_plans(args.plan, workload, topology)
@@ -392,7 +392,7 @@ def _compare(args: argparse.Namespace) -> int:
         torchrec_timeout_s=args.torchrec_timeout,
     )
     if args.measure:
-        from distcache.planner.measure import MeasureOptions
+        from distcache.job.measure import MeasureOptions
 
         options = MeasureOptions(steps=args.measure_steps, warmup=args.measure_warmup)
         rows, skipped = measure_rows(rows, workload, topology, options=options)

@@ -2,7 +2,7 @@
 `benchmarks/planner.py`.
 
 A plan of a workload is trained for a few steps on `world_size` local gloo ranks (CPU): the
-workload becomes a TorchRec DLRM (`distcache.dlrm.build_dlrm`), the plan its `ShardingPlan`
+workload becomes a TorchRec DLRM (`distcache.job.dlrm.build_dlrm`), the plan its `ShardingPlan`
 (`export.to_sharding_plan`, distcache's sharder: data-parallel tables keep TorchRec's dense
 kernel, every other table distcache's cache, a device-stored table being a cache of every
 row, loaded whole before timing), trained by `LookaheadTrainPipeline` on `SyntheticClickLog`
@@ -292,8 +292,8 @@ class _Run:
 
 
 def dlrm_config(workload: Workload) -> Any:
-    """The `distcache.dlrm.DLRMConfig` of a measurable workload (table i is `t{i}`)."""
-    from distcache.dlrm import DLRMConfig
+    """The `distcache.job.dlrm.DLRMConfig` of a measurable workload (table i is `t{i}`)."""
+    from distcache.job.dlrm import DLRMConfig
 
     return DLRMConfig(
         rows=tuple(t.rows for t in workload.tables),
@@ -306,7 +306,7 @@ def dlrm_config(workload: Workload) -> Any:
 
 def _renamed(plan: Plan, workload: Workload) -> tuple[Plan, Workload]:
     """Plan and workload with table i named `t{i}`, as `build_dlrm` names it."""
-    from distcache.dlrm import table_name
+    from distcache.job.dlrm import table_name
 
     names = {t.name: table_name(i) for i, t in enumerate(workload.tables)}
     tables = tuple(dataclasses.replace(t, name=names[t.name]) for t in workload.tables)
@@ -323,9 +323,9 @@ def _build(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
     from torchrec.distributed.types import ShardingEnv
 
     from distcache.cache.config import CacheConfig
-    from distcache.dlrm import EBC_PATH, apply_embedding_optimizer, build_dlrm, dense_optimizer
+    from distcache.job.dlrm import EBC_PATH, apply_embedding_optimizer, build_dlrm, dense_optimizer
     from distcache.pipeline import LookaheadTrainPipeline
-    from distcache.planner.export import to_sharding_plan
+    from distcache.planner.torchrec.export import to_sharding_plan
     from distcache.sharding import CachedEmbeddingBagCollectionSharder, cache_stats
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,4 @@
-"""distcache.dlrm in one process: a world of one gloo rank (FileStore in a tmp dir)."""
+"""distcache.job.dlrm in one process: a world of one gloo rank (FileStore in a tmp dir)."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
 from distcache import CacheConfig, DistcacheConfigError
-from distcache.dlrm import (
+from distcache.job.dlrm import (
     DLRMConfig,
     apply_embedding_optimizer,
     build_dlrm,

@@ -20,7 +20,7 @@ from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.cache.simulate import simulate
 from distcache.data.traces import zipf_trace
 
-log = logging.getLogger("distcache.demo")
+log = logging.getLogger("distcache.job.demo")
 
 
 def _batches(tables, *, batch_size: int, pooling: int, steps: int, seed: int):

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from distcache.errors import DistcacheConfigError
-from distcache.jobconfig import build_job_config, dump_toml, load_job_config
+from distcache.job.config import build_job_config, dump_toml, load_job_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.toml"))
 
 
 def test_defaults_and_overrides():

@@ -1,7 +1,7 @@
 """Where a training job's tables go: the `[plan]` section of a job config as a TorchRec
 `ShardingPlan` for distcache's sharder.
 
-- `table_wise`, `row_wise`: every table so, by hand (`distcache.dlrm.sharding_plan`);
+- `table_wise`, `row_wise`: every table so, by hand (`distcache.job.dlrm.sharding_plan`);
 - `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in;
 - `distcache`: the throughput planner (`distcache.planner.solve`) on the `[plan] topology`,
   for the job's tables and access profiles; rank 0 plans and sends the plan to the others, so
@@ -23,11 +23,11 @@ from torchrec.distributed.planner import Topology as TorchRecTopology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.types import ShardingPlan
 
-from distcache import dlrm
 from distcache.cache.config import CacheConfig
-from distcache.planner.export import to_sharding_plan
+from distcache.job import dlrm
 from distcache.planner.solver import solve
 from distcache.planner.topology import PRESETS, load_topology, preset
+from distcache.planner.torchrec.export import to_sharding_plan
 from distcache.planner.types import Plan, TableStats, Topology, Workload
 from distcache.sharding import attach_cache_configs, cached_estimators
 

@@ -7,17 +7,17 @@ import json
 
 import pytest
 
-from distcache.planner.compare import (
+from distcache.job.compare import (
     TERMS,
     ComparisonRow,
     compare,
     format_table,
     rows_to_json,
 )
-from distcache.planner.export import from_sharding_plan
 from distcache.planner.solver import SolverOptions, uniform_plan
 from distcache.planner.topology import preset
-from distcache.planner.torchrec_planner import torchrec_estimate, torchrec_plan
+from distcache.planner.torchrec.export import from_sharding_plan
+from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
 from distcache.planner.types import HOST_CACHED, TABLE_WISE
 from distcache.planner.workloads import workload_preset
 from distcache.sharding import CACHED_KERNEL, CachedParameterSharding

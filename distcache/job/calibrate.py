@@ -21,7 +21,7 @@ and re-used on its own:
 - `measure_collectives`: gloo all-to-all and all-reduce between the local ranks, fitted as
   `time = latency + bytes / bandwidth` over several message sizes; `measure_sync_latency`:
   what a collective costs between compute bursts, when peers compete for the cores.
-- `distcache.planner.measure.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
+- `distcache.job.measure.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
   giving the framework's fixed costs per step and per sharding type and the bytes/s of a
   data-parallel table's dense update.
 
@@ -62,13 +62,13 @@ import torch
 import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
-from distcache.planner.cost import ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES
-from distcache.planner.measure import (
+from distcache.job.measure import (
     MeasureOptions,
     free_port,
     measure_framework_costs,
     run_ranks,
 )
+from distcache.planner.cost import ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES
 from distcache.planner.topology import preset
 from distcache.planner.types import Topology
 
