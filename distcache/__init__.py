@@ -5,8 +5,11 @@ from distcache.errors import (
     CacheCapacityError,
     DistcacheConfigError,
     DistcacheError,
+    InvalidBatchError,
     InvalidIdError,
     LookaheadWindowError,
+    UnknownTableError,
+    UnsupportedError,
 )
 
 __version__ = "0.1.0"
@@ -28,8 +31,11 @@ __all__ = [
     "CachedEmbeddingBags",
     "DistcacheConfigError",
     "DistcacheError",
+    "InvalidBatchError",
     "InvalidIdError",
     "LookaheadTrainPipeline",
     "LookaheadWindowError",
     "TableSpec",
+    "UnknownTableError",
+    "UnsupportedError",
 ]

@@ -13,6 +13,20 @@ class DistcacheConfigError(DistcacheError, ValueError):
     """A configuration value is missing, of the wrong type, or out of its allowed range."""
 
 
+class InvalidBatchError(DistcacheError, ValueError):
+    """A batch (or a trace of batches) is malformed: ids of the wrong dtype or shape, offsets
+    that do not match the ids, a feature count the module does not have."""
+
+
+class UnsupportedError(DistcacheError, NotImplementedError):
+    """A TorchRec feature that distcache's cached kernel does not support (yet); the message
+    says which and what to use instead."""
+
+
+class UnknownTableError(DistcacheError, KeyError):
+    """A table name that the module does not hold; the message lists the ones it does."""
+
+
 class InvalidIdError(DistcacheError, IndexError):
     """A batch holds an id that is negative or not below its table's number of rows."""
 

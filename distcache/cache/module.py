@@ -27,7 +27,13 @@ from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
-from distcache.errors import CacheCapacityError, DistcacheConfigError, InvalidIdError
+from distcache.errors import (
+    CacheCapacityError,
+    DistcacheConfigError,
+    InvalidBatchError,
+    InvalidIdError,
+    UnknownTableError,
+)
 
 POOLINGS = ("sum", "mean")
 
@@ -218,7 +224,7 @@ class CachedEmbeddingBags(nn.Module):
             self._enqueue_routed(*self._route(values, offsets))
         routed = self._routed[0]  # validated and routed when enqueued
         if routed.num_bags != offsets.numel() - 1 or routed.num_ids != values.numel():
-            raise ValueError(
+            raise InvalidBatchError(
                 f"forward got a batch of {values.numel()} ids in {offsets.numel() - 1} bags that "
                 "does not match the oldest enqueued batch: batches must be looked up in the "
                 "order they were enqueued"
@@ -265,7 +271,7 @@ class CachedEmbeddingBags(nn.Module):
         num_features = len(self.feature_table_map)
         num_bags = offsets.numel() - 1
         if num_bags < 0 or num_bags % num_features:
-            raise ValueError(
+            raise InvalidBatchError(
                 f"offsets has {offsets.numel()} entries; expected F * B + 1 with F={num_features} "
                 "features (feature-major bags)"
             )
@@ -336,7 +342,7 @@ class CachedEmbeddingBags(nn.Module):
         group, lo, hi = self._locate(name)
         expected = (hi - lo, group.engine.dim)
         if tuple(weight.shape) != expected:
-            raise ValueError(
+            raise DistcacheConfigError(
                 f"table {name!r}: weight of shape {tuple(weight.shape)}, expected {expected}"
             )
         group.engine.flush()
@@ -371,7 +377,7 @@ class CachedEmbeddingBags(nn.Module):
                 if self.tables[t].name == name:
                     lo = group.row_offsets[k]
                     return group, lo, lo + self.tables[t].num_embeddings
-        raise KeyError(f"no table {name!r}; tables are {[t.name for t in self.tables]}")
+        raise UnknownTableError(f"no table {name!r}; tables are {[t.name for t in self.tables]}")
 
     def _init_weights(self, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)

@@ -19,6 +19,7 @@ import torch
 
 from distcache.cache.residency import Residency
 from distcache.cache.window import NO_USE
+from distcache.errors import DistcacheConfigError
 
 _CLASS_BITS = 18  # 2**18 histogram bins at most: a few passes over 256 K counters per batch
 
@@ -164,5 +165,7 @@ def make_policy(name: str) -> EvictionPolicy:
     """The policy object for a config name ('lookahead', 'lru', 'lfu')."""
     policies = {"lookahead": LookaheadPolicy, "lru": LRUPolicy, "lfu": LFUPolicy}
     if name not in policies:
-        raise ValueError(f"unknown eviction policy {name!r}: expected one of {tuple(policies)}")
+        raise DistcacheConfigError(
+            f"unknown eviction policy {name!r}: expected one of {tuple(policies)}"
+        )
     return policies[name]()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from distcache.errors import DistcacheConfigError
+
 
 class Residency:
     """The row <-> slot maps of one cache, plus a dirty bit and a pin count per slot.
@@ -30,7 +32,9 @@ class Residency:
 
     def __init__(self, num_rows: int, capacity: int, device: torch.device):
         if num_rows + 2 > torch.iinfo(torch.int32).max:
-            raise ValueError(f"a shard of {num_rows} rows is too large: at most 2**31 - 3 rows")
+            raise DistcacheConfigError(
+                f"a shard of {num_rows} rows is too large: at most 2**31 - 3 rows"
+            )
         self.num_rows = num_rows
         self.capacity = capacity
         self.sentinel_row, self.trash_row = num_rows, num_rows + 1

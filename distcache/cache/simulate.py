@@ -24,6 +24,7 @@ import torch
 
 from distcache.cache.config import DEFAULT_LOOKAHEAD, POLICIES, CacheConfig
 from distcache.cache.engine import CacheEngine
+from distcache.errors import DistcacheConfigError
 
 SIM_POLICIES = (*POLICIES, "optimal")
 
@@ -81,7 +82,7 @@ def simulate(
         print(result.loads, result.critical_misses)
     """
     if policy not in SIM_POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: expected one of {SIM_POLICIES}")
+        raise DistcacheConfigError(f"unknown policy {policy!r}: expected one of {SIM_POLICIES}")
     if policy == "optimal":  # Belady: the whole trace visible, nothing staged ahead
         lookahead, prefetch_depth = max(len(batches), 1), 0
     elif policy != "lookahead":

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from distcache.cache.select import pack
+from distcache.errors import LookaheadWindowError
 
 NO_USE = torch.iinfo(torch.int32).max  # next_use of an occurrence whose row is not used again yet
 
@@ -102,7 +103,7 @@ class Window:
         """Batch `batch` (the oldest) is staged: returns `[n]` int32 the next use of each of its
         occurrences (`NO_USE` if none in the window), and forgets its positions."""
         if not self._live or self._live[0] is not batch:
-            raise AssertionError("batches must leave the window in the order they entered")
+            raise LookaheadWindowError("batches must leave the window in the order they entered")
         self._live.popleft()
         n = batch.size
         next_use = self.next_use[batch.base : batch.base + n].clone()

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from distcache.errors import DistcacheConfigError, DistcacheError, InvalidBatchError
+
 __all__ = [
     "Trace",
     "TraceUnavailable",
@@ -45,7 +47,7 @@ _ZIPF_KEYS = ("rows", "alpha", "batch", "batches", "seed")
 _SCHEMES = "'zipf:rows=N,alpha=A,batch=B,batches=T[,seed=S]', 'movielens[:batch=B]', '<path>.npz'"
 
 
-class TraceUnavailable(RuntimeError):
+class TraceUnavailable(DistcacheError, RuntimeError):
     """A trace source cannot be obtained here (no network, missing file in a download, ...)."""
 
 
@@ -67,31 +69,33 @@ class Trace:
             t = getattr(self, field)
             if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
                 got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if torch.is_tensor(t) else t
-                raise ValueError(f"Trace.{field} must be a 1-D torch.int64 tensor, got {got}")
+                raise InvalidBatchError(
+                    f"Trace.{field} must be a 1-D torch.int64 tensor, got {got}"
+                )
         if isinstance(self.num_rows, bool) or not isinstance(self.num_rows, int):
-            raise ValueError(f"Trace.num_rows must be an int >= 1, got {self.num_rows!r}")
+            raise InvalidBatchError(f"Trace.num_rows must be an int >= 1, got {self.num_rows!r}")
         if self.num_rows < 1:
-            raise ValueError(f"Trace.num_rows must be >= 1, got {self.num_rows}")
+            raise InvalidBatchError(f"Trace.num_rows must be >= 1, got {self.num_rows}")
         if not isinstance(self.name, str):
-            raise ValueError(f"Trace.name must be a str, got {type(self.name).__name__}")
+            raise InvalidBatchError(f"Trace.name must be a str, got {type(self.name).__name__}")
         off, total = self.offsets, self.ids.numel()
         if off.numel() == 0:
-            raise ValueError("Trace.offsets must have batches + 1 >= 1 entries, got none")
+            raise InvalidBatchError("Trace.offsets must have batches + 1 >= 1 entries, got none")
         if int(off[0]) != 0 or int(off[-1]) != total:
-            raise ValueError(
+            raise InvalidBatchError(
                 f"Trace.offsets must start at 0 and end at ids.numel()={total}, "
                 f"got first={int(off[0])}, last={int(off[-1])}"
             )
         if off.numel() > 1 and bool((off[1:] < off[:-1]).any()):
             bad = int((off[1:] < off[:-1]).nonzero()[0])
-            raise ValueError(
+            raise InvalidBatchError(
                 f"Trace.offsets must be non-decreasing, but offsets[{bad + 1}]="
                 f"{int(off[bad + 1])} < offsets[{bad}]={int(off[bad])}"
             )
         if total:
             lo, hi = (int(v) for v in torch.aminmax(self.ids))
             if lo < 0 or hi >= self.num_rows:
-                raise ValueError(
+                raise InvalidBatchError(
                     f"Trace.ids must lie in [0, num_rows={self.num_rows}), found min={lo}, max={hi}"
                 )
 
@@ -134,7 +138,7 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not ok or value < low or (high is not None and value > high):
         allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
+        raise DistcacheConfigError(f"{name} must be an int {allowed}, got {value!r}")
     return int(value)
 
 
@@ -214,7 +218,7 @@ def zipf_trace(*, rows: int, alpha: float, batch: int, batches: int, seed: int =
     seed = _check_int("seed", seed, 0, 2**64 - 1)
     real = isinstance(alpha, numbers.Real) and not isinstance(alpha, bool)
     if not (real and alpha > 0 and math.isfinite(alpha)):
-        raise ValueError(f"alpha must be a finite float > 0, got {alpha!r}")
+        raise DistcacheConfigError(f"alpha must be a finite float > 0, got {alpha!r}")
     alpha, n = float(alpha), batch * batches
     ids = _zipf_ids(rows, alpha, n, seed) if rows > 1 and n else torch.zeros(n, dtype=torch.int64)
     offsets = torch.arange(batches + 1, dtype=torch.int64) * batch  # [batches + 1]
@@ -253,32 +257,36 @@ def load_npz(path: str | Path) -> Trace:
     except FileNotFoundError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile) as err:
-        raise ValueError(f"{path}: not a readable .npz file ({err})") from err
+        raise DistcacheConfigError(f"{path}: not a readable .npz file ({err})") from err
     found = sorted(arrays)
     tensors = {}
     for key in ("ids", "offsets"):
         if key not in arrays:
-            raise ValueError(f"{path}: missing array {key!r} (found {found}; need ids, offsets)")
+            raise DistcacheConfigError(
+                f"{path}: missing array {key!r} (found {found}; need ids, offsets)"
+            )
         arr = arrays[key]
         if arr.dtype.kind not in "iu" or not np.can_cast(arr.dtype, np.int64):
-            raise ValueError(f"{path}: array {key!r} must be int64, got dtype {arr.dtype}")
+            raise DistcacheConfigError(
+                f"{path}: array {key!r} must be int64, got dtype {arr.dtype}"
+            )
         if arr.ndim != 1:
-            raise ValueError(f"{path}: array {key!r} must be 1-D, got shape {arr.shape}")
+            raise DistcacheConfigError(f"{path}: array {key!r} must be 1-D, got shape {arr.shape}")
         tensors[key] = torch.from_numpy(arr.astype(np.int64, copy=False))
     ids = tensors["ids"]  # [total]
     if "num_rows" in arrays:
         nr = arrays["num_rows"]
         if nr.size != 1 or nr.dtype.kind not in "iu":
-            raise ValueError(f"{path}: num_rows must be an integer scalar, got {nr!r}")
+            raise DistcacheConfigError(f"{path}: num_rows must be an integer scalar, got {nr!r}")
         num_rows = int(nr.reshape(()))
     elif ids.numel():
         num_rows = int(ids.max()) + 1
     else:
-        raise ValueError(f"{path}: ids is empty, so num_rows must be stored in the file")
+        raise DistcacheConfigError(f"{path}: ids is empty, so num_rows must be stored in the file")
     try:
         return Trace(ids=ids, offsets=tensors["offsets"], num_rows=num_rows, name=f"npz:{path}")
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from err
+        raise DistcacheConfigError(f"{path}: {err}") from err
 
 
 def _recbole_wheel(cache_dir: Path) -> Path:
@@ -361,7 +369,7 @@ def _parse_int(key: str, value: str) -> int:
     except InvalidOperation:
         d = None
     if d is None or not d.is_finite() or d != d.to_integral_value():
-        raise ValueError(f"trace spec: {key} must be an integer, got {value!r}")
+        raise DistcacheConfigError(f"trace spec: {key} must be an integer, got {value!r}")
     return int(d)
 
 
@@ -371,11 +379,13 @@ def _parse_params(scheme: str, text: str, allowed: tuple[str, ...]) -> dict[str,
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep or not value:
-            raise ValueError(f"trace spec {scheme}: expected key=value, got {item!r}")
+            raise DistcacheConfigError(f"trace spec {scheme}: expected key=value, got {item!r}")
         if key not in allowed:
-            raise ValueError(f"trace spec {scheme}: unknown key {key!r}; allowed keys: {allowed}")
+            raise DistcacheConfigError(
+                f"trace spec {scheme}: unknown key {key!r}; allowed keys: {allowed}"
+            )
         if key in params:
-            raise ValueError(f"trace spec {scheme}: key {key!r} given twice")
+            raise DistcacheConfigError(f"trace spec {scheme}: key {key!r} given twice")
         params[key] = value
     return params
 
@@ -385,7 +395,9 @@ def _merge_batch(scheme: str, params: dict[str, str], batch: int | None) -> None
     if batch is None:
         return
     if "batch" in params and _parse_int("batch", params["batch"]) != batch:
-        raise ValueError(f"trace spec {scheme}: batch={params['batch']} conflicts with {batch=}")
+        raise DistcacheConfigError(
+            f"trace spec {scheme}: batch={params['batch']} conflicts with {batch=}"
+        )
     params.setdefault("batch", str(batch))
 
 
@@ -408,14 +420,14 @@ def parse_trace_spec(spec: str, *, batch: int | None = None) -> Trace:
         _merge_batch(scheme, params, batch)
         missing = [k for k in _ZIPF_KEYS[:4] if k not in params]
         if missing:
-            raise ValueError(
+            raise DistcacheConfigError(
                 f"trace spec zipf: missing key(s) {missing}; required: {list(_ZIPF_KEYS[:4])}, "
                 "optional: ['seed']"
             )
         try:
             alpha = float(params["alpha"])
         except ValueError:
-            raise ValueError(
+            raise DistcacheConfigError(
                 f"trace spec: alpha must be a float, got {params['alpha']!r}"
             ) from None
         ints = {k: _parse_int(k, v) for k, v in params.items() if k != "alpha"}
@@ -424,6 +436,10 @@ def parse_trace_spec(spec: str, *, batch: int | None = None) -> Trace:
         params = _parse_params(scheme, rest, ("batch",))
         _merge_batch(scheme, params, batch)
         if "batch" not in params:
-            raise ValueError("trace spec movielens: needs a batch size (batch= argument or key)")
+            raise DistcacheConfigError(
+                "trace spec movielens: needs a batch size (batch= argument or key)"
+            )
         return movielens_trace(batch=_parse_int("batch", params["batch"]))
-    raise ValueError(f"unknown trace scheme {scheme!r} in {spec!r}; allowed schemes: {_SCHEMES}")
+    raise DistcacheConfigError(
+        f"unknown trace scheme {scheme!r} in {spec!r}; allowed schemes: {_SCHEMES}"
+    )

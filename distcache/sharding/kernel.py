@@ -29,7 +29,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
-from distcache.errors import DistcacheConfigError
+from distcache.errors import DistcacheConfigError, UnsupportedError
 from distcache.sharding.plan import CACHE_CONFIG_KEY
 from distcache.sharding.state import host_table, sharded_state, sharded_weight
 
@@ -95,7 +95,7 @@ class _CacheOptimizer(FusedOptimizer):
                     state[weight] = {
                         f"{table.name}.momentum1": sharded_state(table, local, kernel._pg)
                     }
-                except NotImplementedError as err:  # trains; only checkpointing is refused
+                except UnsupportedError as err:  # trains; only checkpointing is refused
                     self._unsupported.append(str(err))
         lr = kernel.cache_config.learning_rate
         super().__init__(params, state, [{"params": list(params.values()), "lr": lr}])
@@ -103,7 +103,7 @@ class _CacheOptimizer(FusedOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         if self._unsupported:
-            raise NotImplementedError("; ".join(self._unsupported))
+            raise UnsupportedError("; ".join(self._unsupported))
         self._kernel.flush()
         return super().state_dict()
 
@@ -143,7 +143,7 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
         self._config = config
         names = [t.name for t in config.embedding_tables]
         if len(set(names)) != len(names):
-            raise NotImplementedError(
+            raise UnsupportedError(
                 f"distcache's kernel got several shards of one table on one rank ({names}); "
                 "plan column-wise shards so that each rank holds at most one shard per table"
             )
@@ -188,7 +188,10 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if features.weights_or_none() is not None:
-            raise NotImplementedError("distcache's kernel does not support weighted features yet")
+            raise UnsupportedError(
+                "distcache's kernel does not support weighted features yet: use an unweighted "
+                "EmbeddingBagCollection, or TorchRec's own kernels for the weighted tables"
+            )
         lr = float(self._optim.param_groups[0]["lr"])
         for engine in self.bags.engines:
             engine.optimizer.lr = lr

@@ -16,6 +16,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
+from distcache.errors import UnsupportedError
+
 
 def _on_host(shard: ShardMetadata, local: torch.Tensor | None = None) -> ShardMetadata:
     """The shard placed where its rows live: the host store, whatever device the plan names
@@ -70,7 +72,7 @@ def sharded_state(
     stacks them); those reload into the same column split.
 
     Raises:
-        NotImplementedError: column groups of different widths with a per-column state.
+        UnsupportedError: column groups of different widths with a per-column state.
     """
     width = local.shape[1]
     shards = table.global_metadata.shards_metadata
@@ -78,7 +80,7 @@ def sharded_state(
     group = {offset: g for g, offset in enumerate(col_offsets)}
     per_column = width != 1  # element-wise moments scale with the shard's columns
     if per_column and len({s.shard_sizes[1] for s in shards}) > 1:
-        raise NotImplementedError(
+        raise UnsupportedError(
             f"table {table.name!r}: column shards of different widths "
             f"{sorted({s.shard_sizes[1] for s in shards})} with a per-column optimizer state "
             "cannot be checkpointed yet; split columns evenly or use row-wise Adagrad or SGD"
