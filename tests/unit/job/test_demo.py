@@ -1,0 +1,29 @@
+"""`python -m distcache demo` runs as a newcomer runs it (a subprocess, a short job) and says
+what the caches did, trained equal to the same training without a cache."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_demo_runs_and_matches_the_uncached_model() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "distcache", "demo", "--steps", "20"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:]
+    out = done.stdout  # the report is logged: stdout and stderr together
+    assert re.search(r"step\s+20\s+loss \d", out), out[-2000:]
+    assert "max |difference| = 0" in out, out[-2000:]
+    misses = [int(m) for m in re.findall(r"\| critical-path misses (\d+)", out)]
+    assert misses and all(m == 0 for m in misses), out[-2000:]
+    assert re.search(r"lookahead loads\s+[\d,]+\s+\(\d", out), out[-2000:]
