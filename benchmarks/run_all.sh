@@ -13,14 +13,11 @@ $PY benchmarks/cache_policies.py --trace zipf:rows=1e5,alpha=1.05,batch=256,batc
 $PY benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=0.9,batch=8192,batches=200 \
     --capacity 0.05,0.1 $sweep --json $out/lookahead_sweep_zipf1e6_a0.9.json
 $PY benchmarks/engine_throughput.py --json $out/engine_throughput.json
-for i in 1 2 3; do
-    $PY benchmarks/dlrm_sharded.py --warmup 30 --steps 40 --json $out/dlrm_sharded_run$i.json
-done
 $PY benchmarks/planner_stats.py --json $out/planner_stats.json
 $PY benchmarks/throughput.py --ranks 1 --threads 1 --warmup 30 --steps 60 \
     --json $out/throughput_cpu_1rank.json
 $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 \
-    --json $out/throughput_cpu_2ranks.json
+    --sync-capacities 0.05 --hook-capacities 0.05 --json $out/throughput_cpu_2ranks.json
 $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 --small-tables resident \
     --json $out/throughput_cpu_2ranks_resident.json
 $PY benchmarks/planner.py --threads 1 --json $out/planner_cpu.json

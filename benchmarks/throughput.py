@@ -9,6 +9,11 @@ power-law id per feature per sample (like Criteo). Variants, all in one run on t
   --prefetch-depth K ahead);
 - lru: the same engine, reactive (policy 'lru': a batch's misses are loaded when it is looked up),
   at each --lru-capacities, trained by the plain loop (forward, backward, optimizer step);
+- sync: the look-ahead policy without a pipeline, at each --sync-capacities: the plain loop, each
+  batch routed and staged when it is looked up (what prefetching saves);
+- prefetch_hook: the same, each next batch routed and staged through TorchRec's prefetch hook
+  (`ShardedEmbeddingBagCollection.prefetch`) while the current one trains, at each
+  --hook-capacities (K = 1; every batch is routed twice: ahead, then in forward);
 - torchrec: TorchRec's TrainPipelineSparseDist and default sharder, every row in device memory
   (its fused kernel);
 - cpu_embeddings (CUDA only): TorchRec's fused kernel on the host with the MLPs on the GPU; only
@@ -84,6 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=1.05, help="power-law exponent of the ids")
     ap.add_argument("--capacities", type=_capacities, default=[1.0, 0.05, 0.02, 0.01])
     ap.add_argument("--lru-capacities", type=_capacities, default=[0.05, 0.02])
+    ap.add_argument("--sync-capacities", type=_capacities, default=[])
+    ap.add_argument("--hook-capacities", type=_capacities, default=[])
     ap.add_argument(
         "--lookahead", type=int, default=DEFAULT_LOOKAHEAD, help="L: batches routed ahead"
     )
@@ -173,6 +180,36 @@ def _plain_step(model, optimizer, feed, device: torch.device | None):
     return step
 
 
+def _hook_step(model, optimizer, batches: list, device: torch.device):
+    """The plain loop, with the next batch routed and staged through TorchRec's prefetch hook
+    after the current one's forward, while its backward runs."""
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    sharded = next(m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+    moved = [b.to(device) for b in batches]
+
+    def stage(t: int) -> None:
+        if t < len(moved):
+            ctx = sharded.create_context()
+            dist_input = sharded.input_dist(ctx, moved[t].sparse_features).wait().wait()
+            sharded.prefetch(dist_input=dist_input, ctx=ctx)
+
+    state = {"t": 0}
+    stage(0)
+
+    def step():
+        t = state["t"]
+        loss, _ = model(moved[t])
+        stage(t + 1)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        state["t"] = t + 1
+        return loss.detach()
+
+    return step
+
+
 def _cache_totals(model) -> dict[str, float]:
     from distcache.sharding import cache_stats
 
@@ -246,6 +283,16 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
         dmp = cached(cache)
         step = _plain_step(dmp, dense(dmp), iter(batches), device)
         out.append(_Variant("lru", cap, dmp, step, lambda m=dmp: _cache_totals(m)))
+    # Look-ahead policy without the pipeline: staged at lookup (sync) or one batch ahead (hook).
+    plain = dataclasses.replace(base, lookahead=1, prefetch_depth=1)
+    for name, caps in (("sync", args.sync_capacities), ("prefetch_hook", args.hook_capacities)):
+        for cap in caps:
+            dmp = cached(dataclasses.replace(plain, capacity=cap))
+            if name == "sync":
+                step = _plain_step(dmp, dense(dmp), iter(batches), device)
+            else:
+                step = _hook_step(dmp, dense(dmp), batches, device)
+            out.append(_Variant(name, cap, dmp, step, lambda m=dmp: _cache_totals(m)))
     dmp = shard_dlrm(model(), device=device)
     pipeline = TrainPipelineSparseDist(dmp, dense(dmp), device)
     feed = iter(batches)
