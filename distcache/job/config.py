@@ -8,6 +8,9 @@ values (`--cache.capacity=0.02`, `--model.bottom_mlp=[64,16]`, `--data.source=sy
 a bare word is a string). The resolved config is written to the run directory
 (`resolved_config.toml`), so a run can be repeated exactly.
 
+`parse_args` reads the command line of `python -m distcache train` and `check_inputs` checks
+what a job can know before any process starts (files, packages, devices).
+
 Example::
 
     config = load_job_config("configs/tiny_cpu.toml", ["--train.steps=50"])
@@ -16,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import tomllib
 import types
@@ -23,6 +27,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from distcache.cache.config import DEFAULT_LOOKAHEAD
 from distcache.errors import DistcacheConfigError
@@ -342,3 +348,57 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """The job config from `--config FILE`, `--resume` and `--section.key=value` overrides.
+
+    Example::
+
+        config = parse_args(["--config", "configs/tiny_cpu.toml", "--train.steps=20"])
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m distcache train",
+        description="Train a DLRM with distcache's look-ahead caches.",
+        epilog="Any config key can be overridden: --section.key=value (TOML values).",
+    )
+    parser.add_argument("--config", help="TOML job config (default: all defaults)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=", 1)[0])]
+    if bad:
+        parser.error(f"unrecognized arguments {bad}: overrides are --section.key=value")
+    config = load_job_config(args.config, overrides)
+    if args.resume:
+        config = dataclasses.replace(
+            config, checkpoint=dataclasses.replace(config.checkpoint, resume=True)
+        )
+    return config
+
+
+def check_inputs(config: JobConfig) -> None:
+    """Errors a job can know before any process starts: missing files, missing packages."""
+    for path in config.data.paths + config.data.eval_paths:
+        if not Path(path).exists():
+            _fail(f"[data] path {path!r} does not exist")
+    planner = config.plan.planner
+    if planner.endswith(".json") and not Path(planner).is_file():
+        _fail(f"[plan] planner file {planner!r} does not exist")
+    if config.train.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as err:
+            raise DistcacheConfigError(
+                "[train] tensorboard = true needs the tensorboard package: pip install tensorboard"
+            ) from err
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        _fail("[train] device = 'cuda' but CUDA is not available here")
+
+
+def write_resolved_config(config: JobConfig) -> Path:
+    """Write the resolved config to `<run dir>/resolved_config.toml`; returns its path."""
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "resolved_config.toml"
+    path.write_text(dump_toml(config))
+    return path

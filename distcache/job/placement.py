@@ -1,5 +1,8 @@
-"""Where a training job's tables go: the `[plan]` section of a job config as a TorchRec
-`ShardingPlan` for distcache's sharder.
+"""A training job's model and where its tables go.
+
+`build_model` builds the job's DLRM (`[model]`, the data's tables) with its embedding optimizer
+(`[cache] optimizer`); `shard_model` puts it under `DistributedModelParallel` with distcache's
+sharder, placed by `job_sharding_plan`: the `[plan]` section as a TorchRec `ShardingPlan`.
 
 - `table_wise`, `row_wise`: every table so, by hand (`distcache.job.dlrm.sharding_plan`);
 - `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in;
@@ -14,27 +17,34 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner import Topology as TorchRecTopology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.models.dlrm import DLRMTrain
 
 from distcache.cache.config import CacheConfig
+from distcache.data.sources import JobData
 from distcache.job import dlrm
+from distcache.job.config import JobConfig
 from distcache.planner.solver import solve
 from distcache.planner.topology import PRESETS, load_topology, preset
 from distcache.planner.torchrec.export import to_sharding_plan
 from distcache.planner.types import Plan, TableStats, Topology, Workload
-from distcache.sharding import attach_cache_configs, cached_estimators
+from distcache.sharding import (
+    CachedEmbeddingBagCollectionSharder,
+    attach_cache_configs,
+    cached_estimators,
+)
 
 log = logging.getLogger(__name__)
 
 
-def job_workload(config: Any, data: Any) -> Workload:
+def job_workload(config: JobConfig, data: JobData) -> Workload:
     """The planner's view of the job: its tables, their access profiles and the MLPs."""
     m = config.model
     return Workload(
@@ -70,10 +80,10 @@ def job_topology(name: str, world_size: int) -> Topology:
 
 
 def job_sharding_plan(
-    config: Any,
-    model: torch.nn.Module,
-    data: Any,
-    sharder: Any,
+    config: JobConfig,
+    model: DLRMTrain,
+    data: JobData,
+    sharder: CachedEmbeddingBagCollectionSharder,
     world_size: int,
     device: torch.device,
 ) -> ShardingPlan:
@@ -112,4 +122,55 @@ def job_sharding_plan(
         world_size=world_size,
         device=device.type,
         base_config=base,
+    )
+
+
+def build_model(config: JobConfig, data: JobData) -> DLRMTrain:
+    """The job's DLRM for the data's tables, its embedding optimizer applied (seed
+    `[data] seed`)."""
+    m = config.model
+    model = dlrm.build_dlrm(
+        dlrm.DLRMConfig(
+            rows=data.table_sizes,
+            dim=m.embedding_dim,
+            dense_in_features=data.dense_features,
+            dense_hidden=tuple(m.bottom_mlp[:-1]),
+            over_hidden=tuple(m.top_mlp[:-1]),
+        ),
+        seed=config.data.seed,
+    )
+    dlrm.apply_embedding_optimizer(model, config.cache.optimizer, lr=config.cache.learning_rate)
+    return model
+
+
+def shard_model(
+    config: JobConfig, model: DLRMTrain, data: JobData, world_size: int, device: torch.device
+) -> DistributedModelParallel:
+    """The model under DMP, placed by the configured planner (`job_sharding_plan`)."""
+    sharder = dlrm.cached_sharder(
+        data.table_sizes,
+        cache_config(config),
+        world_size=world_size,
+        batch_size=config.data.batch_size,
+        ids_per_sample=data.max_ids_per_sample,
+    )
+    plan = job_sharding_plan(config, model, data, sharder, world_size, device)
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=device,
+        plan=plan,
+        sharders=[sharder],
+    )
+
+
+def cache_config(config: JobConfig) -> CacheConfig:
+    c = config.cache
+    return CacheConfig(
+        capacity=c.capacity,
+        lookahead=c.lookahead,
+        prefetch_depth=c.prefetch_depth,
+        policy=c.policy,
+        optimizer=c.optimizer,
+        learning_rate=c.learning_rate,
     )
