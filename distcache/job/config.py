@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -30,13 +31,15 @@ from typing import Any
 
 import torch
 
-from distcache.cache.config import DEFAULT_LOOKAHEAD
+from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
 
 DATA_SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
 PLANNERS = ("distcache", "torchrec", "table_wise", "row_wise")
-POLICIES = ("lookahead", "lru", "lfu")
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+# How a component's own config names a bad value (`CacheConfig`): re-worded for the job's file.
+_COMPONENT_ERROR = re.compile(
+    r"(?P<cls>\w+)\.(?P<key>\w+)=(?P<value>.*?) is invalid: expected (?P<allowed>.*)", re.S
+)
 
 
 def _fail(message: str) -> typing.NoReturn:
@@ -119,38 +122,6 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CacheSection:
-    capacity: float = 0.05
-    """Fraction of each table shard's rows in the device cache (1.0: everything)."""
-    lookahead: int = DEFAULT_LOOKAHEAD
-    prefetch_depth: int = 1
-    policy: str = "lookahead"
-    optimizer: str = "sgd"
-    """Embedding optimizer, fused into backward."""
-    learning_rate: float = 0.05
-
-    def __post_init__(self) -> None:
-        _require(0 < self.capacity <= 1, "cache", "capacity", self.capacity, "a fraction in (0, 1]")
-        _require(self.lookahead >= 0, "cache", "lookahead", self.lookahead, "an integer >= 0")
-        _require(
-            0 <= self.prefetch_depth <= self.lookahead,
-            "cache",
-            "prefetch_depth",
-            self.prefetch_depth,
-            f"an integer in [0, lookahead = {self.lookahead}]",
-        )
-        _require(self.policy in POLICIES, "cache", "policy", self.policy, f"one of {POLICIES}")
-        _require(
-            self.optimizer in OPTIMIZERS,
-            "cache",
-            "optimizer",
-            self.optimizer,
-            f"one of {OPTIMIZERS}",
-        )
-        _require(self.learning_rate > 0, "cache", "learning_rate", self.learning_rate, "> 0")
-
-
-@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     planner: str = "table_wise"
     """'distcache' (the throughput planner), 'torchrec' (TorchRec's planner), 'table_wise' or
@@ -218,9 +189,17 @@ class RunConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
+    """A training job: one section per component.
+
+    `[cache]` is the caches' own `CacheConfig` (every table's cache; `[plan] planner =
+    "distcache"` sizes each table's capacity, L and K itself): its keys, defaults and checks
+    are `distcache.cache.config`'s. In a job file, as everywhere in it, a number in a float
+    key is a float: `capacity = 1` is every row (a fraction), not one row.
+    """
+
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheSection = field(default_factory=CacheSection)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -242,6 +221,8 @@ def _section_types() -> dict[str, type]:
 def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
     """Check `value` against the field's type; ints are accepted where floats are expected."""
     origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union) and float in typing.get_args(hint):
+        hint = float  # `float | int` (CacheConfig.capacity): a job's numbers are fractions
     if origin in (list, types.GenericAlias) or hint is list:
         _require(isinstance(value, list), section, key, value, f"a list ({hint})")
         (item,) = typing.get_args(hint) or (Any,)
@@ -289,8 +270,25 @@ def build_job_config(raw: dict[str, Any]) -> JobConfig:
         bad = sorted(set(values) - set(allowed))
         if bad:
             _fail(f"unknown key(s) {bad} in [{name}]; allowed keys: {allowed}")
-        built[name] = cls(**{k: _coerce(name, k, v, hints[k]) for k, v in values.items()})
+        built[name] = _section(
+            name, cls, {k: _coerce(name, k, v, hints[k]) for k, v in values.items()}
+        )
     return JobConfig(**built)
+
+
+def _section(name: str, cls: type, values: dict[str, Any]) -> Any:
+    """`cls(**values)`; a component's own check (`CacheConfig.capacity=0.0 is invalid: ...`)
+    is re-worded as the job's (`[cache] capacity = 0.0 is invalid: ...`)."""
+    try:
+        return cls(**values)
+    except DistcacheConfigError as err:
+        found = _COMPONENT_ERROR.fullmatch(str(err))
+        if found is None or found["cls"] != cls.__name__:
+            raise
+        key, value, allowed = found["key"], found["value"], found["allowed"]
+        raise DistcacheConfigError(
+            f"[{name}] {key} = {value} is invalid: expected {allowed}"
+        ) from None
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:

@@ -113,8 +113,14 @@ def job_sharding_plan(
         for table, why in box[0].explanations.items():
             log.info("plan: %s: %s", table, why)
     dist.broadcast_object_list(box, src=0)
-    c = config.cache
-    base = CacheConfig(optimizer=c.optimizer, learning_rate=c.learning_rate, policy=c.policy)
+    # The plan sizes each table's cache (capacity, L, K); the rest of [cache] applies to all.
+    planned = CacheConfig()
+    base = dataclasses.replace(
+        config.cache,
+        capacity=planned.capacity,
+        lookahead=planned.lookahead,
+        prefetch_depth=planned.prefetch_depth,
+    )
     return to_sharding_plan(
         box[0],
         workload,
@@ -149,7 +155,7 @@ def shard_model(
     """The model under DMP, placed by the configured planner (`job_sharding_plan`)."""
     sharder = dlrm.cached_sharder(
         data.table_sizes,
-        cache_config(config),
+        config.cache,
         world_size=world_size,
         batch_size=config.data.batch_size,
         ids_per_sample=data.max_ids_per_sample,
@@ -161,16 +167,4 @@ def shard_model(
         device=device,
         plan=plan,
         sharders=[sharder],
-    )
-
-
-def cache_config(config: JobConfig) -> CacheConfig:
-    c = config.cache
-    return CacheConfig(
-        capacity=c.capacity,
-        lookahead=c.lookahead,
-        prefetch_depth=c.prefetch_depth,
-        policy=c.policy,
-        optimizer=c.optimizer,
-        learning_rate=c.learning_rate,
     )
