@@ -54,11 +54,14 @@ from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder
+from distcache.sharding import (
+    CACHED_KERNEL,
+    EMBEDDING_OPTIMIZERS,
+    CachedEmbeddingBagCollectionSharder,
+)
 
 #: Path of the `EmbeddingBagCollection` inside a `DLRMTrain`.
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
@@ -66,14 +69,6 @@ EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 FUSED_KERNEL = "fused"
 #: Sharding types `sharding_plan` builds.
 SHARDINGS = ("table_wise", "row_wise")
-#: Embedding optimizers by name: TorchRec maps each to its fused (and distcache's row) update.
-#: TorchRec's CPU kernel has no Adam; distcache's caches do.
-EMBEDDING_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adagrad": torch.optim.Adagrad,
-    "rowwise_adagrad": RowWiseAdagrad,
-    "adam": torch.optim.Adam,
-}
 
 
 def scaled_rows(rows: Sequence[int], scale_down: float, *, minimum: int = 3) -> tuple[int, ...]:
