@@ -33,9 +33,12 @@ import torch
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
+from distcache.planner.topology import PRESETS, load_topology, preset
+from distcache.planner.types import Topology
 
 DATA_SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
 PLANNERS = ("distcache", "torchrec", "table_wise", "row_wise")
+TOPOLOGY_PLANNERS = ("distcache", "torchrec")
 # How a component's own config names a bad value (`CacheConfig`): re-worded for the job's file.
 _COMPONENT_ERROR = re.compile(
     r"(?P<cls>\w+)\.(?P<key>\w+)=(?P<value>.*?) is invalid: expected (?P<allowed>.*)", re.S
@@ -127,9 +130,11 @@ class PlanConfig:
     """'distcache' (the throughput planner), 'torchrec' (TorchRec's planner), 'table_wise' or
     'row_wise' (every table so), or a path to a plan JSON written by `python -m distcache
     plan`."""
-    topology: str = "cpu"
-    """For the planners: a preset ('cpu', 'h100', 'h200') or a topology JSON
-    (`python -m distcache calibrate`)."""
+    topology: str = ""
+    """What the 'distcache' and 'torchrec' planners plan for: a preset ('cpu', 'h100', 'h200')
+    or a topology JSON (`python -m distcache calibrate`), resized to the job's ranks. Unset:
+    the 'cpu' preset for 'distcache', TorchRec's default topology for 'torchrec'. The other
+    planners place tables without one, and refuse it."""
 
     def __post_init__(self) -> None:
         _require(
@@ -138,6 +143,13 @@ class PlanConfig:
             "planner",
             self.planner,
             f"one of {PLANNERS} or a plan .json file",
+        )
+        _require(
+            not self.topology or self.planner in TOPOLOGY_PLANNERS,
+            "plan",
+            "topology",
+            self.topology,
+            f"no topology with planner = {self.planner!r} (only {TOPOLOGY_PLANNERS} plan for one)",
         )
 
 
@@ -382,6 +394,7 @@ def check_inputs(config: JobConfig) -> None:
     planner = config.plan.planner
     if planner.endswith(".json") and not Path(planner).is_file():
         _fail(f"[plan] planner file {planner!r} does not exist")
+    plan_topology(config, world_size=1)
     if config.train.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -391,6 +404,39 @@ def check_inputs(config: JobConfig) -> None:
             ) from err
     if config.train.device == "cuda" and not torch.cuda.is_available():
         _fail("[train] device = 'cuda' but CUDA is not available here")
+
+
+def job_topology(name: str, world_size: int) -> Topology:
+    """A preset, or a topology JSON (`python -m distcache calibrate`) resized to the job."""
+    if name in PRESETS:
+        return preset(name, world_size=world_size)
+    topology = load_topology(name)
+    return dataclasses.replace(
+        topology,
+        world_size=world_size,
+        ranks_per_node=min(topology.ranks_per_node, world_size),
+    )
+
+
+def plan_topology(config: JobConfig, world_size: int) -> Topology | None:
+    """`[plan] topology` for a job of `world_size` ranks (`job_topology`); None when unset.
+
+    Raises:
+        DistcacheConfigError: it names no preset or file, or (planner 'torchrec', which places
+            shards on its topology's device) a topology of another device than `[train]`'s.
+    """
+    name, device = config.plan.topology, config.train.device
+    if not name:
+        return None
+    if name not in PRESETS and not Path(name).is_file():
+        _fail(f"[plan] topology {name!r} is invalid: expected a preset {PRESETS} or a JSON file")
+    topology = job_topology(name, world_size)
+    if config.plan.planner == "torchrec" and topology.compute_device != device:
+        _fail(
+            f"[plan] topology {name!r} is a {topology.compute_device} topology: expected one "
+            f"for [train] device = {device!r} (TorchRec places shards on its topology's device)"
+        )
+    return topology
 
 
 def write_resolved_config(config: JobConfig) -> Path:

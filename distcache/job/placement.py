@@ -5,7 +5,8 @@
 sharder, placed by `job_sharding_plan`: the `[plan]` section as a TorchRec `ShardingPlan`.
 
 - `table_wise`, `row_wise`: every table so, by hand (`distcache.job.dlrm.sharding_plan`);
-- `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in;
+- `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in, on the
+  `[plan] topology` (`torchrec_job_topology`);
 - `distcache`: the throughput planner (`distcache.planner.solve`) on the `[plan] topology`,
   for the job's tables and access profiles; rank 0 plans and sends the plan to the others, so
   every rank shards alike;
@@ -30,11 +31,11 @@ from torchrec.models.dlrm import DLRMTrain
 from distcache.cache.config import CacheConfig
 from distcache.data.sources import JobData
 from distcache.job import dlrm
-from distcache.job.config import JobConfig
+from distcache.job.config import JobConfig, job_topology, plan_topology
 from distcache.planner.solver import solve
-from distcache.planner.topology import PRESETS, load_topology, preset
 from distcache.planner.torchrec.export import to_sharding_plan
-from distcache.planner.types import Plan, TableStats, Topology, Workload
+from distcache.planner.torchrec.planner import torchrec_topology
+from distcache.planner.types import Plan, TableStats, Workload
 from distcache.sharding import (
     CachedEmbeddingBagCollectionSharder,
     attach_cache_configs,
@@ -67,16 +68,15 @@ def job_workload(config: JobConfig, data: JobData) -> Workload:
     )
 
 
-def job_topology(name: str, world_size: int) -> Topology:
-    """A preset, or a topology JSON (`python -m distcache calibrate`) resized to the job."""
-    if name in PRESETS:
-        return preset(name, world_size=world_size)
-    topology = load_topology(name)
-    return dataclasses.replace(
-        topology,
-        world_size=world_size,
-        ranks_per_node=min(topology.ranks_per_node, world_size),
-    )
+def torchrec_job_topology(
+    config: JobConfig, world_size: int, device: torch.device
+) -> TorchRecTopology:
+    """What TorchRec's planner plans for: `[plan] topology` in TorchRec's terms, or unset,
+    TorchRec's default topology of the job's ranks and device."""
+    topology = plan_topology(config, world_size)
+    if topology is None:
+        return TorchRecTopology(world_size=world_size, compute_device=device.type)
+    return torchrec_topology(topology)
 
 
 def job_sharding_plan(
@@ -95,7 +95,7 @@ def job_sharding_plan(
             ebc, sharder, sharding=planner, world_size=world_size, device_type=device.type
         )
     if planner == "torchrec":
-        topology = TorchRecTopology(world_size=world_size, compute_device=device.type)
+        topology = torchrec_job_topology(config, world_size, device)
         enumerator = EmbeddingEnumerator(
             topology, config.data.batch_size, estimator=cached_estimators(topology)
         )
@@ -107,7 +107,8 @@ def job_sharding_plan(
     box: list[Plan | None] = [None]
     if dist.get_rank() == 0:
         if planner == "distcache":
-            box[0] = solve(workload, job_topology(config.plan.topology, world_size))
+            topology = plan_topology(config, world_size) or job_topology("cpu", world_size)
+            box[0] = solve(workload, topology)
         else:
             box[0] = Plan.load(Path(planner))
         for table, why in box[0].explanations.items():

@@ -9,7 +9,7 @@ import pytest
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.job.config import build_job_config, dump_toml, load_job_config
+from distcache.job.config import build_job_config, check_inputs, dump_toml, load_job_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.toml"))
 
@@ -83,3 +83,15 @@ def test_the_cache_section_is_the_caches_own_config():
     allowed = [f.name for f in dataclasses.fields(CacheConfig)]
     with pytest.raises(DistcacheConfigError, match=re.escape(f"allowed keys: {allowed}")):
         load_job_config(None, ["--cache.size=3"])
+
+
+def test_a_topology_only_with_a_planner_that_reads_one(tmp_path):
+    assert load_job_config(None, ["--plan.planner=torchrec", "--plan.topology=h100"])
+    with pytest.raises(DistcacheConfigError, match=r"^\[plan\] topology = 'h100' is invalid"):
+        load_job_config(None, ["--plan.topology=h100"])  # planner = 'table_wise'
+    bad = load_job_config(None, ["--plan.planner=distcache", f"--plan.topology={tmp_path}/x"])
+    with pytest.raises(DistcacheConfigError, match=r"^\[plan\] topology .* expected a preset"):
+        check_inputs(bad)
+    gpu = load_job_config(None, ["--plan.planner=torchrec", "--plan.topology=h100"])
+    with pytest.raises(DistcacheConfigError, match=r"^\[plan\] topology 'h100' is a cuda top"):
+        check_inputs(gpu)  # [train] device = 'cpu'
