@@ -25,9 +25,10 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +40,7 @@ from distcache.planner.types import Topology
 DATA_SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
 PLANNERS = ("distcache", "torchrec", "table_wise", "row_wise")
 TOPOLOGY_PLANNERS = ("distcache", "torchrec")
+_T = TypeVar("_T")
 # How a component's own config names a bad value (`CacheConfig`): re-worded for the job's file.
 _COMPONENT_ERROR = re.compile(
     r"(?P<cls>\w+)\.(?P<key>\w+)=(?P<value>.*?) is invalid: expected (?P<allowed>.*)", re.S
@@ -230,14 +232,14 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in _SECTIONS}
 
 
-def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
+def _coerce(section: str, key: str, value: object, hint: object) -> object:
     """Check `value` against the field's type; ints are accepted where floats are expected."""
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union) and float in typing.get_args(hint):
         hint = float  # `float | int` (CacheConfig.capacity): a job's numbers are fractions
     if origin in (list, types.GenericAlias) or hint is list:
         _require(isinstance(value, list), section, key, value, f"a list ({hint})")
-        (item,) = typing.get_args(hint) or (Any,)
+        (item,) = typing.get_args(hint) or (object,)
         return [_coerce(section, key, v, item) for v in value]
     if hint is float:
         _require(
@@ -266,7 +268,7 @@ def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def build_job_config(raw: dict[str, Any]) -> JobConfig:
+def build_job_config(raw: Mapping[str, object]) -> JobConfig:
     """A `JobConfig` from parsed TOML, strictly: unknown sections and keys are errors."""
     sections = _section_types()
     unknown = sorted(set(raw) - set(sections))
@@ -288,7 +290,7 @@ def build_job_config(raw: dict[str, Any]) -> JobConfig:
     return JobConfig(**built)
 
 
-def _section(name: str, cls: type, values: dict[str, Any]) -> Any:
+def _section(name: str, cls: type[_T], values: dict[str, object]) -> _T:
     """`cls(**values)`; a component's own check (`CacheConfig.capacity=0.0 is invalid: ...`)
     is re-worded as the job's (`[cache] capacity = 0.0 is invalid: ...`)."""
     try:
@@ -303,9 +305,9 @@ def _section(name: str, cls: type, values: dict[str, Any]) -> Any:
         ) from None
 
 
-def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, object]]:
     """`--section.key=value` arguments as nested dicts (values parsed as TOML)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, object]] = {}
     for arg in overrides:
         text = arg.removeprefix("--")
         if "=" not in text or "." not in text.split("=", 1)[0]:
@@ -322,7 +324,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
 
 def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     """Read a TOML job config (None: all defaults) and apply `--section.key=value` overrides."""
-    raw: dict[str, Any] = {}
+    raw: dict[str, object] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -350,7 +352,7 @@ def dump_toml(config: JobConfig) -> str:
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
