@@ -27,7 +27,7 @@ else
   RDZV=(--rdzv-backend=c10d "--rdzv-endpoint=${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for NNODES > 1}")
 fi
 # Validate the config once, before any worker starts: a bad key fails here, with its name.
-"$PYTHON" -c 'import sys; from distcache.train import parse_args, check_inputs; check_inputs(parse_args(sys.argv[1:])[0])' --config "$CONFIG" "$@"
+"$PYTHON" -c 'import sys; from distcache.job.config import check_inputs, parse_args; check_inputs(parse_args(sys.argv[1:]))' --config "$CONFIG" "$@"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC" \
   --max-restarts="$MAX_RESTARTS" -m distcache train --config "$CONFIG" "$@"

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 from distcache.errors import DistcacheConfigError
 from distcache.job.measure import MeasureOptions, measure_plans, unmeasurable_reason
@@ -127,7 +126,7 @@ class ComparisonRow:
     def fits(self) -> bool | None:
         return None if self.cost is None else self.cost.fits
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "name": self.name,
             "modelled": True,
@@ -352,7 +351,7 @@ def rows_to_json(
 ) -> str:
     """The rows (with their plans) as JSON, labelled modelled, with the inputs when given."""
     measured = any(r.measured_step_s is not None for r in rows)
-    data: dict[str, Any] = {
+    data: dict[str, object] = {
         "modelled": True,
         "measured": measured,
         "note": MODELLED_NOTE + (" " + MEASURED_NOTE if measured else ""),

@@ -8,6 +8,9 @@ values (`--cache.capacity=0.02`, `--model.bottom_mlp=[64,16]`, `--data.source=sy
 a bare word is a string). The resolved config is written to the run directory
 (`resolved_config.toml`), so a run can be repeated exactly.
 
+`parse_args` reads the command line of `python -m distcache train` and `check_inputs` checks
+what a job can know before any process starts (files, packages, devices).
+
 Example::
 
     config = load_job_config("configs/tiny_cpu.toml", ["--train.steps=50"])
@@ -16,21 +19,32 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import re
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
-from distcache.cache.config import DEFAULT_LOOKAHEAD
+import torch
+
+from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
+from distcache.planner.topology import PRESETS, load_topology, preset
+from distcache.planner.types import Topology
 
 DATA_SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
 PLANNERS = ("distcache", "torchrec", "table_wise", "row_wise")
-POLICIES = ("lookahead", "lru", "lfu")
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+TOPOLOGY_PLANNERS = ("distcache", "torchrec")
+_T = TypeVar("_T")
+# How a component's own config names a bad value (`CacheConfig`): re-worded for the job's file.
+_COMPONENT_ERROR = re.compile(
+    r"(?P<cls>\w+)\.(?P<key>\w+)=(?P<value>.*?) is invalid: expected (?P<allowed>.*)", re.S
+)
 
 
 def _fail(message: str) -> typing.NoReturn:
@@ -113,46 +127,16 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CacheSection:
-    capacity: float = 0.05
-    """Fraction of each table shard's rows in the device cache (1.0: everything)."""
-    lookahead: int = DEFAULT_LOOKAHEAD
-    prefetch_depth: int = 1
-    policy: str = "lookahead"
-    optimizer: str = "sgd"
-    """Embedding optimizer, fused into backward."""
-    learning_rate: float = 0.05
-
-    def __post_init__(self) -> None:
-        _require(0 < self.capacity <= 1, "cache", "capacity", self.capacity, "a fraction in (0, 1]")
-        _require(self.lookahead >= 0, "cache", "lookahead", self.lookahead, "an integer >= 0")
-        _require(
-            0 <= self.prefetch_depth <= self.lookahead,
-            "cache",
-            "prefetch_depth",
-            self.prefetch_depth,
-            f"an integer in [0, lookahead = {self.lookahead}]",
-        )
-        _require(self.policy in POLICIES, "cache", "policy", self.policy, f"one of {POLICIES}")
-        _require(
-            self.optimizer in OPTIMIZERS,
-            "cache",
-            "optimizer",
-            self.optimizer,
-            f"one of {OPTIMIZERS}",
-        )
-        _require(self.learning_rate > 0, "cache", "learning_rate", self.learning_rate, "> 0")
-
-
-@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     planner: str = "table_wise"
     """'distcache' (the throughput planner), 'torchrec' (TorchRec's planner), 'table_wise' or
     'row_wise' (every table so), or a path to a plan JSON written by `python -m distcache
     plan`."""
-    topology: str = "cpu"
-    """For the planners: a preset ('cpu', 'h100', 'h200') or a topology JSON
-    (`python -m distcache calibrate`)."""
+    topology: str = ""
+    """What the 'distcache' and 'torchrec' planners plan for: a preset ('cpu', 'h100', 'h200')
+    or a topology JSON (`python -m distcache calibrate`), resized to the job's ranks. Unset:
+    the 'cpu' preset for 'distcache', TorchRec's default topology for 'torchrec'. The other
+    planners place tables without one, and refuse it."""
 
     def __post_init__(self) -> None:
         _require(
@@ -161,6 +145,13 @@ class PlanConfig:
             "planner",
             self.planner,
             f"one of {PLANNERS} or a plan .json file",
+        )
+        _require(
+            not self.topology or self.planner in TOPOLOGY_PLANNERS,
+            "plan",
+            "topology",
+            self.topology,
+            f"no topology with planner = {self.planner!r} (only {TOPOLOGY_PLANNERS} plan for one)",
         )
 
 
@@ -212,9 +203,17 @@ class RunConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
+    """A training job: one section per component.
+
+    `[cache]` is the caches' own `CacheConfig` (every table's cache; `[plan] planner =
+    "distcache"` sizes each table's capacity, L and K itself): its keys, defaults and checks
+    are `distcache.cache.config`'s. In a job file, as everywhere in it, a number in a float
+    key is a float: `capacity = 1` is every row (a fraction), not one row.
+    """
+
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheSection = field(default_factory=CacheSection)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -233,12 +232,14 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in _SECTIONS}
 
 
-def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
+def _coerce(section: str, key: str, value: object, hint: object) -> object:
     """Check `value` against the field's type; ints are accepted where floats are expected."""
     origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union) and float in typing.get_args(hint):
+        hint = float  # `float | int` (CacheConfig.capacity): a job's numbers are fractions
     if origin in (list, types.GenericAlias) or hint is list:
         _require(isinstance(value, list), section, key, value, f"a list ({hint})")
-        (item,) = typing.get_args(hint) or (Any,)
+        (item,) = typing.get_args(hint) or (object,)
         return [_coerce(section, key, v, item) for v in value]
     if hint is float:
         _require(
@@ -267,7 +268,7 @@ def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def build_job_config(raw: dict[str, Any]) -> JobConfig:
+def build_job_config(raw: Mapping[str, object]) -> JobConfig:
     """A `JobConfig` from parsed TOML, strictly: unknown sections and keys are errors."""
     sections = _section_types()
     unknown = sorted(set(raw) - set(sections))
@@ -283,13 +284,30 @@ def build_job_config(raw: dict[str, Any]) -> JobConfig:
         bad = sorted(set(values) - set(allowed))
         if bad:
             _fail(f"unknown key(s) {bad} in [{name}]; allowed keys: {allowed}")
-        built[name] = cls(**{k: _coerce(name, k, v, hints[k]) for k, v in values.items()})
+        built[name] = _section(
+            name, cls, {k: _coerce(name, k, v, hints[k]) for k, v in values.items()}
+        )
     return JobConfig(**built)
 
 
-def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+def _section(name: str, cls: type[_T], values: dict[str, object]) -> _T:
+    """`cls(**values)`; a component's own check (`CacheConfig.capacity=0.0 is invalid: ...`)
+    is re-worded as the job's (`[cache] capacity = 0.0 is invalid: ...`)."""
+    try:
+        return cls(**values)
+    except DistcacheConfigError as err:
+        found = _COMPONENT_ERROR.fullmatch(str(err))
+        if found is None or found["cls"] != cls.__name__:
+            raise
+        key, value, allowed = found["key"], found["value"], found["allowed"]
+        raise DistcacheConfigError(
+            f"[{name}] {key} = {value} is invalid: expected {allowed}"
+        ) from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, object]]:
     """`--section.key=value` arguments as nested dicts (values parsed as TOML)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, object]] = {}
     for arg in overrides:
         text = arg.removeprefix("--")
         if "=" not in text or "." not in text.split("=", 1)[0]:
@@ -306,7 +324,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
 
 def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     """Read a TOML job config (None: all defaults) and apply `--section.key=value` overrides."""
-    raw: dict[str, Any] = {}
+    raw: dict[str, object] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -334,7 +352,7 @@ def dump_toml(config: JobConfig) -> str:
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -342,3 +360,91 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """The job config from `--config FILE`, `--resume` and `--section.key=value` overrides.
+
+    Example::
+
+        config = parse_args(["--config", "configs/tiny_cpu.toml", "--train.steps=20"])
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m distcache train",
+        description="Train a DLRM with distcache's look-ahead caches.",
+        epilog="Any config key can be overridden: --section.key=value (TOML values).",
+    )
+    parser.add_argument("--config", help="TOML job config (default: all defaults)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=", 1)[0])]
+    if bad:
+        parser.error(f"unrecognized arguments {bad}: overrides are --section.key=value")
+    config = load_job_config(args.config, overrides)
+    if args.resume:
+        config = dataclasses.replace(
+            config, checkpoint=dataclasses.replace(config.checkpoint, resume=True)
+        )
+    return config
+
+
+def check_inputs(config: JobConfig) -> None:
+    """Errors a job can know before any process starts: missing files, missing packages."""
+    for path in config.data.paths + config.data.eval_paths:
+        if not Path(path).exists():
+            _fail(f"[data] path {path!r} does not exist")
+    planner = config.plan.planner
+    if planner.endswith(".json") and not Path(planner).is_file():
+        _fail(f"[plan] planner file {planner!r} does not exist")
+    plan_topology(config, world_size=1)
+    if config.train.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as err:
+            raise DistcacheConfigError(
+                "[train] tensorboard = true needs the tensorboard package: pip install tensorboard"
+            ) from err
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        _fail("[train] device = 'cuda' but CUDA is not available here")
+
+
+def job_topology(name: str, world_size: int) -> Topology:
+    """A preset, or a topology JSON (`python -m distcache calibrate`) resized to the job."""
+    if name in PRESETS:
+        return preset(name, world_size=world_size)
+    topology = load_topology(name)
+    return dataclasses.replace(
+        topology,
+        world_size=world_size,
+        ranks_per_node=min(topology.ranks_per_node, world_size),
+    )
+
+
+def plan_topology(config: JobConfig, world_size: int) -> Topology | None:
+    """`[plan] topology` for a job of `world_size` ranks (`job_topology`); None when unset.
+
+    Raises:
+        DistcacheConfigError: it names no preset or file, or (planner 'torchrec', which places
+            shards on its topology's device) a topology of another device than `[train]`'s.
+    """
+    name, device = config.plan.topology, config.train.device
+    if not name:
+        return None
+    if name not in PRESETS and not Path(name).is_file():
+        _fail(f"[plan] topology {name!r} is invalid: expected a preset {PRESETS} or a JSON file")
+    topology = job_topology(name, world_size)
+    if config.plan.planner == "torchrec" and topology.compute_device != device:
+        _fail(
+            f"[plan] topology {name!r} is a {topology.compute_device} topology: expected one "
+            f"for [train] device = {device!r} (TorchRec places shards on its topology's device)"
+        )
+    return topology
+
+
+def write_resolved_config(config: JobConfig) -> Path:
+    """Write the resolved config to `<run dir>/resolved_config.toml`; returns its path."""
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "resolved_config.toml"
+    path.write_text(dump_toml(config))
+    return path

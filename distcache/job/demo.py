@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,8 +24,20 @@ from distcache.data.traces import zipf_trace
 
 log = logging.getLogger("distcache.job.demo")
 
+POOLING = 4  # ids per bag
+TABLES = (
+    TableSpec(name="user", num_embeddings=500_000, embedding_dim=16),
+    TableSpec(name="item", num_embeddings=200_000, embedding_dim=16),
+    TableSpec(name="category", num_embeddings=200_000, embedding_dim=8, pooling="mean"),
+)
+#: One training batch: table-major ids [tables * batch * POOLING], offsets [tables * batch + 1],
+#: labels [batch].
+_Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-def _batches(tables, *, batch_size: int, pooling: int, steps: int, seed: int):
+
+def _batches(
+    tables: Sequence[TableSpec], *, batch_size: int, pooling: int, steps: int, seed: int
+) -> list[_Batch]:
     """Table-major power-law batches and labels that depend on the ids (so there is signal)."""
     per_table = [
         zipf_trace(
@@ -46,6 +60,35 @@ def _batches(tables, *, batch_size: int, pooling: int, steps: int, seed: int):
     return out
 
 
+@dataclass
+class _Model:
+    """Embedding bags under a linear click head, with the head's optimizer."""
+
+    bags: CachedEmbeddingBags | list[nn.EmbeddingBag]
+    head: nn.Linear
+    optimizer: torch.optim.Optimizer
+
+
+def _models(config: CacheConfig, seed: int) -> tuple[_Model, _Model]:
+    """The cached model and a reference without a cache, starting from the same weights."""
+    bags = CachedEmbeddingBags(list(TABLES), config, seed=seed)
+    reference = [
+        nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, sparse=True)
+        for t in TABLES
+    ]
+    for t, ref in zip(TABLES, reference, strict=True):
+        ref.weight.data.copy_(bags.table_weight(t.name))
+    head = nn.Linear(sum(t.embedding_dim for t in TABLES), 1)
+    ref_head = nn.Linear(head.in_features, 1)
+    ref_head.load_state_dict(head.state_dict())
+    opt = torch.optim.SGD(head.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD([*ref_head.parameters(), *(r.weight for r in reference)], lr=0.05)
+    # The cached tables use their own fused SGD (lr 0.5); give the reference the same rate.
+    ref_opt.param_groups[0]["params"] = list(ref_head.parameters())
+    ref_opt.add_param_group({"params": [r.weight for r in reference], "lr": 0.5})
+    return _Model(bags, head, opt), _Model(reference, ref_head, ref_opt)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distcache demo", description=__doc__)
     ap.add_argument("--steps", type=int, default=200)
@@ -57,12 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(args.seed)
-
-    tables = [
-        TableSpec(name="user", num_embeddings=500_000, embedding_dim=16),
-        TableSpec(name="item", num_embeddings=200_000, embedding_dim=16),
-        TableSpec(name="category", num_embeddings=200_000, embedding_dim=8, pooling="mean"),
-    ]
     config = CacheConfig(
         capacity=args.capacity,
         lookahead=args.lookahead,
@@ -70,60 +107,79 @@ def main(argv: list[str] | None = None) -> int:
         optimizer="sgd",
         learning_rate=0.5,
     )
-    pooling = 4
     batches = _batches(
-        tables, batch_size=args.batch_size, pooling=pooling, steps=args.steps, seed=args.seed
+        TABLES, batch_size=args.batch_size, pooling=POOLING, steps=args.steps, seed=args.seed
     )
-    bags = CachedEmbeddingBags(tables, config, seed=args.seed)
-    reference = [
-        nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, sparse=True)
-        for t in tables
-    ]
-    for t, ref in zip(tables, reference, strict=True):
-        ref.weight.data.copy_(bags.table_weight(t.name))
-    head = nn.Linear(sum(t.embedding_dim for t in tables), 1)
-    ref_head = nn.Linear(head.in_features, 1)
-    ref_head.load_state_dict(head.state_dict())
-    opt = torch.optim.SGD(head.parameters(), lr=0.05)
-    ref_opt = torch.optim.SGD([*ref_head.parameters(), *(r.weight for r in reference)], lr=0.05)
-    # The cached tables use their own fused SGD (lr 0.5); give the reference the same rate.
-    ref_opt.param_groups[0]["params"] = list(ref_head.parameters())
-    ref_opt.add_param_group({"params": [r.weight for r in reference], "lr": 0.5})
-    loss_fn = nn.BCEWithLogitsLoss()
-
+    cached, reference = _models(config, args.seed)
     log.info(
         "distcache demo: %d tables, %s rows in host memory, caches of %.0f %% "
         "(L=%d look-ahead, K=%d staged ahead), %d steps of %d samples",
-        len(tables),
-        f"{sum(t.num_embeddings for t in tables):,}",
+        len(TABLES),
+        f"{sum(t.num_embeddings for t in TABLES):,}",
         100 * args.capacity,
         args.lookahead,
         args.prefetch_depth,
         args.steps,
         args.batch_size,
     )
+    seconds = _train(cached, reference, batches, args.lookahead, args.steps)
+    _report_caches(cached, reference, seconds, args.steps * args.batch_size)
+    _compare_policies(batches, config, args.batch_size)
+    return 0
+
+
+def _train(
+    cached: _Model, reference: _Model, batches: list[_Batch], lookahead: int, steps: int
+) -> float:
+    """Train both models on `batches`, logging the cached one's loss; returns the seconds."""
+    bags = cached.bags
+    assert isinstance(bags, CachedEmbeddingBags)
+    loss_fn = nn.BCEWithLogitsLoss()
     start, enqueued, window = time.perf_counter(), 0, []
     for step, (ids, offsets, labels) in enumerate(batches):
-        while enqueued < len(batches) and enqueued <= step + args.lookahead:
+        while enqueued < len(batches) and enqueued <= step + lookahead:
             bags.enqueue(*batches[enqueued][:2])  # ids of future batches enter the window
             enqueued += 1
         bags.prefetch()  # stage rows up to K batches ahead
-        loss = loss_fn(head(bags(ids, offsets)).squeeze(1), labels)
+        loss = loss_fn(cached.head(bags(ids, offsets)).squeeze(1), labels)
         bags.prefetch()  # overlaps the next batches' staging with this one's training
-        opt.zero_grad()
+        cached.optimizer.zero_grad()
         loss.backward()  # the caches' fused optimizer updates the rows here
-        opt.step()
-        _reference_step(reference, ref_head, ref_opt, loss_fn, tables, ids, offsets, labels)
+        cached.optimizer.step()
+        _reference_step(reference, loss_fn, ids, offsets, labels)
         window.append(loss.item())
-        if (step + 1) % max(1, args.steps // 5) == 0:
+        if (step + 1) % max(1, steps // 5) == 0:
             log.info("step %4d  loss %.4f", step + 1, sum(window) / len(window))
             window = []
-    seconds = time.perf_counter() - start
+    return time.perf_counter() - start
 
+
+def _reference_step(
+    model: _Model,
+    loss_fn: nn.Module,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    labels: torch.Tensor,
+) -> None:
+    batch_size = labels.numel()
+    outs = []
+    for k, bag in enumerate(model.bags):
+        lo, hi = int(offsets[k * batch_size]), int(offsets[(k + 1) * batch_size])
+        outs.append(bag(ids[lo:hi], offsets[k * batch_size : (k + 1) * batch_size] - lo))
+    loss = loss_fn(model.head(torch.cat(outs, 1)).squeeze(1), labels)
+    model.optimizer.zero_grad()
+    loss.backward()
+    model.optimizer.step()
+
+
+def _report_caches(cached: _Model, reference: _Model, seconds: float, samples: int) -> None:
+    """What the caches did, and how far the cached tables are from the reference's."""
+    bags = cached.bags
+    assert isinstance(bags, CachedEmbeddingBags)
     log.info(
         "\nwhat the caches did (%.1f s, %.0f samples/s including the reference model):",
         seconds,
-        args.steps * args.batch_size / seconds,
+        samples / seconds,
     )
     for name, s in bags.stats().items():
         log.info(
@@ -139,24 +195,27 @@ def main(argv: list[str] | None = None) -> int:
         )
     worst = max(
         (bags.table_weight(t.name) - r.weight.data).abs().max().item()
-        for t, r in zip(tables, reference, strict=True)
+        for t, r in zip(TABLES, reference.bags, strict=True)
     )
     log.info(
         "  trained tables vs the same training without a cache: max |difference| = %.2g", worst
     )
 
+
+def _compare_policies(batches: list[_Batch], config: CacheConfig, batch_size: int) -> None:
+    """Loads of each policy on the 'user' table's ids, against Belady's optimum."""
     log.info("\npolicies on this job's 'user' id trace (rows loaded; lower is better):")
-    trace = [b[0][: args.batch_size * pooling] for b in batches]
-    capacity = config.capacity_rows(tables[0].num_embeddings)
+    trace = [b[0][: batch_size * POOLING] for b in batches]
+    capacity = config.capacity_rows(TABLES[0].num_embeddings)
     optimum = None
     for policy in ("optimal", "lookahead", "lfu", "lru"):
         r = simulate(
             trace,
-            num_rows=tables[0].num_embeddings,
+            num_rows=TABLES[0].num_embeddings,
             capacity=capacity,
             policy=policy,
-            lookahead=args.lookahead,
-            prefetch_depth=args.prefetch_depth,
+            lookahead=config.lookahead,
+            prefetch_depth=config.prefetch_depth,
         )
         optimum = optimum or r.loads
         log.info(
@@ -166,16 +225,3 @@ def main(argv: list[str] | None = None) -> int:
             r.loads / optimum,
             f"{r.critical_misses:,}",
         )
-    return 0
-
-
-def _reference_step(reference, head, opt, loss_fn, tables, ids, offsets, labels) -> None:
-    batch_size = labels.numel()
-    outs = []
-    for k, bag in enumerate(reference):
-        lo, hi = int(offsets[k * batch_size]), int(offsets[(k + 1) * batch_size])
-        outs.append(bag(ids[lo:hi], offsets[k * batch_size : (k + 1) * batch_size] - lo))
-    loss = loss_fn(head(torch.cat(outs, 1)).squeeze(1), labels)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()

@@ -33,7 +33,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
+    ParameterShardingGenerator,
     construct_module_sharding_plan,
     get_default_sharders,
     row_wise,
@@ -54,11 +54,14 @@ from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder
+from distcache.sharding import (
+    CACHED_KERNEL,
+    EMBEDDING_OPTIMIZERS,
+    CachedEmbeddingBagCollectionSharder,
+)
 
 #: Path of the `EmbeddingBagCollection` inside a `DLRMTrain`.
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
@@ -66,14 +69,6 @@ EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 FUSED_KERNEL = "fused"
 #: Sharding types `sharding_plan` builds.
 SHARDINGS = ("table_wise", "row_wise")
-#: Embedding optimizers by name: TorchRec maps each to its fused (and distcache's row) update.
-#: TorchRec's CPU kernel has no Adam; distcache's caches do.
-EMBEDDING_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adagrad": torch.optim.Adagrad,
-    "rowwise_adagrad": RowWiseAdagrad,
-    "adam": torch.optim.Adam,
-}
 
 
 def scaled_rows(rows: Sequence[int], scale_down: float, *, minimum: int = 3) -> tuple[int, ...]:
@@ -198,7 +193,7 @@ def embedding_bag_collection(model: nn.Module) -> EmbeddingBagCollection:
     return found[0]
 
 
-def apply_embedding_optimizer(model: nn.Module, optimizer: str = "sgd", **kwargs: Any) -> None:
+def apply_embedding_optimizer(model: nn.Module, optimizer: str = "sgd", **kwargs: float) -> None:
     """Update the embedding tables in backward with a fused optimizer, the TorchRec way.
 
     Sharders read it from the parameters: TorchRec's kernels and distcache's caches alike.
@@ -263,10 +258,20 @@ def small_tables(
     return out
 
 
-def whole_tables(rows: Sequence[int], config: CacheConfig, **kwargs: Any) -> dict[str, CacheConfig]:
+def whole_tables(
+    rows: Sequence[int],
+    config: CacheConfig,
+    *,
+    in_flight_ids: int | Sequence[int],
+    sharding: str = "table_wise",
+    world_size: int = 1,
+) -> dict[str, CacheConfig]:
     """Per-table overrides caching whole the `small_tables` (same arguments)."""
     whole = dataclasses.replace(config, capacity=1.0)
-    return {name: whole for name in small_tables(rows, config, **kwargs)}
+    small = small_tables(
+        rows, config, in_flight_ids=in_flight_ids, sharding=sharding, world_size=world_size
+    )
+    return {name: whole for name in small}
 
 
 def cached_sharder(
@@ -331,7 +336,7 @@ def sharding_plan(
     if unknown:
         raise DistcacheConfigError(f"resident_tables {unknown} are not tables of the module")
 
-    def placement(i: int, name: str) -> Any:
+    def placement(i: int, name: str) -> ParameterShardingGenerator:
         kernel = CACHED_KERNEL if cached and name not in resident_tables else FUSED_KERNEL
         if sharding == "table_wise":
             return table_wise(rank=i % world_size, compute_kernel=kernel)

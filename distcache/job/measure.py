@@ -30,22 +30,17 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
-import socket
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from distcache.errors import DistcacheConfigError
+from distcache.job.distributed import run_ranks
 from distcache.planner.cost import plan_cost
 from distcache.planner.types import (
     DATA_PARALLEL,
@@ -58,6 +53,12 @@ from distcache.planner.types import (
     Topology,
     Workload,
 )
+
+if TYPE_CHECKING:
+    from torchrec.datasets.utils import Batch
+
+    from distcache.cache.engine import CacheStats
+    from distcache.job.dlrm import DLRMConfig
 
 MAX_LOCAL_RANKS = 2
 """Ranks this machine runs at once (2 shared cores: more would time the scheduler)."""
@@ -101,7 +102,7 @@ class Measurement:
     """Cache counters of the timed steps per step, averaged over ranks: ids, unique, hits,
     loads, writebacks; critical_misses summed over the timed steps and ranks."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
 
@@ -177,7 +178,7 @@ def measure_plans(
 
     Raises:
         DistcacheConfigError: the workload cannot run here.
-        TimeoutError, RuntimeError: a rank overran `options.timeout_s` or failed.
+        RankFailed: a rank failed, or the ranks overran `options.timeout_s`.
     """
     options = options or MeasureOptions()
     reason = workload_unmeasurable_reason(workload)
@@ -185,76 +186,25 @@ def measure_plans(
         reason = reason or f"{world_size} ranks; this machine runs 1 to {MAX_LOCAL_RANKS}"
         raise DistcacheConfigError(f"cannot measure here: {reason}")
     names = list(plans)
-    job = ([plans[n] for n in names], workload, options)
-    with tempfile.TemporaryDirectory() as out:
-        run_ranks(_rank_main, world_size, (*job, out), timeout_s=options.timeout_s)
-        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
+    per_rank = run_ranks(
+        _rank_main,
+        world_size,
+        args=([plans[n] for n in names], workload, options),
+        timeout_s=options.timeout_s,
+        env={"OMP_NUM_THREADS": str(options.threads)},
+        alone_in_process=True,
+    )
     return {
         name: _summarize(name, [r[i] for r in per_rank], world_size, options)
         for i, name in enumerate(names)
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# Processes
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(fn: Callable[..., None], world_size: int, args: tuple, *, timeout_s: float) -> None:
-    """Run `fn(rank, world_size, port, *args)` on `world_size` local processes (spawned).
-
-    One rank runs in this process when no process group is up (it has no peer to wait for).
-    A rank that raises or dies fails the run at once, and so does the deadline.
-    """
-    port = free_port()
-    if world_size == 1 and not (dist.is_available() and dist.is_initialized()):
-        fn(0, 1, port, *args)
-        return
-    context = mp.start_processes(
-        fn, (world_size, port, *args), nprocs=world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=0.5, grace_period=2.0):  # raises when a rank fails
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the ranks did not finish within {timeout_s} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
 def _rank_main(
-    rank: int,
-    world: int,
-    port: int,
-    plans: list[Plan],
-    workload: Workload,
-    options: MeasureOptions,
-    out_dir: str,
-) -> None:
-    threads = torch.get_num_threads()  # one rank runs in the caller's process
-    torch.set_num_threads(options.threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=options.timeout_s),
-    )
-    try:
-        results = _run_here(plans, workload, options)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
+    rank: int, world: int, plans: list[Plan], workload: Workload, options: MeasureOptions
+) -> list[_RankResult]:
+    del rank, world  # the default group knows them
+    return _run_here(plans, workload, options)
 
 
 def time_plans_here(
@@ -274,9 +224,7 @@ def time_plans_here(
     return {name: r["step_s"] for name, r in zip(names, results, strict=True)}
 
 
-def _run_here(
-    plans: list[Plan], workload: Workload, options: MeasureOptions
-) -> list[dict[str, Any]]:
+def _run_here(plans: list[Plan], workload: Workload, options: MeasureOptions) -> list[_RankResult]:
     runs = [_build(runnable_plan(p), workload, options) for p in plans]
     return _timed(runs, options)
 
@@ -287,11 +235,22 @@ def _run_here(
 
 @dataclass
 class _Run:
-    step: Callable[[], Any]
+    step: Callable[[], torch.Tensor]
     stats: Callable[[], dict[str, float]]
 
 
-def dlrm_config(workload: Workload) -> Any:
+class _RankResult(TypedDict):
+    """One rank's run of one plan."""
+
+    step_s: list[float]
+    """This rank's time of each timed step."""
+    before: dict[str, float]
+    """Cache counters (`_COUNTERS`) before the timed steps ..."""
+    after: dict[str, float]
+    """... and after them."""
+
+
+def dlrm_config(workload: Workload) -> DLRMConfig:
     """The `distcache.job.dlrm.DLRMConfig` of a measurable workload (table i is `t{i}`)."""
     from distcache.job.dlrm import DLRMConfig
 
@@ -374,7 +333,7 @@ def _make_whole_caches_resident(model: torch.nn.Module) -> None:
 
 def _batches(
     workload: Workload, options: MeasureOptions, rank: int, world: int, lookahead: int
-) -> list[Any]:
+) -> list[Batch]:
     """This rank's batches, in host memory: power-law ids, each table's exponent."""
     from distcache.data.synthetic import SyntheticClickLog, SyntheticConfig
 
@@ -396,11 +355,11 @@ def _batches(
 _COUNTERS = ("ids", "unique", "hits", "loads", "writebacks", "critical_misses")
 
 
-def _counters(stats: dict[str, Any]) -> dict[str, float]:
+def _counters(stats: Mapping[str, CacheStats]) -> dict[str, float]:
     return {k: float(sum(s.as_dict()[k] for s in stats.values())) for k in _COUNTERS}
 
 
-def _timed(runs: list[_Run], options: MeasureOptions) -> list[dict[str, Any]]:
+def _timed(runs: list[_Run], options: MeasureOptions) -> list[_RankResult]:
     """Each run trains warmup + steps steps, in turns; per-step times of the timed ones."""
     times: list[list[float]] = [[] for _ in runs]
     before: list[dict[str, float]] = [{} for _ in runs]
@@ -420,7 +379,7 @@ def _timed(runs: list[_Run], options: MeasureOptions) -> list[dict[str, Any]]:
 
 
 def _summarize(
-    name: str, ranks: Sequence[dict[str, Any]], world_size: int, options: MeasureOptions
+    name: str, ranks: Sequence[_RankResult], world_size: int, options: MeasureOptions
 ) -> Measurement:
     per_step = tuple(max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True))
     cache = {
@@ -488,6 +447,36 @@ def measure_framework_costs(
     Runs in this process, whose default process group must be of one rank (TorchRec's plans
     name global ranks).
     """
+    workload, plans = _framework_plans(big_rows)
+    bigger = dataclasses.replace(workload, batch_size_per_rank=big_batch)
+    measured = {
+        n: statistics.median(s)
+        for n, s in time_plans_here(plans, workload, options=options).items()
+    }
+    tw = {"tw": plans["tw"]}
+    big_s = statistics.median(time_plans_here(tw, bigger, options=options)["tw"])
+    extra_bytes = (big_rows - 1000) * workload.row_bytes(workload.tables[0])
+    update_s = measured["tw+dp"] - measured["dp+tw"]
+    update_rate = extra_bytes / update_s if update_s > 0 else None
+    free = dataclasses.replace(  # the framework's costs left out of the price
+        topology, world_size=1, ranks_per_node=1, step_overhead_s=0.0,
+        sharding_overhead_s=0.0, id_overhead_s=0.0, dense_update_bytes_per_s=update_rate,
+    )  # fmt: skip
+    excess = {n: measured[n] - plan_cost(p, workload, free).step_s for n, p in plans.items()}
+    big_excess = big_s - plan_cost(plans["tw"], bigger, free).step_s
+    routed = 2 * 2 * (big_batch - workload.batch_size_per_rank)  # 2 tables, sent and served
+    per_type = 0.5 * (excess["tw+rw"] + excess["dp+tw"]) - excess["tw"]
+    sharding = max(0.0, per_type)
+    return FrameworkCosts(
+        step_overhead_s=max(0.0, excess["tw"] - sharding),
+        sharding_overhead_s=sharding,
+        id_overhead_s=max(0.0, (big_excess - excess["tw"]) / routed),
+        dense_update_bytes_per_s=update_rate,
+    )
+
+
+def _framework_plans(big_rows: int) -> tuple[Workload, dict[str, Plan]]:
+    """`measure_framework_costs`'s tiny DLRM at batch 8 and its four plans of (t0, t1)."""
     workload = Workload(
         name="calibration",
         tables=(
@@ -515,34 +504,4 @@ def measure_framework_costs(
         )
         for name, kinds in layouts.items()
     }
-    bigger = dataclasses.replace(workload, batch_size_per_rank=big_batch)
-    measured = {
-        n: statistics.median(s)
-        for n, s in time_plans_here(plans, workload, options=options).items()
-    }
-    tw = {"tw": plans["tw"]}
-    big_s = statistics.median(time_plans_here(tw, bigger, options=options)["tw"])
-    free = dataclasses.replace(
-        topology,
-        world_size=1,
-        ranks_per_node=1,
-        step_overhead_s=0.0,
-        sharding_overhead_s=0.0,
-        id_overhead_s=0.0,
-        dense_update_bytes_per_s=None,
-    )
-    extra_bytes = (big_rows - 1000) * workload.row_bytes(workload.tables[0])
-    update_s = measured["tw+dp"] - measured["dp+tw"]
-    update_rate = extra_bytes / update_s if update_s > 0 else None
-    free = dataclasses.replace(free, dense_update_bytes_per_s=update_rate)
-    excess = {n: measured[n] - plan_cost(p, workload, free).step_s for n, p in plans.items()}
-    big_excess = big_s - plan_cost(plans["tw"], bigger, free).step_s
-    routed = 2 * 2 * (big_batch - workload.batch_size_per_rank)  # 2 tables, sent and served
-    per_type = 0.5 * (excess["tw+rw"] + excess["dp+tw"]) - excess["tw"]
-    sharding = max(0.0, per_type)
-    return FrameworkCosts(
-        step_overhead_s=max(0.0, excess["tw"] - sharding),
-        sharding_overhead_s=sharding,
-        id_overhead_s=max(0.0, (big_excess - excess["tw"]) / routed),
-        dense_update_bytes_per_s=update_rate,
-    )
+    return workload, plans

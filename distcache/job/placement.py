@@ -1,8 +1,12 @@
-"""Where a training job's tables go: the `[plan]` section of a job config as a TorchRec
-`ShardingPlan` for distcache's sharder.
+"""A training job's model and where its tables go.
+
+`build_model` builds the job's DLRM (`[model]`, the data's tables) with its embedding optimizer
+(`[cache] optimizer`); `shard_model` puts it under `DistributedModelParallel` with distcache's
+sharder, placed by `job_sharding_plan`: the `[plan]` section as a TorchRec `ShardingPlan`.
 
 - `table_wise`, `row_wise`: every table so, by hand (`distcache.job.dlrm.sharding_plan`);
-- `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in;
+- `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in, on the
+  `[plan] topology` (`torchrec_job_topology`);
 - `distcache`: the throughput planner (`distcache.planner.solve`) on the `[plan] topology`,
   for the job's tables and access profiles; rank 0 plans and sends the plan to the others, so
   every rank shards alike;
@@ -14,27 +18,34 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner import Topology as TorchRecTopology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.models.dlrm import DLRMTrain
 
 from distcache.cache.config import CacheConfig
+from distcache.data.sources import JobData
 from distcache.job import dlrm
+from distcache.job.config import JobConfig, job_topology, plan_topology
 from distcache.planner.solver import solve
-from distcache.planner.topology import PRESETS, load_topology, preset
 from distcache.planner.torchrec.export import to_sharding_plan
-from distcache.planner.types import Plan, TableStats, Topology, Workload
-from distcache.sharding import attach_cache_configs, cached_estimators
+from distcache.planner.torchrec.planner import torchrec_topology
+from distcache.planner.types import Plan, TableStats, Workload
+from distcache.sharding import (
+    CachedEmbeddingBagCollectionSharder,
+    attach_cache_configs,
+    cached_estimators,
+)
 
 log = logging.getLogger(__name__)
 
 
-def job_workload(config: Any, data: Any) -> Workload:
+def job_workload(config: JobConfig, data: JobData) -> Workload:
     """The planner's view of the job: its tables, their access profiles and the MLPs."""
     m = config.model
     return Workload(
@@ -57,23 +68,22 @@ def job_workload(config: Any, data: Any) -> Workload:
     )
 
 
-def job_topology(name: str, world_size: int) -> Topology:
-    """A preset, or a topology JSON (`python -m distcache calibrate`) resized to the job."""
-    if name in PRESETS:
-        return preset(name, world_size=world_size)
-    topology = load_topology(name)
-    return dataclasses.replace(
-        topology,
-        world_size=world_size,
-        ranks_per_node=min(topology.ranks_per_node, world_size),
-    )
+def torchrec_job_topology(
+    config: JobConfig, world_size: int, device: torch.device
+) -> TorchRecTopology:
+    """What TorchRec's planner plans for: `[plan] topology` in TorchRec's terms, or unset,
+    TorchRec's default topology of the job's ranks and device."""
+    topology = plan_topology(config, world_size)
+    if topology is None:
+        return TorchRecTopology(world_size=world_size, compute_device=device.type)
+    return torchrec_topology(topology)
 
 
 def job_sharding_plan(
-    config: Any,
-    model: torch.nn.Module,
-    data: Any,
-    sharder: Any,
+    config: JobConfig,
+    model: DLRMTrain,
+    data: JobData,
+    sharder: CachedEmbeddingBagCollectionSharder,
     world_size: int,
     device: torch.device,
 ) -> ShardingPlan:
@@ -85,7 +95,7 @@ def job_sharding_plan(
             ebc, sharder, sharding=planner, world_size=world_size, device_type=device.type
         )
     if planner == "torchrec":
-        topology = TorchRecTopology(world_size=world_size, compute_device=device.type)
+        topology = torchrec_job_topology(config, world_size, device)
         enumerator = EmbeddingEnumerator(
             topology, config.data.batch_size, estimator=cached_estimators(topology)
         )
@@ -97,14 +107,21 @@ def job_sharding_plan(
     box: list[Plan | None] = [None]
     if dist.get_rank() == 0:
         if planner == "distcache":
-            box[0] = solve(workload, job_topology(config.plan.topology, world_size))
+            topology = plan_topology(config, world_size) or job_topology("cpu", world_size)
+            box[0] = solve(workload, topology)
         else:
             box[0] = Plan.load(Path(planner))
         for table, why in box[0].explanations.items():
             log.info("plan: %s: %s", table, why)
     dist.broadcast_object_list(box, src=0)
-    c = config.cache
-    base = CacheConfig(optimizer=c.optimizer, learning_rate=c.learning_rate, policy=c.policy)
+    # The plan sizes each table's cache (capacity, L, K); the rest of [cache] applies to all.
+    planned = CacheConfig()
+    base = dataclasses.replace(
+        config.cache,
+        capacity=planned.capacity,
+        lookahead=planned.lookahead,
+        prefetch_depth=planned.prefetch_depth,
+    )
     return to_sharding_plan(
         box[0],
         workload,
@@ -112,4 +129,43 @@ def job_sharding_plan(
         world_size=world_size,
         device=device.type,
         base_config=base,
+    )
+
+
+def build_model(config: JobConfig, data: JobData) -> DLRMTrain:
+    """The job's DLRM for the data's tables, its embedding optimizer applied (seed
+    `[data] seed`)."""
+    m = config.model
+    model = dlrm.build_dlrm(
+        dlrm.DLRMConfig(
+            rows=data.table_sizes,
+            dim=m.embedding_dim,
+            dense_in_features=data.dense_features,
+            dense_hidden=tuple(m.bottom_mlp[:-1]),
+            over_hidden=tuple(m.top_mlp[:-1]),
+        ),
+        seed=config.data.seed,
+    )
+    dlrm.apply_embedding_optimizer(model, config.cache.optimizer, lr=config.cache.learning_rate)
+    return model
+
+
+def shard_model(
+    config: JobConfig, model: DLRMTrain, data: JobData, world_size: int, device: torch.device
+) -> DistributedModelParallel:
+    """The model under DMP, placed by the configured planner (`job_sharding_plan`)."""
+    sharder = dlrm.cached_sharder(
+        data.table_sizes,
+        config.cache,
+        world_size=world_size,
+        batch_size=config.data.batch_size,
+        ids_per_sample=data.max_ids_per_sample,
+    )
+    plan = job_sharding_plan(config, model, data, sharder, world_size, device)
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=device,
+        plan=plan,
+        sharders=[sharder],
     )

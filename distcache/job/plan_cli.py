@@ -62,9 +62,9 @@ import argparse
 import dataclasses
 import sys
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost, validate_plan
@@ -75,6 +75,7 @@ from distcache.planner.workloads import workload_preset
 
 # `compare` and `export` import TorchRec (seconds): they are imported where they are used.
 
+_T = TypeVar("_T")
 _MODEL_KEYS = (
     "name",
     "batch_size_per_rank",
@@ -146,7 +147,7 @@ def _run(
         return 2
 
 
-def _flag(flag: str, build: Callable[[], Any]) -> Any:
+def _flag(flag: str, build: Callable[[], _T]) -> _T:
     """`build()`, its configuration errors reported against `flag`."""
     try:
         return build()
@@ -202,7 +203,7 @@ def load_workload_config(path: Path) -> Workload:
         raise DistcacheConfigError(str(err)) from None
 
 
-def _only(data: dict[str, Any], allowed: Sequence[str], what: str) -> None:
+def _only(data: Mapping[str, object], allowed: Sequence[str], what: str) -> None:
     unknown = sorted(set(data) - set(allowed))
     if unknown:
         raise DistcacheConfigError(f"unknown {what} {unknown}; allowed: {list(allowed)}")
@@ -233,7 +234,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     return _replace(topology, {"host_memory_bytes": args.host_memory}, "--host-memory")
 
 
-def _replace(topology: Topology, overrides: dict[str, Any], flags: str) -> Topology:
+def _replace(topology: Topology, overrides: dict[str, int | None], flags: str) -> Topology:
     given = {k: v for k, v in overrides.items() if v is not None}
     if not given:
         return topology

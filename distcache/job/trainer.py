@@ -18,11 +18,20 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
+
+from distcache.data.sources import JobData
+from distcache.job.checkpoint import Checkpointer
+from distcache.job.config import JobConfig
+from distcache.pipeline import LookaheadTrainPipeline
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
 
 log = logging.getLogger("distcache.train")
 
@@ -35,9 +44,9 @@ CRASH_RANK = "DISTCACHE_CRASH_RANK"
 def _gather_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Every rank's tensors concatenated (sizes may differ between ranks)."""
     local = torch.cat(tensors) if tensors else torch.zeros(0)
-    parts: list[Any] = [None] * dist.get_world_size()
+    parts: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local.detach().float().cpu())
-    return torch.cat(parts)
+    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
 
 
 def _auc(logits: list[torch.Tensor], labels: list[torch.Tensor]) -> float:
@@ -52,12 +61,12 @@ class Trainer:
 
     def __init__(
         self,
-        config: Any,
+        config: JobConfig,
         model: torch.nn.Module,
-        pipeline: Any,
-        data: Any,
-        checkpoints: Any,
-        dense_optimizer: Any,
+        pipeline: LookaheadTrainPipeline,
+        data: JobData,
+        checkpoints: Checkpointer,
+        dense_optimizer: torch.optim.Optimizer,
         rank: int,
         world_size: int,
         device: torch.device,
@@ -66,12 +75,12 @@ class Trainer:
         self.checkpoints, self.dense_optimizer = checkpoints, dense_optimizer
         self.rank, self.world_size, self.device = rank, world_size, device
         self.run_dir = Path(config.run.dir)
-        self._writer = None
+        self._writer: SummaryWriter | None = None
         if config.train.tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-        self._window: dict[str, list] = {"loss": [], "logits": [], "labels": []}
+        self._window: dict[str, list[torch.Tensor]] = {"loss": [], "logits": [], "labels": []}
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._samples = 0
@@ -206,7 +215,7 @@ class Trainer:
                     self._writer.add_scalar(f"{kind}/{key}", value, record["step"])
 
     # ------------------------------------------------------------ misc
-    def _progress_bar(self, start: int) -> Any:
+    def _progress_bar(self, start: int) -> tqdm | None:
         if self.rank != 0 or not self.config.train.progress_bar:
             return None
         from tqdm import tqdm

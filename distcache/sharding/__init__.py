@@ -1,6 +1,6 @@
 """distcache as a TorchRec compute kernel: sharder, sharded module, lookup, kernel, plan."""
 
-from distcache.sharding.kernel import CachedEmbeddingBagKernel
+from distcache.sharding.kernel import EMBEDDING_OPTIMIZERS, CachedEmbeddingBagKernel
 from distcache.sharding.lookup import CachedGroupedLookup
 from distcache.sharding.plan import (
     CACHED_KERNEL,
@@ -14,6 +14,7 @@ from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
 
 __all__ = [
     "CACHED_KERNEL",
+    "EMBEDDING_OPTIMIZERS",
     "CachedEmbeddingBagCollectionSharder",
     "CachedEmbeddingBagKernel",
     "CachedGroupedLookup",

@@ -25,6 +25,7 @@ from torchrec.distributed.composable.table_batched_embedding_slice import (
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.cache.config import CacheConfig
@@ -32,6 +33,17 @@ from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.errors import DistcacheConfigError, UnsupportedError
 from distcache.sharding.plan import CACHE_CONFIG_KEY
 from distcache.sharding.state import host_table, sharded_state, sharded_weight
+
+#: distcache's embedding optimizers (`CacheConfig.optimizer`) -> the optimizer classes TorchRec
+#: takes from `apply_optimizer_in_backward` (and prices in its planner). TorchRec turns each into
+#: a fused optimizer, which `_OPTIMIZERS` maps back to the name. TorchRec's CPU kernel has no
+#: Adam; distcache's caches do.
+EMBEDDING_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad,
+    "rowwise_adagrad": RowWiseAdagrad,
+    "adam": torch.optim.Adam,
+}
 
 # TorchRec's fused optimizer names -> distcache's row optimizers.
 _OPTIMIZERS = {

@@ -56,7 +56,6 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.planner.types import Topology as TorchRecTopology
 from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingPlan, ShardingType
-from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from distcache.cache.config import CacheConfig
@@ -73,6 +72,7 @@ from distcache.planner.types import (
     Topology,
     Workload,
 )
+from distcache.sharding.kernel import EMBEDDING_OPTIMIZERS
 from distcache.sharding.plan import attach_cache_configs
 from distcache.sharding.planning import cached_estimators
 from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
@@ -81,13 +81,6 @@ logger = logging.getLogger(__name__)
 
 SHARDERS = ("default", "distcache")
 
-# distcache's optimizer names -> the classes whose state TorchRec's storage estimator counts.
-_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adagrad": torch.optim.Adagrad,
-    "rowwise_adagrad": RowWiseAdagrad,
-    "adam": torch.optim.Adam,
-}
 _MS_PER_S = 1000.0  # TorchRec's bandwidths are bytes/ms, its perf estimates ms
 
 
@@ -157,7 +150,7 @@ def torchrec_topology(topology: Topology) -> TorchRecTopology:
 def torchrec_module(workload: Workload) -> torch.nn.Module:
     """The workload's EBC on the meta device, its optimizer attached as TorchRec expects."""
     ebc = workload_ebc(workload, device="meta")
-    optimizer = _OPTIMIZER_CLASSES[workload.optimizer]
+    optimizer = EMBEDDING_OPTIMIZERS[workload.optimizer]  # TorchRec counts its state
     apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.01})
     return ebc
 

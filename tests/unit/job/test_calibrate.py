@@ -4,8 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
 from distcache.job.calibrate import (
@@ -21,7 +19,7 @@ from distcache.job.calibrate import (
     measure_staging_costs,
     measure_sync_latency,
 )
-from distcache.job.measure import run_ranks
+from distcache.job.distributed import run_ranks
 from distcache.planner.types import Topology
 
 
@@ -43,26 +41,16 @@ def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
     assert "not measured (one rank)" in printed  # the CPU preset's network figures stand in
 
 
-def _network_rank(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        fits = measure_collectives((1024, 64 * 1024))
-        sync = measure_sync_latency(burst_s=5e-4, collectives=2, repeats=3)
-        if rank == 0:
-            Path(out, "net.json").write_text(
-                json.dumps(
-                    {k: [f.latency_s, f.bw_bytes_per_s] for k, f in fits.items()} | {"sync": sync}
-                )
-            )
-    finally:
-        dist.destroy_process_group()
+def _network_rank(rank: int, world: int, out: str) -> None:
+    fits = measure_collectives((1024, 64 * 1024))
+    sync = measure_sync_latency(burst_s=5e-4, collectives=2, repeats=3)
+    if rank == 0:
+        figures = {k: [f.latency_s, f.bw_bytes_per_s] for k, f in fits.items()}
+        Path(out, "net.json").write_text(json.dumps(figures | {"sync": sync}))
 
 
 def test_network_figures_on_two_ranks(tmp_path):
-    run_ranks(_network_rank, 2, (str(tmp_path),), timeout_s=120)
+    run_ranks(_network_rank, 2, args=(str(tmp_path),), timeout_s=120)
     net = json.loads((tmp_path / "net.json").read_text())
     for name in ("all_to_all", "all_reduce"):
         latency, bandwidth = net[name]

@@ -1,12 +1,15 @@
 """The job config: strict TOML, typed overrides, the resolved file, the shipped configs."""
 
+import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.job.config import build_job_config, dump_toml, load_job_config
+from distcache.job.config import build_job_config, check_inputs, dump_toml, load_job_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.toml"))
 
@@ -39,7 +42,7 @@ def test_ints_are_accepted_as_floats():
         ("--cache.capacity=1.5", r"expected a fraction in \(0, 1\]"),
         ("--train.steps=2.5", r"\[train\] steps = 2.5 is invalid: expected an integer"),
         ("--train.steps=true", r"expected an integer"),
-        ("--cache.prefetch_depth=65", r"prefetch_depth = 65 is invalid: expected an integer in"),
+        ("--cache.prefetch_depth=65", r"prefetch_depth = 65 is invalid: expected at most"),
         ("--cache.policy=fifo", r"policy = 'fifo' is invalid: expected one of"),
         ("--model.bottom_mlp=[64,8]", r"ending with embedding_dim = 16"),
         ("--data.source=criteo_tsv", r"\[data\] paths = \[\] is invalid"),
@@ -66,3 +69,29 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("[train\n")
     with pytest.raises(DistcacheConfigError, match="not valid TOML"):
         load_job_config(bad)
+
+
+def test_the_cache_section_is_the_caches_own_config():
+    config = load_job_config(
+        None, ["--cache.capacity=1", "--cache.eps=1e-6", "--cache.check_ids=false"]
+    )
+    # A job's numbers are fractions: capacity = 1 is every row, not one row.
+    assert isinstance(config.cache.capacity, float)
+    assert config.cache == CacheConfig(capacity=1.0, eps=1e-6, check_ids=False)
+    with pytest.raises(DistcacheConfigError, match=r"^\[cache\] eps = -1.0 is invalid: expected"):
+        load_job_config(None, ["--cache.eps=-1"])
+    allowed = [f.name for f in dataclasses.fields(CacheConfig)]
+    with pytest.raises(DistcacheConfigError, match=re.escape(f"allowed keys: {allowed}")):
+        load_job_config(None, ["--cache.size=3"])
+
+
+def test_a_topology_only_with_a_planner_that_reads_one(tmp_path):
+    assert load_job_config(None, ["--plan.planner=torchrec", "--plan.topology=h100"])
+    with pytest.raises(DistcacheConfigError, match=r"^\[plan\] topology = 'h100' is invalid"):
+        load_job_config(None, ["--plan.topology=h100"])  # planner = 'table_wise'
+    bad = load_job_config(None, ["--plan.planner=distcache", f"--plan.topology={tmp_path}/x"])
+    with pytest.raises(DistcacheConfigError, match=r"^\[plan\] topology .* expected a preset"):
+        check_inputs(bad)
+    gpu = load_job_config(None, ["--plan.planner=torchrec", "--plan.topology=h100"])
+    with pytest.raises(DistcacheConfigError, match=r"^\[plan\] topology 'h100' is a cuda top"):
+        check_inputs(gpu)  # [train] device = 'cpu'
