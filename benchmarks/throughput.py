@@ -47,11 +47,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -59,7 +56,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -365,18 +361,14 @@ def _timed(variants: list[_Variant], args, device: torch.device, host_pg) -> lis
     return results
 
 
-def _run(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
-    timeout = timedelta(seconds=args.timeout)
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
+    """One rank's run (its process group is up): the variants' timed steps and counters."""
     if args.device == "cuda":
-        torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout)
+        timeout = timedelta(seconds=args.timeout)
         host_pg = dist.new_group(backend="gloo", timeout=timeout)  # host tables, barriers
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
         host_pg = dist.group.WORLD
     from distcache.job.dlrm import scaled_rows
     from distcache.planner.workloads import CRITEO_KAGGLE_ROWS
@@ -385,28 +377,26 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: st
     # Pipelines read ahead: enough batches that every timed step is a steady-state one.
     batches = _batches(rank, args, rows, args.warmup + args.steps + args.lookahead + 2)
     variants = _variants(args, rows, batches, device, host_pg)
-    results = {"rows": list(rows), "variants": _timed(variants, args, device, host_pg)}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return {"rows": list(rows), "variants": _timed(variants, args, device, host_pg)}
 
 
-def _spawn(args: argparse.Namespace, out_dir: str) -> None:
-    """Run the ranks; a rank that raises or dies fails the run, and so does the deadline.
-    One rank runs in this process (it has no peer to wait for)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if args.ranks == 1:
-        _run(0, 1, port, args, out_dir)
-        return
-    ctx = mp.spawn(_run, args=(args.ranks, port, args, out_dir), nprocs=args.ranks, join=False)
-    deadline = time.monotonic() + args.timeout
-    while not ctx.join(timeout=1.0):  # raises as soon as a rank fails, ending the others
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"the ranks did not finish within --timeout {args.timeout} s")
+def _spawn(args: argparse.Namespace) -> list[dict]:
+    """Every rank's results, through distcache's launcher: a rank that raises or dies fails
+    the run within a second, naming it with its traceback, and so does the deadline. One rank
+    runs in this process."""
+    from distcache.job.distributed import run_ranks
+
+    threads = args.threads or max(1, (os.cpu_count() or 2) // args.ranks)
+    return run_ranks(
+        _rank,
+        args.ranks,
+        args=(args,),
+        timeout_s=args.timeout,
+        backend="nccl" if args.device == "cuda" else "gloo",
+        env={"OMP_NUM_THREADS": str(threads)},
+        sys_path=[str(Path(__file__).resolve().parent)],
+        alone_in_process=True,
+    )
 
 
 # ---------------------------------------------------------------- summary
@@ -500,9 +490,7 @@ def _report(summary: list[dict], args: argparse.Namespace, rows: tuple[int, ...]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory() as out:
-        _spawn(args, out)
-        results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.ranks)]
+    results = _spawn(args)
     rows = tuple(results[0]["rows"])
     per_rank = [r["variants"] for r in results]
     summary = summarize(per_rank, args, rows)
