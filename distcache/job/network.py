@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from distcache.errors import DistcacheConfigError
 from distcache.job.microbench import FULL, MIB, median_seconds
 
 
@@ -40,7 +41,9 @@ def fit_latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float]) -> 
     """
     x, t = np.asarray(nbytes, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
     if x.shape != t.shape or x.size < 2 or (t <= 0).any():
-        raise ValueError(f"need >= 2 (bytes, seconds > 0) pairs, got {list(x)}, {list(t)}")
+        raise DistcacheConfigError(
+            f"need >= 2 (bytes, seconds > 0) pairs, got {list(x)}, {list(t)}"
+        )
     design = np.stack([1.0 / t, x / t], axis=1)  # [n, 2]: rows of (a + b x) / t = 1
     (latency, per_byte), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
     if latency <= 0:

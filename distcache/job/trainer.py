@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
 
 from distcache.data.sources import JobData
+from distcache.errors import DistcacheConfigError
 from distcache.job.checkpoint import Checkpointer
 from distcache.job.config import JobConfig
 from distcache.pipeline import LookaheadTrainPipeline
@@ -109,8 +110,9 @@ class Trainer:
                 if cfg.log_every and step % cfg.log_every == 0:
                     self.log_metrics(step)
             if step < end:
-                raise RuntimeError(
-                    f"the data ran out at step {step} of {cfg.steps} (rank {self.rank})"
+                raise DistcacheConfigError(
+                    f"the data ran out at step {step} of [train] steps = {cfg.steps} "
+                    f"(rank {self.rank}): use fewer steps or more data"
                 )
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 self.evaluate(step)
