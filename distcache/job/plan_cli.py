@@ -4,7 +4,8 @@ Both commands take a workload and a topology:
 
 - ``--preset NAME``: a workload preset (`criteo-kaggle`, `criteo-terabyte`,
   `synthetic:tables=T,rows=R,dim=D,alpha=A,pooling=P,seed=S,spread=X`), or
-  ``--config FILE``: a TOML description (below).
+  ``--config FILE``: a TOML description (below), or a training job's config (`configs/*.toml`:
+  its tables, batch size, MLPs and embedding optimizer, as `python -m distcache train` plans it).
 - ``--topology h100|h200|cpu|PATH.json`` (default h100; a JSON from `save_topology` or
   `python -m distcache calibrate`), ``--world-size N`` (default 8), ``--ranks-per-node N``,
   ``--device-memory 16GB`` (per rank, for embeddings), ``--host-memory 200GB`` (per rank),
@@ -177,6 +178,8 @@ def load_workload_config(path: Path) -> Workload:
         data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as err:
         raise DistcacheConfigError(f"not valid TOML: {err}") from None
+    if "tables" not in data and set(data) & _JOB_SECTIONS:  # a training job's config
+        return _job_workload(path)
     _only(data, ("model", "tables"), "top-level sections")
     model = data.get("model", {})
     if not isinstance(model, dict):
@@ -201,6 +204,20 @@ def load_workload_config(path: Path) -> Workload:
         return Workload(tables=tuple(stats), **fields)
     except TypeError as err:  # a wrongly typed value that the dataclass cannot take
         raise DistcacheConfigError(str(err)) from None
+
+
+_JOB_SECTIONS = {"data", "train", "cache", "checkpoint", "plan", "run"}
+
+
+def _job_workload(path: Path) -> Workload:
+    """The workload a training job's config describes, as the job itself plans it."""
+    from distcache.data.sources import JobData
+    from distcache.job.config import load_job_config
+    from distcache.job.placement import job_workload
+
+    config = load_job_config(path)
+    data = JobData(config.data, steps=config.train.steps, rank=0, world_size=1)
+    return dataclasses.replace(job_workload(config, data), name=Path(path).stem)
 
 
 def _only(data: Mapping[str, object], allowed: Sequence[str], what: str) -> None:

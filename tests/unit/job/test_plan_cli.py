@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from distcache import DistcacheConfigError
 from distcache.__main__ import main
+from distcache.job.config import load_job_config
 from distcache.job.plan_cli import compare_main, load_workload_config, plan_main
 from distcache.planner.solver import solve
 from distcache.planner.topology import preset
@@ -154,3 +156,26 @@ def test_compare_rejects_a_plan_for_another_workload(
     (tmp_path / "junk.json").write_text("{not json")
     assert compare_main([*SMALL, "--plan", str(tmp_path / "junk.json")]) == 2
     assert "not a plan JSON" in capsys.readouterr().err
+
+
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_a_job_config_plans_as_the_job_does(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each shipped job config plans as its header says (`plan --config configs/X.toml`)."""
+    assert plan_main(["--config", str(path), "--world-size", "2"]) == 0
+    workload = load_workload_config(path)
+    job = load_job_config(path)
+    assert workload.name == path.stem and workload.batch_size_per_rank == job.data.batch_size
+    assert {t.dim for t in workload.tables} == {job.model.embedding_dim}
+    if job.data.table_sizes:
+        assert tuple(t.rows for t in workload.tables) == tuple(job.data.table_sizes)
+    assert "modelled step" in capsys.readouterr().out
+
+
+def test_a_job_config_with_an_unknown_key_names_it(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text('[data]\nsource = "synthetic"\n[train]\nstepz = 3\n')
+    with pytest.raises(DistcacheConfigError, match="stepz"):
+        load_workload_config(config)
