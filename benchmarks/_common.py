@@ -29,7 +29,8 @@ def machine() -> dict[str, object]:
 
 
 def commit() -> str:
-    """The commit measured, with "+dirty" when the tree has uncommitted changes."""
+    """The commit measured, with "+dirty" when the tree has uncommitted changes (other than
+    under benchmarks/results/)."""
     root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
@@ -37,7 +38,10 @@ def commit() -> str:
         return run.stdout.strip() if run.returncode == 0 else ""
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # Results written by an earlier benchmark of the same run are outputs, not changes to code.
+    outputs = ":!benchmarks/results"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", outputs)
+    return head + ("+dirty" if changed else "")
 
 
 def _cpu_model() -> str:
