@@ -55,9 +55,10 @@ U_table(n) otherwise, from `stats.expected_unique`.
   shard rows·(8 B look-ahead or LRU index), + data-parallel tables R·r on every rank;
   host = shard rows·r for host-cached shards. Row-wise shards are priced at ceil(R/S) rows.
 
-The model is written in stages: `binned.py` (access statistics), `shards.py` (per-shard
-terms), `dense.py` (dense compute and all-reduce); this file accumulates them per rank and
-prices whole plans. Every public name of those stages is importable from here too.
+The model is written in four files, each a stage of it: `binned.py` (access statistics),
+`shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
+(per-rank accumulation and the step formula); this file prices whole plans. Every public name
+of those stages is importable from here too.
 
 Statistics come from a `BinnedProfile` of each table (rows grouped into bins of near-equal
 probability), so a 40M-row table costs a few thousand operations per query; it agrees with
@@ -71,7 +72,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from collections.abc import Collection
@@ -90,6 +90,19 @@ from distcache.planner.dense import (
     dense_layers,
     dense_parameter_bytes,
     sync_latency_s,
+)
+from distcache.planner.ranks import (
+    RANK_TERMS,
+    Peers,
+    RankStep,
+    RankTerms,
+    Traffic,
+    exchange,
+    node_layout,
+    peer_counts,
+    rank_step,
+    rank_step_of,
+    shard_contribution,
 )
 from distcache.planner.shards import (
     ACCESS_BYTES,
@@ -134,20 +147,25 @@ __all__ = [
     "RANK_TERMS",
     "BinnedProfile",
     "GlobalTerms",
+    "Peers",
+    "RankStep",
+    "RankTerms",
     "ShardTerms",
-    "a2a_time_s",
+    "Traffic",
     "all_reduce_s",
     "dense_compute_s",
     "dense_flops_per_sample",
     "dense_layers",
     "dense_parameter_bytes",
     "dense_update_time_s",
+    "exchange",
     "global_terms",
     "lookup_time_s",
     "node_layout",
     "peer_counts",
     "plan_cost",
-    "rank_totals",
+    "rank_step",
+    "rank_step_of",
     "sent_ids_per_rank",
     "shard_access",
     "shard_contribution",
@@ -158,123 +176,6 @@ __all__ = [
     "table_plan_terms",
     "validate_plan",
 ]
-
-# ---------------------------------------------------------------------------------------------
-# Per-rank accumulation: a [TERMS, W] array per plan, shared with the solver
-# ---------------------------------------------------------------------------------------------
-
-RANK_TERMS = (
-    "lookup_s",
-    "overlapped_staging_s",
-    "exposed_staging_s",
-    "ids_sent_intra_bytes",
-    "ids_sent_inter_bytes",
-    "ids_received_intra_bytes",
-    "ids_received_inter_bytes",
-    "emb_sent_intra_bytes",
-    "emb_sent_inter_bytes",
-    "emb_received_intra_bytes",
-    "emb_received_inter_bytes",
-    "device_memory_bytes",
-    "host_memory_bytes",
-)
-(LOOKUP, OVERLAPPED, EXPOSED, IDS_SI, IDS_SE, IDS_RI, IDS_RE) = range(7)
-(EMB_SI, EMB_SE, EMB_RI, EMB_RE, DEVICE_MEMORY, HOST_MEMORY) = range(7, 13)
-
-
-@functools.lru_cache(maxsize=64)
-def node_layout(topology: Topology) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(node of each rank [W], first rank of each node [N], ranks of each rank's node [W])."""
-    ranks = np.arange(topology.world_size)
-    node = ranks // topology.ranks_per_node
-    starts = np.arange(0, topology.world_size, topology.ranks_per_node)
-    sizes = np.diff(np.append(starts, topology.world_size))
-    return node, starts, sizes[node].astype(np.float64)
-
-
-def peer_counts(is_owner: np.ndarray, topology: Topology) -> tuple[np.ndarray, ...]:
-    """Peers each rank exchanges with for a table whose shards sit where `is_owner` is 1.
-
-    Args:
-        is_owner: [..., W] 0/1.
-
-    Returns:
-        (owners on my node but not me, owners on other nodes, consumers on my node if I own a
-        shard, consumers on other nodes if I own one), each [..., W].
-    """
-    node, starts, node_size = node_layout(topology)
-    on_node = np.add.reduceat(is_owner, starts, axis=-1)[..., node]  # [..., W]
-    shards = is_owner.sum(axis=-1, keepdims=True)
-    return (
-        on_node - is_owner,
-        shards - on_node,
-        is_owner * (node_size - 1),
-        is_owner * (topology.world_size - node_size),
-    )
-
-
-def shard_contribution(terms: ShardTerms, ranks: tuple[int, ...], topology: Topology) -> np.ndarray:
-    """The [TERMS, W] rank terms of a table whose identical shards sit on `ranks`."""
-    load = np.zeros((len(RANK_TERMS), topology.world_size))
-    owners = list(ranks)
-    load[LOOKUP, owners] = terms.lookup_s
-    load[OVERLAPPED if terms.staging_overlapped else EXPOSED, owners] = terms.staging_s
-    load[DEVICE_MEMORY, owners] = terms.device_memory_bytes
-    load[HOST_MEMORY, owners] = terms.host_memory_bytes
-    ids, emb = terms.ids_bytes_per_peer, terms.embedding_bytes_per_peer
-    if ids or emb:
-        is_owner = np.zeros(topology.world_size)
-        is_owner[owners] = 1.0
-        counts = np.stack(peer_counts(is_owner, topology))  # [4, W]: mine, theirs, local, remote
-        load[IDS_SI : IDS_RE + 1] = ids * counts
-        load[EMB_SI : EMB_RE + 1] = emb * counts[[2, 3, 0, 1]]
-    return load
-
-
-def a2a_time_s(
-    sent_intra: np.ndarray,
-    sent_inter: np.ndarray,
-    received_intra: np.ndarray,
-    received_inter: np.ndarray,
-    topology: Topology,
-) -> np.ndarray:
-    """One all-to-all's time per rank from its bytes (elementwise), without latency: links
-    are full duplex and NVLink and the NIC run at once, so the slowest of the four sets it."""
-    intra = np.maximum(sent_intra, received_intra) / topology.intra_node_bw_bytes_per_s
-    inter = np.maximum(sent_inter, received_inter) / topology.inter_node_bw_bytes_per_s
-    return np.maximum(intra, inter)
-
-
-def a2a_pair_s(load: np.ndarray, first: int, topology: Topology) -> np.ndarray:
-    """`a2a_time_s` of the four byte rows of `load` [..., TERMS, W] starting at `first`."""
-    rows = [load[..., first + i, :] for i in range(4)]
-    return a2a_time_s(*rows, topology)
-
-
-def rank_totals(
-    load: np.ndarray, *, dense_s: float, global_s: float, latency_s: float, topology: Topology
-) -> np.ndarray:
-    """Step time per rank from accumulated rank terms.
-
-    Args:
-        load: [..., TERMS, W] accumulated `shard_contribution`s.
-        dense_s: dense compute per step.
-        global_s: terms every rank pays alike (`GlobalTerms.shared_s`).
-        latency_s: all-to-all latencies per step not in `global_s`.
-        topology: the link rates.
-
-    Returns:
-        [..., W] seconds.
-    """
-    compute = dense_s + load[..., LOOKUP, :]
-    exposed = np.maximum(load[..., OVERLAPPED, :] - compute, 0.0) + load[..., EXPOSED, :]
-    a2a = a2a_pair_s(load, IDS_SI, topology) + 2 * a2a_pair_s(load, EMB_SI, topology)
-    return compute + exposed + a2a + latency_s + global_s
-
-
-# ---------------------------------------------------------------------------------------------
-# Plans
-# ---------------------------------------------------------------------------------------------
 
 
 def validate_plan(plan: Plan, workload: Workload, topology: Topology) -> None:
@@ -376,7 +277,7 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     """
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}
-    load = np.zeros((len(RANK_TERMS), topology.world_size))
+    load = RankTerms.zeros(topology.world_size)
     dp_bytes, sent, violations = 0.0, 0.0, []
     for tp in plan.tables:
         terms = table_plan_terms(tp, tables[tp.table], workload, topology)
@@ -392,37 +293,44 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     kinds = {tp.sharding for tp in plan.tables}
     shared = global_terms(workload, topology, dp_bytes, kinds, sent)
     dense = dense_compute_s(workload, topology)
-    for kind, row, limit in (
-        ("device", DEVICE_MEMORY, topology.device_memory_bytes),
-        ("host", HOST_MEMORY, topology.host_memory_bytes),
-    ):
-        for rank in np.flatnonzero(load[row] > limit):
-            violations.append(
-                f"rank {rank}: {kind} memory {load[row, rank] / 1e9:.2f} GB > {limit / 1e9:.2f} GB"
-            )
+    violations += _memory_violations(load, topology)
     return PlanCost(
         per_rank=_step_costs(load, dense, shared, topology),
-        device_memory_bytes=tuple(int(b) for b in load[DEVICE_MEMORY]),
-        host_memory_bytes=tuple(int(b) for b in load[HOST_MEMORY]),
+        device_memory_bytes=tuple(int(b) for b in load.device_memory_bytes),
+        host_memory_bytes=tuple(int(b) for b in load.host_memory_bytes),
         global_batch_size=workload.batch_size_per_rank * topology.world_size,
         fits=not violations,
         violations=tuple(violations),
     )
 
 
+def _memory_violations(load: RankTerms, topology: Topology) -> list[str]:
+    """Ranks whose device or host memory exceeds the topology's limit."""
+    out: list[str] = []
+    for kind, used, limit in (
+        ("device", load.device_memory_bytes, topology.device_memory_bytes),
+        ("host", load.host_memory_bytes, topology.host_memory_bytes),
+    ):
+        out += [
+            f"rank {rank}: {kind} memory {used[rank] / 1e9:.2f} GB > {limit / 1e9:.2f} GB"
+            for rank in np.flatnonzero(used > limit)
+        ]
+    return out
+
+
 def _step_costs(
-    load: np.ndarray, dense_s: float, shared: GlobalTerms, topology: Topology
+    load: RankTerms, dense_s: float, shared: GlobalTerms, topology: Topology
 ) -> tuple[StepCost, ...]:
-    compute = dense_s + load[LOOKUP]
-    exposed = np.maximum(load[OVERLAPPED] - compute, 0.0) + load[EXPOSED]
-    ids = a2a_pair_s(load, IDS_SI, topology) + shared.input_latency_s
-    emb = 2 * a2a_pair_s(load, EMB_SI, topology) + shared.output_latency_s
+    step = rank_step_of(load, dense_s=dense_s, topology=topology)
+    ids = step.input_all_to_all_s + shared.input_latency_s
+    emb = step.output_all_to_all_s + shared.output_latency_s
+    staging = load.overlapped_staging_s + load.exposed_staging_s
     return tuple(
         StepCost(
             dense_compute_s=dense_s,
-            lookup_s=float(load[LOOKUP, r]),
-            staging_s=float(load[OVERLAPPED, r] + load[EXPOSED, r]),
-            exposed_staging_s=float(exposed[r]),
+            lookup_s=float(load.lookup_s[r]),
+            staging_s=float(staging[r]),
+            exposed_staging_s=float(step.exposed_staging_s[r]),
             input_all_to_all_s=float(ids[r]),
             output_all_to_all_s=float(emb[r]),
             all_reduce_s=shared.all_reduce_s,
