@@ -52,12 +52,17 @@ U_table(n) otherwise, from `stats.expected_unique`.
 - step (per rank) = overhead + dense + lookup + exposed staging + all-to-alls + all-reduce;
   the plan's step is the slowest rank's.
 - memory: device = shard rows·r (device storage), or cache rows·(r + 40 B slot metadata) +
-  shard rows·(32 B look-ahead / 8 B LRU index), + data-parallel tables R·r on every rank;
+  shard rows·(8 B look-ahead or LRU index), + data-parallel tables R·r on every rank;
   host = shard rows·r for host-cached shards. Row-wise shards are priced at ceil(R/S) rows.
+
+The model is written in four files, each a stage of it: `binned.py` (access statistics),
+`shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
+(per-rank accumulation and the step formula); this file prices whole plans. Every public name
+of those stages is importable from here too.
 
 Statistics come from a `BinnedProfile` of each table (rows grouped into bins of near-equal
 probability), so a 40M-row table costs a few thousand operations per query; it agrees with
-the exact `AccessProfile` functions to well under 1 % (tests/unit/planner/test_cost.py).
+the exact `AccessProfile` functions to well under 1 % (tests/unit/planner/test_binned.py).
 
 Example::
 
@@ -67,7 +72,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from collections.abc import Collection
@@ -76,580 +80,102 @@ from dataclasses import dataclass
 import numpy as np
 
 from distcache.errors import DistcacheConfigError
-from distcache.planner.stats import AccessProfile
+from distcache.planner.binned import BinnedProfile, table_access
+from distcache.planner.dense import (
+    ACTIVATION_IN_PASSES,
+    ACTIVATION_OUT_PASSES,
+    all_reduce_s,
+    dense_compute_s,
+    dense_flops_per_sample,
+    dense_layers,
+    dense_parameter_bytes,
+    sync_latency_s,
+)
+from distcache.planner.ranks import (
+    RANK_TERMS,
+    Peers,
+    RankStep,
+    RankTerms,
+    Traffic,
+    exchange,
+    node_layout,
+    peer_counts,
+    rank_step,
+    rank_step_of,
+    shard_contribution,
+)
+from distcache.planner.shards import (
+    ACCESS_BYTES,
+    CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
+    CACHE_ROW_INDEX_BYTES_REACTIVE,
+    CACHE_SLOT_BYTES,
+    DENSE_UPDATE_PASSES,
+    ID_BYTES,
+    ShardTerms,
+    dense_update_time_s,
+    lookup_time_s,
+    sent_ids_per_rank,
+    shard_access,
+    shard_terms,
+    staging_time_s,
+    table_plan_terms,
+)
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
-    DEVICE,
-    HOST_CACHED,
-    OPTIMIZER_STATE,
-    ROW_WISE,
     Plan,
     PlanCost,
     StepCost,
-    TablePlan,
-    TableStats,
     Topology,
     Workload,
 )
 
-ID_BYTES = 8  # int64 ids in the input all-to-all
-# Device metadata of a distcache cache (cache/residency.py, cache/policies.py):
-CACHE_ROW_INDEX_BYTES_LOOKAHEAD = 8  # per shard row: slot map + latest window position (int32)
-CACHE_ROW_INDEX_BYTES_REACTIVE = 8  # per shard row: slot map (int64), LRU policy
-CACHE_SLOT_BYTES = 40  # per slot: row map, stamp, next use, count (int64), dirty, pin
-ACCESS_BYTES = 32  # granularity of random memory access (a GPU DRAM sector)
-# Passes over a data-parallel table's rows per step without a measured rate: fill the dense
-# gradient, then the optimizer reads it and the weights and writes the weights.
-DENSE_UPDATE_PASSES = 4
 INPUT_COLLECTIVES = 3  # per sharding type: TorchRec's splits, lengths and values all-to-alls
 OUTPUT_COLLECTIVES = 2  # per sharding type: pooled embeddings forward, gradients backward
-# Activation traffic per dense layer, in elements of its input (i) and output (o) per sample:
-# forward product reads i, writes o; bias + ReLU read and write o; ReLU backward reads the
-# gradient and the output and writes o; the backward products read o twice, read i, write i.
-ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES = 3, 7
 
-# ---------------------------------------------------------------------------------------------
-# Access statistics on a binned profile
-# ---------------------------------------------------------------------------------------------
-
-_HEAD_ROWS = 1024  # the likeliest rows, one bin each
-_BIN_GROWTH = 1 / 64  # beyond the head, a bin spans rows [k, k·(1 + growth)) of the ranking
-
-
-class BinnedProfile:
-    """A table's sorted access profile with the tail in geometric bins of rows.
-
-    Within a bin the probabilities differ by at most a factor (1 + 1/64)^alpha, so the bin's
-    mean stands for each of its rows; a power law is binned analytically (no per-row array).
-    Results are memoized per (n, capacity, model).
-
-    Args:
-        rows_per_bin: rows in each bin, most likely bin first.
-        probability: the mean lookup probability of one row of each bin.
-    """
-
-    def __init__(self, rows_per_bin: np.ndarray, probability: np.ndarray):
-        self.rows_per_bin = np.asarray(rows_per_bin, dtype=np.float64)  # [bins]
-        self.probability = np.asarray(probability, dtype=np.float64)  # [bins]
-        self.rows_through = np.cumsum(self.rows_per_bin)  # [bins] rows up to each bin's end
-        self.rows = int(round(self.rows_through[-1]))
-        self._memo: dict[tuple, float | np.ndarray] = {}
-
-    @staticmethod
-    def _edges(rows: int) -> np.ndarray:
-        """Bin boundaries over ranks [0, rows): 0, 1, .., head, then geometric."""
-        head = np.arange(min(rows, _HEAD_ROWS) + 1, dtype=np.int64)
-        if rows <= _HEAD_ROWS:
-            return head
-        steps = math.ceil(math.log(rows / _HEAD_ROWS) / math.log1p(_BIN_GROWTH)) + 1
-        # Strictly increasing (each step adds >= head * growth = 16 rows) until clipped.
-        tail = np.floor(_HEAD_ROWS * (1 + _BIN_GROWTH) ** np.arange(1, steps + 1)).astype(np.int64)
-        return np.concatenate([head, tail[tail < rows], [rows]])
-
-    @classmethod
-    def power_law(cls, rows: int, alpha: float) -> BinnedProfile:
-        """p ∝ (rank + 1)^-alpha; tail bins integrate x^-alpha over [lo + 1/2, hi + 1/2]."""
-        edges = cls._edges(rows)
-        head = edges[edges <= _HEAD_ROWS][1:].astype(np.float64)  # 1-based ranks 1..head
-        lo, hi = edges[len(head) : -1] + 0.5, edges[len(head) + 1 :] + 0.5
-        mass_head = head**-alpha
-        beta = 1.0 - alpha
-        log_lo, log_ratio = np.log(lo), np.log(hi / lo)
-        if abs(beta) < 1e-12:
-            mass_tail = log_ratio
-        else:  # lo^beta · (exp(beta · ln(hi/lo)) - 1) / beta, stable near alpha = 1
-            mass_tail = np.exp(beta * log_lo) * np.expm1(beta * log_ratio) / beta
-        counts = np.diff(edges).astype(np.float64)
-        mass = np.concatenate([mass_head, mass_tail])
-        return cls(counts, mass / mass.sum() / counts)
-
-    @classmethod
-    def from_probabilities(cls, probabilities: np.ndarray) -> BinnedProfile:
-        """From per-row probabilities sorted in decreasing order (an `AccessProfile`'s)."""
-        p = np.asarray(probabilities, dtype=np.float64)
-        edges = cls._edges(p.size)
-        counts = np.diff(edges).astype(np.float64)
-        return cls(counts, np.add.reduceat(p, edges[:-1]) / counts)
-
-    def _touch(self, n: float) -> np.ndarray:
-        """q = 1 - (1 - p)^n per bin: the chance a batch of n lookups touches one row."""
-        key = ("q", float(n))
-        if key not in self._memo:
-            self._memo[key] = -np.expm1(n * np.log1p(-np.minimum(self.probability, 1 - 1e-16)))
-        return self._memo[key]
-
-    def unique(self, n: float) -> float:
-        """Expected distinct rows in n lookups (`stats.expected_unique`)."""
-        key = ("u", float(n))
-        if key not in self._memo:
-            self._memo[key] = float(self.rows_per_bin @ self._touch(n))
-        return self._memo[key]
-
-    def loads(self, n: float, capacity: int, model: str = "frequency") -> float:
-        """Expected rows loaded per batch into a cache of `capacity` rows
-        (`stats.expected_loads`)."""
-        key = ("l", float(n), int(capacity), model)
-        if key in self._memo:
-            return self._memo[key]
-        if capacity >= self.rows:
-            value = 0.0
-        elif model == "frequency":
-            q = self._touch(n)
-            k = int(np.searchsorted(self.rows_through, capacity, side="right"))
-            rest = self.rows_per_bin[k + 1 :] @ q[k + 1 :]
-            value = float((self.rows_through[k] - capacity) * q[k] + rest)
-        elif model == "lru":
-            value = self._lru_loads(self._touch(n), capacity)
-        else:
-            raise ValueError(f"unknown model {model!r}: expected 'frequency' or 'lru'")
-        self._memo[key] = value
-        return value
-
-    def _lru_loads(self, q: np.ndarray, capacity: int) -> float:
-        """Che's approximation: τ with Σ rows·(1 - (1-q)^τ) = capacity; misses q·(1-q)^τ."""
-        log_keep = np.log1p(-np.minimum(q, 1 - 1e-16))
-
-        def resident(tau: float) -> float:
-            return float(self.rows_per_bin @ -np.expm1(tau * log_keep))
-
-        lo, hi = 0.0, 1.0
-        while resident(hi) < capacity:
-            lo, hi = hi, hi * 2
-            if hi > 1e15:
-                return 0.0
-        for _ in range(60):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if resident(mid) < capacity else (lo, mid)
-            if hi - lo <= 1e-9 * hi:
-                break
-        return float(self.rows_per_bin @ (q * np.exp(0.5 * (lo + hi) * log_keep)))
-
-
-_PROFILES: dict[tuple, tuple[object, BinnedProfile]] = {}
-_PROFILE_CACHE_SIZE = 4096
-
-
-def table_access(table: TableStats) -> BinnedProfile:
-    """The binned access profile of `table`, built once per (rows, alpha) or counts array."""
-    if table.counts is None:
-        key: tuple = ("power_law", table.rows, float(table.alpha))
-    else:  # the cache holds the array, so its id cannot be reused while the entry lives
-        key = ("counts", table.rows, id(table.counts))
-    if key not in _PROFILES:
-        if len(_PROFILES) >= _PROFILE_CACHE_SIZE:
-            _PROFILES.clear()
-        if table.counts is None:
-            profile = BinnedProfile.power_law(table.rows, float(table.alpha))
-        else:
-            exact = AccessProfile.from_counts(table.counts, rows=table.rows)
-            profile = BinnedProfile.from_probabilities(exact.probabilities)
-        _PROFILES[key] = (table.counts, profile)
-    return _PROFILES[key][1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-shard terms
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardTerms:
-    """The modelled work and memory of one shard of a table on its rank, per step."""
-
-    shard_rows: int
-    shard_dim: int
-    row_bytes: int
-    """Bytes of one stored row of the shard, optimizer state included."""
-    ids_per_step: float
-    unique_rows_per_step: float
-    lookup_s: float
-    cache_rows: int
-    """Rows of the device cache (the shard's rows for device storage)."""
-    working_set_rows: float
-    """Rows the K + 1 batches in flight touch; the cache must hold them (0 for device)."""
-    loads_per_step: float
-    staging_bytes_per_step: float
-    staging_s: float
-    staging_overlapped: bool
-    """Staging runs beside compute: look-ahead with K > 0 on a GPU (on CPU it never does)."""
-    device_memory_bytes: int
-    host_memory_bytes: int
-    ids_bytes_per_peer: float
-    """Input all-to-all: bytes each consumer rank sends this shard."""
-    embedding_bytes_per_peer: float
-    """Output all-to-all: bytes this shard sends each consumer rank (forward; backward same)."""
-    all_reduce_bytes: float
-    """Gradient bytes all-reduced each step (data parallel only)."""
-
-    @property
-    def fits_working_set(self) -> bool:
-        return self.cache_rows >= math.ceil(self.working_set_rows - 1e-9)
-
-
-def lookup_time_s(
-    *, ids: float, unique_rows: float, dim_bytes: int, row_bytes: int, topology: Topology
-) -> float:
-    """Forward + backward of an embedding-bag shard (see the module docstring).
-
-    Args:
-        ids: lookups served per step.
-        unique_rows: rows updated per step.
-        dim_bytes: bytes of the embedding part of a row (what the forward reads).
-        row_bytes: bytes of a stored row with its optimizer state (what the update touches).
-        topology: gives the device memory bandwidth or measured `lookup_rows_per_s`.
-    """
-    if topology.lookup_rows_per_s:
-        seconds = (2 * ids + 2 * unique_rows) / topology.lookup_rows_per_s
-        if topology.lookup_bytes_per_s:
-            traffic = 2 * ids * dim_bytes + 2 * unique_rows * row_bytes
-            seconds += traffic / topology.lookup_bytes_per_s
-        return seconds
-    read, update = _sectors(dim_bytes), _sectors(row_bytes)
-    return (2 * ids * read + 2 * unique_rows * update) / topology.device_memory_bw_bytes_per_s
-
-
-def dense_update_time_s(table_bytes: float, topology: Topology) -> float:
-    """A data-parallel table's dense gradient and update over all of its `table_bytes` (rows
-    with their optimizer state), once per step."""
-    if topology.dense_update_bytes_per_s:
-        return table_bytes / topology.dense_update_bytes_per_s
-    return DENSE_UPDATE_PASSES * table_bytes / topology.device_memory_bw_bytes_per_s
-
-
-def _sectors(num_bytes: int) -> int:
-    """Bytes a random row access moves: whole `ACCESS_BYTES` sectors (a narrow column-wise
-    shard does not read less than one sector per row)."""
-    return -(-num_bytes // ACCESS_BYTES) * ACCESS_BYTES
-
-
-def staging_time_s(staging_bytes: float, topology: Topology, cache_rows: int = 0) -> float:
-    """Host-device time of a cache's traffic per step: one load and one write-back transfer,
-    and, where the topology measures it, the victim choice scoring the cache's `cache_rows`
-    slots."""
-    if staging_bytes <= 0:
-        return 0.0
-    scan = cache_rows / topology.cache_scan_rows_per_s if topology.cache_scan_rows_per_s else 0.0
-    return (
-        staging_bytes / topology.host_to_device_bw_bytes_per_s
-        + 2 * topology.host_to_device_latency_s
-        + scan
-    )
-
-
-def shard_access(
-    table: TableStats, workload: Workload, topology: Topology, *, sharding: str, shards: int
-) -> tuple[int, float, float]:
-    """(rows, ids served, distinct rows touched) per step of one shard of `table`; for data
-    parallel the distinct rows are all rows (a dense gradient updates every row)."""
-    per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
-    global_ids = per_rank_ids * topology.world_size
-    if sharding == DATA_PARALLEL:
-        return table.rows, per_rank_ids, float(table.rows)
-    unique = table_access(table).unique(global_ids)
-    if sharding == ROW_WISE:
-        return -(-table.rows // shards), global_ids / shards, unique / shards
-    return table.rows, global_ids, unique
-
-
-def shard_terms(
-    table: TableStats,
-    workload: Workload,
-    topology: Topology,
-    *,
-    sharding: str,
-    shards: int,
-    storage: str = DEVICE,
-    cache_fraction: float = 1.0,
-    lookahead: int = 0,
-    prefetch_depth: int = 0,
-) -> ShardTerms:
-    """The terms of one shard of `table` placed as described (see the module docstring).
-
-    Args:
-        table: the table.
-        workload: batch size, optimizer and dtype.
-        topology: rates and world size.
-        sharding: one of `types.SHARDING_TYPES`.
-        shards: number of shards (ranks) of the table; ignored for data parallel.
-        storage, cache_fraction, lookahead, prefetch_depth: as in `TablePlan`.
-    """
-    dtype = workload.dtype_bytes
-    per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
-    global_ids = per_rank_ids * topology.world_size
-    access = table_access(table)
-    split = shards if sharding in (ROW_WISE, COLUMN_WISE) else 1
-    dim = table.dim // split if sharding == COLUMN_WISE else table.dim
-    row_bytes = (dim + OPTIMIZER_STATE[workload.optimizer](dim)) * dtype
-    rows, ids, unique = shard_access(table, workload, topology, sharding=sharding, shards=shards)
-    sharded = sharding != DATA_PARALLEL
-    lookup_s = lookup_time_s(
-        ids=ids,
-        unique_rows=unique if sharded else 0.0,  # data parallel: a dense update instead
-        dim_bytes=dim * dtype,
-        row_bytes=row_bytes,
-        topology=topology,
-    )
-    if sharded:
-        lookup_s += topology.id_overhead_s * ids  # routing the ids this shard serves
-    else:
-        lookup_s += dense_update_time_s(rows * row_bytes, topology)
-    cached = storage == HOST_CACHED
-    cache_rows = min(rows, math.ceil(cache_fraction * rows)) if cached else rows
-    loads = 0.0
-    if cached:
-        model = "frequency" if lookahead > 0 else "lru"
-        scale = split if sharding == ROW_WISE else 1  # row-wise: the table's cache is S shards'
-        loads = access.loads(global_ids, cache_rows * scale, model) / scale
-    staging_bytes = 2 * loads * row_bytes
-    index_bytes = (
-        CACHE_ROW_INDEX_BYTES_LOOKAHEAD if lookahead > 0 else CACHE_ROW_INDEX_BYTES_REACTIVE
-    )
-    device_bytes = (
-        cache_rows * (row_bytes + CACHE_SLOT_BYTES) + rows * index_bytes
-        if cached
-        else rows * row_bytes
-    )
-    return ShardTerms(
-        shard_rows=rows,
-        shard_dim=dim,
-        row_bytes=row_bytes,
-        ids_per_step=ids,
-        unique_rows_per_step=unique,
-        lookup_s=lookup_s,
-        cache_rows=cache_rows,
-        working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
-        loads_per_step=loads,
-        staging_bytes_per_step=staging_bytes,
-        # Look-ahead victims are scored over every slot; LRU's one subtraction is not priced.
-        staging_s=staging_time_s(staging_bytes, topology, cache_rows if lookahead > 0 else 0),
-        staging_overlapped=lookahead > 0
-        and prefetch_depth > 0
-        and topology.compute_device == "cuda",
-        device_memory_bytes=int(device_bytes),
-        host_memory_bytes=rows * row_bytes if cached else 0,
-        ids_bytes_per_peer=per_rank_ids * ID_BYTES / (split if sharding == ROW_WISE else 1)
-        if sharded
-        else 0.0,
-        embedding_bytes_per_peer=workload.batch_size_per_rank * dim * dtype if sharded else 0.0,
-        all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
-    )
-
-
-def table_plan_terms(
-    table_plan: TablePlan, table: TableStats, workload: Workload, topology: Topology
-) -> ShardTerms:
-    """`shard_terms` of the shards of `table_plan` (every shard of a table is alike)."""
-    return shard_terms(
-        table,
-        workload,
-        topology,
-        sharding=table_plan.sharding,
-        shards=len(table_plan.ranks),
-        storage=table_plan.storage,
-        cache_fraction=table_plan.cache_fraction,
-        lookahead=table_plan.lookahead,
-        prefetch_depth=table_plan.prefetch_depth,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Dense terms and collectives
-# ---------------------------------------------------------------------------------------------
-
-
-def _mlp(in_features: int, layers: tuple[int, ...]) -> tuple[float, float]:
-    """(forward flops per sample, parameters) of an MLP."""
-    flops = params = 0.0
-    for out in layers:
-        flops += 2.0 * in_features * out
-        params += in_features * out + out
-        in_features = out
-    return flops, params
-
-
-def dense_flops_per_sample(workload: Workload) -> float:
-    """Forward flops of DLRM's dense part per sample: bottom MLP, dot interaction of the
-    F = tables + 1 vectors, top MLP over the dense vector and the F(F-1)/2 dot products."""
-    features = len(workload.tables) + 1
-    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
-    bottom, _ = _mlp(workload.dense_in_features, workload.bottom_mlp)
-    top, _ = _mlp(width + features * (features - 1) // 2, workload.top_mlp)
-    return bottom + 2.0 * features * features * width + top
-
-
-def dense_parameter_bytes(workload: Workload) -> float:
-    """Bytes of the MLPs' parameters (= their gradient, all-reduced every step)."""
-    features = len(workload.tables) + 1
-    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
-    _, bottom = _mlp(workload.dense_in_features, workload.bottom_mlp)
-    _, top = _mlp(width + features * (features - 1) // 2, workload.top_mlp)
-    return (bottom + top) * workload.dtype_bytes
-
-
-def dense_layers(workload: Workload) -> list[tuple[int, int]]:
-    """(inputs, outputs) per sample of each dense layer: the MLPs' and the interaction's."""
-    features = len(workload.tables) + 1
-    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
-    layers, inputs = [], workload.dense_in_features
-    for out in workload.bottom_mlp:
-        layers.append((inputs, out))
-        inputs = out
-    pairs = features * (features - 1) // 2
-    layers.append((features * width, pairs))
-    inputs = width + pairs
-    for out in workload.top_mlp:
-        layers.append((inputs, out))
-        inputs = out
-    return layers
-
-
-def dense_compute_s(workload: Workload, topology: Topology) -> float:
-    """Forward + backward (3x forward) of the dense part over the rank's batch, with the
-    layers' fixed cost and activation traffic where the topology measures them."""
-    batch = workload.batch_size_per_rank
-    seconds = 3 * dense_flops_per_sample(workload) * batch / topology.dense_flops_per_s
-    layers = dense_layers(workload)
-    seconds += len(layers) * topology.dense_layer_overhead_s
-    if topology.dense_activation_bytes_per_s:
-        elements = sum(ACTIVATION_IN_PASSES * i + ACTIVATION_OUT_PASSES * o for i, o in layers)
-        seconds += batch * elements * workload.dtype_bytes / topology.dense_activation_bytes_per_s
-    return seconds
-
-
-def all_reduce_s(num_bytes: float, topology: Topology) -> float:
-    """Hierarchical all-reduce of `num_bytes` over every rank (0 on one rank)."""
-    if topology.world_size == 1 or num_bytes <= 0:
-        return 0.0
-    per_node = min(topology.ranks_per_node, topology.world_size)
-    nodes = topology.num_nodes
-    intra = 2 * (per_node - 1) / per_node * num_bytes / topology.intra_node_bw_bytes_per_s
-    inter = 2 * (nodes - 1) / nodes * num_bytes / per_node / topology.inter_node_bw_bytes_per_s
-    return intra + inter + sync_latency_s(topology)
-
-
-def sync_latency_s(topology: Topology) -> float:
-    """Latency of a collective the ranks enter from their own computation (outputs,
-    all-reduces): `Topology.sync_latency_s`, at least the network's."""
-    return max(topology.network_latency_s, topology.sync_latency_s or 0.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-rank accumulation: a [TERMS, W] array per plan, shared with the solver
-# ---------------------------------------------------------------------------------------------
-
-RANK_TERMS = (
-    "lookup_s",
-    "overlapped_staging_s",
-    "exposed_staging_s",
-    "ids_sent_intra_bytes",
-    "ids_sent_inter_bytes",
-    "ids_received_intra_bytes",
-    "ids_received_inter_bytes",
-    "emb_sent_intra_bytes",
-    "emb_sent_inter_bytes",
-    "emb_received_intra_bytes",
-    "emb_received_inter_bytes",
-    "device_memory_bytes",
-    "host_memory_bytes",
-)
-(LOOKUP, OVERLAPPED, EXPOSED, IDS_SI, IDS_SE, IDS_RI, IDS_RE) = range(7)
-(EMB_SI, EMB_SE, EMB_RI, EMB_RE, DEVICE_MEMORY, HOST_MEMORY) = range(7, 13)
-
-
-@functools.lru_cache(maxsize=64)
-def node_layout(topology: Topology) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(node of each rank [W], first rank of each node [N], ranks of each rank's node [W])."""
-    ranks = np.arange(topology.world_size)
-    node = ranks // topology.ranks_per_node
-    starts = np.arange(0, topology.world_size, topology.ranks_per_node)
-    sizes = np.diff(np.append(starts, topology.world_size))
-    return node, starts, sizes[node].astype(np.float64)
-
-
-def peer_counts(is_owner: np.ndarray, topology: Topology) -> tuple[np.ndarray, ...]:
-    """Peers each rank exchanges with for a table whose shards sit where `is_owner` is 1.
-
-    Args:
-        is_owner: [..., W] 0/1.
-
-    Returns:
-        (owners on my node but not me, owners on other nodes, consumers on my node if I own a
-        shard, consumers on other nodes if I own one), each [..., W].
-    """
-    node, starts, node_size = node_layout(topology)
-    on_node = np.add.reduceat(is_owner, starts, axis=-1)[..., node]  # [..., W]
-    shards = is_owner.sum(axis=-1, keepdims=True)
-    return (
-        on_node - is_owner,
-        shards - on_node,
-        is_owner * (node_size - 1),
-        is_owner * (topology.world_size - node_size),
-    )
-
-
-def shard_contribution(terms: ShardTerms, ranks: tuple[int, ...], topology: Topology) -> np.ndarray:
-    """The [TERMS, W] rank terms of a table whose identical shards sit on `ranks`."""
-    load = np.zeros((len(RANK_TERMS), topology.world_size))
-    owners = list(ranks)
-    load[LOOKUP, owners] = terms.lookup_s
-    load[OVERLAPPED if terms.staging_overlapped else EXPOSED, owners] = terms.staging_s
-    load[DEVICE_MEMORY, owners] = terms.device_memory_bytes
-    load[HOST_MEMORY, owners] = terms.host_memory_bytes
-    ids, emb = terms.ids_bytes_per_peer, terms.embedding_bytes_per_peer
-    if ids or emb:
-        is_owner = np.zeros(topology.world_size)
-        is_owner[owners] = 1.0
-        counts = np.stack(peer_counts(is_owner, topology))  # [4, W]: mine, theirs, local, remote
-        load[IDS_SI : IDS_RE + 1] = ids * counts
-        load[EMB_SI : EMB_RE + 1] = emb * counts[[2, 3, 0, 1]]
-    return load
-
-
-def a2a_time_s(
-    sent_intra: np.ndarray,
-    sent_inter: np.ndarray,
-    received_intra: np.ndarray,
-    received_inter: np.ndarray,
-    topology: Topology,
-) -> np.ndarray:
-    """One all-to-all's time per rank from its bytes (elementwise), without latency: links
-    are full duplex and NVLink and the NIC run at once, so the slowest of the four sets it."""
-    intra = np.maximum(sent_intra, received_intra) / topology.intra_node_bw_bytes_per_s
-    inter = np.maximum(sent_inter, received_inter) / topology.inter_node_bw_bytes_per_s
-    return np.maximum(intra, inter)
-
-
-def a2a_pair_s(load: np.ndarray, first: int, topology: Topology) -> np.ndarray:
-    """`a2a_time_s` of the four byte rows of `load` [..., TERMS, W] starting at `first`."""
-    rows = [load[..., first + i, :] for i in range(4)]
-    return a2a_time_s(*rows, topology)
-
-
-def rank_totals(
-    load: np.ndarray, *, dense_s: float, global_s: float, latency_s: float, topology: Topology
-) -> np.ndarray:
-    """Step time per rank from accumulated rank terms.
-
-    Args:
-        load: [..., TERMS, W] accumulated `shard_contribution`s.
-        dense_s: dense compute per step.
-        global_s: terms every rank pays alike (`GlobalTerms.shared_s`).
-        latency_s: all-to-all latencies per step not in `global_s`.
-        topology: the link rates.
-
-    Returns:
-        [..., W] seconds.
-    """
-    compute = dense_s + load[..., LOOKUP, :]
-    exposed = np.maximum(load[..., OVERLAPPED, :] - compute, 0.0) + load[..., EXPOSED, :]
-    a2a = a2a_pair_s(load, IDS_SI, topology) + 2 * a2a_pair_s(load, EMB_SI, topology)
-    return compute + exposed + a2a + latency_s + global_s
-
-
-# ---------------------------------------------------------------------------------------------
-# Plans
-# ---------------------------------------------------------------------------------------------
+__all__ = [
+    "ACCESS_BYTES",
+    "ACTIVATION_IN_PASSES",
+    "ACTIVATION_OUT_PASSES",
+    "CACHE_ROW_INDEX_BYTES_LOOKAHEAD",
+    "CACHE_ROW_INDEX_BYTES_REACTIVE",
+    "CACHE_SLOT_BYTES",
+    "DENSE_UPDATE_PASSES",
+    "ID_BYTES",
+    "INPUT_COLLECTIVES",
+    "OUTPUT_COLLECTIVES",
+    "RANK_TERMS",
+    "BinnedProfile",
+    "GlobalTerms",
+    "Peers",
+    "RankStep",
+    "RankTerms",
+    "ShardTerms",
+    "Traffic",
+    "all_reduce_s",
+    "dense_compute_s",
+    "dense_flops_per_sample",
+    "dense_layers",
+    "dense_parameter_bytes",
+    "dense_update_time_s",
+    "exchange",
+    "global_terms",
+    "lookup_time_s",
+    "node_layout",
+    "peer_counts",
+    "plan_cost",
+    "rank_step",
+    "rank_step_of",
+    "sent_ids_per_rank",
+    "shard_access",
+    "shard_contribution",
+    "shard_terms",
+    "staging_time_s",
+    "sync_latency_s",
+    "table_access",
+    "table_plan_terms",
+    "validate_plan",
+]
 
 
 def validate_plan(plan: Plan, workload: Workload, topology: Topology) -> None:
@@ -733,12 +259,6 @@ def global_terms(
     )
 
 
-def sent_ids_per_rank(terms: ShardTerms, shards: int) -> float:
-    """Ids each rank sends a table of `shards` shards per step (column-wise: to every shard;
-    row-wise: each id to one); 0 for data parallel."""
-    return terms.ids_bytes_per_peer / ID_BYTES * shards
-
-
 def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     """The modelled step time per rank and memory of `plan` (see the module docstring).
 
@@ -757,7 +277,7 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     """
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}
-    load = np.zeros((len(RANK_TERMS), topology.world_size))
+    load = RankTerms.zeros(topology.world_size)
     dp_bytes, sent, violations = 0.0, 0.0, []
     for tp in plan.tables:
         terms = table_plan_terms(tp, tables[tp.table], workload, topology)
@@ -773,37 +293,44 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     kinds = {tp.sharding for tp in plan.tables}
     shared = global_terms(workload, topology, dp_bytes, kinds, sent)
     dense = dense_compute_s(workload, topology)
-    for kind, row, limit in (
-        ("device", DEVICE_MEMORY, topology.device_memory_bytes),
-        ("host", HOST_MEMORY, topology.host_memory_bytes),
-    ):
-        for rank in np.flatnonzero(load[row] > limit):
-            violations.append(
-                f"rank {rank}: {kind} memory {load[row, rank] / 1e9:.2f} GB > {limit / 1e9:.2f} GB"
-            )
+    violations += _memory_violations(load, topology)
     return PlanCost(
         per_rank=_step_costs(load, dense, shared, topology),
-        device_memory_bytes=tuple(int(b) for b in load[DEVICE_MEMORY]),
-        host_memory_bytes=tuple(int(b) for b in load[HOST_MEMORY]),
+        device_memory_bytes=tuple(int(b) for b in load.device_memory_bytes),
+        host_memory_bytes=tuple(int(b) for b in load.host_memory_bytes),
         global_batch_size=workload.batch_size_per_rank * topology.world_size,
         fits=not violations,
         violations=tuple(violations),
     )
 
 
+def _memory_violations(load: RankTerms, topology: Topology) -> list[str]:
+    """Ranks whose device or host memory exceeds the topology's limit."""
+    out: list[str] = []
+    for kind, used, limit in (
+        ("device", load.device_memory_bytes, topology.device_memory_bytes),
+        ("host", load.host_memory_bytes, topology.host_memory_bytes),
+    ):
+        out += [
+            f"rank {rank}: {kind} memory {used[rank] / 1e9:.2f} GB > {limit / 1e9:.2f} GB"
+            for rank in np.flatnonzero(used > limit)
+        ]
+    return out
+
+
 def _step_costs(
-    load: np.ndarray, dense_s: float, shared: GlobalTerms, topology: Topology
+    load: RankTerms, dense_s: float, shared: GlobalTerms, topology: Topology
 ) -> tuple[StepCost, ...]:
-    compute = dense_s + load[LOOKUP]
-    exposed = np.maximum(load[OVERLAPPED] - compute, 0.0) + load[EXPOSED]
-    ids = a2a_pair_s(load, IDS_SI, topology) + shared.input_latency_s
-    emb = 2 * a2a_pair_s(load, EMB_SI, topology) + shared.output_latency_s
+    step = rank_step_of(load, dense_s=dense_s, topology=topology)
+    ids = step.input_all_to_all_s + shared.input_latency_s
+    emb = step.output_all_to_all_s + shared.output_latency_s
+    staging = load.overlapped_staging_s + load.exposed_staging_s
     return tuple(
         StepCost(
             dense_compute_s=dense_s,
-            lookup_s=float(load[LOOKUP, r]),
-            staging_s=float(load[OVERLAPPED, r] + load[EXPOSED, r]),
-            exposed_staging_s=float(exposed[r]),
+            lookup_s=float(load.lookup_s[r]),
+            staging_s=float(staging[r]),
+            exposed_staging_s=float(step.exposed_staging_s[r]),
             input_all_to_all_s=float(ids[r]),
             output_all_to_all_s=float(emb[r]),
             all_reduce_s=shared.all_reduce_s,

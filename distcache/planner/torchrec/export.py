@@ -1,7 +1,8 @@
 """A distcache `Plan` as a TorchRec `ShardingPlan`, and back.
 
 `to_sharding_plan` turns a plan into what `DistributedModelParallel` takes, for an
-`EmbeddingBagCollection` whose tables are named like the workload's (`workload_ebc` builds one):
+`EmbeddingBagCollection` whose tables are named like the workload's (`workload_ebc` builds one;
+a name TorchRec refuses, such as `items`, gets a suffix: `torchrec_names`):
 data-parallel tables keep TorchRec's dense kernel; every other table runs on distcache's kernel
 (`CACHED_KERNEL`) with its `CacheConfig` in the plan (`CachedParameterSharding`). Pass
 `CachedEmbeddingBagCollectionSharder` to DMP with it.
@@ -106,15 +107,51 @@ _COLUMN_LIKE = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.v
 def workload_ebc(
     workload: Workload, *, device: str | torch.device = "meta"
 ) -> EmbeddingBagCollection:
-    """An `EmbeddingBagCollection` with the workload's tables, one feature per table named like
-    the table (on the meta device by default: planning needs shapes, not weights)."""
+    """An `EmbeddingBagCollection` with the workload's tables, named as `torchrec_names` says,
+    one feature per table named like the table (on the meta device by default: planning needs
+    shapes, not weights)."""
+    names = torchrec_names(workload)
     configs = [
         EmbeddingBagConfig(
-            name=t.name, num_embeddings=t.rows, embedding_dim=t.dim, feature_names=[t.name]
+            name=names[t.name], num_embeddings=t.rows, embedding_dim=t.dim, feature_names=[t.name]
         )
         for t in workload.tables
     ]
     return EmbeddingBagCollection(tables=configs, device=torch.device(device))
+
+
+def torchrec_names(workload: Workload) -> dict[str, str]:
+    """The name of each table of `workload` in TorchRec (`workload_ebc`'s EBC, the sharding
+    plans `to_sharding_plan` writes): its own, unless TorchRec cannot hold a table by that name.
+
+    An EBC keeps its tables in an `nn.ModuleDict`, which refuses a name that is one of its
+    attributes (`items`, `keys`, `values`, `type`, `to`, ...) or holds a '.'. Such a table is
+    named with '.' turned to '_' and as many '_' appended as make it a name no other table
+    has. `from_sharding_plan` reads either name.
+
+    Example::
+
+        torchrec_names(workload)  # {"users": "users", "items": "items_"}
+    """
+    taken = {t.name for t in workload.tables}
+    out = {}
+    for table in workload.tables:
+        name = table.name
+        if _torchrec_refuses(name):
+            name = name.replace(".", "_") + "_"
+            while name in taken or _torchrec_refuses(name):
+                name += "_"
+            taken.add(name)
+        out[table.name] = name
+    return out
+
+
+def _torchrec_refuses(name: str) -> bool:
+    """Whether `nn.ModuleDict` refuses `name` as a key (`nn.Module.add_module`'s checks)."""
+    return not name or "." in name or hasattr(_MODULE_DICT, name)
+
+
+_MODULE_DICT = torch.nn.ModuleDict()  # an instance: `training` and the like are set per instance
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +195,8 @@ def to_sharding_plan(
     device: str = "cpu",
     base_config: CacheConfig | None = None,
 ) -> ShardingPlan:
-    """A TorchRec `ShardingPlan` placing the EBC at `module_path` as `plan` says.
+    """A TorchRec `ShardingPlan` placing the EBC at `module_path` as `plan` says (its tables
+    named as in `workload_ebc`: `torchrec_names`).
 
     Row-wise tables span every rank (TorchRec's `row_wise`) or exactly the ranks of one node
     (TorchRec's `table_row_wise`); other rank subsets are refused. Column-wise tables split their
@@ -187,8 +225,11 @@ def to_sharding_plan(
     local_size = ranks_per_node or world_size
     base = base_config or CacheConfig(optimizer=workload.optimizer)
     _check_covers(plan, workload)
+    names = torchrec_names(workload)
+    ours = {names[t.name]: t.name for t in workload.tables}  # TorchRec's names -> the workload's
     per_table = {
-        t.name: _generator(plan.table(t.name), t, world_size, local_size) for t in workload.tables
+        names[t.name]: _generator(plan.table(t.name), t, world_size, local_size)
+        for t in workload.tables
     }
     sharder = CachedEmbeddingBagCollectionSharder(base)
     module_plan = construct_module_sharding_plan(
@@ -204,7 +245,7 @@ def to_sharding_plan(
             continue
         sharding.compute_kernel = CACHED_KERNEL  # table_row_wise() takes no kernel argument
         fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
-        config = cache_config_for(plan.table(name), base)
+        config = cache_config_for(plan.table(ours[name]), base)
         module_plan[name] = CachedParameterSharding(**fields, cache_config=config)
     return ShardingPlan({module_path: module_plan})
 
@@ -313,9 +354,30 @@ def from_sharding_plan(
         default_config=cache_config or CacheConfig(),
         table_row_wise_as=table_row_wise_as,
     )
+    shardings = _shardings_by_table(sharding_plan, workload)
+    tables, explanations = [], {}
+    for stats in workload.tables:
+        sharding = shardings[stats.name]
+        table = _table_plan(stats, sharding, conversion)
+        tables.append(table)
+        explanations[stats.name] = (
+            f"from TorchRec: {sharding.sharding_type} / {sharding.compute_kernel} on ranks "
+            f"{sharding.ranks}"
+        )
+    return Plan(name=name, tables=tuple(tables), explanations=explanations)
+
+
+def _shardings_by_table(
+    sharding_plan: ShardingPlan, workload: Workload
+) -> dict[str, ParameterSharding]:
+    """Each table's sharding, by the workload's name, from a plan that places each once."""
+    # TorchRec's names (`torchrec_names`) -> the workload's; a workload name is read as itself.
+    ours = {t.name: t.name for t in workload.tables}
+    ours |= {trec: name for name, trec in torchrec_names(workload).items()}
     shardings: dict[str, ParameterSharding] = {}
     for module_plan in sharding_plan.plan.values():
-        for table, sharding in module_plan.items():
+        for key, sharding in module_plan.items():
+            table = ours.get(key, key)
             if table in shardings:
                 raise DistcacheConfigError(f"table {table!r} is placed by two modules")
             shardings[table] = sharding
@@ -327,16 +389,7 @@ def from_sharding_plan(
             f"the TorchRec plan and workload {workload.name!r} differ: tables missing from the "
             f"plan {missing}, unknown to the workload {extra}"
         )
-    tables, explanations = [], {}
-    for stats in workload.tables:
-        sharding = shardings[stats.name]
-        table = _table_plan(stats, sharding, conversion)
-        tables.append(table)
-        explanations[stats.name] = (
-            f"from TorchRec: {sharding.sharding_type} / {sharding.compute_kernel} on ranks "
-            f"{sharding.ranks}"
-        )
-    return Plan(name=name, tables=tuple(tables), explanations=explanations)
+    return shardings
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.planner.torchrec.export import workload_ebc
+from distcache.planner.torchrec.export import torchrec_names, workload_ebc
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -156,8 +156,11 @@ def torchrec_module(workload: Workload) -> torch.nn.Module:
 
 
 def torchrec_constraints(workload: Workload) -> dict[str, ParameterConstraints]:
+    """Each table's pooling factor, by its name in TorchRec (`torchrec_names`)."""
+    names = torchrec_names(workload)
     return {
-        t.name: ParameterConstraints(pooling_factors=[t.pooling_factor]) for t in workload.tables
+        names[t.name]: ParameterConstraints(pooling_factors=[t.pooling_factor])
+        for t in workload.tables
     }
 
 
@@ -252,13 +255,15 @@ def torchrec_estimate(plan: Plan, workload: Workload, topology: Topology) -> flo
     model rates the whole.
     """
     trec_topology = torchrec_topology(topology)
+    names = torchrec_names(workload)
+    ours = {trec: name for name, trec in names.items()}
     constraints = {}
     for table in plan.tables:
         constraint = _constraint(table, workload, topology)
         if constraint is None:
             logger.info("TorchRec cannot express table %r of plan %r", table, plan.name)
             return None
-        constraints[table.table] = constraint
+        constraints[names[table.table]] = constraint
     enumerator = EmbeddingEnumerator(
         trec_topology, workload.batch_size_per_rank, constraints=constraints
     )
@@ -270,7 +275,7 @@ def torchrec_estimate(plan: Plan, workload: Workload, topology: Topology) -> flo
         logger.info("TorchRec cannot price plan %r: %s", plan.name, err)
         return None
     for option in options:
-        table = plan.table(option.name)
+        table = plan.table(ours[option.name])
         if not _assign_ranks(option, table, trec_topology.local_world_size):
             logger.info(
                 "TorchRec's %d shards of %r do not match plan %r: %s",

@@ -3,7 +3,6 @@
 import dataclasses
 import math
 
-import numpy as np
 import pytest
 
 from distcache.errors import DistcacheConfigError
@@ -11,7 +10,6 @@ from distcache.planner.cost import (
     CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
     CACHE_SLOT_BYTES,
     DENSE_UPDATE_PASSES,
-    BinnedProfile,
     dense_flops_per_sample,
     dense_parameter_bytes,
     global_terms,
@@ -121,29 +119,6 @@ def test_reactive_cache_is_priced_with_lru_on_the_critical_path():
     assert cost.per_rank[1].staging_s == pytest.approx(staging)
     assert cost.per_rank[1].exposed_staging_s == pytest.approx(staging)
     assert cost.step_s > plan_cost(PLAN, WORKLOAD, TOPOLOGY).step_s
-
-
-@pytest.mark.parametrize("alpha", [0.8, 1.05, 1.3])
-def test_binned_profile_matches_exact_statistics(alpha):
-    rows = 100_000
-    exact, binned = AccessProfile.power_law(rows, alpha), BinnedProfile.power_law(rows, alpha)
-    assert binned.rows == rows and len(binned.rows_per_bin) < 2000
-    for n in (1_000, 100_000):
-        assert binned.unique(n) == pytest.approx(expected_unique(exact, n), rel=1e-3)
-        for capacity in (rows // 100, rows // 10):
-            for model in ("frequency", "lru"):
-                want = expected_loads(exact, n, capacity, model)
-                assert binned.loads(n, capacity, model) == pytest.approx(want, rel=2e-3)
-
-
-def test_binned_profile_from_counts():
-    rng = np.random.default_rng(0)
-    counts = np.bincount(rng.zipf(1.3, size=200_000) % 50_000, minlength=50_000)
-    exact = AccessProfile.from_counts(counts)
-    binned = BinnedProfile.from_probabilities(exact.probabilities)
-    assert binned.unique(5000) == pytest.approx(expected_unique(exact, 5000), rel=1e-3)
-    want = expected_loads(exact, 5000, 2000, "frequency")
-    assert binned.loads(5000, 2000, "frequency") == pytest.approx(want, rel=1e-3)
 
 
 def _terms(table, topology=TOPOLOGY, **kwargs):

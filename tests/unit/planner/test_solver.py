@@ -178,40 +178,6 @@ def test_no_placement_fits():
         solve(workload, _one_rank(10**6), options=QUICK)
 
 
-def test_evaluation_agrees_with_plan_cost():
-    """The solver's vectorized pricing and its state equal `plan_cost` on uneven nodes."""
-    workload = workload_preset("synthetic:tables=5,rows=1e5,dim=32,seed=1")
-    topology = Topology(
-        name="uneven",
-        world_size=6,
-        ranks_per_node=4,  # nodes of 4 and 2 ranks
-        device_memory_bytes=10**9,
-        host_memory_bytes=10**10,
-        device_memory_bw_bytes_per_s=1e11,
-        host_to_device_bw_bytes_per_s=1e9,
-        intra_node_bw_bytes_per_s=1e11,
-        inter_node_bw_bytes_per_s=1e10,
-        dense_flops_per_s=1e12,
-    )
-    problem = solver_module._Problem(workload, topology, QUICK)
-    state = solver_module._State(problem)
-    for index in range(len(workload.tables)):
-        for candidate in solver_module._evaluate(state, index):
-            if candidate.fits:
-                state.add(index, candidate.mode, candidate.ranks)
-                step, work = state.score()
-                assert candidate.step_s == pytest.approx(step, rel=1e-12)
-                assert candidate.work_s == pytest.approx(work, rel=1e-12)
-                state.remove(index)
-        candidates = [c for c in solver_module._evaluate(state, index) if c.fits]
-        pick = candidates[(3 * index) % len(candidates)]  # a mix of layouts
-        state.add(index, pick.mode, pick.ranks)
-    plan = state.plan("mix", {})
-    totals = [c.total_s for c in plan_cost(plan, workload, topology).per_rank]
-    assert state.totals() == pytest.approx(totals, rel=1e-12)
-    assert {t.sharding for t in plan.tables} != {TABLE_WISE}
-
-
 def test_uniform_plans():
     workload = workload_preset("synthetic:tables=9,rows=1e5,dim=12,seed=2")
     topology = dataclasses.replace(_one_rank(10**9), world_size=4, ranks_per_node=4)

@@ -1,4 +1,5 @@
-"""distcache plans to TorchRec sharding plans and back; a plan trained under DMP on one rank."""
+"""distcache plans to TorchRec sharding plans and back; a plan trained under DMP on one rank;
+tables whose names TorchRec's module dict refuses (`items`)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,20 @@ from torchrec.distributed.types import CacheParams, ShardingEnv
 
 from distcache import CacheConfig, DistcacheConfigError
 from distcache.cache.config import DEFAULT_LOOKAHEAD
+from distcache.planner.solver import uniform_plan
 from distcache.planner.torchrec.export import (
     cache_config_for,
     from_sharding_plan,
     to_sharding_plan,
+    torchrec_names,
     workload_ebc,
 )
-from distcache.planner.torchrec.planner import torchrec_module, torchrec_topology
+from distcache.planner.torchrec.planner import (
+    torchrec_estimate,
+    torchrec_module,
+    torchrec_plan,
+    torchrec_topology,
+)
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -280,3 +288,95 @@ def _local_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         tensor = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
         out[key.removeprefix("module.")] = tensor.detach().clone()
     return out
+
+
+# `items`, `keys` and `type` are attributes of `nn.ModuleDict`, which holds an EBC's tables;
+# `items_` is the name `items` would take, were it free.
+ODD = Workload(
+    name="odd-names",
+    tables=(
+        TableStats(name="items", rows=40, dim=8),
+        TableStats(name="users", rows=64, dim=8),
+        TableStats(name="keys", rows=30, dim=4),
+        TableStats(name="items_", rows=20, dim=4),
+        TableStats(name="type", rows=10, dim=4),
+        TableStats(name="a.b", rows=10, dim=4),
+    ),
+    batch_size_per_rank=4,
+)
+
+
+def test_tables_named_like_module_dict_attributes_get_torchrec_names() -> None:
+    names = torchrec_names(ODD)
+    assert names == {
+        "items": "items__",
+        "users": "users",
+        "keys": "keys_",
+        "items_": "items_",
+        "type": "type_",
+        "a.b": "a_b_",
+    }
+    ebc = workload_ebc(ODD)  # TorchRec's module dict raised KeyError on "items"
+    assert [c.name for c in ebc.embedding_bag_configs()] == list(names.values())
+    assert [c.feature_names for c in ebc.embedding_bag_configs()] == [[t.name] for t in ODD.tables]
+
+
+def test_odd_names_round_trip_through_torchrec_form() -> None:
+    plan = dataclasses.replace(uniform_plan(ODD, cuda_topology(2, 2), TABLE_WISE), name="tw")
+    sharding_plan = to_sharding_plan(plan, ODD, world_size=2)
+    assert set(sharding_plan.plan[""]) == set(torchrec_names(ODD).values())
+    assert from_sharding_plan(sharding_plan, ODD, world_size=2, name="tw") == plan
+    # A plan written with the workload's names reads too.
+    module_plan = sharding_plan.plan[""]
+    sharding_plan.plan[""] = {ours: module_plan[n] for ours, n in torchrec_names(ODD).items()}
+    assert from_sharding_plan(sharding_plan, ODD, world_size=2, name="tw") == plan
+
+
+def test_torchrec_plans_and_prices_odd_names() -> None:
+    topology = cuda_topology(2, 2)
+    result = torchrec_plan(ODD, topology)
+    assert result.error is None
+    plan = from_sharding_plan(result.plan, ODD, world_size=2)
+    assert [t.table for t in plan.tables] == [t.name for t in ODD.tables]
+    assert torchrec_estimate(plan, ODD, topology) > 0
+
+
+def test_a_table_named_items_trains_under_dmp(one_rank_group: dist.ProcessGroup) -> None:
+    workload = Workload(
+        name="items-users",
+        tables=(TableStats(name="items", rows=40, dim=8), TableStats(name="users", rows=30, dim=8)),
+        batch_size_per_rank=2,
+    )
+    plan = Plan(
+        name="two",
+        tables=(
+            TablePlan(
+                table="items",
+                sharding=TABLE_WISE,
+                ranks=(0,),
+                storage=HOST_CACHED,
+                cache_fraction=0.5,
+                lookahead=2,
+                prefetch_depth=1,
+            ),
+            TablePlan(table="users", sharding=ROW_WISE, ranks=(0,)),
+        ),
+    )
+    model = DistributedModelParallel(
+        workload_ebc(workload, device="cpu"),
+        env=ShardingEnv.from_process_group(one_rank_group),
+        device=torch.device("cpu"),
+        plan=to_sharding_plan(plan, workload, world_size=1),
+        sharders=[CachedEmbeddingBagCollectionSharder()],
+    )
+    before = _local_weights(model)
+    batch = KeyedJaggedTensor.from_lengths_sync(
+        keys=["items", "users"],  # features keep the tables' names
+        values=torch.tensor([1, 2, 3, 4, 5]),
+        lengths=torch.tensor([1, 2, 1, 1]),
+    )
+    model(batch).values().sum().backward()
+    after = _local_weights(model)
+    assert set(before) == {"embedding_bags.items_.weight", "embedding_bags.users.weight"}
+    for key in before:
+        assert not torch.equal(before[key], after[key]), key

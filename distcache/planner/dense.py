@@ -1,0 +1,94 @@
+"""The dense part of a step in the cost model: the MLPs' and interaction's compute, and the
+all-reduce of their gradients (with any data-parallel table's). Formulas: `cost.py`.
+
+Example::
+
+    seconds = dense_compute_s(workload, topology) + all_reduce_s(
+        dense_parameter_bytes(workload), topology
+    )
+"""
+
+from __future__ import annotations
+
+from distcache.planner.types import Topology, Workload
+
+# Activation traffic per dense layer, in elements of its input (i) and output (o) per sample:
+# forward product reads i, writes o; bias + ReLU read and write o; ReLU backward reads the
+# gradient and the output and writes o; the backward products read o twice, read i, write i.
+ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES = 3, 7
+
+
+def _mlp(in_features: int, layers: tuple[int, ...]) -> tuple[float, float]:
+    """(forward flops per sample, parameters) of an MLP."""
+    flops = params = 0.0
+    for out in layers:
+        flops += 2.0 * in_features * out
+        params += in_features * out + out
+        in_features = out
+    return flops, params
+
+
+def dense_flops_per_sample(workload: Workload) -> float:
+    """Forward flops of DLRM's dense part per sample: bottom MLP, dot interaction of the
+    F = tables + 1 vectors, top MLP over the dense vector and the F(F-1)/2 dot products."""
+    features = len(workload.tables) + 1
+    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
+    bottom, _ = _mlp(workload.dense_in_features, workload.bottom_mlp)
+    top, _ = _mlp(width + features * (features - 1) // 2, workload.top_mlp)
+    return bottom + 2.0 * features * features * width + top
+
+
+def dense_parameter_bytes(workload: Workload) -> float:
+    """Bytes of the MLPs' parameters (= their gradient, all-reduced every step)."""
+    features = len(workload.tables) + 1
+    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
+    _, bottom = _mlp(workload.dense_in_features, workload.bottom_mlp)
+    _, top = _mlp(width + features * (features - 1) // 2, workload.top_mlp)
+    return (bottom + top) * workload.dtype_bytes
+
+
+def dense_layers(workload: Workload) -> list[tuple[int, int]]:
+    """(inputs, outputs) per sample of each dense layer: the MLPs' and the interaction's."""
+    features = len(workload.tables) + 1
+    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
+    layers, inputs = [], workload.dense_in_features
+    for out in workload.bottom_mlp:
+        layers.append((inputs, out))
+        inputs = out
+    pairs = features * (features - 1) // 2
+    layers.append((features * width, pairs))
+    inputs = width + pairs
+    for out in workload.top_mlp:
+        layers.append((inputs, out))
+        inputs = out
+    return layers
+
+
+def dense_compute_s(workload: Workload, topology: Topology) -> float:
+    """Forward + backward (3x forward) of the dense part over the rank's batch, with the
+    layers' fixed cost and activation traffic where the topology measures them."""
+    batch = workload.batch_size_per_rank
+    seconds = 3 * dense_flops_per_sample(workload) * batch / topology.dense_flops_per_s
+    layers = dense_layers(workload)
+    seconds += len(layers) * topology.dense_layer_overhead_s
+    if topology.dense_activation_bytes_per_s:
+        elements = sum(ACTIVATION_IN_PASSES * i + ACTIVATION_OUT_PASSES * o for i, o in layers)
+        seconds += batch * elements * workload.dtype_bytes / topology.dense_activation_bytes_per_s
+    return seconds
+
+
+def all_reduce_s(num_bytes: float, topology: Topology) -> float:
+    """Hierarchical all-reduce of `num_bytes` over every rank (0 on one rank)."""
+    if topology.world_size == 1 or num_bytes <= 0:
+        return 0.0
+    per_node = min(topology.ranks_per_node, topology.world_size)
+    nodes = topology.num_nodes
+    intra = 2 * (per_node - 1) / per_node * num_bytes / topology.intra_node_bw_bytes_per_s
+    inter = 2 * (nodes - 1) / nodes * num_bytes / per_node / topology.inter_node_bw_bytes_per_s
+    return intra + inter + sync_latency_s(topology)
+
+
+def sync_latency_s(topology: Topology) -> float:
+    """Latency of a collective the ranks enter from their own computation (outputs,
+    all-reduces): `Topology.sync_latency_s`, at least the network's."""
+    return max(topology.network_latency_s, topology.sync_latency_s or 0.0)

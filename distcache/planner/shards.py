@@ -1,0 +1,258 @@
+"""Per-shard terms of the cost model: the work, traffic and memory of one shard of a table on
+its rank per step — lookups, a data-parallel table's dense update, a cache's staging, the
+all-to-all bytes it exchanges with each peer. The formulas are in `cost.py`'s docstring.
+
+Example::
+
+    terms = shard_terms(table, workload, topology, sharding=ROW_WISE, shards=8,
+                        storage=HOST_CACHED, cache_fraction=0.05, lookahead=64, prefetch_depth=1)
+    print(terms.lookup_s, terms.staging_s, terms.device_memory_bytes)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from distcache.planner.binned import table_access
+from distcache.planner.types import (
+    COLUMN_WISE,
+    DATA_PARALLEL,
+    DEVICE,
+    HOST_CACHED,
+    OPTIMIZER_STATE,
+    ROW_WISE,
+    TablePlan,
+    TableStats,
+    Topology,
+    Workload,
+)
+
+ID_BYTES = 8  # int64 ids in the input all-to-all
+# Device metadata of a distcache cache (cache/residency.py, cache/policies.py):
+CACHE_ROW_INDEX_BYTES_LOOKAHEAD = 8  # per shard row: slot map + latest window position (int32)
+CACHE_ROW_INDEX_BYTES_REACTIVE = 8  # per shard row: slot map (int64), LRU policy
+CACHE_SLOT_BYTES = 40  # per slot: row map, stamp, next use, count (int64), dirty, pin
+ACCESS_BYTES = 32  # granularity of random memory access (a GPU DRAM sector)
+# Passes over a data-parallel table's rows per step without a measured rate: fill the dense
+# gradient, then the optimizer reads it and the weights and writes the weights.
+DENSE_UPDATE_PASSES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardTerms:
+    """The modelled work and memory of one shard of a table on its rank, per step."""
+
+    shard_rows: int
+    shard_dim: int
+    row_bytes: int
+    """Bytes of one stored row of the shard, optimizer state included."""
+    ids_per_step: float
+    unique_rows_per_step: float
+    lookup_s: float
+    cache_rows: int
+    """Rows of the device cache (the shard's rows for device storage)."""
+    working_set_rows: float
+    """Rows the K + 1 batches in flight touch; the cache must hold them (0 for device)."""
+    loads_per_step: float
+    staging_bytes_per_step: float
+    staging_s: float
+    staging_overlapped: bool
+    """Staging runs beside compute: look-ahead with K > 0 on a GPU (on CPU it never does)."""
+    device_memory_bytes: int
+    host_memory_bytes: int
+    ids_bytes_per_peer: float
+    """Input all-to-all: bytes each consumer rank sends this shard."""
+    embedding_bytes_per_peer: float
+    """Output all-to-all: bytes this shard sends each consumer rank (forward; backward same)."""
+    all_reduce_bytes: float
+    """Gradient bytes all-reduced each step (data parallel only)."""
+
+    @property
+    def fits_working_set(self) -> bool:
+        return self.cache_rows >= math.ceil(self.working_set_rows - 1e-9)
+
+
+def lookup_time_s(
+    *, ids: float, unique_rows: float, dim_bytes: int, row_bytes: int, topology: Topology
+) -> float:
+    """Forward + backward of an embedding-bag shard (see the module docstring).
+
+    Args:
+        ids: lookups served per step.
+        unique_rows: rows updated per step.
+        dim_bytes: bytes of the embedding part of a row (what the forward reads).
+        row_bytes: bytes of a stored row with its optimizer state (what the update touches).
+        topology: gives the device memory bandwidth or measured `lookup_rows_per_s`.
+    """
+    if topology.lookup_rows_per_s:
+        seconds = (2 * ids + 2 * unique_rows) / topology.lookup_rows_per_s
+        if topology.lookup_bytes_per_s:
+            traffic = 2 * ids * dim_bytes + 2 * unique_rows * row_bytes
+            seconds += traffic / topology.lookup_bytes_per_s
+        return seconds
+    read, update = _sectors(dim_bytes), _sectors(row_bytes)
+    return (2 * ids * read + 2 * unique_rows * update) / topology.device_memory_bw_bytes_per_s
+
+
+def dense_update_time_s(table_bytes: float, topology: Topology) -> float:
+    """A data-parallel table's dense gradient and update over all of its `table_bytes` (rows
+    with their optimizer state), once per step."""
+    if topology.dense_update_bytes_per_s:
+        return table_bytes / topology.dense_update_bytes_per_s
+    return DENSE_UPDATE_PASSES * table_bytes / topology.device_memory_bw_bytes_per_s
+
+
+def _sectors(num_bytes: int) -> int:
+    """Bytes a random row access moves: whole `ACCESS_BYTES` sectors (a narrow column-wise
+    shard does not read less than one sector per row)."""
+    return -(-num_bytes // ACCESS_BYTES) * ACCESS_BYTES
+
+
+def staging_time_s(staging_bytes: float, topology: Topology, cache_rows: int = 0) -> float:
+    """Host-device time of a cache's traffic per step: one load and one write-back transfer,
+    and, where the topology measures it, the victim choice scoring the cache's `cache_rows`
+    slots."""
+    if staging_bytes <= 0:
+        return 0.0
+    scan = cache_rows / topology.cache_scan_rows_per_s if topology.cache_scan_rows_per_s else 0.0
+    return (
+        staging_bytes / topology.host_to_device_bw_bytes_per_s
+        + 2 * topology.host_to_device_latency_s
+        + scan
+    )
+
+
+def shard_access(
+    table: TableStats, workload: Workload, topology: Topology, *, sharding: str, shards: int
+) -> tuple[int, float, float]:
+    """(rows, ids served, distinct rows touched) per step of one shard of `table`; for data
+    parallel the distinct rows are all rows (a dense gradient updates every row)."""
+    per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
+    global_ids = per_rank_ids * topology.world_size
+    if sharding == DATA_PARALLEL:
+        return table.rows, per_rank_ids, float(table.rows)
+    unique = table_access(table).unique(global_ids)
+    if sharding == ROW_WISE:
+        return -(-table.rows // shards), global_ids / shards, unique / shards
+    return table.rows, global_ids, unique
+
+
+def shard_terms(
+    table: TableStats,
+    workload: Workload,
+    topology: Topology,
+    *,
+    sharding: str,
+    shards: int,
+    storage: str = DEVICE,
+    cache_fraction: float = 1.0,
+    lookahead: int = 0,
+    prefetch_depth: int = 0,
+) -> ShardTerms:
+    """The terms of one shard of `table` placed as described (see the module docstring).
+
+    Args:
+        table: the table.
+        workload: batch size, optimizer and dtype.
+        topology: rates and world size.
+        sharding: one of `types.SHARDING_TYPES`.
+        shards: number of shards (ranks) of the table; ignored for data parallel.
+        storage, cache_fraction, lookahead, prefetch_depth: as in `TablePlan`.
+    """
+    dtype = workload.dtype_bytes
+    per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
+    global_ids = per_rank_ids * topology.world_size
+    split = shards if sharding in (ROW_WISE, COLUMN_WISE) else 1
+    dim = table.dim // split if sharding == COLUMN_WISE else table.dim
+    row_bytes = (dim + OPTIMIZER_STATE[workload.optimizer](dim)) * dtype
+    rows, ids, unique = shard_access(table, workload, topology, sharding=sharding, shards=shards)
+    sharded = sharding != DATA_PARALLEL
+    cached = storage == HOST_CACHED
+    cache_rows = min(rows, math.ceil(cache_fraction * rows)) if cached else rows
+    loads = 0.0
+    if cached:
+        model = "frequency" if lookahead > 0 else "lru"
+        scale = split if sharding == ROW_WISE else 1  # row-wise: the table's cache is S shards'
+        loads = table_access(table).loads(global_ids, cache_rows * scale, model) / scale
+    staging_bytes = 2 * loads * row_bytes
+    return ShardTerms(
+        shard_rows=rows,
+        shard_dim=dim,
+        row_bytes=row_bytes,
+        ids_per_step=ids,
+        unique_rows_per_step=unique,
+        lookup_s=_lookup_s(ids, unique, rows, dim * dtype, row_bytes, sharded, topology),
+        cache_rows=cache_rows,
+        working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
+        loads_per_step=loads,
+        staging_bytes_per_step=staging_bytes,
+        # Look-ahead victims are scored over every slot; LRU's one subtraction is not priced.
+        staging_s=staging_time_s(staging_bytes, topology, cache_rows if lookahead > 0 else 0),
+        staging_overlapped=lookahead > 0
+        and prefetch_depth > 0
+        and topology.compute_device == "cuda",
+        device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, cached, lookahead),
+        host_memory_bytes=rows * row_bytes if cached else 0,
+        ids_bytes_per_peer=per_rank_ids * ID_BYTES / (split if sharding == ROW_WISE else 1)
+        if sharded
+        else 0.0,
+        embedding_bytes_per_peer=workload.batch_size_per_rank * dim * dtype if sharded else 0.0,
+        all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
+    )
+
+
+def _lookup_s(
+    ids: float,
+    unique: float,
+    rows: int,
+    dim_bytes: int,
+    row_bytes: int,
+    sharded: bool,
+    topology: Topology,
+) -> float:
+    """A shard's lookups with what comes with them: a sharded table routes the ids it serves;
+    a data-parallel one updates every row densely instead of the rows it touched."""
+    lookup_s = lookup_time_s(
+        ids=ids,
+        unique_rows=unique if sharded else 0.0,
+        dim_bytes=dim_bytes,
+        row_bytes=row_bytes,
+        topology=topology,
+    )
+    if sharded:
+        return lookup_s + topology.id_overhead_s * ids
+    return lookup_s + dense_update_time_s(rows * row_bytes, topology)
+
+
+def _device_bytes(rows: int, cache_rows: int, row_bytes: int, cached: bool, lookahead: int) -> int:
+    """Device memory of a shard: its rows, or its cache's slots and the per-row index."""
+    if not cached:
+        return int(rows * row_bytes)
+    index_bytes = (
+        CACHE_ROW_INDEX_BYTES_LOOKAHEAD if lookahead > 0 else CACHE_ROW_INDEX_BYTES_REACTIVE
+    )
+    return int(cache_rows * (row_bytes + CACHE_SLOT_BYTES) + rows * index_bytes)
+
+
+def table_plan_terms(
+    table_plan: TablePlan, table: TableStats, workload: Workload, topology: Topology
+) -> ShardTerms:
+    """`shard_terms` of the shards of `table_plan` (every shard of a table is alike)."""
+    return shard_terms(
+        table,
+        workload,
+        topology,
+        sharding=table_plan.sharding,
+        shards=len(table_plan.ranks),
+        storage=table_plan.storage,
+        cache_fraction=table_plan.cache_fraction,
+        lookahead=table_plan.lookahead,
+        prefetch_depth=table_plan.prefetch_depth,
+    )
+
+
+def sent_ids_per_rank(terms: ShardTerms, shards: int) -> float:
+    """Ids each rank sends a table of `shards` shards per step (column-wise: to every shard;
+    row-wise: each id to one); 0 for data parallel."""
+    return terms.ids_bytes_per_peer / ID_BYTES * shards
