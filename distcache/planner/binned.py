@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from distcache.errors import DistcacheConfigError
 from distcache.planner.stats import AccessProfile
 from distcache.planner.types import TableStats
 
@@ -110,7 +111,7 @@ class BinnedProfile:
         elif model == "lru":
             value = self._lru_loads(self._touch(n), capacity)
         else:
-            raise ValueError(f"unknown model {model!r}: expected 'frequency' or 'lru'")
+            raise DistcacheConfigError(f"unknown model {model!r}: expected 'frequency' or 'lru'")
         self._memo[key] = value
         return value
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distcache.errors import DistcacheConfigError
+
 _CHUNK = 1 << 22
 MODELS = ("frequency", "lru")
 
@@ -45,9 +47,13 @@ class AccessProfile:
     def __post_init__(self) -> None:
         p = self.probabilities
         if p.ndim != 1 or p.size == 0:
-            raise ValueError(f"probabilities must be a non-empty 1-D array, got shape {p.shape}")
+            raise DistcacheConfigError(
+                f"probabilities must be a non-empty 1-D array, got shape {p.shape}"
+            )
         if (p < 0).any() or not np.isclose(p.sum(), 1.0, rtol=1e-6):
-            raise ValueError(f"probabilities must be >= 0 and sum to 1 (sum is {p.sum():.6g})")
+            raise DistcacheConfigError(
+                f"probabilities must be >= 0 and sum to 1 (sum is {p.sum():.6g})"
+            )
 
     @property
     def rows(self) -> int:
@@ -57,7 +63,9 @@ class AccessProfile:
     def power_law(cls, rows: int, alpha: float) -> AccessProfile:
         """p_r ∝ (r + 1)^-alpha over `rows` rows (the zipf traces' distribution)."""
         if rows < 1 or alpha < 0:
-            raise ValueError(f"power_law needs rows >= 1 and alpha >= 0, got {rows=}, {alpha=}")
+            raise DistcacheConfigError(
+                f"power_law needs rows >= 1 and alpha >= 0, got {rows=}, {alpha=}"
+            )
         p = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
         return cls(p / p.sum())
 
@@ -70,7 +78,7 @@ class AccessProfile:
         if rows is not None and rows > c.size:
             c = np.concatenate([c, np.zeros(rows - c.size)])
         if c.sum() <= 0:
-            raise ValueError("counts must contain at least one lookup")
+            raise DistcacheConfigError("counts must contain at least one lookup")
         return cls(c / c.sum())
 
     @classmethod
@@ -114,9 +122,9 @@ def expected_loads(
     """Expected rows loaded per batch of n lookups into a cache of `capacity` rows, in steady
     state, under `model` ('frequency' for look-ahead/LFU, 'lru')."""
     if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}: expected one of {MODELS}")
+        raise DistcacheConfigError(f"unknown model {model!r}: expected one of {MODELS}")
     if capacity < 0:
-        raise ValueError(f"capacity must be >= 0, got {capacity}")
+        raise DistcacheConfigError(f"capacity must be >= 0, got {capacity}")
     q = _touch(profile.probabilities, n)  # [rows]
     if capacity >= q.size:
         return 0.0

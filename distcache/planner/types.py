@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from distcache.errors import DistcacheConfigError
+from distcache.errors import DistcacheConfigError, UnknownTableError
 from distcache.planner.stats import AccessProfile
 
 DATA_PARALLEL = "data_parallel"
@@ -104,7 +104,7 @@ class Workload:
         for t in self.tables:
             if t.name == name:
                 return t
-        raise KeyError(name)
+        raise UnknownTableError(f"no table {name!r}; tables are {[t.name for t in self.tables]}")
 
     def row_bytes(self, table: TableStats) -> int:
         """Bytes of one row with its optimizer state."""
@@ -286,7 +286,9 @@ class Plan:
         for t in self.tables:
             if t.table == name:
                 return t
-        raise KeyError(name)
+        raise UnknownTableError(
+            f"no table {name!r} in the plan; it places {[t.table for t in self.tables]}"
+        )
 
     def to_json(self) -> str:
         return json.dumps(

@@ -47,7 +47,7 @@ def builtin_raises(path: Path, root: Path = PACKAGE.parent) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("layer", ["cache", "sharding", "pipeline", "data", "job"])
+@pytest.mark.parametrize("layer", ["cache", "sharding", "pipeline", "data", "planner", "job"])
 def test_layers_raise_only_distcache_errors(layer: str) -> None:
     found = [
         hit for path in sorted((PACKAGE / layer).rglob("*.py")) for hit in builtin_raises(path)
