@@ -259,6 +259,11 @@ class CachedEmbeddingBags(nn.Module):
             raise
         return plan
 
+    @property
+    def num_enqueued(self) -> int:
+        """Batches enqueued and not yet looked up."""
+        return len(self._routed)
+
     def drop_window(self) -> None:
         """Forget every enqueued batch (not trained); cached rows and updates are kept."""
         for group in self._groups:

@@ -154,6 +154,11 @@ class LookaheadTrainPipeline:
             min(min((c.prefetch_depth for c in ahead), default=0), self._lookahead),
             most=self._lookahead,
         )
+        left = sum(b.num_enqueued for b in self._bags)
+        if left:  # an earlier pipeline was left with batches in its window (not trained)
+            log.info("dropping %d batch(es) an earlier pipeline left enqueued, untrained", left)
+            for bags in self._bags:
+                bags.drop_window()
         for bags in self._bags:
             bags.prefetch_depth = self._depth
         self._model = model
@@ -205,6 +210,7 @@ class LookaheadTrainPipeline:
             raise
         except BaseException as err:
             self._failed = err
+            self._drop_window()
             raise
         self._window.popleft()
         self._trained += 1
@@ -212,6 +218,19 @@ class LookaheadTrainPipeline:
         if self._log_every and self._trained % self._log_every == 0:
             self._log()
         return output
+
+    def close(self) -> None:
+        """Drop the batches in the window (read from the loader, not trained) and close the
+        pipeline. Cached rows and every update made so far are kept: a new pipeline on the same
+        model goes on training, from the batch after the last one trained. `progress` does the
+        same when it raises, so after an error a new pipeline is all it takes."""
+        self._failed = self._failed or LookaheadWindowError("close() was called")
+        self._drop_window()
+
+    def _drop_window(self) -> None:
+        for bags in self._bags:
+            bags.drop_window()
+        self._window.clear()
 
     def stats(self) -> dict[str, dict[str, float]]:
         """This rank's cache counters per cache (`module path/tables`; tables of one width

@@ -1,0 +1,101 @@
+"""After a failed `progress`, a new `LookaheadTrainPipeline` on the same model goes on training
+without reloading its weights, and ends where training that never saw the bad batch ends:
+the failed step applied nothing and the batches routed after it were dropped, not trained."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from distcache import CacheConfig, InvalidIdError, LookaheadWindowError
+from distcache.pipeline import LookaheadTrainPipeline
+from distcache.sharding import CachedEmbeddingBagCollectionSharder
+from tests.distributed.pipeline_sweep_case import EbcTrain, sweep_batches
+from tests.distributed.sharded_model import integer_init, make_ebc, per_table_plan, plan_for
+from tests.unit.pipeline.test_lookahead import one_rank  # noqa: F401 (fixture)
+
+BAD = 4  # the batch with an out-of-range id
+
+
+def _batches() -> list[Batch]:
+    out = []
+    for k, kjt in enumerate(sweep_batches(10, 1, 9)):
+        if k == BAD:
+            values = kjt.values().clone()
+            values[0] = 10_000
+            kjt = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), values, kjt.lengths())
+        b = kjt.stride()
+        out.append(
+            Batch(dense_features=torch.zeros(b, 1), sparse_features=kjt, labels=torch.zeros(b))
+        )
+    return out
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    ebc = make_ebc()
+    integer_init(ebc)
+    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 1.0})
+    sharder = CachedEmbeddingBagCollectionSharder(CacheConfig(capacity=0.5, lookahead=3))
+    plan = plan_for("table_wise", 1)
+    return per_table_plan(EbcTrain(ebc), "ebc", ebc, plan, sharder, init_data_parallel=False)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.cat([s.tensor for s in v.local_shards()])
+        for k, v in model.state_dict().items()
+        if hasattr(v, "local_shards")
+    }
+
+
+def rest_of(batches: list[Batch]) -> list[Batch]:
+    return batches[BAD + 1 :]
+
+
+def _train(pipeline: LookaheadTrainPipeline, batches: Iterator[Batch]) -> int:
+    trained = 0
+    while True:
+        try:
+            pipeline.progress(batches)
+        except StopIteration:
+            return trained
+        trained += 1
+
+
+@pytest.mark.parametrize("how", ["new pipeline", "close", "abandoned"])
+def test_training_goes_on_after_a_bad_batch(one_rank: None, how: str) -> None:  # noqa: F811
+    batches = _batches()
+    reference = _model()
+    good = [b for k, b in enumerate(batches) if k != BAD]
+    assert _train(LookaheadTrainPipeline(reference, None, "cpu"), iter(good)) == len(good)
+
+    model = _model()
+    pipeline = LookaheadTrainPipeline(model, None, "cpu")
+    it = iter(batches)
+    if how == "abandoned":  # trained up to the bad batch, then left with a full window
+        for _ in range(BAD):
+            pipeline.progress(it)
+        rest = iter(rest_of(batches))
+        assert _train(LookaheadTrainPipeline(model, None, "cpu"), rest) == len(rest_of(batches))
+        for name, weight in _weights(reference).items():
+            assert torch.equal(_weights(model)[name], weight), name
+        return
+    with pytest.raises(InvalidIdError):
+        _train(pipeline, it)
+    with pytest.raises(LookaheadWindowError, match="closed"):
+        pipeline.progress(it)
+    if how == "close":
+        pipeline.close()
+        with pytest.raises(LookaheadWindowError, match="closed"):
+            pipeline.progress(it)
+    # The batches after the bad one were read from the loader but not trained: feed them again.
+    rest = iter(rest_of(batches))
+    assert _train(LookaheadTrainPipeline(model, None, "cpu"), rest) == len(rest_of(batches))
+    for name, weight in _weights(reference).items():
+        assert torch.equal(_weights(model)[name], weight), name
