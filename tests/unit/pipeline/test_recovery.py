@@ -15,6 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from distcache import CacheConfig, InvalidIdError, LookaheadWindowError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CachedEmbeddingBagCollectionSharder
+from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection
 from tests.distributed.pipeline_sweep_case import EbcTrain, sweep_batches
 from tests.distributed.sharded_model import integer_init, make_ebc, per_table_plan, plan_for
 from tests.unit.pipeline.test_lookahead import one_rank  # noqa: F401 (fixture)
@@ -52,6 +53,15 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for k, v in model.state_dict().items()
         if hasattr(v, "local_shards")
     }
+
+
+def _enqueued(model: torch.nn.Module) -> int:
+    return sum(
+        kernel.bags.num_enqueued
+        for m in model.modules()
+        if isinstance(m, ShardedCachedEmbeddingBagCollection)
+        for kernel in m.cached_kernels()
+    )
 
 
 def rest_of(batches: list[Batch]) -> list[Batch]:
@@ -97,5 +107,28 @@ def test_training_goes_on_after_a_bad_batch(one_rank: None, how: str) -> None:  
     # The batches after the bad one were read from the loader but not trained: feed them again.
     rest = iter(rest_of(batches))
     assert _train(LookaheadTrainPipeline(model, None, "cpu"), rest) == len(rest_of(batches))
+    for name, weight in _weights(reference).items():
+        assert torch.equal(_weights(model)[name], weight), name
+
+
+def test_training_goes_on_after_the_loader_fails(one_rank: None) -> None:  # noqa: F811
+    good = [b for k, b in enumerate(_batches()) if k != BAD]
+    reference = _model()
+    _train(LookaheadTrainPipeline(reference, None, "cpu"), iter(good))
+
+    def failing_loader() -> Iterator[Batch]:
+        yield from good[:6]
+        raise OSError("the data file went away")
+
+    model = _model()
+    pipeline = LookaheadTrainPipeline(model, None, "cpu")
+    loader, trained = failing_loader(), 0
+    with pytest.raises(OSError, match="went away"):
+        while True:
+            pipeline.progress(loader)
+            trained += 1
+    assert 0 < trained < 6  # batches were in the window, read and routed but not trained
+    assert _enqueued(model) == 0  # the failed progress dropped them from every cache
+    assert _train(LookaheadTrainPipeline(model, None, "cpu"), iter(good[trained:])) > 0
     for name, weight in _weights(reference).items():
         assert torch.equal(_weights(model)[name], weight), name
