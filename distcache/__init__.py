@@ -3,6 +3,7 @@
 from distcache.cache import CacheConfig, CachedEmbeddingBags, CacheStats, TableSpec
 from distcache.errors import (
     CacheCapacityError,
+    CheckpointError,
     DistcacheConfigError,
     DistcacheError,
     InvalidBatchError,
@@ -29,6 +30,7 @@ __all__ = [
     "CacheConfig",
     "CacheStats",
     "CachedEmbeddingBags",
+    "CheckpointError",
     "DistcacheConfigError",
     "DistcacheError",
     "InvalidBatchError",

@@ -31,6 +31,11 @@ class InvalidIdError(DistcacheError, IndexError):
     """A batch holds an id that is negative or not below its table's number of rows."""
 
 
+class CheckpointError(DistcacheError, RuntimeError):
+    """A checkpoint cannot be used: its pointer (`latest.json`) or its files are missing or
+    corrupt. The message names the path."""
+
+
 class CacheCapacityError(DistcacheError, RuntimeError):
     """The cache cannot hold the rows that the batches in flight need at the same time.
 

@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         model = shard_model(config, build_model(config, data), data, world, device)
         lr = config.train.dense_learning_rate
         dense = dense_optimizer(model, lambda params: torch.optim.SGD(params, lr=lr))
-        checkpoints = Checkpointer(config.checkpoint_dir, config.checkpoint.every)
+        checkpoints = Checkpointer(
+            config.checkpoint_dir, config.checkpoint.every, keep_last=config.checkpoint.keep_last
+        )
         start = (checkpoints.restore(model, dense) if config.checkpoint.resume else None) or 0
         # The pipeline's look-ahead L and staging depth K: the caches' own.
         pipeline = LookaheadTrainPipeline(model, dense, device)

@@ -8,7 +8,9 @@ state, and the step, which is also each rank's position in its data.
 Each checkpoint is a DCP directory `step_XXXXXXXX/` (the dense optimizer, whose state every
 rank holds alike, is saved by rank 0 beside it with `torch.save`). Only after every rank has
 written its part does rank 0 point `latest.json` at it (written to a temporary file and
-renamed), so a job killed mid-save resumes from the previous complete checkpoint.
+renamed), so a job killed mid-save resumes from the previous complete checkpoint. With
+`keep_last = N`, rank 0 then deletes all but the newest N complete checkpoints (never the one
+`latest.json` names).
 
 Example::
 
@@ -24,6 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,11 +35,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from distcache.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 LATEST = "latest.json"
 
 
 DENSE = "dense_optimizer.pt"
+_STEP_DIR = re.compile(r"step_(\d{8})")
 
 
 def _state(model: nn.Module) -> dict[str, dict[str, object]]:
@@ -53,11 +60,13 @@ class Checkpointer:
     Args:
         directory: shared by all ranks (one file system).
         every: steps between checkpoints (0: only when `save` is called explicitly).
+        keep_last: after each save, keep only the newest this many checkpoints (0: all).
     """
 
-    def __init__(self, directory: str | Path, every: int = 0):
+    def __init__(self, directory: str | Path, every: int = 0, *, keep_last: int = 0):
         self.directory = Path(directory)
         self.every = every
+        self.keep_last = keep_last
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
@@ -67,7 +76,16 @@ class Checkpointer:
         path = self.directory / LATEST
         if not path.is_file():
             return None
-        return int(json.loads(path.read_text())["step"])
+        try:
+            step = json.loads(path.read_text())["step"]
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"step {step!r} is not an integer >= 0")
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(
+                f"{path} is corrupt ({type(err).__name__}: {err}); it should read "
+                '{"step": N, "path": "step_0000000N"}: fix it, or delete it to start from step 0'
+            ) from None
+        return step
 
     def save(
         self, step: int, model: nn.Module, dense_optimizer: torch.optim.Optimizer | None = None
@@ -84,10 +102,21 @@ class Checkpointer:
             tmp = self.directory / f".{LATEST}.tmp"
             tmp.write_text(json.dumps({"step": step, "path": target.name}) + "\n")
             os.replace(tmp, self.directory / LATEST)
+            self._prune(keep=target)
         if dist.is_initialized():
             dist.barrier()
         log.info("checkpoint of step %d written to %s", step, target)
         return target
+
+    def _prune(self, keep: Path) -> None:
+        """Delete all but the newest `keep_last` checkpoints, never `keep` (rank 0 only)."""
+        if self.keep_last <= 0:
+            return
+        steps = sorted(p for p in self.directory.iterdir() if _STEP_DIR.fullmatch(p.name))
+        for old in steps[: -self.keep_last]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+                log.info("deleted the checkpoint %s (keep_last = %d)", old, self.keep_last)
 
     def restore(
         self, model: nn.Module, dense_optimizer: torch.optim.Optimizer | None = None
@@ -98,6 +127,12 @@ class Checkpointer:
         if step is None:
             return None
         source = self.directory / f"step_{step:08d}"
+        if not (source / ".metadata").is_file():
+            raise CheckpointError(
+                f"{self.directory / LATEST} names step {step}, but {source / '.metadata'} is "
+                "missing: the checkpoint is incomplete or was deleted; restore the directory, "
+                f"or point {LATEST} at an earlier step_* directory"
+            )
         state = _state(model)
         dcp.load(state, checkpoint_id=str(source))
         model.load_state_dict(state["model"])  # distcache refills its stores, empties caches

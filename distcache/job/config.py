@@ -190,9 +190,12 @@ class CheckpointConfig:
     """Default: `<run dir>/checkpoints`."""
     resume: bool = False
     """Continue from the latest checkpoint, if any."""
+    keep_last: int = 0
+    """Keep the newest this many checkpoints and delete older ones (0: keep every one)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint", "every", self.every, "an integer >= 0")
+        _require(self.keep_last >= 0, "checkpoint", "keep_last", self.keep_last, "an integer >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

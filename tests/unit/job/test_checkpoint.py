@@ -1,0 +1,54 @@
+"""`Checkpointer` in one process (no process group): pruning with `keep_last`, and one clear
+error naming the path for a corrupt `latest.json` or a missing `.metadata`. The multi-rank
+resume (bitwise equal to an uninterrupted run) is in tests/distributed/test_checkpoint.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from distcache import CheckpointError
+from distcache.job.checkpoint import LATEST, Checkpointer
+
+
+def _saved(
+    tmp_path: Path, steps: list[int], keep_last: int
+) -> tuple[Checkpointer, torch.nn.Linear]:
+    model = torch.nn.Linear(3, 2)
+    checkpoints = Checkpointer(tmp_path, every=1, keep_last=keep_last)
+    for step in steps:
+        with torch.no_grad():
+            model.weight.fill_(step)
+        checkpoints.save(step, model)
+    return checkpoints, model
+
+
+def test_keep_last_deletes_all_but_the_newest(tmp_path: Path) -> None:
+    checkpoints, _ = _saved(tmp_path, [1, 2, 3, 4, 5], keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000004", "step_00000005"]
+    assert checkpoints.latest() == 5
+    restored = torch.nn.Linear(3, 2)
+    assert checkpoints.restore(restored) == 5
+    assert torch.equal(restored.weight, torch.full((2, 3), 5.0))
+
+
+def test_keep_last_zero_keeps_every_checkpoint(tmp_path: Path) -> None:
+    _saved(tmp_path, [1, 2, 3], keep_last=0)
+    assert len(list(tmp_path.glob("step_*"))) == 3
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"path": "step_00000001"}', '{"step": -1}'])
+def test_a_corrupt_latest_json_is_named(tmp_path: Path, text: str) -> None:
+    checkpoints, model = _saved(tmp_path, [1], keep_last=0)
+    (tmp_path / LATEST).write_text(text)
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / LATEST} is corrupt"):
+        checkpoints.restore(model)
+
+
+def test_a_missing_metadata_file_is_named(tmp_path: Path) -> None:
+    checkpoints, model = _saved(tmp_path, [1, 2], keep_last=0)
+    (tmp_path / "step_00000002" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"step_00000002/\.metadata is missing"):
+        checkpoints.restore(model)
