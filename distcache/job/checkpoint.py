@@ -78,13 +78,14 @@ class Checkpointer:
             return None
         try:
             step = json.loads(path.read_text())["step"]
-            if not isinstance(step, int) or step < 0:
-                raise ValueError(f"step {step!r} is not an integer >= 0")
+            problem = None if isinstance(step, int) and step >= 0 else f"step {step!r}"
         except (ValueError, KeyError, TypeError) as err:
+            problem = f"{type(err).__name__}: {err}"
+        if problem is not None:
             raise CheckpointError(
-                f"{path} is corrupt ({type(err).__name__}: {err}); it should read "
+                f"{path} is corrupt ({problem}); it should read "
                 '{"step": N, "path": "step_0000000N"}: fix it, or delete it to start from step 0'
-            ) from None
+            )
         return step
 
     def save(
