@@ -101,7 +101,9 @@ class Checkpointer:
             dist.barrier()
         if first:
             tmp = self.directory / f".{LATEST}.tmp"
-            tmp.write_text(json.dumps({"step": step, "path": target.name}) + "\n")
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            pointer = {"step": step, "path": target.name, "world_size": world}
+            tmp.write_text(json.dumps(pointer) + "\n")
             os.replace(tmp, self.directory / LATEST)
             self._prune(keep=target)
         if dist.is_initialized():
@@ -126,6 +128,7 @@ class Checkpointer:
         None when there is none (collective)."""
         step = self.latest()
         if step is None:
+            log.warning("no checkpoint in %s: starting from step 0", self.directory)
             return None
         source = self.directory / f"step_{step:08d}"
         if not (source / ".metadata").is_file():
@@ -141,5 +144,8 @@ class Checkpointer:
             model.fused_optimizer.load_state_dict(state["fused_optimizer"])
         if dense_optimizer is not None:
             dense_optimizer.load_state_dict(torch.load(source / DENSE, weights_only=False))
-        log.info("resumed from the checkpoint of step %d", step)
+        saved_by = json.loads((self.directory / LATEST).read_text()).get("world_size")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        resharded = f", resharded from {saved_by} ranks to {world}" if saved_by != world else ""
+        log.info("resumed from the checkpoint of step %d (%s)%s", step, source, resharded)
         return step

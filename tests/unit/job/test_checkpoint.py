@@ -52,3 +52,14 @@ def test_a_missing_metadata_file_is_named(tmp_path: Path) -> None:
     (tmp_path / "step_00000002" / ".metadata").unlink()
     with pytest.raises(CheckpointError, match=r"step_00000002/\.metadata is missing"):
         checkpoints.restore(model)
+
+
+def test_resume_says_where_it_starts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = torch.nn.Linear(3, 2)
+    with caplog.at_level("INFO", logger="distcache.job.checkpoint"):
+        assert Checkpointer(tmp_path).restore(model) is None
+        assert f"no checkpoint in {tmp_path}: starting from step 0" in caplog.text
+        checkpoints, _ = _saved(tmp_path, [7], keep_last=0)
+        assert checkpoints.restore(model) == 7
+    assert "resumed from the checkpoint of step 7" in caplog.text
+    assert "resharded" not in caplog.text  # saved and restored by one process
