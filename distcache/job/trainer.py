@@ -12,11 +12,14 @@ and optionally to TensorBoard.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +30,7 @@ from torchmetrics.functional.classification import binary_auroc
 from distcache.data.sources import JobData
 from distcache.errors import DistcacheConfigError
 from distcache.job.checkpoint import Checkpointer
-from distcache.job.config import JobConfig
+from distcache.job.config import JobConfig, dump_toml
 from distcache.pipeline import LookaheadTrainPipeline
 
 if TYPE_CHECKING:
@@ -40,6 +43,30 @@ log = logging.getLogger("distcache.train")
 #: step `DISTCACHE_CRASH_AT_STEP`, on the first attempt of a torchrun job only.
 CRASH_AT_STEP = "DISTCACHE_CRASH_AT_STEP"
 CRASH_RANK = "DISTCACHE_CRASH_RANK"
+
+
+def metrics_line(kind: str, record: dict[str, object]) -> str:
+    """One `metrics.jsonl` line: strict JSON, a non-finite value written as null."""
+    finite = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+    return json.dumps({"kind": kind, **finite}, allow_nan=False) + "\n"
+
+
+def run_header(config: JobConfig, start: int, world_size: int) -> dict[str, object]:
+    """The record that opens each run's lines in `metrics.jsonl` (a run directory collects the
+    lines of every run and resume): a run id, where it starts, and the resolved config's hash."""
+    import distcache
+
+    digest = hashlib.sha256(dump_toml(config).encode()).hexdigest()[:16]
+    return {
+        "run_id": uuid.uuid4().hex[:12],
+        "start_step": start,
+        "world_size": world_size,
+        "config_sha256": digest,
+        "distcache": distcache.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def _gather_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -92,6 +119,10 @@ class Trainer:
     def fit(self, start: int = 0) -> dict[str, float]:
         """Train steps `start .. steps - 1`; returns the last logged metrics and evaluation."""
         cfg = self.config.train
+        if self.rank == 0:
+            header = run_header(self.config, start, self.world_size)
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(metrics_line("run", header))
         bar = self._progress_bar(start)
         step = start
         while step < cfg.steps:
@@ -210,7 +241,7 @@ class Trainer:
         )
         log.info("%s: %s", kind, text)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"kind": kind, **record}) + "\n")
+            f.write(metrics_line(kind, record))
         if self._writer is not None:
             for key, value in record.items():
                 if key != "step":

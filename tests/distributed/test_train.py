@@ -56,6 +56,8 @@ def test_torchrun_two_ranks_trains_and_logs(tmp_path):
         assert r["critical_misses"] == 0 and r["loads"] > 0 and 0 < r["hit_rate"] < 1
         assert r["samples_per_s"] > 0 and 0 <= r["auc"] <= 1
     assert all(0 <= r["eval_auc"] <= 1 for r in evals)
+    (run,) = _records(tmp_path, "run")  # one header per run, before its records
+    assert run["start_step"] == 0 and run["world_size"] == 2 and len(run["config_sha256"]) == 16
     resolved = load_job_config(tmp_path / "resolved_config.toml")
     assert resolved.train.steps == 40 and resolved.run.dir == str(tmp_path)
 
