@@ -9,6 +9,7 @@ from distcache.errors import (
     InvalidBatchError,
     InvalidIdError,
     LookaheadWindowError,
+    NonFiniteError,
     UnknownTableError,
     UnsupportedError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidIdError",
     "LookaheadTrainPipeline",
     "LookaheadWindowError",
+    "NonFiniteError",
     "TableSpec",
     "UnknownTableError",
     "UnsupportedError",

@@ -31,6 +31,11 @@ class InvalidIdError(DistcacheError, IndexError):
     """A batch holds an id that is negative or not below its table's number of rows."""
 
 
+class NonFiniteError(DistcacheError, FloatingPointError):
+    """Training produced a NaN or infinite loss or dense parameter; the job stops before it
+    writes a checkpoint of that state."""
+
+
 class CheckpointError(DistcacheError, RuntimeError):
     """A checkpoint cannot be used: its pointer (`latest.json`) or its files are missing or
     corrupt. The message names the path."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
 
 from distcache.data.sources import JobData
-from distcache.errors import DistcacheConfigError
+from distcache.errors import DistcacheConfigError, NonFiniteError
 from distcache.job.checkpoint import Checkpointer
 from distcache.job.config import JobConfig, dump_toml
 from distcache.pipeline import LookaheadTrainPipeline
@@ -114,6 +114,7 @@ class Trainer:
         self._samples = 0
         self._eval_critical = 0  # evaluation looks rows up unannounced: not training's misses
         self._last: dict[str, float] = {}
+        self._finite = torch.ones((), dtype=torch.bool, device=device)  # every loss so far
 
     # ------------------------------------------------------------ loop
     def fit(self, start: int = 0) -> dict[str, float]:
@@ -148,15 +149,35 @@ class Trainer:
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 self.evaluate(step)
             if self.checkpoints.due(step) and step < cfg.steps:
-                self.checkpoints.save(step, self.model, self.dense_optimizer)
+                self._save(step)
         if bar is not None:
             bar.close()
         if self._window_steps:
             self.log_metrics(step)
         self.evaluate(step)
         if self.checkpoints.every:
-            self.checkpoints.save(step, self.model, self.dense_optimizer)
+            self._save(step)
         return dict(self._last)
+
+    def _save(self, step: int) -> None:
+        """A checkpoint of `step`, unless a loss or dense parameter so far was not finite on
+        any rank: then the job stops (every rank alike) and `latest` keeps the last good one."""
+        finite = self._finite.clone()
+        for p in self.model.parameters():
+            if p.is_floating_point() and p.device == self.device:
+                finite &= torch.isfinite(p.detach()).all()
+        flag = finite.to(torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not bool(flag):  # one read per checkpoint, not per step
+            last = self.checkpoints.latest()
+            raise NonFiniteError(
+                f"a loss or dense parameter became NaN or infinite before step {step}; no "
+                "checkpoint of it was written ("
+                + (f"the last good one is step {last}" if last is not None else "none before it")
+                + "). Lower the learning rates or check the data"
+            )
+        self.checkpoints.save(step, self.model, self.dense_optimizer)
 
     def _segment_end(self, step: int) -> int:
         """The next step at which the window drains: an evaluation, a checkpoint or the end."""
@@ -169,6 +190,7 @@ class Trainer:
     # ------------------------------------------------------------ metrics
     def _record(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         self._window["loss"].append(loss.detach().float().reshape(()))
+        self._finite &= torch.isfinite(self._window["loss"][-1])  # on the device: no read
         self._window["logits"].append(logits.detach().reshape(-1))
         self._window["labels"].append(labels.detach().reshape(-1))
         self._window_steps += 1

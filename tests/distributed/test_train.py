@@ -4,6 +4,7 @@ bad configs, and a rank killed mid-run that resumes to the same parameters, bitw
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -176,3 +177,19 @@ def test_every_planner_places_the_job(tmp_path, planner):
     assert done.returncode == 0, done.stderr[-3000:]
     [record] = _records(tmp_path / "run", "train")
     assert record["critical_misses"] == 0 and record["loads"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_non_finite_loss_stops_the_job_before_a_checkpoint(tmp_path):
+    """A learning rate that blows the loss up: every rank stops at the first checkpoint with
+    one error, and no checkpoint of the NaN state exists (nothing for `latest` to point to)."""
+    done = _torchrun(
+        tmp_path, "--train.steps=30", "--checkpoint.every=10", "--train.dense_learning_rate=1e30"
+    )
+    assert done.returncode != 0
+    assert "NonFiniteError: a loss or dense parameter became NaN or infinite before step 10" in (
+        done.stderr
+    )
+    assert not (tmp_path / "checkpoints" / "latest.json").exists()
+    assert not list((tmp_path / "checkpoints").glob("step_*"))
+    assert all(r["loss"] is None or math.isfinite(r["loss"]) for r in _records(tmp_path, "train"))
