@@ -1,12 +1,16 @@
 """`python -m distcache COMMAND`: the project's command-line entry points.
 
-Each command is a `main(argv) -> int` in its own module, imported only when run.
+Each command is a `main(argv) -> int` in its own module, imported only when run. distcache's own
+errors (`DistcacheError`) print one line, `distcache COMMAND: ErrorType: message`, and exit 1;
+`--debug` anywhere on the command line shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from distcache.errors import DistcacheError
 
 # name -> (module, function, one-line help)
 COMMANDS = {
@@ -30,10 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         usage = "\n".join(f"  {name:10s} {text}" for name, (_, _, text) in COMMANDS.items())
-        print(f"usage: python -m distcache COMMAND [ARGS]\n\ncommands:\n{usage}", file=sys.stderr)
+        print(
+            f"usage: python -m distcache COMMAND [ARGS] [--debug]\n\ncommands:\n{usage}",
+            file=sys.stderr,
+        )
         return 2
+    debug = "--debug" in argv  # a full traceback for distcache's own errors
+    argv = [a for a in argv if a != "--debug"]
     module, function, _ = COMMANDS[argv[0]]
-    return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    try:
+        return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    except DistcacheError as err:
+        if debug:
+            raise
+        # The message names what is wrong and what is allowed: the traceback adds nothing.
+        print(f"distcache {argv[0]}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
