@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from distcache.planner.torchrec.export import to_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_topology
 from distcache.planner.types import Plan, TableStats, Workload
 from distcache.sharding import (
+    CACHED_KERNEL,
     CachedEmbeddingBagCollectionSharder,
     attach_cache_configs,
     cached_estimators,
@@ -132,6 +134,43 @@ def job_sharding_plan(
     )
 
 
+def describe_placement(
+    plan: ShardingPlan, sharder: CachedEmbeddingBagCollectionSharder, rows: Sequence[int]
+) -> tuple[list[str], list[str]]:
+    """The plan of the job's EBC as a table, one line per table (sharding, ranks, where its rows
+    live, cache rows, L and K), and a warning for each table whose cache differs from the
+    `[cache]` section (cached whole because its cache could not hold the batches in flight, or
+    sized by the planner)."""
+    module_plan = plan.plan.get(dlrm.EBC_PATH, {})
+    lines = [f"{'table':8s} {'sharding':12s} {'ranks':10s} {'rows':>12s} {'storage':38s}"]
+    warnings = []
+    for i, num_rows in enumerate(rows):
+        name = dlrm.table_name(i)
+        p = module_plan.get(name)
+        if p is None:
+            continue
+        ranks = ",".join(map(str, p.ranks or [])) or "all"
+        storage = f"device ({p.compute_kernel})"
+        if p.compute_kernel == CACHED_KERNEL:
+            cache = getattr(p, "cache_config", None) or sharder.config_for(name)
+            cached = cache.capacity_rows(num_rows)
+            storage = (
+                f"host + cache of {cached:,} rows ({cached / num_rows:.1%}), "
+                f"L={cache.lookahead} K={cache.prefetch_depth}"
+            )
+            asked = sharder.cache_config
+            if cache != asked:
+                why = (
+                    f"[cache] capacity = {asked.capacity} ({asked.capacity_rows(num_rows):,} "
+                    "rows) cannot hold the rows of the batches in flight: cached whole"
+                    if cached == num_rows
+                    else f"cache sized by the plan, not by [cache] (capacity {cache.capacity})"
+                )
+                warnings.append(f"{name}: {why}")
+        lines.append(f"{name:8s} {p.sharding_type:12s} {ranks:10s} {num_rows:12,d} {storage}")
+    return lines, warnings
+
+
 def build_model(config: JobConfig, data: JobData) -> DLRMTrain:
     """The job's DLRM for the data's tables, its embedding optimizer applied (seed
     `[data] seed`)."""
@@ -162,6 +201,11 @@ def shard_model(
         ids_per_sample=data.max_ids_per_sample,
     )
     plan = job_sharding_plan(config, model, data, sharder, world_size, device)
+    if dist.get_rank() == 0:
+        lines, warnings = describe_placement(plan, sharder, data.table_sizes)
+        log.info("placement (planner %s):\n%s", config.plan.planner, "\n".join(lines))
+        for warning in warnings:
+            log.warning("placement: %s", warning)
     return DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(dist.group.WORLD),

@@ -19,3 +19,23 @@ def test_torchrec_plans_for_the_configured_topology():
     unset = load_job_config(None, ["--plan.planner=torchrec"])
     default = torchrec_job_topology(unset, 2, CPU)  # TorchRec's own
     assert [d.storage for d in default.devices] != [d.storage for d in ours.devices]
+
+
+def test_the_placement_table_names_every_table_and_warns_of_whole_caches():
+    from distcache import CacheConfig
+    from distcache.job import dlrm
+    from distcache.job.placement import describe_placement
+
+    rows = (10, 100_000, 50)
+    model = dlrm.build_dlrm(dlrm.DLRMConfig(rows=rows, dim=4), seed=0)
+    config = CacheConfig(capacity=0.01, lookahead=4, prefetch_depth=1)
+    sharder = dlrm.cached_sharder(rows, config, world_size=2, batch_size=64)
+    ebc = dlrm.embedding_bag_collection(model)
+    plan = dlrm.sharding_plan(ebc, sharder, world_size=2)
+    lines, warnings = describe_placement(plan, sharder, rows)
+    assert len(lines) == 1 + len(rows)
+    assert "host + cache of 1,000 rows (1.0%), L=4 K=1" in lines[2]  # t1: 1 % of 100,000
+    # t0 and t2 are too small to hold 2 batches x 2 ranks x 64 ids at 1 %: cached whole.
+    assert [w.split(":")[0] for w in warnings] == ["t0", "t2"]
+    assert "[cache] capacity = 0.01 (1 rows) cannot hold" in warnings[0]
+    assert "host + cache of 10 rows (100.0%)" in lines[1]
