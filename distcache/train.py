@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
             format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
             force=True,
         )
+        # TorchRec logs a dozen INFO lines per rank while sharding: its warnings are enough.
+        logging.getLogger("torchrec").setLevel(logging.WARNING)
         if rank == 0:
             write_resolved_config(config)
         data = JobData(config.data, steps=config.train.steps, rank=rank, world_size=world)

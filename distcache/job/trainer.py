@@ -12,6 +12,7 @@ and optionally to TensorBoard.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -119,6 +120,15 @@ class Trainer:
     # ------------------------------------------------------------ loop
     def fit(self, start: int = 0) -> dict[str, float]:
         """Train steps `start .. steps - 1`; returns the last logged metrics and evaluation."""
+        redirect: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if self.rank == 0 and self.config.train.progress_bar:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            redirect = logging_redirect_tqdm()  # log lines above the bar, not on it
+        with redirect:
+            return self._fit(start)
+
+    def _fit(self, start: int) -> dict[str, float]:
         cfg = self.config.train
         if self.rank == 0:
             header = run_header(self.config, start, self.world_size)
