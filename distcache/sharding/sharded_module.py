@@ -19,7 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from distcache.cache.engine import CacheStats
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.streams import HostCopy
-from distcache.errors import InvalidIdError
+from distcache.errors import InvalidBatchError, InvalidIdError
 from distcache.sharding.kernel import CachedEmbeddingBagKernel
 from distcache.sharding.lookup import CachedGroupedLookup
 from distcache.sharding.plan import CACHED_KERNEL
@@ -46,6 +46,8 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     check_ids: bool = True
 
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
+        if isinstance(features, KeyedJaggedTensor):
+            self._check_batch(features)
         if self.check_ids and isinstance(features, KeyedJaggedTensor):
             features, ctx.distcache_check = self._check_feature_ids(features)
         return super().input_dist(ctx, features)
@@ -60,6 +62,34 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     kernel.bags.drop_window()
                 raise
         return super().compute_and_output_dist(ctx, input)
+
+    def _check_batch(self, features: KeyedJaggedTensor) -> None:
+        """Raise `InvalidBatchError` for a batch TorchRec would fail on later, or train wrongly:
+        a feature of the module missing, ids that are not integers, and (for a batch still in
+        host memory, where it costs no device read) lengths that do not add up to the ids.
+        Extra keys are allowed, as TorchRec's `EmbeddingBagCollection` allows them."""
+        names = [f for c in self._embedding_bag_configs for f in c.feature_names]
+        missing = [f for f in names if f not in set(features.keys())]
+        if missing:
+            raise InvalidBatchError(
+                f"the batch lacks feature(s) {missing} of this EmbeddingBagCollection (rank "
+                f"{dist.get_rank()}); its features are {names}, the batch has {features.keys()}"
+            )
+        values, lengths = features.values(), features.lengths()
+        if values.is_floating_point() or values.dtype == torch.bool or values.is_complex():
+            raise InvalidBatchError(
+                f"the batch's ids are {values.dtype}: ids must be torch.int64 or torch.int32 "
+                f"(features {features.keys()})"
+            )
+        if values.device.type == "cpu" and lengths.device.type == "cpu":
+            total, negative = int(lengths.sum()), bool((lengths < 0).any())
+            if negative or total != values.numel():
+                raise InvalidBatchError(
+                    f"the batch's lengths add up to {total} ids"
+                    + (" and some are negative" if negative else "")
+                    + f" but it holds {values.numel()} ids (features {features.keys()}): "
+                    "lengths must be >= 0 and sum to the number of values"
+                )
 
     def _check_feature_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HostCopy]:
         """The features with invalid ids replaced by 0, and the invalid-id record on its way to

@@ -12,7 +12,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from distcache import CacheConfig, InvalidIdError, LookaheadWindowError
+from distcache import CacheConfig, InvalidBatchError, InvalidIdError, LookaheadWindowError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CachedEmbeddingBagCollectionSharder
 from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection
@@ -130,5 +130,59 @@ def test_training_goes_on_after_the_loader_fails(one_rank: None) -> None:  # noq
     assert 0 < trained < 6  # batches were in the window, read and routed but not trained
     assert _enqueued(model) == 0  # the failed progress dropped them from every cache
     assert _train(LookaheadTrainPipeline(model, None, "cpu"), iter(good[trained:])) > 0
+    for name, weight in _weights(reference).items():
+        assert torch.equal(_weights(model)[name], weight), name
+
+
+def _malformed(kind: str, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    keys, values, lengths = kjt.keys(), kjt.values(), kjt.lengths()
+    if kind == "missing feature":
+        n = len(keys) - 1  # drop the last feature's bags and ids
+        stride = kjt.stride()
+        kept = lengths[: n * stride]
+        return KeyedJaggedTensor(keys[:n], values[: int(kept.sum())], lengths=kept)
+    if kind == "float ids":
+        return KeyedJaggedTensor(keys, values.float(), lengths=lengths)
+    bad = lengths.clone()
+    bad[0] += 3  # lengths that add up to more ids than the batch holds
+    return KeyedJaggedTensor(keys, values, lengths=bad)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("missing feature", r"lacks feature\(s\) \['f"),
+        ("float ids", "ids are torch.float32: ids must be torch.int64 or torch.int32"),
+        ("bad lengths", r"lengths add up to \d+ ids but it holds \d+ ids"),
+    ],
+)
+def test_a_malformed_batch_is_named_and_training_goes_on(
+    one_rank: None,  # noqa: F811
+    kind: str,
+    message: str,
+) -> None:
+    good = [b for k, b in enumerate(_batches()) if k != BAD]
+    reference = _model()
+    _train(LookaheadTrainPipeline(reference, None, "cpu"), iter(good))
+
+    batches = list(good)
+    bad = batches[BAD]
+    batches.insert(
+        BAD,
+        Batch(
+            dense_features=bad.dense_features,
+            sparse_features=_malformed(kind, bad.sparse_features),
+            labels=bad.labels,
+        ),
+    )
+    model = _model()
+    pipeline, it, trained = LookaheadTrainPipeline(model, None, "cpu"), iter(batches), 0
+    with pytest.raises(InvalidBatchError, match=message):
+        while True:
+            pipeline.progress(it)
+            trained += 1
+    assert trained < BAD and _enqueued(model) == 0  # refused when it entered the window
+    rest = [b for k, b in enumerate(batches) if k >= trained and k != BAD]
+    _train(LookaheadTrainPipeline(model, None, "cpu"), iter(rest))
     for name, weight in _weights(reference).items():
         assert torch.equal(_weights(model)[name], weight), name
