@@ -56,7 +56,12 @@ class Traffic(NamedTuple):
 
     def plus(self, other: Traffic) -> Traffic:
         """Elementwise sum (`+` would concatenate the tuples)."""
-        return Traffic(*(a + b for a, b in zip(self, other, strict=True)))
+        return Traffic(
+            self.sent_intra + other.sent_intra,
+            self.sent_inter + other.sent_inter,
+            self.received_intra + other.received_intra,
+            self.received_inter + other.received_inter,
+        )
 
     def time_s(self, topology: Topology) -> np.ndarray:
         """The all-to-all's time per rank, without latency: links are full duplex and NVLink
@@ -77,10 +82,16 @@ class RankTerms:
     """What tables put on each rank per step: named rows (`RANK_TERMS`) of one [TERMS, W]
     float64 array, so that adding or removing a table is one array operation."""
 
-    __slots__ = ("values",)
+    __slots__ = ("emb", "ids", "values")
 
     def __init__(self, values: np.ndarray):
         self.values = values  # [TERMS, W] float64
+        # Views of `values` (in-place updates keep them current), read on every pricing.
+        self.ids = Traffic(*values[_IDS])
+        """The input all-to-all's bytes: ids to the shards."""
+        self.emb = Traffic(*values[_EMB])
+        """The output all-to-all's bytes: pooled embeddings from the shards (forward; the
+        backward sends their gradients back the same way)."""
 
     @classmethod
     def zeros(cls, world: int) -> RankTerms:
@@ -118,17 +129,6 @@ class RankTerms:
     """Staging on the critical path."""
     device_memory_bytes = _row("device_memory_bytes")
     host_memory_bytes = _row("host_memory_bytes")
-
-    @property
-    def ids(self) -> Traffic:
-        """The input all-to-all's bytes: ids to the shards."""
-        return Traffic(*self.values[_IDS])
-
-    @property
-    def emb(self) -> Traffic:
-        """The output all-to-all's bytes: pooled embeddings from the shards (forward; the
-        backward sends their gradients back the same way)."""
-        return Traffic(*self.values[_EMB])
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,24 +189,21 @@ def exchange(ids_bytes: float, emb_bytes: float, peers: Peers) -> tuple[Traffic,
 
 def shard_contribution(terms: ShardTerms, ranks: tuple[int, ...], topology: Topology) -> RankTerms:
     """The rank terms of a table whose identical shards sit on `ranks`."""
-    is_owner = np.zeros(topology.world_size)  # [W]
-    is_owner[list(ranks)] = 1.0
+    load = RankTerms.zeros(topology.world_size)
+    owners = list(ranks)
+    load.lookup_s[owners] = terms.lookup_s
+    staged = load.overlapped_staging_s if terms.staging_overlapped else load.exposed_staging_s
+    staged[owners] = terms.staging_s
+    load.device_memory_bytes[owners] = terms.device_memory_bytes
+    load.host_memory_bytes[owners] = terms.host_memory_bytes
     ids_bytes, emb_bytes = terms.ids_bytes_per_peer, terms.embedding_bytes_per_peer
-    zero = np.zeros(topology.world_size)
-    if ids_bytes or emb_bytes:
+    if ids_bytes or emb_bytes:  # sharded: ids and embeddings routed (not data parallel)
+        is_owner = np.zeros(topology.world_size)  # [W]
+        is_owner[owners] = 1.0
         ids, emb = exchange(ids_bytes, emb_bytes, peer_counts(is_owner, topology))
-    else:  # data parallel: nothing routed
-        ids = emb = Traffic(zero, zero, zero, zero)
-    staging = terms.staging_s * is_owner
-    return RankTerms.stack(
-        lookup_s=terms.lookup_s * is_owner,
-        overlapped_staging_s=staging if terms.staging_overlapped else zero,
-        exposed_staging_s=zero if terms.staging_overlapped else staging,
-        ids=ids,
-        emb=emb,
-        device_memory_bytes=terms.device_memory_bytes * is_owner,
-        host_memory_bytes=terms.host_memory_bytes * is_owner,
-    )
+        for row, value in zip((*load.ids, *load.emb), (*ids, *emb), strict=True):
+            row[:] = value
+    return load
 
 
 class RankStep(NamedTuple):
