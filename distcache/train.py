@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints = Checkpointer(
             config.checkpoint_dir, config.checkpoint.every, keep_last=config.checkpoint.keep_last
         )
-        start = (checkpoints.restore(model, dense) if config.checkpoint.resume else None) or 0
+        resume = config.checkpoint
+        start = checkpoints.restore(model, dense, require=resume.require) if resume.resume else 0
+        start = start or 0
         # The pipeline's look-ahead L and staging depth K: the caches' own.
         pipeline = LookaheadTrainPipeline(model, dense, device)
         trainer = Trainer(config, model, pipeline, data, checkpoints, dense, rank, world, device)

@@ -122,12 +122,20 @@ class Checkpointer:
                 log.info("deleted the checkpoint %s (keep_last = %d)", old, self.keep_last)
 
     def restore(
-        self, model: nn.Module, dense_optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: nn.Module,
+        dense_optimizer: torch.optim.Optimizer | None = None,
+        *,
+        require: bool = False,
     ) -> int | None:
         """Load the latest checkpoint into `model` and `dense_optimizer`; returns its step, or
-        None when there is none (collective)."""
+        None when there is none (collective; with `require`, none is a `CheckpointError`)."""
         step = self.latest()
         if step is None:
+            if require:
+                raise CheckpointError(
+                    f"--resume=require: no checkpoint in {self.directory} ({LATEST} is missing)"
+                )
             log.warning("no checkpoint in %s: starting from step 0", self.directory)
             return None
         source = self.directory / f"step_{step:08d}"

@@ -189,7 +189,9 @@ class CheckpointConfig:
     dir: str = ""
     """Default: `<run dir>/checkpoints`."""
     resume: bool = False
-    """Continue from the latest checkpoint, if any."""
+    """Continue from the latest checkpoint, if any (none: start at step 0, saying so)."""
+    require: bool = False
+    """With `resume`: a missing checkpoint is an error, not a fresh start (`--resume=require`)."""
     keep_last: int = 0
     """Keep the newest this many checkpoints and delete older ones (0: keep every one)."""
 
@@ -378,15 +380,23 @@ def parse_args(argv: list[str]) -> JobConfig:
         epilog="Any config key can be overridden: --section.key=value (TOML values).",
     )
     parser.add_argument("--config", help="TOML job config (default: all defaults)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        choices=("latest", "require"),
+        help="continue from the latest checkpoint; =require: fail if there is none",
+    )
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=", 1)[0])]
     if bad:
         parser.error(f"unrecognized arguments {bad}: overrides are --section.key=value")
     config = load_job_config(args.config, overrides)
     if args.resume:
+        require = config.checkpoint.require or args.resume == "require"
         config = dataclasses.replace(
-            config, checkpoint=dataclasses.replace(config.checkpoint, resume=True)
+            config,
+            checkpoint=dataclasses.replace(config.checkpoint, resume=True, require=require),
         )
     return config
 

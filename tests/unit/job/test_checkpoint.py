@@ -63,3 +63,8 @@ def test_resume_says_where_it_starts(tmp_path: Path, caplog: pytest.LogCaptureFi
         assert checkpoints.restore(model) == 7
     assert "resumed from the checkpoint of step 7" in caplog.text
     assert "resharded" not in caplog.text  # saved and restored by one process
+
+
+def test_resume_require_refuses_to_start_over(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"--resume=require: no checkpoint in .*latest"):
+        Checkpointer(tmp_path / "none").restore(torch.nn.Linear(3, 2), require=True)

@@ -95,3 +95,13 @@ def test_a_topology_only_with_a_planner_that_reads_one(tmp_path):
     gpu = load_job_config(None, ["--plan.planner=torchrec", "--plan.topology=h100"])
     with pytest.raises(DistcacheConfigError, match=r"^\[plan\] topology 'h100' is a cuda top"):
         check_inputs(gpu)  # [train] device = 'cpu'
+
+
+def test_resume_flags() -> None:
+    from distcache.job.config import parse_args
+
+    assert not parse_args([]).checkpoint.resume
+    plain = parse_args(["--resume"]).checkpoint
+    assert plain.resume and not plain.require
+    required = parse_args(["--resume=require"]).checkpoint
+    assert required.resume and required.require
