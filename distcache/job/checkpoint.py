@@ -73,11 +73,18 @@ class Checkpointer:
 
     def latest(self) -> int | None:
         """The step of the latest complete checkpoint, or None."""
+        pointer = self._pointer()
+        return None if pointer is None else pointer[0]
+
+    def _pointer(self) -> tuple[int, int | None] | None:
+        """`latest.json`'s step (checked: an integer >= 0) and the world size that saved it
+        (None for checkpoints from before it was recorded), or None when there is none."""
         path = self.directory / LATEST
         if not path.is_file():
             return None
         try:
-            step = json.loads(path.read_text())["step"]
+            pointer = json.loads(path.read_text())
+            step = pointer["step"]
             problem = None if isinstance(step, int) and step >= 0 else f"step {step!r}"
         except (ValueError, KeyError, TypeError) as err:
             problem = f"{type(err).__name__}: {err}"
@@ -86,7 +93,7 @@ class Checkpointer:
                 f"{path} is corrupt ({problem}); it should read "
                 '{"step": N, "path": "step_0000000N"}: fix it, or delete it to start from step 0'
             )
-        return step
+        return step, pointer.get("world_size")
 
     def save(
         self, step: int, model: nn.Module, dense_optimizer: torch.optim.Optimizer | None = None
@@ -130,14 +137,15 @@ class Checkpointer:
     ) -> int | None:
         """Load the latest checkpoint into `model` and `dense_optimizer`; returns its step, or
         None when there is none (collective; with `require`, none is a `CheckpointError`)."""
-        step = self.latest()
-        if step is None:
+        pointer = self._pointer()
+        if pointer is None:
             if require:
                 raise CheckpointError(
                     f"--resume=require: no checkpoint in {self.directory} ({LATEST} is missing)"
                 )
             log.warning("no checkpoint in %s: starting from step 0", self.directory)
             return None
+        step, saved_by = pointer
         source = self.directory / f"step_{step:08d}"
         if not (source / ".metadata").is_file():
             raise CheckpointError(
@@ -152,8 +160,8 @@ class Checkpointer:
             model.fused_optimizer.load_state_dict(state["fused_optimizer"])
         if dense_optimizer is not None:
             dense_optimizer.load_state_dict(torch.load(source / DENSE, weights_only=False))
-        saved_by = json.loads((self.directory / LATEST).read_text()).get("world_size")
         world = dist.get_world_size() if dist.is_initialized() else 1
-        resharded = f", resharded from {saved_by} ranks to {world}" if saved_by != world else ""
+        changed = saved_by is not None and saved_by != world
+        resharded = f", resharded from {saved_by} ranks to {world}" if changed else ""
         log.info("resumed from the checkpoint of step %d (%s)%s", step, source, resharded)
         return step

@@ -154,11 +154,6 @@ class LookaheadTrainPipeline:
             min(min((c.prefetch_depth for c in ahead), default=0), self._lookahead),
             most=self._lookahead,
         )
-        left = sum(b.num_enqueued for b in self._bags)
-        if left:  # an earlier pipeline was left with batches in its window (not trained)
-            log.info("dropping %d batch(es) an earlier pipeline left enqueued, untrained", left)
-            for bags in self._bags:
-                bags.drop_window()
         for bags in self._bags:
             bags.prefetch_depth = self._depth
         self._model = model
@@ -169,6 +164,10 @@ class LookaheadTrainPipeline:
             torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
         )
         self._window: deque[_InFlight] = deque()
+        left = sum(bags.num_enqueued for bags in self._bags)
+        if left:  # an earlier pipeline was left with batches in its window (not trained)
+            log.info("dropping %d batch(es) an earlier pipeline left enqueued, untrained", left)
+            self._drop_window()
         self._exhausted = False
         self._failed: BaseException | None = None
         self._log_every = log_every

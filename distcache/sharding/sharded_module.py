@@ -68,8 +68,9 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         a feature of the module missing, ids that are not integers, and (for a batch still in
         host memory, where it costs no device read) lengths that do not add up to the ids.
         Extra keys are allowed, as TorchRec's `EmbeddingBagCollection` allows them."""
-        names = [f for c in self._embedding_bag_configs for f in c.feature_names]
-        missing = [f for f in names if f not in set(features.keys())]
+        names = list(self._feature_rows())
+        present = set(features.keys())
+        missing = [f for f in names if f not in present]
         if missing:
             raise InvalidBatchError(
                 f"the batch lacks feature(s) {missing} of this EmbeddingBagCollection (rank "
@@ -94,12 +95,6 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _check_feature_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HostCopy]:
         """The features with invalid ids replaced by 0, and the invalid-id record on its way to
         the host."""
-        if not hasattr(self, "_rows_of_feature"):
-            self._rows_of_feature = {
-                f: (c.name, c.num_embeddings)
-                for c in self._embedding_bag_configs
-                for f in c.feature_names
-            }
         keys = features.keys()
         self._checked_keys = keys
         values = features.values()
@@ -118,15 +113,25 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         checked._jt_dict = None
         return checked, HostCopy(record)
 
+    def _feature_rows(self) -> dict[str, tuple[str, int]]:
+        """Per feature of the collection, in its order: its table's name and rows."""
+        if not hasattr(self, "_rows_of_feature"):
+            self._rows_of_feature = {
+                f: (c.name, c.num_embeddings)
+                for c in self._embedding_bag_configs
+                for f in c.feature_names
+            }
+        return self._rows_of_feature
+
     def _rows_of_key_name(self, key: str) -> int:
-        return self._rows_of_feature.get(key, (None, torch.iinfo(torch.int64).max))[1]
+        return self._feature_rows().get(key, (None, torch.iinfo(torch.int64).max))[1]
 
     def _rows_of_key(self, k: int) -> int:
         return self._rows_of_key_name(self._checked_keys[k])
 
     def _describe_key(self, k: int) -> str:
         key = self._checked_keys[k]
-        table = self._rows_of_feature.get(key, (None, 0))[0]
+        table = self._feature_rows().get(key, (None, 0))[0]
         return f"table {table!r} (feature {key!r}, rank {dist.get_rank()})"
 
     def _create_lookups(self) -> None:

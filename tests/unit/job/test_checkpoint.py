@@ -63,6 +63,11 @@ def test_resume_says_where_it_starts(tmp_path: Path, caplog: pytest.LogCaptureFi
         assert checkpoints.restore(model) == 7
     assert "resumed from the checkpoint of step 7" in caplog.text
     assert "resharded" not in caplog.text  # saved and restored by one process
+    (tmp_path / LATEST).write_text('{"step": 7, "path": "step_00000007"}')  # no world size
+    caplog.clear()
+    with caplog.at_level("INFO", logger="distcache.job.checkpoint"):
+        assert checkpoints.restore(model) == 7
+    assert "resumed from" in caplog.text and "resharded" not in caplog.text
 
 
 def test_resume_require_refuses_to_start_over(tmp_path: Path) -> None:
