@@ -12,6 +12,14 @@ renamed), so a job killed mid-save resumes from the previous complete checkpoint
 `keep_last = N`, rank 0 then deletes all but the newest N complete checkpoints (never the one
 `latest.json` names).
 
+Each checkpoint proves itself: before `latest.json` names it, its files' sizes and SHA-256
+digests are written to `checksums.json` in it (every rank hashes a share of the files). On
+restore they are verified first (again shared by the ranks). A checkpoint that fails (a file
+missing, truncated or changed) is named with the reason, renamed `step_XXXXXXXX.corrupt` (kept,
+not deleted) and the job falls back to the newest earlier checkpoint that verifies, saying so;
+when none does, restore raises `CheckpointError`. (Keep `keep_last >= 2` to have one to fall
+back to.) A checkpoint written before checksums existed loads unverified, with a warning.
+
 Example::
 
     checkpoints = Checkpointer(Path("runs/x/checkpoints"), every=100)
@@ -23,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -42,7 +51,79 @@ LATEST = "latest.json"
 
 
 DENSE = "dense_optimizer.pt"
+MANIFEST = "checksums.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
+_CHUNK = 8 << 20  # bytes read per hash update
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(items: list[object]) -> list[object]:
+    """Every rank's `items`, concatenated in rank order (the same list on every rank)."""
+    if not dist.is_initialized():
+        return items
+    parts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]  # type: ignore[union-attr]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(directory: Path) -> None:
+    """Hash the checkpoint's files, a share per rank, into `checksums.json` (collective; every
+    rank's files are written and visible, after a barrier)."""
+    rank, world = _rank_world()
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    mine = [(n, (directory / n).stat().st_size, _sha256(directory / n)) for n in names[rank::world]]
+    entries = _gather(mine)
+    if rank == 0:
+        manifest = {n: {"bytes": size, "sha256": sha} for n, size, sha in entries}  # type: ignore[misc]
+        tmp = directory / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, directory / MANIFEST)
+
+
+def verify(directory: Path) -> str | None:
+    """Why the checkpoint in `directory` cannot be loaded, or None when it verifies (or was
+    written before checksums existed: then it is logged as unverified). Collective: every rank
+    checks a share of the files and all get the same answer."""
+    if not directory.is_dir():
+        return f"{directory} does not exist"
+    if not (directory / ".metadata").is_file():
+        return f"{directory / '.metadata'} is missing: the checkpoint is incomplete"
+    path = directory / MANIFEST
+    if not path.is_file():
+        log.warning(
+            "%s has no %s (written by an older distcache): loaded unverified", directory, MANIFEST
+        )
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        expected = sorted((name, e["bytes"], e["sha256"]) for name, e in files.items())
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{path} is corrupt ({type(err).__name__}: {err})"
+    rank, world = _rank_world()
+    problems: list[object] = []
+    for name, size, sha in expected[rank::world]:
+        file = directory / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{file} has {file.stat().st_size} bytes, {size} were written")
+        elif _sha256(file) != sha:
+            problems.append(f"{file} does not match its SHA-256 in {MANIFEST}")
+    problems = _gather(problems)
+    return "; ".join(map(str, problems)) if problems else None
 
 
 def _state(model: nn.Module) -> dict[str, dict[str, object]]:
@@ -106,17 +187,21 @@ class Checkpointer:
             torch.save(dense_optimizer.state_dict(), target / DENSE)
         if dist.is_initialized():
             dist.barrier()
+        _write_manifest(target)
         if first:
-            tmp = self.directory / f".{LATEST}.tmp"
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            pointer = {"step": step, "path": target.name, "world_size": world}
-            tmp.write_text(json.dumps(pointer) + "\n")
-            os.replace(tmp, self.directory / LATEST)
+            self._point_at(step)
             self._prune(keep=target)
         if dist.is_initialized():
             dist.barrier()
         log.info("checkpoint of step %d written to %s", step, target)
         return target
+
+    def _point_at(self, step: int) -> None:
+        """Name `step` in `latest.json`: a temporary file renamed over it (rank 0 only)."""
+        tmp = self.directory / f".{LATEST}.tmp"
+        pointer = {"step": step, "path": f"step_{step:08d}", "world_size": _rank_world()[1]}
+        tmp.write_text(json.dumps(pointer) + "\n")
+        os.replace(tmp, self.directory / LATEST)
 
     def _prune(self, keep: Path) -> None:
         """Delete all but the newest `keep_last` checkpoints, never `keep` (rank 0 only)."""
@@ -127,6 +212,53 @@ class Checkpointer:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
                 log.info("deleted the checkpoint %s (keep_last = %d)", old, self.keep_last)
+
+    def _verified(self, step: int) -> int:
+        """`step` if its checkpoint verifies, else the newest earlier one that does (the
+        failed ones renamed `.corrupt`, `latest.json` pointed at the good one). Collective."""
+        earlier = sorted(
+            (
+                int(m.group(1))
+                for p in self.directory.iterdir()
+                if (m := _STEP_DIR.fullmatch(p.name))
+            ),
+            reverse=True,
+        )
+        failed: list[tuple[int, str]] = []
+        for candidate in [step, *(s for s in earlier if s < step)]:
+            problem = verify(self.directory / f"step_{candidate:08d}")
+            if problem is None:
+                break
+            log.warning("the checkpoint of step %d failed verification: %s", candidate, problem)
+            failed.append((candidate, problem))
+        else:
+            reasons = "; ".join(f"step {s}: {p}" for s, p in failed)
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} verifies ({reasons}); restore the files, or "
+                f"move the directory away to start from step 0"
+            )
+        if failed:
+            log.warning(
+                "falling back to the checkpoint of step %d; the failed one(s) are kept as "
+                "step_*.corrupt",
+                candidate,
+            )
+            if _rank_world()[0] == 0:
+                for bad, _ in failed:
+                    self._set_aside(self.directory / f"step_{bad:08d}")
+                self._point_at(candidate)
+            if dist.is_initialized():
+                dist.barrier()
+        return candidate
+
+    def _set_aside(self, directory: Path) -> None:
+        """Rename a checkpoint that failed verification to `<name>.corrupt[.N]` (rank 0)."""
+        if not directory.exists():
+            return
+        target, n = directory.with_name(f"{directory.name}.corrupt"), 1
+        while target.exists():
+            target, n = directory.with_name(f"{directory.name}.corrupt.{n}"), n + 1
+        os.replace(directory, target)
 
     def restore(
         self,
@@ -146,15 +278,17 @@ class Checkpointer:
             log.warning("no checkpoint in %s: starting from step 0", self.directory)
             return None
         step, saved_by = pointer
+        step = self._verified(step)
         source = self.directory / f"step_{step:08d}"
-        if not (source / ".metadata").is_file():
-            raise CheckpointError(
-                f"{self.directory / LATEST} names step {step}, but {source / '.metadata'} is "
-                "missing: the checkpoint is incomplete or was deleted; restore the directory, "
-                f"or point {LATEST} at an earlier step_* directory"
-            )
         state = _state(model)
-        dcp.load(state, checkpoint_id=str(source))
+        try:
+            dcp.load(state, checkpoint_id=str(source))
+        except Exception as err:  # DCP's errors name no file and often no cause
+            raise CheckpointError(
+                f"loading the checkpoint {source} failed ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[-1] if str(err).strip() else 'no message'}): was "
+                "it written by this model and a compatible distcache?"
+            ) from err
         model.load_state_dict(state["model"])  # distcache refills its stores, empties caches
         if "fused_optimizer" in state:
             model.fused_optimizer.load_state_dict(state["fused_optimizer"])

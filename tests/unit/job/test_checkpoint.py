@@ -1,16 +1,18 @@
-"""`Checkpointer` in one process (no process group): pruning with `keep_last`, and one clear
-error naming the path for a corrupt `latest.json` or a missing `.metadata`. The multi-rank
+"""`Checkpointer` in one process (no process group): pruning with `keep_last`; checksums
+verified on restore, with a fall back to the newest earlier checkpoint that verifies; one clear
+error naming the path for a corrupt `latest.json` or when no checkpoint verifies. The multi-rank
 resume (bitwise equal to an uninterrupted run) is in tests/distributed/test_checkpoint.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from distcache import CheckpointError
-from distcache.job.checkpoint import LATEST, Checkpointer
+from distcache.job.checkpoint import LATEST, MANIFEST, Checkpointer
 
 
 def _saved(
@@ -47,11 +49,70 @@ def test_a_corrupt_latest_json_is_named(tmp_path: Path, text: str) -> None:
         checkpoints.restore(model)
 
 
-def test_a_missing_metadata_file_is_named(tmp_path: Path) -> None:
+def _distcp(directory: Path) -> Path:
+    (data,) = directory.glob("*.distcp")
+    return data
+
+
+def _scribble(path: Path) -> None:
+    """Overwrite 64 bytes in the middle of `path` (same size), as a bad disk or copy would."""
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 64] = bytes(255 - b for b in raw[middle : middle + 64])
+    path.write_bytes(bytes(raw))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda d: (d / ".metadata").unlink(), r"\.metadata is missing"),
+        (lambda d: _scribble(_distcp(d)), r"\.distcp does not match its SHA-256"),
+        (lambda d: _truncate(_distcp(d)), r"\.distcp has \d+ bytes, \d+ were written"),
+        (lambda d: _distcp(d).unlink(), r"\.distcp is missing"),
+        (lambda d: (d / MANIFEST).write_text("{"), r"checksums\.json is corrupt"),
+    ],
+    ids=["metadata-missing", "scribbled", "truncated", "data-missing", "manifest-corrupt"],
+)
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_loads(
+    tmp_path: Path, damage, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
     checkpoints, model = _saved(tmp_path, [1, 2], keep_last=0)
-    (tmp_path / "step_00000002" / ".metadata").unlink()
-    with pytest.raises(CheckpointError, match=r"step_00000002/\.metadata is missing"):
+    damage(tmp_path / "step_00000002")
+    with caplog.at_level("WARNING", logger="distcache.job.checkpoint"):
+        assert checkpoints.restore(model) == 1
+    assert torch.equal(model.weight, torch.full((2, 3), 1.0))  # step 1's weights
+    (failed,) = [r.getMessage() for r in caplog.records if "failed verification" in r.message]
+    assert failed.startswith("the checkpoint of step 2 failed verification: ")
+    assert "step_00000002" in failed and re.search(reason, failed), failed
+    assert "falling back to the checkpoint of step 1" in caplog.text
+    assert (tmp_path / "step_00000002.corrupt").is_dir()  # kept, not deleted
+    assert checkpoints.latest() == 1
+    # Training on writes step 2 again, verified; the set-aside copy is left alone.
+    checkpoints.save(2, model)
+    assert checkpoints.restore(model) == 2 and (tmp_path / "step_00000002.corrupt").is_dir()
+
+
+def test_no_checkpoint_that_verifies_is_one_error(tmp_path: Path) -> None:
+    checkpoints, model = _saved(tmp_path, [1], keep_last=0)
+    _scribble(_distcp(tmp_path / "step_00000001"))
+    before = model.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies \(step 1: .*SHA"):
         checkpoints.restore(model)
+    assert torch.equal(model.weight, before)  # nothing loaded
+
+
+def test_a_checkpoint_without_checksums_loads_unverified(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoints, model = _saved(tmp_path, [3], keep_last=0)
+    (tmp_path / "step_00000003" / MANIFEST).unlink()  # as written before checksums existed
+    with caplog.at_level("WARNING", logger="distcache.job.checkpoint"):
+        assert checkpoints.restore(model) == 3
+    assert f"has no {MANIFEST}" in caplog.text and "loaded unverified" in caplog.text
 
 
 def test_resume_says_where_it_starts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
