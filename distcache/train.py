@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         start = checkpoints.restore(model, dense, require=resume.require) if resume.resume else 0
         start = start or 0
         # The pipeline's look-ahead L and staging depth K: the caches' own.
-        pipeline = LookaheadTrainPipeline(model, dense, device)
+        skip_nonfinite = config.train.on_nonfinite == "skip"
+        pipeline = LookaheadTrainPipeline(model, dense, device, skip_nonfinite=skip_nonfinite)
         trainer = Trainer(config, model, pipeline, data, checkpoints, dense, rank, world, device)
         summary = trainer.fit(start)
         if rank == 0:

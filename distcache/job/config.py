@@ -56,6 +56,9 @@ def _require(ok: bool, section: str, key: str, value: object, allowed: str) -> N
         _fail(f"[{section}] {key} = {value!r} is invalid: expected {allowed}")
 
 
+ON_BAD_BATCH = ("raise", "skip")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str = "synthetic"
@@ -76,6 +79,9 @@ class DataConfig:
     ones; Criteo: the first of `eval_paths`)."""
     eval_paths: list[str] = field(default_factory=list)
     """Criteo files to evaluate on (none: no held-out evaluation)."""
+    on_bad_batch: str = "raise"
+    """A training batch that fails the checks of `distcache.job.batches`: 'raise' (stop the
+    job with an error naming it) or 'skip' (skip it on every rank and count it)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -83,6 +89,13 @@ class DataConfig:
         )
         _require(self.batch_size >= 1, "data", "batch_size", self.batch_size, "an integer >= 1")
         _require(self.eval_batches >= 0, "data", "eval_batches", self.eval_batches, ">= 0")
+        _require(
+            self.on_bad_batch in ON_BAD_BATCH,
+            "data",
+            "on_bad_batch",
+            self.on_bad_batch,
+            f"one of {ON_BAD_BATCH}",
+        )
         _require(
             all(isinstance(r, int) and r >= 1 for r in self.table_sizes),
             "data",
@@ -167,6 +180,10 @@ class TrainConfig:
     tensorboard: bool = False
     device: str = "cpu"
     """'cpu' or 'cuda' (one GPU per rank, LOCAL_RANK)."""
+    on_nonfinite: str = "stop"
+    """A non-finite loss: 'stop' (the job stops at the next checkpoint, which is not written)
+    or 'skip' (the step's backward is skipped on every rank and counted; costs one all-reduce
+    and one device read per step; 20 skipped in a row stop the job)."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train", "steps", self.steps, "an integer >= 1")
@@ -180,6 +197,13 @@ class TrainConfig:
         _require(self.log_every >= 0, "train", "log_every", self.log_every, ">= 0")
         _require(self.eval_every >= 0, "train", "eval_every", self.eval_every, ">= 0")
         _require(self.device in ("cpu", "cuda"), "train", "device", self.device, "'cpu' or 'cuda'")
+        _require(
+            self.on_nonfinite in ("stop", "skip"),
+            "train",
+            "on_nonfinite",
+            self.on_nonfinite,
+            "'stop' or 'skip'",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
 
+from distcache.data.criteo import feature_names
 from distcache.data.sources import JobData
 from distcache.errors import DistcacheConfigError, NonFiniteError
+from distcache.job.batches import BatchSpec, CheckedBatches, host_group
 from distcache.job.checkpoint import Checkpointer
 from distcache.job.config import JobConfig, dump_toml
 from distcache.pipeline import LookaheadTrainPipeline
@@ -44,6 +46,9 @@ log = logging.getLogger("distcache.train")
 #: step `DISTCACHE_CRASH_AT_STEP`, on the first attempt of a torchrun job only.
 CRASH_AT_STEP = "DISTCACHE_CRASH_AT_STEP"
 CRASH_RANK = "DISTCACHE_CRASH_RANK"
+#: With `[train] on_nonfinite = "skip"`, this many skipped steps in a row stop the job: the
+#: model itself is broken, not a batch.
+MAX_NONFINITE_IN_A_ROW = 20
 
 
 def metrics_line(kind: str, record: dict[str, object]) -> str:
@@ -116,6 +121,15 @@ class Trainer:
         self._eval_critical = 0  # evaluation looks rows up unannounced: not training's misses
         self._last: dict[str, float] = {}
         self._finite = torch.ones((), dtype=torch.bool, device=device)  # every loss so far
+        self._spec = BatchSpec(
+            features=tuple(feature_names(len(data.table_sizes))),
+            rows=tuple(data.table_sizes),
+            dense_features=data.dense_features,
+        )
+        self._skip_bad = config.data.on_bad_batch == "skip"
+        self._host_group = host_group() if self._skip_bad else None
+        self._skipped = {"bad_batches": 0, "nonfinite_skipped": 0}  # since the last log
+        self._nonfinite_in_a_row = 0
 
     # ------------------------------------------------------------ loop
     def fit(self, start: int = 0) -> dict[str, float]:
@@ -138,19 +152,33 @@ class Trainer:
         step = start
         while step < cfg.steps:
             end = self._segment_end(step)
-            batches = itertools.islice(self.data.train_batches(step), end - step)
+            batches = CheckedBatches(
+                itertools.islice(self.data.train_batches(step), end - step),
+                self._spec,
+                first=step,
+                skip=self._skip_bad,
+                group=self._host_group,
+            )
             while True:
+                skipped = self.pipeline.skipped_nonfinite
                 try:
                     loss, logits, labels = self.pipeline.progress(batches)
                 except StopIteration:
                     break
                 step += 1
-                self._record(loss, logits, labels)
+                if self.pipeline.skipped_nonfinite == skipped:
+                    self._record(loss, logits, labels)
+                else:
+                    self._count_nonfinite(step)
                 self._maybe_crash(step)
                 if bar is not None:
                     bar.update(1)
                 if cfg.log_every and step % cfg.log_every == 0:
                     self.log_metrics(step)
+            step += batches.skipped  # skipped batches are steps of the data too
+            self._skipped["bad_batches"] += batches.skipped
+            if bar is not None:
+                bar.update(batches.skipped)
             if step < end:
                 raise DistcacheConfigError(
                     f"the data ran out at step {step} of [train] steps = {cfg.steps} "
@@ -189,6 +217,17 @@ class Trainer:
             )
         self.checkpoints.save(step, self.model, self.dense_optimizer)
 
+    def _count_nonfinite(self, step: int) -> None:
+        self._skipped["nonfinite_skipped"] += 1
+        self._nonfinite_in_a_row += 1
+        log.warning("skipped step %d: its loss was NaN or infinite on some rank", step)
+        if self._nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+            raise NonFiniteError(
+                f"the loss was NaN or infinite in {MAX_NONFINITE_IN_A_ROW} steps in a row (up "
+                f"to step {step}): the model itself has diverged. Lower the learning rates, "
+                "and resume from the last checkpoint"
+            )
+
     def _segment_end(self, step: int) -> int:
         """The next step at which the window drains: an evaluation, a checkpoint or the end."""
         ends = [self.config.train.steps]
@@ -199,6 +238,7 @@ class Trainer:
 
     # ------------------------------------------------------------ metrics
     def _record(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self._nonfinite_in_a_row = 0
         self._window["loss"].append(loss.detach().float().reshape(()))
         self._finite &= torch.isfinite(self._window["loss"][-1])  # on the device: no read
         self._window["logits"].append(logits.detach().reshape(-1))
@@ -210,7 +250,8 @@ class Trainer:
         """Loss, AUC and samples/s of the steps since the last log, every rank's together, and
         the caches' counters (summed over ranks). Collective."""
         elapsed = time.perf_counter() - self._window_start
-        loss = torch.stack(self._window["loss"]).mean()
+        losses = self._window["loss"] or [torch.full((), float("nan"), device=self.device)]
+        loss = torch.stack(losses).mean()
         dist.all_reduce(loss)
         auc = _auc(self._window["logits"], self._window["labels"])
         cache = self.pipeline.stats()["total"]
@@ -233,7 +274,10 @@ class Trainer:
             "critical_misses": critical,
             "wait_fraction": wait_s / step_s if step_s else 0.0,
         }
+        if self._skip_bad or self.config.train.on_nonfinite == "skip":
+            record.update(self._skipped)  # the same on every rank: the ranks skip together
         self._emit("train", record)
+        self._skipped = dict.fromkeys(self._skipped, 0)
         self._window = {"loss": [], "logits": [], "labels": []}
         self._window_start, self._window_steps, self._samples = time.perf_counter(), 0, 0
         return record

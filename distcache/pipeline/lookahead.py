@@ -99,9 +99,15 @@ class LookaheadTrainPipeline:
             With several, required: `batch -> {module path: KeyedJaggedTensor}`, the paths in
             the model DMP wrapped (without DMP's and DDP's wrapper prefixes).
         log_every: log `stats()` through `logging` every this many trained batches (0: never).
+        skip_nonfinite: a batch whose loss is NaN or infinite on any rank gets no backward
+            and no optimizer step on any rank (its rows are released unchanged) and is counted
+            in `stats()["total"]["skipped_nonfinite"]`. Costs one all-reduce of a flag and one
+            device read per batch, so it is off by default.
 
-    An exception in any stage propagates from `progress`; the pipeline is then closed (its
-    window and caches are mid-batch), and a later `progress` raises. Restore from a checkpoint.
+    An exception in any stage propagates from `progress`; the pipeline then drops its window
+    (those batches were read but not trained) and is closed: a later `progress` raises. Every
+    update made so far is kept, so a new pipeline on the same model goes on from the batch after
+    the last one trained (see `close`); nothing needs to be reloaded.
 
     Example::
 
@@ -124,6 +130,7 @@ class LookaheadTrainPipeline:
         prefetch_depth: int | None = None,
         sparse_input: Callable[[Any], Any] | None = None,
         log_every: int = 0,
+        skip_nonfinite: bool = False,
     ):
         self._modules = {
             _user_path(path): m
@@ -171,6 +178,8 @@ class LookaheadTrainPipeline:
         self._exhausted = False
         self._failed: BaseException | None = None
         self._log_every = log_every
+        self._skip_nonfinite = skip_nonfinite
+        self._skipped_nonfinite = 0
         self._trained = 0
         self._step_s = 0.0
 
@@ -181,6 +190,11 @@ class LookaheadTrainPipeline:
     @property
     def prefetch_depth(self) -> int:
         return self._depth
+
+    @property
+    def skipped_nonfinite(self) -> int:
+        """Batches skipped for a non-finite loss so far (with `skip_nonfinite`)."""
+        return self._skipped_nonfinite
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Train the oldest batch in the window; returns the model's output for it.
@@ -245,6 +259,7 @@ class LookaheadTrainPipeline:
         total["wait_s"] = sum(s["wait_s"] for s in per_cache.values())
         total["hit_rate"] = total["hits"] / total["unique"] if total["unique"] else 0.0
         total["trained_batches"] = self._trained
+        total["skipped_nonfinite"] = self._skipped_nonfinite
         total["step_s"] = self._step_s
         total["wait_fraction"] = total["wait_s"] / self._step_s if self._step_s else 0.0
         return {**per_cache, "total": total}
@@ -341,6 +356,9 @@ class LookaheadTrainPipeline:
             for module in self._modules.values():
                 module.stage_ahead()  # the next rows move while this batch trains
         self._advance_route(incoming)
+        if self._skip_nonfinite and not _finite_everywhere(loss):
+            self._skipped_nonfinite += 1  # its rows are released unchanged at the next lookup
+            return output
         with torch.profiler.record_function("## distcache:backward ##"):
             if self._optimizer is not None:
                 self._optimizer.zero_grad()
@@ -373,6 +391,14 @@ class LookaheadTrainPipeline:
             total["bytes_loaded"] / 1e6,
             100 * total["wait_fraction"],
         )
+
+
+def _finite_everywhere(loss: torch.Tensor) -> bool:
+    """Whether the loss is finite on every rank (a device read: only with skip_nonfinite)."""
+    flag = torch.isfinite(loss.detach()).all().to(torch.int32)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag)
 
 
 def _reuse_routed(module: Any, routed: _Routed, path: str) -> Callable[..., Any]:
