@@ -28,7 +28,10 @@ from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler, StagePlan
 from distcache.cache.stager import Stager
 from distcache.cache.streams import Streams
-from distcache.errors import LookaheadWindowError
+from distcache.errors import DistcacheConfigError, LookaheadWindowError
+
+#: The dtypes rows may have (a TorchRec table's `data_type`: FP32, FP16, BF16).
+ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -71,6 +74,9 @@ class CacheEngine:
         device: where the cache and its maps live.
         name: the shard, for messages.
         capacity: cache rows (default: `config.capacity_rows(num_rows)`).
+        dtype: the rows' dtype in the host store, the cache and on the wire (float32, or
+            float16 / bfloat16 for half the bytes). The optimizer state stays float32, and an
+            update is computed in float32 and rounded to nearest (no stochastic rounding).
     """
 
     def __init__(
@@ -82,7 +88,12 @@ class CacheEngine:
         device: torch.device | str = "cpu",
         name: str = "cache",
         capacity: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
+        if dtype not in ROW_DTYPES:
+            raise DistcacheConfigError(
+                f"{name}: rows of dtype {dtype} are not supported: expected one of {ROW_DTYPES}"
+            )
         device = torch.device(device)
         self.name = name
         self.config = config
@@ -91,10 +102,14 @@ class CacheEngine:
         self.streams = Streams(device)
         self.optimizer = make_optimizer(config)
         state_dim = self.optimizer.state_dim(dim)
-        self.store = HostStore(num_rows, dim, state_dim, pin_memory=device.type == "cuda")
+        self.store = HostStore(
+            num_rows, dim, state_dim, dtype=dtype, pin_memory=device.type == "cuda"
+        )
         capacity = config.capacity_rows(num_rows) if capacity is None else capacity
         # One more row for the sentinel slot: padding and invalid ids read its zeros.
-        self.weights = torch.zeros(capacity + 1, dim, device=device)  # [capacity + 1, dim]
+        self.weights = torch.zeros(
+            capacity + 1, dim, dtype=dtype, device=device
+        )  # [capacity + 1, dim]
         self.state = torch.zeros(capacity + 1, state_dim, device=device)
         self.scheduler = Scheduler(
             num_rows,
@@ -196,7 +211,7 @@ class CacheEngine:
                 "(a later forward started first). distcache updates rows in backward: run "
                 "backward before the next forward."
             )
-        if self.optimizer.per_id:
+        if self.optimizer.per_id and self.weights.dtype == torch.float32:
             # Stateless and linear (SGD): scatter-add each id's step -lr * g, as a sparse SGD
             # step does. Scaling the few bags first is cheaper than index_add_(alpha=...).
             step = (bag_grad * -self.optimizer.lr).index_select(0, bag_of_id)  # [n, dim]
@@ -206,10 +221,11 @@ class CacheEngine:
             # zero and update the sentinel slot, which is zeroed below.
             grad = torch.zeros(plan.slots.numel(), self.dim, device=bag_grad.device)
             grad.index_add_(0, plan.inverse, bag_grad.index_select(0, bag_of_id))  # [n, dim]
-            weights = self.weights.index_select(0, plan.slots)
+            # In float32 (a copy for half rows), rounded to nearest when written back.
+            weights = self.weights.index_select(0, plan.slots).float()
             state = self.state.index_select(0, plan.slots)
             self.optimizer.update(weights, state, grad)
-            self.weights.index_copy_(0, plan.slots, weights)
+            self.weights.index_copy_(0, plan.slots, weights.to(self.weights.dtype))
             self.state.index_copy_(0, plan.slots, state)
         sentinel = self.scheduler.residency.sentinel_slot
         self.weights[sentinel].zero_()

@@ -14,24 +14,34 @@ class HostStore:
     travels with the row between host and cache. They are two tensors rather than one row-major
     `[rows, dim + state_dim]` tensor (DESIGN.md's first sketch) so that each table's weights are
     one contiguous slab: TorchRec exposes a table as a view of such a slab
-    (`TableBatchedEmbeddingSlice`) and checkpoints it as a ShardedTensor without copying.
+    (`TableBatchedEmbeddingSlice`) and checkpoints it as a ShardedTensor without copying. It also
+    lets the rows be half precision (a table's `data_type`) while the optimizer state stays fp32.
     A row held in the cache is authoritative there; the store's copy is stale until written back.
 
     Args:
         num_rows: rows of the shard (all tables of the group, concatenated).
         dim: embedding dimension.
         state_dim: optimizer-state columns per row (0 for SGD).
+        dtype: the rows' dtype (float32, float16 or bfloat16); the state is float32.
         pin_memory: page-lock the rows, for asynchronous copies to and from a CUDA device. The
             memory is allocated as usual and registered (`cudaHostRegister`), so it takes what
             it holds: torch's pinned allocator would round 96 GB up to 128 GiB.
     """
 
-    def __init__(self, num_rows: int, dim: int, state_dim: int, *, pin_memory: bool = False):
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        state_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        pin_memory: bool = False,
+    ):
         self.num_rows = num_rows
         self.dim = dim
         self.state_dim = state_dim
-        self.weights = torch.zeros(num_rows, dim)  # [rows, dim]
-        self.state = torch.zeros(num_rows, state_dim)  # [rows, state_dim]
+        self.weights = torch.zeros(num_rows, dim, dtype=dtype)  # [rows, dim]
+        self.state = torch.zeros(num_rows, state_dim)  # [rows, state_dim] float32
         if pin_memory:
             for tensor in (self.weights, self.state):
                 _register(tensor)
@@ -39,25 +49,28 @@ class HostStore:
         self.rows_written = 0
 
     @property
-    def width(self) -> int:
-        """Columns of a row as it moves: weights then optimizer state."""
-        return self.dim + self.state_dim
-
-    @property
     def row_bytes(self) -> int:
-        return self.width * self.weights.element_size()
+        """Bytes of a row as it moves: its weights and its optimizer state."""
+        return self.dim * self.weights.element_size() + self.state_dim * self.state.element_size()
 
-    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows `[n, dim + state_dim]` (weights, then state) for host rows `rows` `[n]` (CPU)."""
+    def gather(
+        self, rows: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights `[n, dim]` and state `[n, state_dim]` of host rows `rows` `[n]` (CPU),
+        into `out` when given."""
         self.rows_read += rows.numel()
-        parts = [self.weights.index_select(0, rows), self.state.index_select(0, rows)]
-        return torch.cat(parts, dim=1) if out is None else torch.cat(parts, dim=1, out=out)
+        if out is None:
+            return self.weights.index_select(0, rows), self.state.index_select(0, rows)
+        torch.index_select(self.weights, 0, rows, out=out[0])
+        torch.index_select(self.state, 0, rows, out=out[1])
+        return out
 
-    def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Write `values` `[n, dim + state_dim]` into host rows `rows` `[n]` (distinct)."""
+    def scatter(self, rows: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
+        """Write `weights` `[n, dim]` and `state` `[n, state_dim]` into host rows `rows` `[n]`
+        (distinct)."""
         self.rows_written += rows.numel()
-        self.weights.index_copy_(0, rows, values[:, : self.dim])
-        self.state.index_copy_(0, rows, values[:, self.dim :])
+        self.weights.index_copy_(0, rows, weights)
+        self.state.index_copy_(0, rows, state)
 
 
 def _register(tensor: torch.Tensor) -> None:

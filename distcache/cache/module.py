@@ -6,8 +6,8 @@ bags. Each feature looks up one table (`feature_table_map`, by default feature i
 several features may share a table, as in TorchRec). The output is `[B, sum of the features'
 dims]`, features side by side in order.
 
-Tables of the same width share one `CacheEngine` (one cache, rows concatenated); tables of other
-widths get their own. Rows are updated in backward by the configured fused optimizer, so the
+Tables of the same width and dtype share one `CacheEngine` (one cache, rows concatenated);
+other tables get their own. Rows are updated in backward by the configured fused optimizer, so the
 module has no parameters for a dense optimizer.
 """
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distcache.cache.config import CacheConfig
-from distcache.cache.engine import CacheEngine, CacheStats
+from distcache.cache.engine import ROW_DTYPES, CacheEngine, CacheStats
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.scheduler import StagePlan
@@ -47,6 +47,9 @@ class TableSpec:
     embedding_dim: int
     pooling: str = "sum"
     """How a bag's rows are combined: 'sum' or 'mean' (an empty bag gives zeros)."""
+    dtype: torch.dtype = torch.float32
+    """The rows' dtype: float32, or float16 / bfloat16 (half the host memory and the bytes
+    staged; pooled in float32, updated in float32 and rounded to nearest)."""
 
     def __post_init__(self) -> None:
         for field in ("num_embeddings", "embedding_dim"):
@@ -55,6 +58,10 @@ class TableSpec:
                 raise DistcacheConfigError(
                     f"table {self.name!r}: {field}={value!r} is invalid: expected an int >= 1"
                 )
+        if self.dtype not in ROW_DTYPES:
+            raise DistcacheConfigError(
+                f"table {self.name!r}: dtype={self.dtype} is invalid: expected one of {ROW_DTYPES}"
+            )
         if self.pooling not in POOLINGS:
             raise DistcacheConfigError(
                 f"table {self.name!r}: pooling={self.pooling!r} is invalid: expected one of "
@@ -64,7 +71,7 @@ class TableSpec:
 
 @dataclass
 class _Group:
-    """Tables of one width served by one engine, and the features that look them up."""
+    """Tables of one width and dtype served by one engine, and the features that look them up."""
 
     engine: CacheEngine
     tables: list[int]  # indices into the module's tables
@@ -154,8 +161,10 @@ class CachedEmbeddingBags(nn.Module):
         self._mean = torch.tensor([tables[t].pooling == "mean" for t in fmap], device=self.device)
         self._groups: list[_Group] = []
         num_features = len(fmap)
-        for dim in dict.fromkeys(t.embedding_dim for t in tables):
-            members = [i for i, t in enumerate(tables) if t.embedding_dim == dim]
+        for dim, dtype in dict.fromkeys((t.embedding_dim, t.dtype) for t in tables):
+            members = [
+                i for i, t in enumerate(tables) if (t.embedding_dim, t.dtype) == (dim, dtype)
+            ]
             sizes = [tables[i].num_embeddings for i in members]
             engine = CacheEngine(
                 num_rows=sum(sizes),
@@ -165,6 +174,7 @@ class CachedEmbeddingBags(nn.Module):
                 name="+".join(tables[i].name for i in members),
                 # The tables share one cache as large as their own caches together.
                 capacity=sum(config.capacity_rows(n) for n in sizes),
+                dtype=dtype,
             )
             starts = [sum(sizes[:k]) for k in range(len(sizes))]
             features = [f for f, t in enumerate(fmap) if t in members]
@@ -351,7 +361,7 @@ class CachedEmbeddingBags(nn.Module):
                 f"table {name!r}: weight of shape {tuple(weight.shape)}, expected {expected}"
             )
         group.engine.flush()
-        group.engine.store.weights[lo:hi] = weight.to(torch.float32)
+        group.engine.store.weights[lo:hi] = weight.to(group.engine.store.weights.dtype)
         self.reset()  # the window spans every cache: empty them all
 
     def table_slab(self, name: str) -> tuple[HostStore, int, int]:
@@ -369,7 +379,7 @@ class CachedEmbeddingBags(nn.Module):
         self._routed.clear()
 
     def stats(self) -> dict[str, CacheStats]:
-        """Cache counters per engine (tables of one width share an engine)."""
+        """Cache counters per engine (tables of one width and dtype share an engine)."""
         return {g.engine.name: g.engine.stats() for g in self._groups}
 
     @property
@@ -420,10 +430,12 @@ class CachedEmbeddingBags(nn.Module):
 
 
 def _pool(weights: torch.Tensor, plan: StagePlan, batch: _GroupBatch) -> torch.Tensor:
-    """Pooled rows `[bags, dim]` of a staged batch, read from the cache."""
-    pooled = F.embedding_bag(
-        plan.id_slots, weights, batch.offsets, mode="sum", include_last_offset=True
-    )
+    """Pooled rows `[bags, dim]` (float32) of a staged batch, read from the cache."""
+    ids = plan.id_slots
+    if weights.dtype != torch.float32:  # half rows: summed in float32, as FBGEMM does
+        weights = weights.index_select(0, ids).float()  # [n, dim]
+        ids = torch.arange(ids.numel(), device=ids.device)
+    pooled = F.embedding_bag(ids, weights, batch.offsets, mode="sum", include_last_offset=True)
     if batch.bag_divisor is not None:
         pooled = pooled / batch.bag_divisor.unsqueeze(1)
     return pooled

@@ -113,13 +113,19 @@ class Stager:
         """Copy cache `slots` `[w]` into host `rows` `[w]`, synchronously (flush)."""
         if rows.numel() == 0:
             return
-        self.store.scatter(rows.cpu(), self._cached_rows(slots).cpu())
+        weights, state = self._cached_rows(slots)
+        self.store.scatter(rows.cpu(), weights.cpu(), state.cpu())
 
-    def _cached_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """`[w, dim + state_dim]` the cache's rows at `slots`, weights then optimizer state (the
-        host store's layout)."""
-        return torch.cat(
-            [self.weights.index_select(0, slots), self.state.index_select(0, slots)], 1
+    def _cached_rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's weights `[w, dim]` and optimizer state `[w, state_dim]` at `slots`."""
+        return self.weights.index_select(0, slots), self.state.index_select(0, slots)
+
+    def _host_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host buffers for `count` rows: weights (the rows' dtype) and state (float32)."""
+        s = self.streams
+        return (
+            s.host_buffer((count, self.weights.shape[1]), self.weights.dtype),
+            s.host_buffer((count, self.state.shape[1]), self.state.dtype),
         )
 
     # ------------------------------------------------------------ worker thread
@@ -133,17 +139,16 @@ class Stager:
             s.wait(job.mirrored, s.staging)
             s.wait(job.victims_free, s.staging)
             if writebacks:
-                values = self._cached_rows(plan.writeback_slots[:writebacks])
-                host = s.host_buffer(tuple(values.shape), values.dtype)
-                host.copy_(values, non_blocking=True)
+                host = self._host_rows(writebacks)
+                for buffer, values in zip(
+                    host, self._cached_rows(plan.writeback_slots[:writebacks]), strict=True
+                ):
+                    buffer.copy_(values, non_blocking=True)
                 s.host_wait(s.record(s.staging))
-                self.store.scatter(job.writeback_rows[:writebacks], host)
+                self.store.scatter(job.writeback_rows[:writebacks], *host)
             if loads:
-                host = s.host_buffer((loads, self.store.width), self.weights.dtype)
-                self.store.gather(job.load_rows[:loads], out=host)
-                values = host.to(self.device, non_blocking=True)
-                dim = self.weights.shape[1]
+                host = self.store.gather(job.load_rows[:loads], out=self._host_rows(loads))
                 slots = plan.load_slots[:loads]
-                self.weights.index_copy_(0, slots, values[:, :dim])
-                self.state.index_copy_(0, slots, values[:, dim:])
+                for cache, buffer in zip((self.weights, self.state), host, strict=True):
+                    cache.index_copy_(0, slots, buffer.to(self.device, non_blocking=True))
             job.ready = s.record(s.staging)

@@ -24,11 +24,13 @@ from torchrec.distributed.composable.table_batched_embedding_slice import (
 )
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.cache.config import CacheConfig
+from distcache.cache.engine import ROW_DTYPES
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.errors import DistcacheConfigError, UnsupportedError
 from distcache.sharding.plan import CACHE_CONFIG_KEY
@@ -162,12 +164,19 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
         self.cache_config = cache_config_from_fused_params(config.fused_params)
         # TorchRec pools row-wise shards by sum and divides after the reduce-scatter.
         mean = self._pooling == PoolingMode.MEAN
+        dtype = data_type_to_dtype(config.data_type)  # TorchRec groups tables by data_type
+        if dtype not in ROW_DTYPES:
+            raise UnsupportedError(
+                f"distcache's kernel stores rows as {ROW_DTYPES}; tables "
+                f"{[t.name for t in config.embedding_tables]} have data_type {config.data_type}"
+            )
         tables = [
             TableSpec(
                 name=t.name,
                 num_embeddings=t.local_rows,
                 embedding_dim=t.local_cols,
                 pooling="mean" if mean else "sum",
+                dtype=dtype,
             )
             for t in config.embedding_tables
         ]

@@ -35,6 +35,8 @@ def _host_metadata(
     out = copy.deepcopy(metadata)
     out.shards_metadata = [_on_host(s, local) for s in metadata.shards_metadata]
     out.tensor_properties.pin_memory = False if local is None else local.is_pinned()
+    if local is not None:  # the rows' own dtype (TorchRec's metadata may say fp32 for fp16)
+        out.tensor_properties.dtype = local.dtype
     return out
 
 
@@ -97,6 +99,7 @@ def sharded_state(
     )
     metadata.tensor_properties.requires_grad = False
     metadata.tensor_properties.pin_memory = local.is_pinned()
+    metadata.tensor_properties.dtype = local.dtype  # float32, whatever the rows' dtype
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         [Shard(local, state_shard(table.local_metadata))], metadata, process_group=pg
     )

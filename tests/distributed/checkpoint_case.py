@@ -13,9 +13,9 @@ from tests.distributed.sharded_model import global_batches, local_slice, loss_of
 Shards = dict[str, list[tuple[list[int], torch.Tensor]]]
 
 
-def _model(kind: str, seed: int, optimizer: str = "rowwise_adagrad"):
+def _model(kind: str, seed: int, optimizer: str = "rowwise_adagrad", data_type: str = "FP32"):
     torch.manual_seed(seed)
-    ebc = make_ebc()
+    ebc = make_ebc(data_type=data_type)
     opt_cls = {"rowwise_adagrad": RowWiseAdagrad, "adagrad": torch.optim.Adagrad}[optimizer]
     apply_optimizer_in_backward(opt_cls, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6})
     config = CacheConfig(capacity=14, lookahead=2, prefetch_depth=1)
@@ -50,8 +50,9 @@ def save(
     kind: str = "table_wise",
     steps: int = 6,
     optimizer: str = "rowwise_adagrad",
+    data_type: str = "FP32",
 ) -> Shards:
-    model = _model(kind, seed=0, optimizer=optimizer)
+    model = _model(kind, seed=0, optimizer=optimizer, data_type=data_type)
     for batch in global_batches(steps, 3, world, seed=5):
         loss_of(model(local_slice(batch, rank, world))).backward()
     dirty = sum(
@@ -67,9 +68,16 @@ def save(
     return _local_shards(state)
 
 
-def load(rank: int, world: int, path: str, kind: str, optimizer: str = "rowwise_adagrad") -> Shards:
+def load(
+    rank: int,
+    world: int,
+    path: str,
+    kind: str,
+    optimizer: str = "rowwise_adagrad",
+    data_type: str = "FP32",
+) -> Shards:
     # Different initial rows: everything must come from the checkpoint.
-    model = _model(kind, seed=123, optimizer=optimizer)
+    model = _model(kind, seed=123, optimizer=optimizer, data_type=data_type)
     state = _state(model)
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])

@@ -40,13 +40,18 @@ TABLES = [
 FEATURES = [f for *_, fs in TABLES for f in fs]
 
 
-def make_ebc(pooling: str = "sum") -> EmbeddingBagCollection:
-    from torchrec.modules.embedding_configs import PoolingType
+def make_ebc(pooling: str = "sum", data_type: str = "FP32") -> EmbeddingBagCollection:
+    from torchrec.modules.embedding_configs import DataType, PoolingType
 
     kind = PoolingType.SUM if pooling == "sum" else PoolingType.MEAN
     configs = [
         EmbeddingBagConfig(
-            name=n, num_embeddings=r, embedding_dim=d, feature_names=fs, pooling=kind
+            name=n,
+            num_embeddings=r,
+            embedding_dim=d,
+            feature_names=fs,
+            pooling=kind,
+            data_type=DataType[data_type],
         )
         for n, r, d, fs in TABLES
     ]

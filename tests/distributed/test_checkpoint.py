@@ -2,6 +2,7 @@
 across world sizes and sharding types, with dirty rows held in caches at save time."""
 
 import pytest
+import torch
 
 from tests.distributed.checkpoint_case import assert_same, load, save
 from tests.distributed.harness import run_ranks
@@ -40,3 +41,18 @@ def test_elementwise_state_reshards_table_wise_to_row_wise(tmp_path):
         load, 2, args=(path, "row_wise"), kwargs={"optimizer": "adagrad"}, timeout_s=120
     )
     assert_same(saved, loaded)
+
+
+@pytest.mark.timeout(300)
+def test_fp16_tables_round_trip_from_2_ranks_to_1(tmp_path):
+    """fp16 tables are saved as fp16 (half the bytes) with fp32 optimizer state, bitwise."""
+    path = str(tmp_path / "ckpt")
+    half = {"data_type": "FP16"}
+    saved = run_ranks(save, 2, args=(path, "row_wise"), kwargs=half, timeout_s=120)
+    loaded = run_ranks(load, 1, args=(path, "table_wise"), kwargs=half, timeout_s=120)
+    assert_same(saved, loaded)
+    dtypes = {key.split("/")[-1]: parts[0][1].dtype for key, parts in saved[0].items() if parts}
+    weights = [d for k, d in dtypes.items() if k.endswith("weight")]
+    states = [d for k, d in dtypes.items() if "momentum" in k]
+    assert weights and set(weights) == {torch.float16}, dtypes
+    assert states and set(states) == {torch.float32}, dtypes

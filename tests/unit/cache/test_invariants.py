@@ -30,9 +30,9 @@ class StoreSpy:
             self.log.append(("load", rows.tolist()))
             return gather(rows, out)
 
-        def spy_scatter(rows, values):
+        def spy_scatter(rows, weights, state):
             self.log.append(("write", rows.tolist()))
-            scatter(rows, values)
+            scatter(rows, weights, state)
 
         store.gather, store.scatter = spy_gather, spy_scatter
 

@@ -1,11 +1,13 @@
 """Training through the cache equals training plain `nn.EmbeddingBag`s (DESIGN invariant 5)."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distcache import CacheConfig, CachedEmbeddingBags
+from distcache import CacheConfig, CachedEmbeddingBags, DistcacheConfigError, TableSpec
 from tests.unit.cache.reference import (
     integer_weights,
     loss_of,
@@ -222,3 +224,49 @@ def test_features_sharing_a_table_match_reference():
         assert torch.equal(out.detach(), ref_out.detach())
     for t, bag in zip(tables, bags, strict=True):
         assert torch.equal(cached.table_weight(t.name), bag.weight.data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_rows_integer_weights_bitwise(dtype):
+    """Half rows hold small integers exactly: training equals fp32 `nn.EmbeddingBag`s bitwise,
+    through evictions and write-backs, and the rows stay half in the store and the cache."""
+    tables = [dataclasses.replace(t, dtype=dtype) for t in make_tables([4, 4, 3], [60, 35, 50])]
+    config = CacheConfig(capacity=24, lookahead=3, prefetch_depth=1, learning_rate=1.0)
+    batches = make_batches(tables, batch_size=3, num_batches=25, max_len=3, seed=1)
+    cached, ref, pairs = train_both(tables, config, batches, weights=integer_weights(tables, 0))
+    for out, ref_out in pairs:
+        assert out.dtype == torch.float32 and torch.equal(out, ref_out)
+    for t, bag in zip(tables, ref.bags, strict=True):
+        weight = cached.table_weight(t.name)
+        assert weight.dtype == dtype and torch.equal(weight.float(), bag.weight.data), t.name
+    for engine in cached.engines:
+        assert engine.weights.dtype == dtype and engine.store.weights.dtype == dtype
+        stats = engine.stats()
+        assert stats.writebacks > 0 and stats.bytes_loaded == stats.loads * engine.dim * 2
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+def test_half_rows_train_as_fp32_rows_within_half_rounding(optimizer):
+    """Real-valued rows: fp16 tables track fp32 ones within fp16 rounding (the update is
+    computed in fp32 and rounded to nearest once per step); the state stays fp32."""
+    tables = make_tables([4, 8], [50, 40])
+    half = [dataclasses.replace(t, dtype=torch.float16) for t in tables]
+    config = CacheConfig(
+        capacity=20, lookahead=3, prefetch_depth=1, optimizer=optimizer, learning_rate=0.01
+    )
+    batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=4)
+    weights = [(w / 8).half().float() for w in integer_weights(tables, 3)]  # fp16-exact start
+    full, _, _ = train_both(tables, config, batches, weights=weights)
+    cached, _, _ = train_both(half, config, batches, weights=weights)
+    for t in tables:
+        torch.testing.assert_close(
+            cached.table_weight(t.name).float(), full.table_weight(t.name), atol=4e-3, rtol=4e-3
+        )
+        assert cached.table_state(t.name).dtype == torch.float32
+    assert any(not torch.equal(cached.table_weight(t.name).float(), full.table_weight(t.name))
+               for t in tables)  # fmt: skip
+
+
+def test_an_unsupported_row_dtype_is_named():
+    with pytest.raises(DistcacheConfigError, match=r"table 't': dtype=torch.float64 is invalid"):
+        TableSpec(name="t", num_embeddings=3, embedding_dim=2, dtype=torch.float64)
