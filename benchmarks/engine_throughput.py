@@ -5,9 +5,10 @@
    2 % cache and big power-law batches, at L = 8, 64, 256 (its cost must not grow with L), and
    the reactive LRU engine.
 2. Forward + backward: steps/s of `CachedEmbeddingBags` (look-ahead window, fused SGD) at 100,
-   5 and 1 % of the rows and reactive LRU at 5 %, next to `torch.nn.EmbeddingBag` with sparse
-   gradients + `torch.optim.SGD` on the same batches and sizes; host ms per step spent
-   scheduling (enqueue + prefetch) and waiting for rows.
+   5 and 1 % of the rows, with fp16 rows at 5 % (bytes staged per row: half), and reactive LRU
+   at 5 %, next to `torch.nn.EmbeddingBag` with sparse gradients + `torch.optim.SGD` on the
+   same batches and sizes; host ms per step spent scheduling (enqueue + prefetch) and waiting
+   for rows.
 3. Device bytes per table row of each policy, measured (engines of two sizes, same cache) and
    applied to Criteo Terabyte's 26 tables.
 
@@ -168,7 +169,9 @@ class Baseline:
 class Cached:
     """`CachedEmbeddingBags` driven as the pipeline drives it (L ahead, K = 1 staged)."""
 
-    def __init__(self, args, batches, capacity: float, policy: str):
+    def __init__(
+        self, args, batches, capacity: float, policy: str, dtype: torch.dtype = torch.float32
+    ):
         self.config = CacheConfig(
             capacity=capacity,
             lookahead=args.lookahead,
@@ -176,7 +179,7 @@ class Cached:
             policy=policy,
             learning_rate=0.01,
         )
-        table = TableSpec(name="t", num_embeddings=args.rows, embedding_dim=args.dim)
+        table = TableSpec(name="t", num_embeddings=args.rows, embedding_dim=args.dim, dtype=dtype)
         self.bags = CachedEmbeddingBags([table], self.config)
         self.batches, self.t, self.enqueued = batches, 0, 0
         self.schedule_s = 0.0
@@ -202,6 +205,7 @@ def bench_forward_backward(args) -> list[dict]:
     variants: dict[str, Baseline | Cached] = {"nn.EmbeddingBag": Baseline(args, batches)}
     for cap in (float(c) for c in args.capacities.split(",")):
         variants[f"distcache {cap:g}"] = Cached(args, batches, cap, "lookahead")
+    variants["distcache 0.05 fp16"] = Cached(args, batches, 0.05, "lookahead", torch.float16)
     variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
     warmup = args.warmup + args.lookahead  # the first step fills the window
     times = interleave({n: v.step for n, v in variants.items()}, args.rounds, args.steps, warmup)
@@ -225,6 +229,8 @@ def bench_forward_backward(args) -> list[dict]:
             (stats,) = v.bags.stats().values()
             row |= {
                 "capacity_frac": v.config.capacity,
+                "row_dtype": str(v.bags.tables[0].dtype).removeprefix("torch."),
+                "bytes_staged_per_row": stats.bytes_loaded / stats.loads if stats.loads else 0,
                 "hit_rate": stats.hit_rate,
                 "critical_misses": stats.critical_misses,
                 "schedule_ms_per_step": 1e3 * v.schedule_s / steps_total,
@@ -340,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("x_full_cache", "x distcache 100 %"),
                 ("schedule_ms_per_step", "schedule ms/step"),
                 ("wait_ms_per_step", "wait ms/step"),
+                ("bytes_staged_per_row", "bytes staged/row"),
             ],
         )
         results += fwd
