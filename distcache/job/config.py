@@ -57,6 +57,7 @@ def _require(ok: bool, section: str, key: str, value: object, allowed: str) -> N
 
 
 ON_BAD_BATCH = ("raise", "skip")
+EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,10 +120,20 @@ class ModelConfig:
     """Ends with embedding_dim (DLRM's interaction needs equal widths)."""
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
     """Ends with 1 (the click logit)."""
+    embedding_dtype: str = "fp32"
+    """The tables' `data_type`: 'fp32', 'fp16' or 'bf16' (half rows: half the host memory and
+    the bytes staged; pooled and updated in fp32, the optimizer state fp32)."""
 
     def __post_init__(self) -> None:
         d = self.embedding_dim
         _require(d >= 1, "model", "embedding_dim", d, "an integer >= 1")
+        _require(
+            self.embedding_dtype in EMBEDDING_DTYPES,
+            "model",
+            "embedding_dtype",
+            self.embedding_dtype,
+            f"one of {EMBEDDING_DTYPES}",
+        )
         _require(
             bool(self.bottom_mlp) and self.bottom_mlp[-1] == d,
             "model",

@@ -51,6 +51,7 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -109,6 +110,8 @@ class DLRMConfig:
     """Hidden layers of the bottom MLP; a last layer of width `dim` is appended."""
     over_hidden: tuple[int, ...] = (64,)
     """Hidden layers of the top MLP; a last layer of width 1 (the logit) is appended."""
+    data_type: str = "FP32"
+    """The tables' TorchRec `DataType` name: 'FP32', 'FP16' or 'BF16'."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", tuple(self.rows))
@@ -125,6 +128,11 @@ class DLRMConfig:
                 raise DistcacheConfigError(
                     f"DLRMConfig.{name}={values!r} is invalid: expected ints >= 1"
                 )
+        if self.data_type not in ("FP32", "FP16", "BF16"):
+            raise DistcacheConfigError(
+                f"DLRMConfig.data_type={self.data_type!r} is invalid: expected 'FP32', 'FP16' "
+                "or 'BF16'"
+            )
         for name in ("dim", "dense_in_features"):
             if not _positive_int(getattr(self, name)):
                 raise DistcacheConfigError(
@@ -170,6 +178,7 @@ def build_dlrm(
             num_embeddings=rows,
             embedding_dim=config.dim,
             feature_names=[feature_name(i)],
+            data_type=DataType[config.data_type],
         )
         for i, rows in enumerate(config.rows)
     ]

@@ -182,6 +182,7 @@ def build_model(config: JobConfig, data: JobData) -> DLRMTrain:
             dense_in_features=data.dense_features,
             dense_hidden=tuple(m.bottom_mlp[:-1]),
             over_hidden=tuple(m.top_mlp[:-1]),
+            data_type=m.embedding_dtype.upper(),
         ),
         seed=config.data.seed,
     )

@@ -48,6 +48,9 @@ def test_ints_are_accepted_as_floats():
         ("--data.source=criteo_tsv", r"\[data\] paths = \[\] is invalid"),
         ("--plan.planner=greedy", r"one of .* or a plan .json file"),
         ("capacity=3", r"expected --section.key=value"),
+        ("--model.embedding_dtype=fp8", r"embedding_dtype = 'fp8' is invalid: expected one of"),
+        ("--data.on_bad_batch=ignore", r"on_bad_batch = 'ignore' is invalid: expected one of"),
+        ("--train.on_nonfinite=zero", r"on_nonfinite = 'zero' is invalid: expected 'stop'"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(override, match):

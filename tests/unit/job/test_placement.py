@@ -39,3 +39,13 @@ def test_the_placement_table_names_every_table_and_warns_of_whole_caches():
     assert [w.split(":")[0] for w in warnings] == ["t0", "t2"]
     assert "[cache] capacity = 0.01 (1 rows) cannot hold" in warnings[0]
     assert "host + cache of 10 rows (100.0%)" in lines[1]
+
+
+def test_the_model_s_tables_take_the_configured_dtype():
+    from distcache.data.sources import JobData
+    from distcache.job.placement import build_model
+
+    config = load_job_config(None, ["--model.embedding_dtype=fp16"])
+    data = JobData(config.data, steps=1, rank=0, world_size=1)
+    tables = [p for n, p in build_model(config, data).named_parameters() if "embedding_bags" in n]
+    assert tables and {p.dtype for p in tables} == {torch.float16}
