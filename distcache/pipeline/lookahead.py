@@ -357,7 +357,10 @@ class LookaheadTrainPipeline:
                 module.stage_ahead()  # the next rows move while this batch trains
         self._advance_route(incoming)
         if self._skip_nonfinite and not _finite_everywhere(loss):
-            self._skipped_nonfinite += 1  # its rows are released unchanged at the next lookup
+            self._skipped_nonfinite += 1
+            for bags in self._bags:  # its rows: released unchanged, not dirty
+                for engine in bags.engines:
+                    engine.release_stale()
             return output
         with torch.profiler.record_function("## distcache:backward ##"):
             if self._optimizer is not None:

@@ -186,3 +186,40 @@ def test_a_malformed_batch_is_named_and_training_goes_on(
     _train(LookaheadTrainPipeline(model, None, "cpu"), iter(rest))
     for name, weight in _weights(reference).items():
         assert torch.equal(_weights(model)[name], weight), name
+
+
+class _NanLossOnNanDense(EbcTrain):
+    """The loss picks up the batch's dense features: NaN for a batch that holds a NaN."""
+
+    def forward(self, batch: Batch):  # noqa: ANN201
+        loss, out = super().forward(batch)
+        return loss + batch.dense_features.sum(), out
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_nonfinite_skips_the_step_and_nothing_else(one_rank: None, skip: bool) -> None:  # noqa: F811
+    batches = [b for k, b in enumerate(_batches()) if k != BAD]
+    reference = _model()
+    _train(LookaheadTrainPipeline(reference, None, "cpu"), iter(batches))
+    poisoned = list(batches)
+    nan = poisoned[BAD]
+    poisoned.insert(
+        BAD,
+        Batch(
+            dense_features=torch.full_like(nan.dense_features, float("nan")),
+            sparse_features=nan.sparse_features,
+            labels=nan.labels,
+        ),
+    )
+    model = _model()
+    model._dmp_wrapped_module.__class__ = _NanLossOnNanDense  # same module, NaN-aware loss
+    pipeline = LookaheadTrainPipeline(model, None, "cpu", skip_nonfinite=skip)
+    assert _train(pipeline, iter(poisoned)) == len(poisoned)  # every batch passed through
+    weights = _weights(model)
+    if not skip:  # its rows' gradient is finite here: the batch trained like the others
+        assert any(not torch.equal(weights[k], w) for k, w in _weights(reference).items())
+        return
+    assert pipeline.skipped_nonfinite == 1
+    assert pipeline.stats()["total"]["skipped_nonfinite"] == 1
+    for name, weight in _weights(reference).items():
+        assert torch.equal(weights[name], weight), name
