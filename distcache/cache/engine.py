@@ -196,7 +196,11 @@ class CacheEngine:
         return plan
 
     def apply_gradients(
-        self, plan: StagePlan, bag_grad: torch.Tensor, bag_of_id: torch.Tensor
+        self,
+        plan: StagePlan,
+        bag_grad: torch.Tensor,
+        bag_of_id: torch.Tensor,
+        id_weights: torch.Tensor | None = None,
     ) -> None:
         """Fused optimizer step on the batch's rows.
 
@@ -204,6 +208,8 @@ class CacheEngine:
             plan: the batch's staging plan (its rows are pinned).
             bag_grad: gradient of each pooled bag `[bags, dim]` (mean scaling applied).
             bag_of_id: the bag of each id `[n]`.
+            id_weights: each id's weight `[n]` (weighted features): its row's gradient is its
+                bag's gradient times the weight.
         """
         if plan not in self._active:
             raise LookaheadWindowError(
@@ -215,12 +221,17 @@ class CacheEngine:
             # Stateless and linear (SGD): scatter-add each id's step -lr * g, as a sparse SGD
             # step does. Scaling the few bags first is cheaper than index_add_(alpha=...).
             step = (bag_grad * -self.optimizer.lr).index_select(0, bag_of_id)  # [n, dim]
+            if id_weights is not None:
+                step = step * id_weights.unsqueeze(1)
             self.weights.index_add_(0, plan.id_slots, step)
         else:
             # Summed per row at its representative; other entries (duplicates, padding) stay
             # zero and update the sentinel slot, which is zeroed below.
             grad = torch.zeros(plan.slots.numel(), self.dim, device=bag_grad.device)
-            grad.index_add_(0, plan.inverse, bag_grad.index_select(0, bag_of_id))  # [n, dim]
+            per_id = bag_grad.index_select(0, bag_of_id)  # [n, dim]
+            if id_weights is not None:
+                per_id = per_id * id_weights.unsqueeze(1)
+            grad.index_add_(0, plan.inverse, per_id)
             # In float32 (a copy for half rows), rounded to nearest when written back.
             weights = self.weights.index_select(0, plan.slots).float()
             state = self.state.index_select(0, plan.slots)

@@ -97,6 +97,14 @@ class _GroupBatch:
     bag_of_id: torch.Tensor  # [n] int64; t * B (one zero-gradient bag past the end) for padding
     bag_divisor: torch.Tensor | None  # [t * B] len for mean bags, 1 for sum bags; None if all sum
     padded: bool  # the group has only some features: its ids were packed and padded
+    member: torch.Tensor | None = None  # [n] bool, when padded: the batch's id is the group's
+    rank: torch.Tensor | None = None  # [n] int32, when padded: its index among the group's ids
+
+    def id_weights(self, weights: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """The batch's per-id weights `[n]` in this group's id order (padding weighs 0)."""
+        if weights is None or not self.padded:
+            return weights
+        return pack(self.member, self.rank, weights, n, 0)
 
 
 @dataclass
@@ -217,11 +225,20 @@ class CachedEmbeddingBags(nn.Module):
         for group in self._groups:
             group.engine.prefetch(self.prefetch_depth)
 
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Pooled embeddings `[B, sum of dims]` of a batch.
 
         The batch must be the oldest enqueued one, if any is enqueued; with an empty window it
         is enqueued and staged now, its misses counted as critical-path misses.
+
+        `per_sample_weights` `[n]` (floating point, TorchRec's weighted features): each id's
+        row is scaled by its weight in the pooled sum, and its gradient by the same weight. A
+        mean bag divides the weighted sum by its number of ids, as FBGEMM does.
 
         Raises:
             InvalidIdError: an id of the batch is out of its table's range.
@@ -230,6 +247,7 @@ class CachedEmbeddingBags(nn.Module):
             After either, the look-ahead window is empty (its batches are dropped, not
             trained) and every update made so far is kept: enqueue again and go on.
         """
+        weights = self._id_weights(per_sample_weights, values.numel())  # checked before any change
         if not self._routed:  # nothing enqueued: enqueue now, staged on the critical path
             self._enqueue_routed(*self._route(values, offsets))
         routed = self._routed[0]  # validated and routed when enqueued
@@ -246,10 +264,11 @@ class CachedEmbeddingBags(nn.Module):
         for group, batch in zip(self._groups, routed.groups, strict=True):
             engine = group.engine
             plan = self._lookup(engine)
+            id_weights = batch.id_weights(weights, values.numel())
             if train:
-                pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch)
+                pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
             else:
-                pooled = _pool(engine.weights, plan, batch)
+                pooled = _pool(engine.weights, plan, batch, id_weights)
                 engine.release(plan)
             pooled = pooled.view(len(group.features), batch_size, engine.dim)
             # unbind: one backward for all features (indexing each would zero-fill a gradient
@@ -257,6 +276,16 @@ class CachedEmbeddingBags(nn.Module):
             for f, part in zip(group.features, pooled.unbind(0), strict=True):
                 per_feature[f] = part
         return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
+
+    def _id_weights(self, weights: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if weights is None:
+            return None
+        if weights.numel() != n or not weights.is_floating_point():
+            raise InvalidBatchError(
+                f"per_sample_weights holds {weights.numel()} {weights.dtype} values for {n} ids: "
+                "expected one floating-point weight per id"
+            )
+        return weights.to(self.device, torch.float32).reshape(-1)
 
     def _lookup(self, engine: CacheEngine) -> StagePlan:
         """The engine's next plan; after an error, the window is dropped, then it is raised."""
@@ -325,7 +354,8 @@ class CachedEmbeddingBags(nn.Module):
                 length = g_lengths.clamp(min=1).to(torch.float32)
                 bag_mean = mean.repeat_interleave(batch_size)
                 divisor = torch.where(bag_mean, length, torch.ones_like(length))
-            parts.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded))
+            keep = (member, rank) if padded else (None, None)
+            parts.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep))
         return _Batch(parts, n, num_bags), check
 
     def _rows_of(self, feature: int) -> int:
@@ -429,13 +459,26 @@ class CachedEmbeddingBags(nn.Module):
                 missing_keys.append(skey)
 
 
-def _pool(weights: torch.Tensor, plan: StagePlan, batch: _GroupBatch) -> torch.Tensor:
-    """Pooled rows `[bags, dim]` (float32) of a staged batch, read from the cache."""
+def _pool(
+    weights: torch.Tensor,
+    plan: StagePlan,
+    batch: _GroupBatch,
+    id_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pooled rows `[bags, dim]` (float32) of a staged batch, read from the cache, each row
+    scaled by its id's weight when there are weights."""
     ids = plan.id_slots
     if weights.dtype != torch.float32:  # half rows: summed in float32, as FBGEMM does
         weights = weights.index_select(0, ids).float()  # [n, dim]
         ids = torch.arange(ids.numel(), device=ids.device)
-    pooled = F.embedding_bag(ids, weights, batch.offsets, mode="sum", include_last_offset=True)
+    pooled = F.embedding_bag(
+        ids,
+        weights,
+        batch.offsets,
+        mode="sum",
+        include_last_offset=True,
+        per_sample_weights=id_weights,
+    )
     if batch.bag_divisor is not None:
         pooled = pooled / batch.bag_divisor.unsqueeze(1)
     return pooled
@@ -449,9 +492,9 @@ class _CachedPooledLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, engine, plan, batch):  # noqa: ANN001
-        ctx.engine, ctx.plan, ctx.batch = engine, plan, batch
-        return _pool(engine.weights, plan, batch)
+    def forward(ctx, anchor, engine, plan, batch, id_weights):  # noqa: ANN001
+        ctx.engine, ctx.plan, ctx.batch, ctx.id_weights = engine, plan, batch, id_weights
+        return _pool(engine.weights, plan, batch, id_weights)
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001
@@ -461,5 +504,5 @@ class _CachedPooledLookup(torch.autograd.Function):
             grad = grad / batch.bag_divisor.unsqueeze(1)
         if batch.padded:  # padding ids point at one more bag, whose gradient is zero
             grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
-        engine.apply_gradients(plan, grad, batch.bag_of_id)
-        return None, None, None, None
+        engine.apply_gradients(plan, grad, batch.bag_of_id, ctx.id_weights)
+        return None, None, None, None, None

@@ -208,15 +208,12 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
         return self._optim
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if features.weights_or_none() is not None:
-            raise UnsupportedError(
-                "distcache's kernel does not support weighted features yet: use an unweighted "
-                "EmbeddingBagCollection, or TorchRec's own kernels for the weighted tables"
-            )
+        """Pooled rows of the routed features; weighted features (TorchRec's `is_weighted`
+        collections) scale each id's row, and its gradient, by the id's weight."""
         lr = float(self._optim.param_groups[0]["lr"])
         for engine in self.bags.engines:
             engine.optimizer.lr = lr
-        return self.bags(features.values(), features.offsets())
+        return self.bags(features.values(), features.offsets(), features.weights_or_none())
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """A future batch's routed ids enter the look-ahead window; stage rows K batches ahead."""

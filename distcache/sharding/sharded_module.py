@@ -82,6 +82,14 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 f"the batch's ids are {values.dtype}: ids must be torch.int64 or torch.int32 "
                 f"(features {features.keys()})"
             )
+        weights = features.weights_or_none()
+        if weights is not None and (
+            not weights.is_floating_point() or weights.numel() != values.numel()
+        ):
+            raise InvalidBatchError(
+                f"the batch's weights are {weights.numel()} {weights.dtype} values for "
+                f"{values.numel()} ids: a weighted feature needs one floating-point weight per id"
+            )
         if values.device.type == "cpu" and lengths.device.type == "cpu":
             total, negative = int(lengths.sum()), bool((lengths < 0).any())
             if negative or total != values.numel():

@@ -13,9 +13,15 @@ from tests.distributed.sharded_model import global_batches, local_slice, loss_of
 Shards = dict[str, list[tuple[list[int], torch.Tensor]]]
 
 
-def _model(kind: str, seed: int, optimizer: str = "rowwise_adagrad", data_type: str = "FP32"):
+def _model(
+    kind: str,
+    seed: int,
+    optimizer: str = "rowwise_adagrad",
+    data_type: str = "FP32",
+    weighted: bool = False,
+):
     torch.manual_seed(seed)
-    ebc = make_ebc(data_type=data_type)
+    ebc = make_ebc(data_type=data_type, weighted=weighted)
     opt_cls = {"rowwise_adagrad": RowWiseAdagrad, "adagrad": torch.optim.Adagrad}[optimizer]
     apply_optimizer_in_backward(opt_cls, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6})
     config = CacheConfig(capacity=14, lookahead=2, prefetch_depth=1)
@@ -51,9 +57,10 @@ def save(
     steps: int = 6,
     optimizer: str = "rowwise_adagrad",
     data_type: str = "FP32",
+    weighted: bool = False,
 ) -> Shards:
-    model = _model(kind, seed=0, optimizer=optimizer, data_type=data_type)
-    for batch in global_batches(steps, 3, world, seed=5):
+    model = _model(kind, seed=0, optimizer=optimizer, data_type=data_type, weighted=weighted)
+    for batch in global_batches(steps, 3, world, seed=5, weighted=weighted):
         loss_of(model(local_slice(batch, rank, world))).backward()
     dirty = sum(
         int(e.scheduler.residency.dirty.sum())
@@ -75,15 +82,16 @@ def load(
     kind: str,
     optimizer: str = "rowwise_adagrad",
     data_type: str = "FP32",
+    weighted: bool = False,
 ) -> Shards:
     # Different initial rows: everything must come from the checkpoint.
-    model = _model(kind, seed=123, optimizer=optimizer, data_type=data_type)
+    model = _model(kind, seed=123, optimizer=optimizer, data_type=data_type, weighted=weighted)
     state = _state(model)
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     model.fused_optimizer.load_state_dict(state["optim"])
     # Read back through a forward pass too: no stale cached row may be served.
-    batch = global_batches(1, 3, world, seed=9)[0]
+    batch = global_batches(1, 3, world, seed=9, weighted=weighted)[0]
     model(local_slice(batch, rank, world))
     return _local_shards(_state(model))
 

@@ -43,9 +43,13 @@ class EbcTrain(nn.Module):
         return loss_of(out), out
 
 
-def sweep_batches(steps: int, world: int, seed: int) -> list[KeyedJaggedTensor]:
-    """Global batches of 1..3 samples per rank, 0..2 ids per bag; batch 2 has no ids at all."""
+def sweep_batches(
+    steps: int, world: int, seed: int, weighted: bool = False
+) -> list[KeyedJaggedTensor]:
+    """Global batches of 1..3 samples per rank, 0..2 ids per bag; batch 2 has no ids at all.
+    `weighted`: an integer weight in [1, 3] per id."""
     gen = torch.Generator().manual_seed(seed)
+    weight_gen = torch.Generator().manual_seed(seed + 1)
     rows = {f: r for _, r, _, fs in TABLES for f in fs}
     out = []
     for step in range(steps):
@@ -58,7 +62,9 @@ def sweep_batches(steps: int, world: int, seed: int) -> list[KeyedJaggedTensor]:
             n = int(lengths[k * b : (k + 1) * b].sum())
             u = torch.rand(n, generator=gen)
             values.append(((rows[f] ** u).long() - 1).clamp(0, rows[f] - 1))
-        out.append(KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.cat(values), lengths))
+        ids = torch.cat(values)
+        weights = torch.randint(1, 4, ids.shape, generator=weight_gen).float() if weighted else None
+        out.append(KeyedJaggedTensor.from_lengths_sync(FEATURES, ids, lengths, weights=weights))
     return out
 
 
@@ -83,15 +89,22 @@ def three_ways(rank: int, world: int, cases: list[tuple]) -> list[dict]:
 
 
 def _one_case(
-    rank: int, world: int, kind: str, lookahead: int, depth: int, fraction: float, seed: int
+    rank: int,
+    world: int,
+    kind: str,
+    lookahead: int,
+    depth: int,
+    fraction: float,
+    seed: int,
+    weighted: bool = False,
 ) -> dict:
-    batches = sweep_batches(10, world, seed)
+    batches = sweep_batches(10, world, seed, weighted)
     need = in_flight_rows(batches, depth)
     biggest = max(rows for _, rows, _, _ in TABLES)
     capacity = need + round(fraction * (biggest - need))  # rows per table (or per shard)
     config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=depth)
 
-    reference = make_ebc()
+    reference = make_ebc(weighted=weighted)
     integer_init(reference, seed)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1.0)
     ref_outputs = []
@@ -115,7 +128,7 @@ def _one_case(
     ]
     result = {"capacity": capacity, "need": need}
     for name in ("plain", "pipeline"):
-        ebc = make_ebc()
+        ebc = make_ebc(weighted=weighted)
         integer_init(ebc, seed)
         state = {k: v.clone() for k, v in ebc.state_dict().items()}
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 1.0})

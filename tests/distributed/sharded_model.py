@@ -40,7 +40,9 @@ TABLES = [
 FEATURES = [f for *_, fs in TABLES for f in fs]
 
 
-def make_ebc(pooling: str = "sum", data_type: str = "FP32") -> EmbeddingBagCollection:
+def make_ebc(
+    pooling: str = "sum", data_type: str = "FP32", weighted: bool = False
+) -> EmbeddingBagCollection:
     from torchrec.modules.embedding_configs import DataType, PoolingType
 
     kind = PoolingType.SUM if pooling == "sum" else PoolingType.MEAN
@@ -55,7 +57,7 @@ def make_ebc(pooling: str = "sum", data_type: str = "FP32") -> EmbeddingBagColle
         )
         for n, r, d, fs in TABLES
     ]
-    return EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+    return EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=torch.device("cpu"))
 
 
 def integer_init(ebc: EmbeddingBagCollection, seed: int = 0) -> None:
@@ -65,9 +67,13 @@ def integer_init(ebc: EmbeddingBagCollection, seed: int = 0) -> None:
             param.copy_(torch.randint(-8, 8, param.shape, generator=gen).float())
 
 
-def global_batches(num: int, batch_per_rank: int, world: int, seed: int) -> list[KeyedJaggedTensor]:
-    """Global batches (world * batch_per_rank samples) of power-law ids, some bags empty."""
+def global_batches(
+    num: int, batch_per_rank: int, world: int, seed: int, weighted: bool = False
+) -> list[KeyedJaggedTensor]:
+    """Global batches (world * batch_per_rank samples) of power-law ids, some bags empty;
+    `weighted`: with an integer weight in [1, 3] per id."""
     gen = torch.Generator().manual_seed(seed)
+    weight_gen = torch.Generator().manual_seed(seed + 1)
     rows = {f: r for _, r, _, fs in TABLES for f in fs}
     out = []
     for _ in range(num):
@@ -78,9 +84,11 @@ def global_batches(num: int, batch_per_rank: int, world: int, seed: int) -> list
             n = int(lengths[k * b : (k + 1) * b].sum())
             u = torch.rand(n, generator=gen)
             values.append(((rows[f] ** u).long() - 1).clamp(0, rows[f] - 1))
+        ids = torch.cat(values)
+        weights = torch.randint(1, 4, ids.shape, generator=weight_gen).float() if weighted else None
         out.append(
             KeyedJaggedTensor.from_lengths_sync(
-                keys=FEATURES, values=torch.cat(values), lengths=lengths
+                keys=FEATURES, values=ids, lengths=lengths, weights=weights
             )
         )
     return out
@@ -90,16 +98,23 @@ def local_slice(kjt: KeyedJaggedTensor, rank: int, world: int) -> KeyedJaggedTen
     """Rank `rank`'s samples of a global batch."""
     b = kjt.stride() // world
     lengths = kjt.lengths().view(len(FEATURES), -1)
-    values = kjt.values().split(lengths.sum(1).tolist())
-    per_feature_len, per_feature_val = [], []
+    sizes = lengths.sum(1).tolist()
+    values = kjt.values().split(sizes)
+    weights = None if kjt.weights_or_none() is None else kjt.weights().split(sizes)
+    per_feature_len, per_feature_val, per_feature_weight = [], [], []
     for k in range(len(FEATURES)):
         lens = lengths[k]
         start = int(lens[: rank * b].sum())
         stop = start + int(lens[rank * b : (rank + 1) * b].sum())
         per_feature_len.append(lens[rank * b : (rank + 1) * b])
         per_feature_val.append(values[k][start:stop])
+        if weights is not None:
+            per_feature_weight.append(weights[k][start:stop])
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=FEATURES, values=torch.cat(per_feature_val), lengths=torch.cat(per_feature_len)
+        keys=FEATURES,
+        values=torch.cat(per_feature_val),
+        lengths=torch.cat(per_feature_len),
+        weights=torch.cat(per_feature_weight) if weights is not None else None,
     )
 
 
@@ -230,6 +245,7 @@ def train_and_compare(
     steps: int = 12,
     pooling: str = "sum",
     prefetch: bool = False,
+    weighted: bool = False,
 ) -> dict:
     """Train sharded+cached and unsharded side by side on the same batches; compare."""
     torch.manual_seed(0)
@@ -240,9 +256,9 @@ def train_and_compare(
         "sgd": (torch.optim.SGD, {"lr": 1.0}),
         "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-6}),
     }[optimizer]
-    reference = make_ebc(pooling)
+    reference = make_ebc(pooling, weighted=weighted)
     integer_init(reference)
-    sharded_src = make_ebc(pooling)
+    sharded_src = make_ebc(pooling, weighted=weighted)
     sharded_src.load_state_dict(reference.state_dict())
     config = CacheConfig(capacity=capacity, lookahead=2, prefetch_depth=1)
     # The optimizer is configured the TorchRec way; the kernel's CacheConfig takes it from there.
@@ -252,7 +268,7 @@ def train_and_compare(
     big = dataclasses.replace(config, capacity=2 * capacity if isinstance(capacity, int) else 1.0)
     model = shard(sharded_src, kind, config, {"t3": big})
     copy_global_into(model, reference.state_dict())
-    batches = global_batches(steps, 3, world, seed=1)  # 3 samples per rank
+    batches = global_batches(steps, 3, world, seed=1, weighted=weighted)  # 3 samples per rank
     sharded = model._dmp_wrapped_module
     if prefetch:
         _prefetch(sharded, local_slice(batches[0], rank, world))

@@ -56,3 +56,12 @@ def test_fp16_tables_round_trip_from_2_ranks_to_1(tmp_path):
     states = [d for k, d in dtypes.items() if "momentum" in k]
     assert weights and set(weights) == {torch.float16}, dtypes
     assert states and set(states) == {torch.float32}, dtypes
+
+
+@pytest.mark.timeout(300)
+def test_weighted_tables_round_trip_from_2_ranks_to_1(tmp_path):
+    path = str(tmp_path / "ckpt")
+    weighted = {"weighted": True}
+    saved = run_ranks(save, 2, args=(path, "row_wise"), kwargs=weighted, timeout_s=120)
+    loaded = run_ranks(load, 1, args=(path, "table_wise"), kwargs=weighted, timeout_s=120)
+    assert_same(saved, loaded)

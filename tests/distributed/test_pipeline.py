@@ -54,6 +54,18 @@ def test_pipelined_equals_plain_equals_uncached_torchrec(cases):
 
 
 @pytest.mark.timeout(180)
+def test_weighted_features_pipelined_equal_plain_and_uncached():
+    """A weighted EBC: the per-id weights travel with the routed ids through the window."""
+    cases = [(kind, 3, 1, 0.0, 12, True) for kind in ("table_wise", "row_wise", "column_wise")]
+    evictions = 0
+    for results in run_ranks(three_ways, 2, args=(cases,), timeout_s=150):
+        for case, result in zip(cases, results, strict=True):
+            assert result["pipeline"]["critical"] == 0, (case, result)
+            evictions += result["pipeline"]["evictions"]
+    assert evictions > 0  # the caches were small enough to evict (some of the cases)
+
+
+@pytest.mark.timeout(180)
 def test_two_sharded_modules_pipelined_equal_plain():
     for runs in run_ranks(two_modules, 2, timeout_s=150):
         plain, piped = runs["plain"], runs["pipeline"]

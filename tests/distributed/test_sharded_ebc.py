@@ -65,3 +65,12 @@ def test_prefetch_hook_stages_ahead_without_critical_misses(kind):
 def test_mean_pooling_within_tolerance(kind):
     # TorchRec pools row-wise shards by sum and divides after the reduce-scatter.
     run_ranks(train_and_compare, 2, args=(kind,), kwargs={"pooling": "mean"}, timeout_s=150)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise"])
+def test_weighted_features_equal_unsharded_bitwise(kind):
+    """A weighted EBC (`is_weighted=True`, an integer weight per id) through the cached kernel,
+    caches small enough to evict: bitwise equal to the unsharded weighted EBC under SGD."""
+    results = run_ranks(train_and_compare, 2, args=(kind,), kwargs={"weighted": True})
+    assert any(s["evictions"] > 0 for stats in results for s in stats.values())

@@ -7,7 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distcache import CacheConfig, CachedEmbeddingBags, DistcacheConfigError, TableSpec
+from distcache import (
+    CacheConfig,
+    CachedEmbeddingBags,
+    DistcacheConfigError,
+    InvalidBatchError,
+    TableSpec,
+)
 from tests.unit.cache.reference import (
     integer_weights,
     loss_of,
@@ -270,3 +276,69 @@ def test_half_rows_train_as_fp32_rows_within_half_rounding(optimizer):
 def test_an_unsupported_row_dtype_is_named():
     with pytest.raises(DistcacheConfigError, match=r"table 't': dtype=torch.float64 is invalid"):
         TableSpec(name="t", num_embeddings=3, embedding_dim=2, dtype=torch.float64)
+
+
+def _weighted_reference(tables, weights, batches, id_weights, lr):
+    """Uncached `nn.EmbeddingBag`s (sum) with per-sample weights and SGD; mean bags divide the
+    weighted sum by their number of ids (FBGEMM's weighted mean). Returns outputs and rows."""
+    bags = [torch.nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode="sum") for t in tables]
+    for bag, w in zip(bags, weights, strict=True):
+        bag.weight.data.copy_(w)
+    opt = torch.optim.SGD([b.weight for b in bags], lr=lr)
+    outs = []
+    for (values, offsets), per_id in zip(batches, id_weights, strict=True):
+        b = (offsets.numel() - 1) // len(tables)
+        parts = []
+        for k, (t, bag) in enumerate(zip(tables, bags, strict=True)):
+            lo, hi = int(offsets[k * b]), int(offsets[(k + 1) * b])
+            off = offsets[k * b : (k + 1) * b + 1] - lo
+            out = bag(values[lo:hi], off[:-1], per_sample_weights=per_id[lo:hi])
+            if t.pooling == "mean":
+                out = out / off.diff().clamp(min=1).unsqueeze(1)
+            parts.append(out)
+        out = torch.cat(parts, dim=1)
+        opt.zero_grad()
+        loss_of(out).backward()
+        opt.step()
+        outs.append(out.detach())
+    return outs, [b.weight.detach() for b in bags]
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_weighted_features_equal_per_sample_weighted_bags(pooling):
+    """Integer rows and integer per-id weights, SGD: bitwise for sum bags (mean: within
+    rounding), through evictions, with groups that pack some of the features."""
+    tables = make_tables([4, 4, 3], [60, 35, 50], [pooling, "sum", pooling])
+    config = CacheConfig(capacity=24, lookahead=3, prefetch_depth=1, learning_rate=1.0)
+    batches = make_batches(tables, batch_size=3, num_batches=20, max_len=3, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    id_weights = [torch.randint(1, 4, (v.numel(),), generator=gen).float() for v, _ in batches]
+    weights = integer_weights(tables, 5)
+    ref_outs, ref_rows = _weighted_reference(tables, weights, batches, id_weights, lr=1.0)
+    cached = CachedEmbeddingBags(tables, config)
+    for t, w in zip(tables, weights, strict=True):
+        cached.load_table_weight(t.name, w)
+    enqueued = 0
+    for step, ((values, offsets), per_id) in enumerate(zip(batches, id_weights, strict=True)):
+        while enqueued < len(batches) and enqueued <= step + config.lookahead:
+            cached.enqueue(*batches[enqueued])
+            enqueued += 1
+        cached.prefetch()
+        out = cached(values, offsets, per_id)
+        loss_of(out).backward()
+        check = torch.equal if pooling == "sum" else torch.allclose
+        assert check(out.detach(), ref_outs[step]), step
+    for t, rows in zip(tables, ref_rows, strict=True):
+        check = torch.equal if pooling == "sum" else torch.allclose
+        assert check(cached.table_weight(t.name), rows), t.name
+    assert all(s.writebacks > 0 for s in cached.stats().values())
+
+
+def test_weights_of_the_wrong_length_are_refused():
+    tables = make_tables([4], [10])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=1.0))
+    values, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3])
+    with pytest.raises(InvalidBatchError, match=r"holds 2 torch.float32 values for 3 ids"):
+        cached(values, offsets, torch.ones(2))
+    assert cached.num_enqueued == 0  # refused before it entered the window
+    assert torch.equal(cached(values, offsets, torch.ones(3)), cached(values, offsets))
