@@ -8,6 +8,8 @@ runs under `FakeTensorMode` on a (fake) CUDA device, which refuses any data-depe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -22,11 +24,18 @@ TABLES = make_tables([8, 8, 4], [4000, 3000, 2000], ["sum", "mean", "sum"])
 
 
 @pytest.mark.parametrize(
-    ("policy", "optimizer", "depth"),
-    [("lookahead", "sgd", 1), ("lookahead", "adam", 3), ("lru", "rowwise_adagrad", 0)],
+    ("policy", "optimizer", "depth", "variant"),
+    [
+        ("lookahead", "sgd", 1, "plain"),
+        ("lookahead", "adam", 3, "plain"),
+        ("lru", "rowwise_adagrad", 0, "plain"),
+        ("lookahead", "sgd", 1, "weighted fp16"),  # per-id weights, half rows
+    ],
 )
-def test_steady_state_path_has_no_read_back(policy, optimizer, depth):
+def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant):
     lookahead = 8
+    half = variant == "weighted fp16"
+    tables = [dataclasses.replace(t, dtype=torch.float16) for t in TABLES] if half else TABLES
     config = CacheConfig(
         capacity=70,  # rows per table
         lookahead=lookahead,
@@ -35,8 +44,9 @@ def test_steady_state_path_has_no_read_back(policy, optimizer, depth):
         optimizer=optimizer,
         learning_rate=0.1,
     )
-    cached = CachedEmbeddingBags(TABLES, config)
-    batches = make_batches(TABLES, batch_size=8, num_batches=60, max_len=2, seed=0)
+    cached = CachedEmbeddingBags(tables, config)
+    batches = make_batches(tables, batch_size=8, num_batches=60, max_len=2, seed=0)
+    id_weights = [torch.rand(values.numel()) if half else None for values, _ in batches]
     audit = SyncAudit()
     for engine in cached.engines:
         engine.stager._execute = audit.wrap(engine.stager._execute)
@@ -51,7 +61,7 @@ def test_steady_state_path_has_no_read_back(policy, optimizer, depth):
             cached.enqueue(*batches[enqueued])
             enqueued += 1
         cached.prefetch()
-        out = cached(*batch)
+        out = cached(*batch, id_weights[t])
         cached.prefetch()  # stage ahead while this batch trains
         loss_of(out).backward()
     audit.__exit__(None, None, None)
