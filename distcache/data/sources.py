@@ -52,6 +52,7 @@ class JobData:
                 batch_size=config.batch_size,
                 num_batches=steps,
                 seed=config.seed,
+                weighted=config.weighted,
                 **({"table_sizes": tuple(config.table_sizes)} if config.table_sizes else {}),
             )
             self._log = SyntheticClickLog(synthetic, rank=rank, world_size=world_size)

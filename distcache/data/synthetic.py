@@ -15,6 +15,9 @@ probabilities is stored, so 40M-row tables cost nothing but their ids.
 - Labels: `logit = sum_t s * mean(w_t(id) over the bag) + c . (dense - mean) + bias` with
   `w_t(id)` in [-1, 1) a hash of (seed, table, id), then `label ~ Bernoulli(sigmoid(logit))`.
   `SyntheticClickLog.hidden_logit` recomputes the logit of any batch.
+- Weights (`weighted`): each id gets a weight in (0, 1], as weighted features (scores of a
+  user's history) carry, drawn from a stream of their own: the ids and labels are those of the
+  unweighted log.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ SYNTHETIC_PRESETS: dict[str, tuple[int, ...]] = {
 _PRESET_KEYS = {
     "scale": int, "alpha": float, "pooling": int, "variable_pooling": bool,
     "dense_features": int, "batch_size": int, "num_batches": int, "seed": int, "hash_ids": bool,
+    "weighted": bool,
 }  # fmt: skip
 _SPARSE_STD = 1.5  # std of the sparse part of the hidden logit (fixed pooling 1)
 _DENSE_NORM = 1.0  # L2 norm of the hidden dense coefficients
@@ -96,6 +100,8 @@ class SyntheticConfig:
     seed: int = 0
     hash_ids: bool = True
     """Spread hot rows over the id space (else row r is the r-th most popular)."""
+    weighted: bool = False
+    """Give every id a weight in (0, 1] (weighted features)."""
 
     def __post_init__(self) -> None:
         sizes = self.table_sizes
@@ -301,10 +307,15 @@ class SyntheticClickLog(IterableDataset):
         dense = np.log1p(rng.exponential(size=(size, cfg.dense_features))).astype(np.float32)
         logit = self._logit(dense, ids, lengths)  # [B]
         labels = (rng.random(size) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        weights = None
+        if cfg.weighted:  # a stream of their own: ids and labels stay the unweighted log's
+            weight_rng = np.random.default_rng([cfg.seed, index * self.world_size + self.rank, 1])
+            weights = torch.from_numpy((1.0 - weight_rng.random(ids.size)).astype(np.float32))
         kjt = KeyedJaggedTensor(
             keys=cfg.feature_names,
             values=torch.from_numpy(ids),
             lengths=torch.from_numpy(lengths.astype(np.int32)),
+            weights=weights,
             stride=size,
         )
         return Batch(

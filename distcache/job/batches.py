@@ -4,7 +4,8 @@ A batch is bad when TorchRec would fail on it later or, worse, train on it wrong
 of the model missing, an unexpected one, or the features in another order (TorchRec fixes the
 order at the first batch); ids that are not integers or outside their table; lengths that are
 negative, of the wrong count or that do not add up to the ids; dense features or labels of the
-wrong shape or not finite; labels outside [0, 1]. The checks read the loader's host tensors, so
+wrong shape or not finite; labels outside [0, 1]; per-id weights missing, unexpected, of the
+wrong count or not finite. The checks read the loader's host tensors, so
 they cost no device read.
 
 `[data] on_bad_batch` decides what a bad batch does:
@@ -42,6 +43,7 @@ class BatchSpec:
     features: tuple[str, ...]
     rows: tuple[int, ...]  # rows of each feature's table
     dense_features: int
+    weighted: bool = False  # a weight per id
 
 
 def batch_problem(batch: Batch, spec: BatchSpec) -> str | None:
@@ -67,6 +69,9 @@ def batch_problem(batch: Batch, spec: BatchSpec) -> str | None:
             f"its lengths add up to {int(lengths.sum())} ids but it holds {values.numel()}; "
             "lengths must be >= 0 and sum to the number of ids"
         )
+    problem = _weights_problem(sparse.weights_or_none(), values.numel(), spec.weighted)
+    if problem is not None:
+        return problem
     rows = torch.tensor(spec.rows, dtype=torch.int64).repeat_interleave(samples)
     rows_of_id = rows.repeat_interleave(lengths, output_size=values.numel())
     bad = (values < 0) | (values >= rows_of_id)
@@ -79,6 +84,18 @@ def batch_problem(batch: Batch, spec: BatchSpec) -> str | None:
             f"[0, {rows_of})"
         )
     return _dense_problem(batch, spec, samples)
+
+
+def _weights_problem(weights: torch.Tensor | None, ids: int, weighted: bool) -> str | None:
+    if weights is None:
+        return "it has no per-id weights; the model's features are weighted" if weighted else None
+    if not weighted:
+        return "it has per-id weights, which the model's (unweighted) features do not take"
+    if weights.numel() != ids or not weights.is_floating_point():
+        return f"its weights are {weights.numel()} {weights.dtype} values for {ids} ids"
+    if not torch.isfinite(weights).all():
+        return "its per-id weights hold NaN or infinite values"
+    return None
 
 
 def _dense_problem(batch: Batch, spec: BatchSpec, samples: int) -> str | None:

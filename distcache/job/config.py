@@ -80,6 +80,9 @@ class DataConfig:
     ones; Criteo: the first of `eval_paths`)."""
     eval_paths: list[str] = field(default_factory=list)
     """Criteo files to evaluate on (none: no held-out evaluation)."""
+    weighted: bool = False
+    """Weighted features: a weight per id (synthetic data only; the model's tables become a
+    weighted `EmbeddingBagCollection`)."""
     on_bad_batch: str = "raise"
     """A training batch that fails the checks of `distcache.job.batches`: 'raise' (stop the
     job with an error naming it) or 'skip' (skip it on every rank and count it)."""
@@ -103,6 +106,13 @@ class DataConfig:
             "table_sizes",
             self.table_sizes,
             "a list of integers >= 1",
+        )
+        _require(
+            self.source == "synthetic" or not self.weighted,
+            "data",
+            "weighted",
+            self.weighted,
+            "false for Criteo data, which has no per-id weights",
         )
         _require(
             self.source == "synthetic" or bool(self.paths),

@@ -112,6 +112,8 @@ class DLRMConfig:
     """Hidden layers of the top MLP; a last layer of width 1 (the logit) is appended."""
     data_type: str = "FP32"
     """The tables' TorchRec `DataType` name: 'FP32', 'FP16' or 'BF16'."""
+    weighted: bool = False
+    """A weighted `EmbeddingBagCollection` (a weight per id scales its row)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", tuple(self.rows))
@@ -183,7 +185,9 @@ def build_dlrm(
         for i, rows in enumerate(config.rows)
     ]
     dlrm = DLRM(
-        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=table_device),
+        embedding_bag_collection=EmbeddingBagCollection(
+            tables=tables, is_weighted=config.weighted, device=table_device
+        ),
         dense_in_features=config.dense_in_features,
         dense_arch_layer_sizes=[*config.dense_hidden, config.dim],
         over_arch_layer_sizes=[*config.over_hidden, 1],

@@ -183,6 +183,7 @@ def build_model(config: JobConfig, data: JobData) -> DLRMTrain:
             dense_hidden=tuple(m.bottom_mlp[:-1]),
             over_hidden=tuple(m.top_mlp[:-1]),
             data_type=m.embedding_dtype.upper(),
+            weighted=config.data.weighted,
         ),
         seed=config.data.seed,
     )

@@ -125,6 +125,7 @@ class Trainer:
             features=tuple(feature_names(len(data.table_sizes))),
             rows=tuple(data.table_sizes),
             dense_features=data.dense_features,
+            weighted=config.data.weighted,
         )
         self._skip_bad = config.data.on_bad_batch == "skip"
         self._host_group = host_group() if self._skip_bad else None

@@ -193,3 +193,19 @@ def test_a_non_finite_loss_stops_the_job_before_a_checkpoint(tmp_path):
     assert not (tmp_path / "checkpoints" / "latest.json").exists()
     assert not list((tmp_path / "checkpoints").glob("step_*"))
     assert all(r["loss"] is None or math.isfinite(r["loss"]) for r in _records(tmp_path, "train"))
+
+
+@pytest.mark.timeout(300)
+def test_weighted_fp16_tables_train_on_two_ranks(tmp_path):
+    """The job with weighted features and fp16 tables, row-wise over 2 ranks."""
+    done = _torchrun(
+        tmp_path,
+        "--train.steps=10",
+        "--data.weighted=true",
+        "--model.embedding_dtype=fp16",
+        "--plan.planner=row_wise",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [record] = _records(tmp_path, "train")
+    assert record["critical_misses"] == 0 and record["loads"] > 0
+    assert math.isfinite(record["loss"])

@@ -156,3 +156,15 @@ def test_config_is_validated(change, field):
         SyntheticConfig(**{"table_sizes": (10, 20, 30), **change})
     with pytest.raises(DistcacheConfigError, match="rank"):
         SyntheticClickLog(SMALL, rank=2, world_size=2)
+
+
+def test_weighted_log_adds_weights_and_keeps_the_rest():
+    plain = SyntheticClickLog(SMALL, rank=1, world_size=2)
+    weighted = SyntheticClickLog(dataclasses.replace(SMALL, weighted=True), rank=1, world_size=2)
+    a, b = plain.batch(5), weighted.batch(5)
+    assert _same(a, b)  # the same ids, lengths, dense features and labels
+    assert a.sparse_features.weights_or_none() is None
+    w = b.sparse_features.weights()
+    assert w.dtype == torch.float32 and w.numel() == b.sparse_features.values().numel()
+    assert float(w.min()) > 0 and float(w.max()) <= 1 and len(set(w.tolist())) > 1
+    assert torch.equal(w, weighted.batch(5).sparse_features.weights())  # deterministic

@@ -3,6 +3,7 @@ raises or skips it (the multi-rank skip, through the job: tests/distributed/test
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -17,7 +18,12 @@ SPEC = BatchSpec(features=("f0", "f1"), rows=(10, 4), dense_features=3)
 
 
 def _batch(
-    keys=("f0", "f1"), values=(1, 9, 2, 3, 0), lengths=(2, 1, 1, 1), dense=None, labels=(0.0, 1.0)
+    keys=("f0", "f1"),
+    values=(1, 9, 2, 3, 0),
+    lengths=(2, 1, 1, 1),
+    dense=None,
+    labels=(0.0, 1.0),
+    weights=None,
 ) -> Batch:
     """Two samples: f0 ids [1, 9] and [2]; f1 ids [3] and [0]."""
     return Batch(
@@ -26,6 +32,7 @@ def _batch(
             keys=list(keys),
             values=torch.tensor(values),
             lengths=torch.tensor(lengths, dtype=torch.int32),
+            weights=None if weights is None else torch.tensor(weights),
         ),
         labels=torch.tensor(labels),
     )
@@ -49,10 +56,11 @@ def test_a_good_batch_has_no_problem() -> None:
         (_batch(dense=torch.tensor([[0.0, float("nan"), 0], [0, 0, 0]])), "NaN or infinite"),
         (_batch(labels=(0.0, 2.0)), r"labels are not all finite numbers in \[0, 1\]"),
         (_batch(labels=(0.0, float("inf"))), "labels are not all finite"),
+        (_batch(weights=(1.0,) * 5), "per-id weights, which the model's .* do not take"),
     ],
     ids=[
         "keys", "order", "float-ids", "lengths-sum", "negative-length", "id-range",
-        "negative-id", "dense-shape", "dense-nan", "label-range", "label-inf",
+        "negative-id", "dense-shape", "dense-nan", "label-range", "label-inf", "weights",
     ],
 )  # fmt: skip
 def test_each_bad_batch_is_named(batch: Batch, problem: str) -> None:
@@ -84,3 +92,11 @@ def test_skip_counts_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     assert batches.skipped == 2
     assert "skipped training batch 1 on every rank: bad here (its dense features" in caplog.text
     assert "skipped training batch 2" in caplog.text
+
+
+def test_a_weighted_model_needs_finite_weights_per_id() -> None:
+    weighted = dataclasses.replace(SPEC, weighted=True)
+    assert batch_problem(_batch(weights=(0.5, 1.0, 2.0, 1.0, 0.1)), weighted) is None
+    assert "no per-id weights" in batch_problem(_batch(), weighted)
+    nan = (0.5, float("nan"), 2.0, 1.0, 0.1)
+    assert "weights hold NaN" in batch_problem(_batch(weights=nan), weighted)

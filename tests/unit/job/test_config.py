@@ -108,3 +108,10 @@ def test_resume_flags() -> None:
     assert plain.resume and not plain.require
     required = parse_args(["--resume=require"]).checkpoint
     assert required.resume and required.require
+
+
+def test_weighted_features_need_synthetic_data():
+    criteo = ["--data.source=criteo_tsv", '--data.paths=["day_0.tsv"]']
+    with pytest.raises(DistcacheConfigError, match=r"\[data\] weighted = True is invalid"):
+        load_job_config(None, [*criteo, "--data.weighted=true"])
+    assert load_job_config(None, ["--data.weighted=true"]).data.weighted
