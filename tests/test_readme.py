@@ -1,7 +1,12 @@
 """The README's runnable examples run (a newcomer copies them first)."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -14,3 +19,34 @@ def test_runnable_readme_blocks_execute(capsys):
     out = capsys.readouterr().out
     assert "{'user+item': 0}" in out  # the engine alone: no critical-path miss
     assert "critical-path misses 0" in out  # the TorchRec model under the pipeline
+
+
+@pytest.mark.timeout(300)
+def test_the_torchrec_example_runs_unchanged_on_two_ranks(tmp_path):
+    """The same block under torchrun: each rank plans for a world of 2 and trains its part."""
+    (block,) = [
+        b
+        for b in re.findall(r"```python\n(# runnable.*?)```", README.read_text(), flags=re.S)
+        if "torchrun" in b.splitlines()[0]
+    ]
+    script = tmp_path / "example.py"
+    script.write_text(
+        block.replace(
+            "dist.destroy_process_group()",
+            'print(f"rank {dist.get_rank()} of {dist.get_world_size()}, '
+            'ranks in the plan: {sorted(ranks)}")\ndist.destroy_process_group()',
+        ).replace(
+            "plan = planner.collective_plan(model, [sharder], dist.group.WORLD)",
+            "plan = planner.collective_plan(model, [sharder], dist.group.WORLD)\n"
+            "ranks = {r for m in plan.plan.values() for p in m.values() for r in p.ranks}",
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.count("critical-path misses 0") == 2, done.stdout
+    for rank in (0, 1):  # both ranks, in one plan over both ranks
+        assert f"rank {rank} of 2, ranks in the plan: [0, 1]" in done.stdout, done.stdout

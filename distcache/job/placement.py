@@ -23,9 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner import Topology as TorchRecTopology
-from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRMTrain
 
@@ -40,8 +38,7 @@ from distcache.planner.types import Plan, TableStats, Workload
 from distcache.sharding import (
     CACHED_KERNEL,
     CachedEmbeddingBagCollectionSharder,
-    attach_cache_configs,
-    cached_estimators,
+    CachedShardingPlanner,
 )
 
 log = logging.getLogger(__name__)
@@ -98,13 +95,8 @@ def job_sharding_plan(
         )
     if planner == "torchrec":
         topology = torchrec_job_topology(config, world_size, device)
-        enumerator = EmbeddingEnumerator(
-            topology, config.data.batch_size, estimator=cached_estimators(topology)
-        )
-        plan = EmbeddingShardingPlanner(topology=topology, enumerator=enumerator).collective_plan(
-            model, [sharder], dist.group.WORLD
-        )
-        return attach_cache_configs(plan, sharder)
+        torchrec_planner = CachedShardingPlanner(topology, config.data.batch_size)
+        return torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
     workload = job_workload(config, data)
     box: list[Plan | None] = [None]
     if dist.get_rank() == 0:

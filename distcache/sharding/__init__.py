@@ -8,7 +8,11 @@ from distcache.sharding.plan import (
     attach_cache_configs,
     with_cache_config,
 )
-from distcache.sharding.planning import CachedKernelPerfConfig, cached_estimators
+from distcache.sharding.planning import (
+    CachedKernelPerfConfig,
+    CachedShardingPlanner,
+    cached_estimators,
+)
 from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection, cache_stats
 from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
 
@@ -20,6 +24,7 @@ __all__ = [
     "CachedGroupedLookup",
     "CachedKernelPerfConfig",
     "CachedParameterSharding",
+    "CachedShardingPlanner",
     "ShardedCachedEmbeddingBagCollection",
     "attach_cache_configs",
     "cache_stats",

@@ -1,26 +1,36 @@
 """Let TorchRec's `EmbeddingShardingPlanner` price and choose distcache's kernel.
 
-TorchRec's perf estimators know no bandwidth for `customized_kernel`. Ours prices its lookups
-at the speed of TorchRec's device-resident `fused` kernel: the look-ahead window stages every
-row before its batch is looked up, so lookups read device memory. This is a first estimate;
-the throughput planner (staging traffic, cache sizes, overlap) replaces it.
+TorchRec's perf estimators know no bandwidth for `customized_kernel`: an ordinary
+`EmbeddingShardingPlanner` given distcache's sharder fails with TorchRec's "Unrecognized or
+unsupported compute kernel: customized_kernel". `CachedShardingPlanner` is that planner set up
+for it: its estimators price the cached kernel's lookups at the speed of TorchRec's
+device-resident `fused` kernel (the look-ahead window stages every row before its batch is
+looked up, so lookups read device memory; a first estimate, which distcache's own throughput
+planner replaces), and the plans it returns carry each table's `CacheConfig`.
 
 Example::
 
-    enumerator = EmbeddingEnumerator(topology, batch_size, estimator=cached_estimators(topology))
-    planner = EmbeddingShardingPlanner(topology=topology, enumerator=enumerator)
-    plan = planner.plan(model, [CachedEmbeddingBagCollectionSharder(CacheConfig(capacity=0.02))])
+    planner = CachedShardingPlanner(batch_size=512)  # world size from the process group
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+import torch.distributed as dist
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
 from torchrec.distributed.planner.types import ParameterConstraints, ShardEstimator, Topology
+from torchrec.distributed.types import ShardingPlan
 
-from distcache.sharding.plan import CACHED_KERNEL
+from distcache.sharding.plan import CACHED_KERNEL, attach_cache_configs
+from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
 
 
 class CachedKernelPerfConfig(EmbeddingPerfEstimatorConfig):
@@ -41,3 +51,56 @@ def cached_estimators(
         CachedKernelPerfConfig(), topology=topology, constraints=constraints
     )
     return [perf, EmbeddingStorageEstimator(topology=topology, constraints=constraints)]
+
+
+class CachedShardingPlanner(EmbeddingShardingPlanner):
+    """TorchRec's `EmbeddingShardingPlanner`, set up for distcache's kernel.
+
+    Args:
+        topology: the ranks and their devices (default: the default process group's world
+            size, on CUDA if this process has a GPU, else on CPU).
+        batch_size: samples per rank per batch, which the estimators price.
+        constraints: TorchRec's per-table `ParameterConstraints`.
+        **kwargs: the rest of `EmbeddingShardingPlanner`'s arguments (proposer, partitioner,
+            storage reservation, ...).
+
+    `plan` and `collective_plan` return TorchRec plans whose distcache tables carry their
+    `CacheConfig` (`attach_cache_configs`), so a saved plan reproduces them.
+    """
+
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        batch_size: int = 512,
+        *,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        **kwargs: Any,
+    ):
+        if topology is None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            topology = Topology(world_size=world, compute_device=device)
+        enumerator = EmbeddingEnumerator(
+            topology,
+            batch_size,
+            constraints=constraints,
+            estimator=cached_estimators(topology, constraints),
+        )
+        super().__init__(
+            topology=topology,
+            batch_size=batch_size,
+            enumerator=enumerator,
+            constraints=constraints,
+            **kwargs,
+        )
+
+    def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
+        return _with_cache_configs(super().plan(module, sharders), sharders)
+
+    def collective_plan(self, module: Any, sharders: list[Any], pg: Any = None) -> ShardingPlan:
+        return _with_cache_configs(super().collective_plan(module, sharders, pg), sharders)
+
+
+def _with_cache_configs(plan: ShardingPlan, sharders: list[Any]) -> ShardingPlan:
+    ours = [s for s in sharders if isinstance(s, CachedEmbeddingBagCollectionSharder)]
+    return attach_cache_configs(plan, ours[0]) if ours else plan

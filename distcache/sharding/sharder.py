@@ -3,8 +3,11 @@
 Example::
 
     sharders = [CachedEmbeddingBagCollectionSharder(CacheConfig(capacity=0.02))]
-    plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, sharders, pg)
+    plan = CachedShardingPlanner(topology, batch_size=512).collective_plan(model, sharders, pg)
     model = DistributedModelParallel(model, plan=plan, sharders=sharders, env=env)
+
+(`CachedShardingPlanner` is TorchRec's `EmbeddingShardingPlanner` with estimators that know the
+cached kernel; TorchRec's default estimators refuse it.)
 """
 
 from __future__ import annotations

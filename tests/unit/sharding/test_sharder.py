@@ -11,6 +11,7 @@ from distcache.sharding import (
     CACHED_KERNEL,
     CachedEmbeddingBagCollectionSharder,
     CachedParameterSharding,
+    CachedShardingPlanner,
     attach_cache_configs,
     cached_estimators,
 )
@@ -55,6 +56,25 @@ def test_torchrec_planner_chooses_the_cached_kernel(device):
     assert attached["t0"].get_additional_fused_params() == {
         CACHE_CONFIG_KEY: CacheConfig(capacity=0.05)
     }
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_cached_planner_plans_and_attaches_cache_configs(device):
+    """`CachedShardingPlanner` is the ordinary planner done right: TorchRec's own planner with
+    default estimators refuses the cached kernel."""
+    sharder = CachedEmbeddingBagCollectionSharder(
+        CacheConfig(capacity=0.05), {"t2": CacheConfig(capacity=0.5)}
+    )
+    topology = Topology(world_size=2, compute_device=device)
+    with pytest.raises(ValueError, match="customized_kernel"):
+        EmbeddingShardingPlanner(topology=topology).plan(_ebc(), [sharder])
+    plan = CachedShardingPlanner(topology, batch_size=512).plan(_ebc(), [sharder]).plan[""]
+    assert {p.compute_kernel for p in plan.values()} == {CACHED_KERNEL}
+    assert plan["t2"].cache_config.capacity == 0.5
+    assert plan["t0"].cache_config == CacheConfig(capacity=0.05)
+    assert {r for p in plan.values() for r in p.ranks} == {0, 1}
+    one = CachedShardingPlanner(batch_size=512).plan(_ebc(), [sharder]).plan[""]
+    assert {r for p in one.values() for r in p.ranks} == {0}  # no process group: a world of 1
 
 
 def test_fused_params_set_the_optimizer_the_torchrec_way():
