@@ -56,6 +56,7 @@ def job_workload(config: JobConfig, data: JobData) -> Workload:
                 dim=m.embedding_dim,
                 pooling_factor=float(data.max_ids_per_sample),
                 alpha=alpha,
+                row_dtype_bytes=2 if m.embedding_dtype in ("fp16", "bf16") else None,
             )
             for i, (rows, alpha) in enumerate(zip(data.table_sizes, data.alphas, strict=True))
         ),

@@ -43,6 +43,7 @@ Config file (strict: an unknown section or key is an error naming the allowed on
     rows = 1000000                  # required
     dim = 128                       # required
     pooling_factor = 1.0            # ids per sample (default 1.0)
+    row_dtype_bytes = 2             # optional: fp16 rows (default: the model's dtype_bytes)
     alpha = 1.05                    # power-law exponent of the id distribution (default 1.05)
 
 Bad flags and values exit with status 2 and a message naming the flag; a workload that no plan
@@ -86,7 +87,7 @@ _MODEL_KEYS = (
     "optimizer",
     "dtype_bytes",
 )
-_TABLE_KEYS = ("name", "rows", "dim", "pooling_factor", "alpha")
+_TABLE_KEYS = ("name", "rows", "dim", "pooling_factor", "alpha", "row_dtype_bytes")
 _TABLE_REQUIRED = ("name", "rows", "dim")
 
 

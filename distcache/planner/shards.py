@@ -165,7 +165,8 @@ def shard_terms(
     global_ids = per_rank_ids * topology.world_size
     split = shards if sharding in (ROW_WISE, COLUMN_WISE) else 1
     dim = table.dim // split if sharding == COLUMN_WISE else table.dim
-    row_bytes = (dim + OPTIMIZER_STATE[workload.optimizer](dim)) * dtype
+    element = workload.element_bytes(table)  # the rows' dtype; state and outputs: `dtype`
+    row_bytes = dim * element + OPTIMIZER_STATE[workload.optimizer](dim) * dtype
     rows, ids, unique = shard_access(table, workload, topology, sharding=sharding, shards=shards)
     sharded = sharding != DATA_PARALLEL
     cached = storage == HOST_CACHED
@@ -182,7 +183,7 @@ def shard_terms(
         row_bytes=row_bytes,
         ids_per_step=ids,
         unique_rows_per_step=unique,
-        lookup_s=_lookup_s(ids, unique, rows, dim * dtype, row_bytes, sharded, topology),
+        lookup_s=_lookup_s(ids, unique, rows, dim * element, row_bytes, sharded, topology),
         cache_rows=cache_rows,
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,

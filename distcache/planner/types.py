@@ -57,6 +57,9 @@ class TableStats:
     """Power-law exponent of the access profile (p_r ∝ (r + 1)^-alpha); None with `counts`."""
     counts: np.ndarray | None = field(default=None, repr=False, compare=False)
     """Id counts from a data sample (overrides `alpha`)."""
+    row_dtype_bytes: int | None = None
+    """Bytes per element of the table's rows (2 for fp16 / bf16 tables); None: the workload's
+    `dtype_bytes`. The optimizer state and the pooled embeddings keep the workload's."""
 
     def __post_init__(self) -> None:
         _check(self.rows >= 1, f"table {self.name!r}: rows must be >= 1, got {self.rows}")
@@ -68,6 +71,11 @@ class TableStats:
         _check(
             self.counts is not None or (self.alpha is not None and self.alpha >= 0),
             f"table {self.name!r}: give alpha >= 0 or counts",
+        )
+        _check(
+            self.row_dtype_bytes in (None, 1, 2, 4, 8),
+            f"table {self.name!r}: row_dtype_bytes must be None, 1, 2, 4 or 8, got "
+            f"{self.row_dtype_bytes}",
         )
 
     def profile(self) -> AccessProfile:
@@ -108,7 +116,12 @@ class Workload:
 
     def row_bytes(self, table: TableStats) -> int:
         """Bytes of one row with its optimizer state."""
-        return (table.dim + OPTIMIZER_STATE[self.optimizer](table.dim)) * self.dtype_bytes
+        state = OPTIMIZER_STATE[self.optimizer](table.dim) * self.dtype_bytes
+        return table.dim * self.element_bytes(table) + state
+
+    def element_bytes(self, table: TableStats) -> int:
+        """Bytes per element of `table`'s rows."""
+        return table.row_dtype_bytes or self.dtype_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

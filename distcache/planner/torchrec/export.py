@@ -66,6 +66,7 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
+from torchrec.modules.embedding_configs import DataType
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
@@ -108,12 +109,17 @@ def workload_ebc(
     workload: Workload, *, device: str | torch.device = "meta"
 ) -> EmbeddingBagCollection:
     """An `EmbeddingBagCollection` with the workload's tables, named as `torchrec_names` says,
-    one feature per table named like the table (on the meta device by default: planning needs
-    shapes, not weights)."""
+    one feature per table named like the table, 2-byte rows as FP16 (on the meta device by
+    default: planning needs shapes, not weights)."""
     names = torchrec_names(workload)
+    data_type = {1: DataType.INT8, 2: DataType.FP16, 4: DataType.FP32}
     configs = [
         EmbeddingBagConfig(
-            name=names[t.name], num_embeddings=t.rows, embedding_dim=t.dim, feature_names=[t.name]
+            name=names[t.name],
+            num_embeddings=t.rows,
+            embedding_dim=t.dim,
+            feature_names=[t.name],
+            data_type=data_type.get(workload.element_bytes(t), DataType.FP32),
         )
         for t in workload.tables
     ]

@@ -49,3 +49,6 @@ def test_the_model_s_tables_take_the_configured_dtype():
     data = JobData(config.data, steps=1, rank=0, world_size=1)
     tables = [p for n, p in build_model(config, data).named_parameters() if "embedding_bags" in n]
     assert tables and {p.dtype for p in tables} == {torch.float16}
+    from distcache.job.placement import job_workload
+
+    assert {t.row_dtype_bytes for t in job_workload(config, data).tables} == {2}  # priced so

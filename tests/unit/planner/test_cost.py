@@ -319,3 +319,21 @@ def test_victim_choice_scans_the_whole_cache_where_measured():
     lru = {**cache, "lookahead": 0, "prefetch_depth": 0}
     measured = dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)
     assert _terms(table, measured, **lru).staging_s == _terms(table, **lru).staging_s
+
+
+def test_half_precision_rows_halve_row_bytes_not_the_state_or_the_wire():
+    """An fp16 table (`row_dtype_bytes=2`) under row-wise Adagrad: rows of 16 x 2 bytes plus a
+    4-byte accumulator; host memory and staging shrink by that, the pooled output does not."""
+    workload = dataclasses.replace(WORKLOAD, optimizer="rowwise_adagrad")
+    full = TableStats(name="t", rows=50_000, dim=16, alpha=1.05)
+    half = dataclasses.replace(full, row_dtype_bytes=2)
+    assert workload.row_bytes(full) == 16 * 4 + 4 and workload.row_bytes(half) == 16 * 2 + 4
+    kwargs = dict(storage=HOST_CACHED, cache_fraction=0.05, lookahead=8, prefetch_depth=1)
+    a = shard_terms(full, workload, TOPOLOGY, sharding=ROW_WISE, shards=2, **kwargs)
+    b = shard_terms(half, workload, TOPOLOGY, sharding=ROW_WISE, shards=2, **kwargs)
+    assert b.loads_per_step == a.loads_per_step
+    assert b.staging_bytes_per_step == pytest.approx(a.staging_bytes_per_step * 36 / 68)
+    assert b.host_memory_bytes == a.host_memory_bytes * 36 // 68
+    assert b.embedding_bytes_per_peer == a.embedding_bytes_per_peer  # fp32 outputs
+    with pytest.raises(DistcacheConfigError, match="row_dtype_bytes must be"):
+        TableStats(name="t", rows=10, dim=4, row_dtype_bytes=3)
