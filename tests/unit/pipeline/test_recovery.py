@@ -5,6 +5,7 @@ the failed step applied nothing and the batches routed after it were dropped, no
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -167,14 +168,7 @@ def test_a_malformed_batch_is_named_and_training_goes_on(
 
     batches = list(good)
     bad = batches[BAD]
-    batches.insert(
-        BAD,
-        Batch(
-            dense_features=bad.dense_features,
-            sparse_features=_malformed(kind, bad.sparse_features),
-            labels=bad.labels,
-        ),
-    )
+    batches.insert(BAD, replace(bad, sparse_features=_malformed(kind, bad.sparse_features)))
     model = _model()
     pipeline, it, trained = LookaheadTrainPipeline(model, None, "cpu"), iter(batches), 0
     with pytest.raises(InvalidBatchError, match=message):
@@ -202,15 +196,8 @@ def test_skip_nonfinite_skips_the_step_and_nothing_else(one_rank: None, skip: bo
     reference = _model()
     _train(LookaheadTrainPipeline(reference, None, "cpu"), iter(batches))
     poisoned = list(batches)
-    nan = poisoned[BAD]
-    poisoned.insert(
-        BAD,
-        Batch(
-            dense_features=torch.full_like(nan.dense_features, float("nan")),
-            sparse_features=nan.sparse_features,
-            labels=nan.labels,
-        ),
-    )
+    nan = torch.full_like(poisoned[BAD].dense_features, float("nan"))
+    poisoned.insert(BAD, replace(poisoned[BAD], dense_features=nan))
     model = _model()
     model._dmp_wrapped_module.__class__ = _NanLossOnNanDense  # same module, NaN-aware loss
     pipeline = LookaheadTrainPipeline(model, None, "cpu", skip_nonfinite=skip)
