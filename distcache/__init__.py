@@ -1,6 +1,12 @@
 """distcache: look-ahead embedding caches and throughput planning for TorchRec."""
 
-from distcache.cache import CacheConfig, CachedEmbeddingBags, CacheStats, TableSpec
+from distcache.cache import (
+    CacheConfig,
+    CachedEmbeddingBags,
+    CachedEmbeddings,
+    CacheStats,
+    TableSpec,
+)
 from distcache.errors import (
     CacheCapacityError,
     CheckpointError,
@@ -31,6 +37,7 @@ __all__ = [
     "CacheConfig",
     "CacheStats",
     "CachedEmbeddingBags",
+    "CachedEmbeddings",
     "CheckpointError",
     "DistcacheConfigError",
     "DistcacheError",

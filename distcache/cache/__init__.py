@@ -4,6 +4,7 @@ from distcache.cache.config import OPTIMIZERS, POLICIES, CacheConfig
 from distcache.cache.engine import CacheEngine, CacheStats
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.cache.scheduler import Scheduler, StagePlan
+from distcache.cache.sequence import CachedEmbeddings
 
 __all__ = [
     "OPTIMIZERS",
@@ -12,6 +13,7 @@ __all__ = [
     "CacheEngine",
     "CacheStats",
     "CachedEmbeddingBags",
+    "CachedEmbeddings",
     "Scheduler",
     "StagePlan",
     "TableSpec",

@@ -199,7 +199,7 @@ class CacheEngine:
         self,
         plan: StagePlan,
         bag_grad: torch.Tensor,
-        bag_of_id: torch.Tensor,
+        bag_of_id: torch.Tensor | None,
         id_weights: torch.Tensor | None = None,
     ) -> None:
         """Fused optimizer step on the batch's rows.
@@ -207,7 +207,8 @@ class CacheEngine:
         Args:
             plan: the batch's staging plan (its rows are pinned).
             bag_grad: gradient of each pooled bag `[bags, dim]` (mean scaling applied).
-            bag_of_id: the bag of each id `[n]`.
+            bag_of_id: the bag of each id `[n]`; None when each id is its own bag (unpooled
+                lookups: `bag_grad` is then the gradient of each id's row `[n, dim]`).
             id_weights: each id's weight `[n]` (weighted features): its row's gradient is its
                 bag's gradient times the weight.
         """
@@ -220,7 +221,9 @@ class CacheEngine:
         if self.optimizer.per_id and self.weights.dtype == torch.float32:
             # Stateless and linear (SGD): scatter-add each id's step -lr * g, as a sparse SGD
             # step does. Scaling the few bags first is cheaper than index_add_(alpha=...).
-            step = (bag_grad * -self.optimizer.lr).index_select(0, bag_of_id)  # [n, dim]
+            step = bag_grad * -self.optimizer.lr
+            if bag_of_id is not None:
+                step = step.index_select(0, bag_of_id)  # [n, dim]
             if id_weights is not None:
                 step = step * id_weights.unsqueeze(1)
             self.weights.index_add_(0, plan.id_slots, step)
@@ -228,7 +231,7 @@ class CacheEngine:
             # Summed per row at its representative; other entries (duplicates, padding) stay
             # zero and update the sentinel slot, which is zeroed below.
             grad = torch.zeros(plan.slots.numel(), self.dim, device=bag_grad.device)
-            per_id = bag_grad.index_select(0, bag_of_id)  # [n, dim]
+            per_id = bag_grad if bag_of_id is None else bag_grad.index_select(0, bag_of_id)
             if id_weights is not None:
                 per_id = per_id * id_weights.unsqueeze(1)
             grad.index_add_(0, plan.inverse, per_id)

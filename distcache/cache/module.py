@@ -248,16 +248,7 @@ class CachedEmbeddingBags(nn.Module):
             trained) and every update made so far is kept: enqueue again and go on.
         """
         weights = self._id_weights(per_sample_weights, values.numel())  # checked before any change
-        if not self._routed:  # nothing enqueued: enqueue now, staged on the critical path
-            self._enqueue_routed(*self._route(values, offsets))
-        routed = self._routed[0]  # validated and routed when enqueued
-        if routed.num_bags != offsets.numel() - 1 or routed.num_ids != values.numel():
-            raise InvalidBatchError(
-                f"forward got a batch of {values.numel()} ids in {offsets.numel() - 1} bags that "
-                "does not match the oldest enqueued batch: batches must be looked up in the "
-                "order they were enqueued"
-            )
-        self._routed.popleft()
+        routed = self._next_routed(values, offsets)
         batch_size = (offsets.numel() - 1) // len(self.feature_table_map)
         train = self.training and torch.is_grad_enabled()
         per_feature: list[torch.Tensor | None] = [None] * len(self.feature_table_map)
@@ -276,6 +267,20 @@ class CachedEmbeddingBags(nn.Module):
             for f, part in zip(group.features, pooled.unbind(0), strict=True):
                 per_feature[f] = part
         return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
+
+    def _next_routed(self, values: torch.Tensor, offsets: torch.Tensor) -> _Batch:
+        """The oldest enqueued batch, which must be this one, out of the window (with an empty
+        window, the batch is enqueued now: its misses are staged on the critical path)."""
+        if not self._routed:
+            self._enqueue_routed(*self._route(values, offsets))
+        routed = self._routed[0]  # validated and routed when enqueued
+        if routed.num_bags != offsets.numel() - 1 or routed.num_ids != values.numel():
+            raise InvalidBatchError(
+                f"forward got a batch of {values.numel()} ids in {offsets.numel() - 1} bags that "
+                "does not match the oldest enqueued batch: batches must be looked up in the "
+                "order they were enqueued"
+            )
+        return self._routed.popleft()
 
     def _id_weights(self, weights: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if weights is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distcache import CacheConfig, CachedEmbeddingBags, TableSpec
+from distcache import CacheConfig, CachedEmbeddingBags, CachedEmbeddings, TableSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # values [n], offsets [T * B + 1]
 
@@ -78,6 +78,27 @@ class ReferenceBags(nn.Module):
         return torch.cat(outs, dim=1)
 
 
+class ReferenceRows(nn.Module):
+    """The same tables, uncached, unpooled: one `nn.Embedding` (sparse gradients) per table,
+    each id's row in the order of `values` (what `CachedEmbeddings` returns)."""
+
+    def __init__(self, tables: list[TableSpec], weights: list[torch.Tensor]):
+        super().__init__()
+        self.embs = nn.ModuleList(
+            nn.Embedding(t.num_embeddings, t.embedding_dim, sparse=True) for t in tables
+        )
+        for emb, w in zip(self.embs, weights, strict=True):
+            emb.weight.data.copy_(w)
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        batch_size = (offsets.numel() - 1) // len(self.embs)
+        outs = []
+        for k, emb in enumerate(self.embs):
+            lo, hi = int(offsets[k * batch_size]), int(offsets[(k + 1) * batch_size])
+            outs.append(emb(values[lo:hi]))
+        return torch.cat(outs, dim=0)
+
+
 class RowWiseAdagradReference(torch.optim.Optimizer):
     """FBGEMM's exact row-wise Adagrad on full tables with sparse gradients."""
 
@@ -122,12 +143,14 @@ def train_both(
     *,
     weights: list[torch.Tensor],
     use_window: bool = True,
+    sequence: bool = False,
 ):
-    """Train cached and reference side by side; returns (cached, reference, outputs pairs)."""
-    cached = CachedEmbeddingBags(tables, config)
+    """Train cached and reference side by side; returns (cached, reference, outputs pairs).
+    `sequence`: per-id rows (`CachedEmbeddings` against `nn.Embedding`s), not pooled bags."""
+    cached = (CachedEmbeddings if sequence else CachedEmbeddingBags)(tables, config)
     for t, w in zip(tables, weights, strict=True):
         cached.load_table_weight(t.name, w)
-    ref = ReferenceBags(tables, weights)
+    ref = (ReferenceRows if sequence else ReferenceBags)(tables, weights)
     opt = reference_optimizer(config, ref.parameters())
     ref.optimizer = opt
     pairs = []
