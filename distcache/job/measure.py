@@ -318,10 +318,10 @@ def _make_whole_caches_resident(model: torch.nn.Module) -> None:
     """Load every row of each cache as large as its shard (a device-stored table): what the
     plan prices is every row resident, not a cache still filling (under a power law its cold
     misses would last thousands of steps). Partial caches warm up in the warm-up steps."""
-    from distcache.sharding import ShardedCachedEmbeddingBagCollection
+    from distcache.sharding import CachedShardedModule
 
     for module in model.modules():
-        if not isinstance(module, ShardedCachedEmbeddingBagCollection):
+        if not isinstance(module, CachedShardedModule):
             continue
         for kernel in module.cached_kernels():
             for engine in kernel.bags.engines:

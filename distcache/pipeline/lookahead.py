@@ -17,8 +17,8 @@ and the stream it uses on CUDA (on CPU everything runs in order on the calling t
                       staging stream, fenced by events (`distcache.cache.stager`)
     backward  t       fused row update in the caches; dense optimizer step  default stream
 
-The pipeline drives every distcache-sharded `EmbeddingBagCollection` of a
-`DistributedModelParallel` model whose forward takes the batch and returns `(loss, output)`,
+The pipeline drives every distcache-sharded `EmbeddingBagCollection` and `EmbeddingCollection`
+of a `DistributedModelParallel` model whose forward takes the batch and returns `(loss, output)`,
 like TorchRec's `DLRMTrain`; modules TorchRec's own sharders shard run as usual inside forward.
 """
 
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
-from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection
+from distcache.sharding.sharded_module import CachedShardedModule
 
 log = logging.getLogger(__name__)
 _SUMMED = (
@@ -86,7 +86,8 @@ class LookaheadTrainPipeline:
 
     Args:
         model: a `DistributedModelParallel` (or any module) holding one or more
-            distcache-sharded `EmbeddingBagCollection`s; `model(batch)` returns
+            distcache-sharded `EmbeddingBagCollection`s or `EmbeddingCollection`s;
+            `model(batch)` returns
             `(loss, output)`.
         optimizer: the dense optimizer (embedding rows are updated in backward), or None.
         device: where batches are copied.
@@ -135,13 +136,13 @@ class LookaheadTrainPipeline:
         self._modules = {
             _user_path(path): m
             for path, m in model.named_modules()
-            if isinstance(m, ShardedCachedEmbeddingBagCollection)
+            if isinstance(m, CachedShardedModule)
         }
         if not self._modules:
             raise DistcacheConfigError(
-                "LookaheadTrainPipeline found no distcache-sharded EmbeddingBagCollection in the "
-                "model: shard it with DistributedModelParallel and "
-                "CachedEmbeddingBagCollectionSharder"
+                "LookaheadTrainPipeline found no distcache-sharded EmbeddingBagCollection or "
+                "EmbeddingCollection in the model: shard it with DistributedModelParallel and "
+                "CachedEmbeddingBagCollectionSharder or CachedEmbeddingCollectionSharder"
             )
         if sparse_input is None and len(self._modules) > 1:
             raise DistcacheConfigError(

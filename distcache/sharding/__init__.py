@@ -1,7 +1,11 @@
-"""distcache as a TorchRec compute kernel: sharder, sharded module, lookup, kernel, plan."""
+"""distcache as TorchRec compute kernels: sharders, sharded modules, lookups, kernels, plans."""
 
-from distcache.sharding.kernel import EMBEDDING_OPTIMIZERS, CachedEmbeddingBagKernel
-from distcache.sharding.lookup import CachedGroupedLookup
+from distcache.sharding.kernel import (
+    EMBEDDING_OPTIMIZERS,
+    CachedEmbeddingBagKernel,
+    CachedEmbeddingKernel,
+)
+from distcache.sharding.lookup import CachedGroupedLookup, CachedGroupedSequenceLookup
 from distcache.sharding.plan import (
     CACHED_KERNEL,
     CachedParameterSharding,
@@ -13,19 +17,32 @@ from distcache.sharding.planning import (
     CachedShardingPlanner,
     cached_estimators,
 )
-from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection, cache_stats
-from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
+from distcache.sharding.sharded_module import (
+    CachedShardedModule,
+    ShardedCachedEmbeddingBagCollection,
+    ShardedCachedEmbeddingCollection,
+    cache_stats,
+)
+from distcache.sharding.sharder import (
+    CachedEmbeddingBagCollectionSharder,
+    CachedEmbeddingCollectionSharder,
+)
 
 __all__ = [
     "CACHED_KERNEL",
     "EMBEDDING_OPTIMIZERS",
     "CachedEmbeddingBagCollectionSharder",
     "CachedEmbeddingBagKernel",
+    "CachedEmbeddingCollectionSharder",
+    "CachedEmbeddingKernel",
     "CachedGroupedLookup",
+    "CachedGroupedSequenceLookup",
     "CachedKernelPerfConfig",
     "CachedParameterSharding",
+    "CachedShardedModule",
     "CachedShardingPlanner",
     "ShardedCachedEmbeddingBagCollection",
+    "ShardedCachedEmbeddingCollection",
     "attach_cache_configs",
     "cache_stats",
     "cached_estimators",

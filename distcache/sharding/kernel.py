@@ -1,4 +1,6 @@
-"""`CachedEmbeddingBagKernel`: TorchRec's compute kernel for one group of a rank's table shards.
+"""distcache's TorchRec compute kernels for one group of a rank's table shards: pooled
+(`CachedEmbeddingBagKernel`, for `EmbeddingBagCollection`s) and per-id (`CachedEmbeddingKernel`,
+for `EmbeddingCollection`s).
 
 TorchRec hands the kernel a `KeyedJaggedTensor` whose ids are already routed to this rank and
 made shard-local (row-wise shards see `[0, local_rows)`), one key per feature, bags feature
@@ -18,7 +20,10 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
-from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding,
+    BaseBatchedEmbeddingBag,
+)
 from torchrec.distributed.composable.table_batched_embedding_slice import (
     TableBatchedEmbeddingSlice,
 )
@@ -32,6 +37,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import ROW_DTYPES
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
+from distcache.cache.sequence import CachedEmbeddings
 from distcache.errors import DistcacheConfigError, UnsupportedError
 from distcache.sharding.plan import CACHE_CONFIG_KEY
 from distcache.sharding.state import host_table, sharded_state, sharded_weight
@@ -94,7 +100,7 @@ class _CacheOptimizer(FusedOptimizer):
     saves and reshards them: flushed before they are read, the caches dropped after a load.
     """
 
-    def __init__(self, kernel: CachedEmbeddingBagKernel):
+    def __init__(self, kernel: _CachedKernel):
         config = kernel.config
         params: dict[str, torch.Tensor] = {}
         state: dict[Any, Any] = {}
@@ -132,24 +138,26 @@ class _CacheOptimizer(FusedOptimizer):
         pass
 
 
-class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
-    """One group of table shards on one rank, in host memory behind a look-ahead cache.
+class _CachedKernel:
+    """What distcache's kernels add to TorchRec's: the cached module (`bags`), built from the
+    group's shards, its fused optimizer, and TorchRec's state and prefetch contract."""
 
-    Args:
-        config: TorchRec's grouped config (the shards, their features, pooling, fused params).
-        pg: the sharding's process group.
-        device: where the cache and lookups live.
-        sharding_type: the sharding type of the group.
-    """
+    bags: CachedEmbeddingBags
+    cache_config: CacheConfig
+    _config: GroupedEmbeddingConfig
+    _pg: dist.ProcessGroup | None
+    _feature_table_map: list[int]
+    _param_per_table: dict[str, TableBatchedEmbeddingSlice]
 
-    def __init__(
+    def _build(
         self,
         config: GroupedEmbeddingConfig,
-        pg: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
-        sharding_type: ShardingType | None = None,
-    ):
-        super().__init__(config, pg, device, sharding_type)
+        device: torch.device | None,
+        module: type[CachedEmbeddingBags],
+        pooling: str,
+    ) -> None:
+        """Set up the cached module `module` for the group's shards (after TorchRec's own
+        kernel `__init__`, which reads the shards' metadata)."""
         # The rows live in host memory whatever device the plan names: describe the shards so.
         config = dataclasses.replace(
             config, embedding_tables=[host_table(t) for t in config.embedding_tables]
@@ -162,8 +170,6 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
                 "plan column-wise shards so that each rank holds at most one shard per table"
             )
         self.cache_config = cache_config_from_fused_params(config.fused_params)
-        # TorchRec pools row-wise shards by sum and divides after the reduce-scatter.
-        mean = self._pooling == PoolingMode.MEAN
         dtype = data_type_to_dtype(config.data_type)  # TorchRec groups tables by data_type
         if dtype not in ROW_DTYPES:
             raise UnsupportedError(
@@ -175,20 +181,20 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
                 name=t.name,
                 num_embeddings=t.local_rows,
                 embedding_dim=t.local_cols,
-                pooling="mean" if mean else "sum",
+                pooling=pooling,
                 dtype=dtype,
             )
             for t in config.embedding_tables
         ]
         # Ids were validated against the global tables in the sharded module's input_dist,
         # and routing maps valid ids to valid shard-local rows: no second check here.
-        self.bags = CachedEmbeddingBags(
+        self.bags = module(
             tables,
             dataclasses.replace(self.cache_config, check_ids=False),
             device=device or torch.device("cpu"),
             feature_table_map=self._feature_table_map,
         )
-        self.init_parameters()
+        self.init_parameters()  # type: ignore[attr-defined]
         self._param_per_table = {}
         for spec in tables:
             store, lo, hi = self.bags.table_slab(spec.name)
@@ -200,20 +206,18 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
         self._optim = _CacheOptimizer(self)
 
     @property
-    def emb_module(self) -> CachedEmbeddingBags:  # type: ignore[override]
+    def emb_module(self) -> CachedEmbeddingBags:
         return self.bags
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optim
 
-    def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Pooled rows of the routed features; weighted features (TorchRec's `is_weighted`
-        collections) scale each id's row, and its gradient, by the id's weight."""
+    def _sync_learning_rate(self) -> None:
+        """The optimizer's learning rate, which schedulers may have changed, for this step."""
         lr = float(self._optim.param_groups[0]["lr"])
         for engine in self.bags.engines:
             engine.optimizer.lr = lr
-        return self.bags(features.values(), features.offsets(), features.weights_or_none())
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """A future batch's routed ids enter the look-ahead window; stage rows K batches ahead."""
@@ -255,3 +259,62 @@ class CachedEmbeddingBagKernel(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptim
         `torch.distributed.checkpoint` has just written the host rows in place, and a flush
         would overwrite them. (`state_dict()` flushed before that load read its targets.)"""
         self.bags.reset(flush=False)
+
+
+class CachedEmbeddingBagKernel(
+    _CachedKernel, BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule
+):
+    """One group of table shards on one rank, in host memory behind a look-ahead cache:
+    pooled lookups (`EmbeddingBagCollection`).
+
+    Args:
+        config: TorchRec's grouped config (the shards, their features, pooling, fused params).
+        pg: the sharding's process group.
+        device: where the cache and lookups live.
+        sharding_type: the sharding type of the group.
+    """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        sharding_type: ShardingType | None = None,
+    ):
+        super().__init__(config, pg, device, sharding_type)
+        # TorchRec pools row-wise shards by sum and divides after the reduce-scatter.
+        pooling = "mean" if self._pooling == PoolingMode.MEAN else "sum"
+        self._build(config, device, CachedEmbeddingBags, pooling)
+
+    def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Pooled rows of the routed features; weighted features (TorchRec's `is_weighted`
+        collections) scale each id's row, and its gradient, by the id's weight."""
+        self._sync_learning_rate()
+        return self.bags(features.values(), features.offsets(), features.weights_or_none())
+
+
+class CachedEmbeddingKernel(
+    _CachedKernel, BaseBatchedEmbedding[torch.Tensor], FusedOptimizerModule
+):
+    """One group of table shards on one rank, in host memory behind a look-ahead cache:
+    per-id lookups (`EmbeddingCollection`), one row per routed id.
+
+    Args:
+        config: TorchRec's grouped config (the shards, their features, fused params).
+        pg: the sharding's process group.
+        device: where the cache and lookups live.
+    """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ):
+        super().__init__(config, pg, device)
+        self._build(config, device, CachedEmbeddings, "sum")
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """The rows of the routed ids `[n, local dim]`, in the order of `features.values()`."""
+        self._sync_learning_rate()
+        return self.bags(features.values(), features.offsets())

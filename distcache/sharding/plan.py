@@ -47,14 +47,32 @@ def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> Param
     return CachedParameterSharding(**fields, cache_config=config)
 
 
-def attach_cache_configs(plan: ShardingPlan, sharder: Any) -> ShardingPlan:
-    """A copy of `plan` whose distcache tables carry their `CacheConfig`, taken from `sharder`
-    (`CachedEmbeddingBagCollectionSharder.config_for`), so that saving the plan saves them."""
+def attach_cache_configs(plan: ShardingPlan, sharder: Any, module: Any = None) -> ShardingPlan:
+    """A copy of `plan` whose distcache tables carry their `CacheConfig`, so that saving the
+    plan saves them.
+
+    Args:
+        plan: TorchRec's plan.
+        sharder: the distcache sharder whose `config_for(table)` gives each table's config, or
+            a list of sharders (e.g. one for bags, one for `EmbeddingCollection`s).
+        module: the model the plan is for; with several sharders, each module path of the plan
+            takes its config from the sharder of the module's type.
+    """
+    sharders = list(sharder) if isinstance(sharder, (list, tuple)) else [sharder]
+    types = {} if module is None else {p: type(m) for p, m in module.named_modules()}
+
+    def sharder_for(path: str) -> Any:
+        kind = types.get(path)
+        for s in sharders:
+            if kind is not None and issubclass(kind, s.module_type):
+                return s
+        return sharders[0]
+
     return ShardingPlan(
         {
             path: type(module_plan)(
                 {
-                    name: with_cache_config(p, sharder.config_for(name))
+                    name: with_cache_config(p, sharder_for(path).config_for(name))
                     for name, p in module_plan.items()
                 }
             )

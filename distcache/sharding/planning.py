@@ -30,7 +30,10 @@ from torchrec.distributed.planner.types import ParameterConstraints, ShardEstima
 from torchrec.distributed.types import ShardingPlan
 
 from distcache.sharding.plan import CACHED_KERNEL, attach_cache_configs
-from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
+from distcache.sharding.sharder import (
+    CachedEmbeddingBagCollectionSharder,
+    CachedEmbeddingCollectionSharder,
+)
 
 
 class CachedKernelPerfConfig(EmbeddingPerfEstimatorConfig):
@@ -95,12 +98,17 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
         )
 
     def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
-        return _with_cache_configs(super().plan(module, sharders), sharders)
+        return _with_cache_configs(super().plan(module, sharders), sharders, module)
 
     def collective_plan(self, module: Any, sharders: list[Any], pg: Any = None) -> ShardingPlan:
-        return _with_cache_configs(super().collective_plan(module, sharders, pg), sharders)
+        plan = super().collective_plan(module, sharders, pg)
+        return _with_cache_configs(plan, sharders, module)
 
 
-def _with_cache_configs(plan: ShardingPlan, sharders: list[Any]) -> ShardingPlan:
-    ours = [s for s in sharders if isinstance(s, CachedEmbeddingBagCollectionSharder)]
-    return attach_cache_configs(plan, ours[0]) if ours else plan
+def _with_cache_configs(plan: ShardingPlan, sharders: list[Any], module: Any) -> ShardingPlan:
+    ours = [
+        s
+        for s in sharders
+        if isinstance(s, (CachedEmbeddingBagCollectionSharder, CachedEmbeddingCollectionSharder))
+    ]
+    return attach_cache_configs(plan, ours, module) if ours else plan

@@ -1,4 +1,6 @@
-"""`ShardedCachedEmbeddingBagCollection`: TorchRec's sharded EBC with distcache's lookups.
+"""TorchRec's sharded collections with distcache's lookups: `ShardedCachedEmbeddingBagCollection`
+(pooled, `EmbeddingBagCollection`) and `ShardedCachedEmbeddingCollection` (per-id,
+`EmbeddingCollection`).
 
 Input and output distribution are TorchRec's, unchanged; only the lookups differ.
 """
@@ -11,7 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.dp_sequence_sharding import DpSequenceEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -20,8 +24,8 @@ from distcache.cache.engine import CacheStats
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.streams import HostCopy
 from distcache.errors import InvalidBatchError, InvalidIdError
-from distcache.sharding.kernel import CachedEmbeddingBagKernel
-from distcache.sharding.lookup import CachedGroupedLookup
+from distcache.sharding.kernel import CachedEmbeddingBagKernel, CachedEmbeddingKernel
+from distcache.sharding.lookup import CachedGroupedLookup, CachedGroupedSequenceLookup
 from distcache.sharding.plan import CACHED_KERNEL
 
 _SHARDING_TYPE = {
@@ -33,8 +37,9 @@ _SHARDING_TYPE = {
 }
 
 
-class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """A sharded `EmbeddingBagCollection` whose `customized_kernel` tables are cached.
+class CachedShardedModule:
+    """What a distcache-sharded collection adds to TorchRec's sharded module (mixed in before
+    it): id checks in `input_dist`, the cached kernels, staging ahead and cache counters.
 
     Ids are validated in `input_dist`, on the rank whose batch holds them and before they are
     routed, without reading the device back: an out-of-range or negative id is replaced by row
@@ -44,13 +49,22 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """
 
     check_ids: bool = True
+    _collection: str  # the TorchRec collection's name, for messages
+    _lookups: list[nn.Module]
+    module_sharding_plan: dict
+
+    _configs_attr: str  # where TorchRec's sharded module keeps its table configs
+
+    def _table_configs(self) -> list:
+        """The collection's TorchRec table configs."""
+        return getattr(self, self._configs_attr)
 
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
         if isinstance(features, KeyedJaggedTensor):
             self._check_batch(features)
         if self.check_ids and isinstance(features, KeyedJaggedTensor):
             features, ctx.distcache_check = self._check_feature_ids(features)
-        return super().input_dist(ctx, features)
+        return super().input_dist(ctx, features)  # type: ignore[misc]
 
     def compute_and_output_dist(self, ctx, input):  # noqa: ANN001, ANN201, A002
         check = getattr(ctx, "distcache_check", None)
@@ -61,19 +75,19 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 for kernel in self.cached_kernels():
                     kernel.bags.drop_window()
                 raise
-        return super().compute_and_output_dist(ctx, input)
+        return super().compute_and_output_dist(ctx, input)  # type: ignore[misc]
 
     def _check_batch(self, features: KeyedJaggedTensor) -> None:
         """Raise `InvalidBatchError` for a batch TorchRec would fail on later, or train wrongly:
         a feature of the module missing, ids that are not integers, and (for a batch still in
         host memory, where it costs no device read) lengths that do not add up to the ids.
-        Extra keys are allowed, as TorchRec's `EmbeddingBagCollection` allows them."""
+        Extra keys are allowed, as TorchRec's collections allow them."""
         names = list(self._feature_rows())
         present = set(features.keys())
         missing = [f for f in names if f not in present]
         if missing:
             raise InvalidBatchError(
-                f"the batch lacks feature(s) {missing} of this EmbeddingBagCollection (rank "
+                f"the batch lacks feature(s) {missing} of this {self._collection} (rank "
                 f"{dist.get_rank()}); its features are {names}, the batch has {features.keys()}"
             )
         values, lengths = features.values(), features.lengths()
@@ -126,7 +140,7 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if not hasattr(self, "_rows_of_feature"):
             self._rows_of_feature = {
                 f: (c.name, c.num_embeddings)
-                for c in self._embedding_bag_configs
+                for c in self._table_configs()
                 for f in c.feature_names
             }
         return self._rows_of_feature
@@ -141,6 +155,56 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         key = self._checked_keys[k]
         table = self._feature_rows().get(key, (None, 0))[0]
         return f"table {table!r} (feature {key!r}, rank {dist.get_rank()})"
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        # TorchRec skips state-dict plumbing for customized kernels. Ours expose ShardedTensor
+        # state dicts and parameters by table exactly as its fused kernels do, so let TorchRec
+        # treat them as such while it builds the module's state.
+        saved = self.module_sharding_plan
+        patched = copy.copy(saved)
+        for name, sharding in saved.items():
+            if sharding.compute_kernel == CACHED_KERNEL:
+                twin = copy.copy(sharding)
+                twin.compute_kernel = "fused"
+                patched[name] = twin
+        self.module_sharding_plan = patched
+        try:
+            super()._initialize_torch_state(skip_registering)  # type: ignore[misc]
+        finally:
+            self.module_sharding_plan = saved
+
+    def cached_kernels(self) -> list[CachedEmbeddingBagKernel | CachedEmbeddingKernel]:
+        """This rank's distcache kernels (TorchRec keeps lookups in a plain list)."""
+        kernels = []
+        for lookup in self._lookups:
+            while isinstance(lookup, DistributedDataParallel):
+                lookup = lookup.module
+            kernels += [
+                m
+                for m in lookup.modules()
+                if isinstance(m, (CachedEmbeddingBagKernel, CachedEmbeddingKernel))
+            ]
+        return kernels
+
+    def stage_ahead(self) -> None:
+        """Stage enqueued batches' rows up to each cache's `prefetch_depth` batches ahead."""
+        for kernel in self.cached_kernels():
+            kernel.bags.prefetch()
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """Cache counters of this rank, per cache (tables of one width in a group share one)."""
+        stats = {}
+        for kernel in self.cached_kernels():
+            stats.update(kernel.bags.stats())
+        return stats
+
+
+class ShardedCachedEmbeddingBagCollection(CachedShardedModule, ShardedEmbeddingBagCollection):
+    """A sharded `EmbeddingBagCollection` whose `customized_kernel` tables are cached (see
+    `CachedShardedModule` for what is checked and when)."""
+
+    _collection = "EmbeddingBagCollection"
+    _configs_attr = "_embedding_bag_configs"
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
@@ -163,43 +227,27 @@ class ShardedCachedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 )
             )
 
-    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
-        # TorchRec skips state-dict plumbing for customized kernels. Ours expose ShardedTensor
-        # state dicts and parameters by table exactly as its fused kernels do, so let TorchRec
-        # treat them as such while it builds the module's state.
-        saved = self.module_sharding_plan
-        patched = copy.copy(saved)
-        for name, sharding in saved.items():
-            if sharding.compute_kernel == CACHED_KERNEL:
-                twin = copy.copy(sharding)
-                twin.compute_kernel = "fused"
-                patched[name] = twin
-        self.module_sharding_plan = patched
-        try:
-            super()._initialize_torch_state(skip_registering)
-        finally:
-            self.module_sharding_plan = saved
 
-    def cached_kernels(self) -> list[CachedEmbeddingBagKernel]:
-        """This rank's distcache kernels (TorchRec keeps lookups in a plain list)."""
-        kernels = []
-        for lookup in self._lookups:
-            while isinstance(lookup, DistributedDataParallel):
-                lookup = lookup.module
-            kernels += [m for m in lookup.modules() if isinstance(m, CachedEmbeddingBagKernel)]
-        return kernels
+class ShardedCachedEmbeddingCollection(CachedShardedModule, ShardedEmbeddingCollection):
+    """A sharded `EmbeddingCollection` whose `customized_kernel` tables are cached: per-id
+    rows through the same look-ahead caches (see `CachedShardedModule`)."""
 
-    def stage_ahead(self) -> None:
-        """Stage enqueued batches' rows up to each cache's `prefetch_depth` batches ahead."""
-        for kernel in self.cached_kernels():
-            kernel.bags.prefetch()
+    _collection = "EmbeddingCollection"
+    _configs_attr = "_embedding_configs"
 
-    def cache_stats(self) -> dict[str, CacheStats]:
-        """Cache counters of this rank, per cache (tables of one width in a group share one)."""
-        stats = {}
-        for kernel in self.cached_kernels():
-            stats.update(kernel.bags.stats())
-        return stats
+    def _create_lookups(self) -> None:
+        for sharding in self._sharding_type_to_sharding.values():
+            if isinstance(sharding, DpSequenceEmbeddingSharding):  # wrapped in DDP later
+                self._lookups.append(sharding.create_lookup())
+                continue
+            self._lookups.append(
+                CachedGroupedSequenceLookup(
+                    grouped_configs=sharding._grouped_embedding_configs,
+                    pg=sharding._pg,
+                    device=self._device or sharding._device,
+                    env=sharding._env,
+                )
+            )
 
 
 def cache_stats(model: nn.Module) -> dict[str, CacheStats]:
@@ -207,7 +255,7 @@ def cache_stats(model: nn.Module) -> dict[str, CacheStats]:
     keyed by `module path/tables`."""
     stats = {}
     for path, module in model.named_modules():
-        if isinstance(module, ShardedCachedEmbeddingBagCollection):
+        if isinstance(module, CachedShardedModule):
             for name, s in module.cache_stats().items():
                 stats[f"{path}/{name}"] = s
     return stats

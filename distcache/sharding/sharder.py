@@ -1,8 +1,14 @@
-"""`CachedEmbeddingBagCollectionSharder`: pass it to `DistributedModelParallel` to cache tables.
+"""distcache's sharders: pass them to `DistributedModelParallel` to cache tables.
+`CachedEmbeddingBagCollectionSharder` shards `EmbeddingBagCollection`s (pooled lookups),
+`CachedEmbeddingCollectionSharder` `EmbeddingCollection`s (per-id lookups, sequence features).
 
 Example::
 
-    sharders = [CachedEmbeddingBagCollectionSharder(CacheConfig(capacity=0.02))]
+    config = CacheConfig(capacity=0.02)
+    sharders = [
+        CachedEmbeddingBagCollectionSharder(config),
+        CachedEmbeddingCollectionSharder(config),
+    ]
     plan = CachedShardingPlanner(topology, batch_size=512).collective_plan(model, sharders, pg)
     model = DistributedModelParallel(model, plan=plan, sharders=sharders, env=env)
 
@@ -16,20 +22,63 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.sharding.plan import CACHED_KERNEL, with_cache_config
-from distcache.sharding.sharded_module import ShardedCachedEmbeddingBagCollection
+from distcache.sharding.sharded_module import (
+    ShardedCachedEmbeddingBagCollection,
+    ShardedCachedEmbeddingCollection,
+)
 
 # Row-wise sharding works on CPU with gloo; TorchRec offers it only on CUDA.
 _CPU_EXTRA = [ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value]
 
 
-class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+class _CachedSharder:
+    """The cache settings of a distcache sharder and the kernels it offers (mixed in before
+    TorchRec's sharder)."""
+
+    def __init__(
+        self,
+        cache_config: CacheConfig | None = None,
+        table_configs: dict[str, CacheConfig] | None = None,
+        fused_params: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(fused_params=fused_params, **kwargs)  # type: ignore[call-arg]
+        self.cache_config = cache_config or CacheConfig()
+        self.table_configs = dict(table_configs or {})
+        for name, config in self.table_configs.items():
+            if not isinstance(config, CacheConfig):
+                raise DistcacheConfigError(
+                    f"table_configs[{name!r}] is a {type(config).__name__}: expected CacheConfig"
+                )
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return super().compute_kernels(sharding_type, compute_device_type)  # type: ignore[misc]
+        return [CACHED_KERNEL]
+
+    def config_for(self, table_name: str) -> CacheConfig:
+        return self.table_configs.get(table_name, self.cache_config)
+
+    def _with_configs(self, params: dict[str, ParameterSharding]) -> dict[str, ParameterSharding]:
+        """The module's plan with each cached table's `CacheConfig` attached."""
+        unknown = sorted(set(self.table_configs) - set(params))
+        if unknown:
+            raise DistcacheConfigError(
+                f"table_configs name tables {unknown} that this module does not shard; its "
+                f"tables are {sorted(params)}"
+            )
+        return {name: with_cache_config(p, self.config_for(name)) for name, p in params.items()}
+
+
+class CachedEmbeddingBagCollectionSharder(_CachedSharder, EmbeddingBagCollectionSharder):
     """Shards `EmbeddingBagCollection`s with tables in host memory behind look-ahead caches.
 
     Offers TorchRec's `customized_kernel` for table-, row-, column-, table-row- and
@@ -43,35 +92,11 @@ class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             `apply_optimizer_in_backward` settings take precedence, as in TorchRec.
     """
 
-    def __init__(
-        self,
-        cache_config: CacheConfig | None = None,
-        table_configs: dict[str, CacheConfig] | None = None,
-        fused_params: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ):
-        super().__init__(fused_params=fused_params, **kwargs)
-        self.cache_config = cache_config or CacheConfig()
-        self.table_configs = dict(table_configs or {})
-        for name, config in self.table_configs.items():
-            if not isinstance(config, CacheConfig):
-                raise DistcacheConfigError(
-                    f"table_configs[{name!r}] is a {type(config).__name__}: expected CacheConfig"
-                )
-
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = super().sharding_types(compute_device_type)
         if compute_device_type == "cpu":
             types += [t for t in _CPU_EXTRA if t not in types]
         return types
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        if sharding_type == ShardingType.DATA_PARALLEL.value:
-            return super().compute_kernels(sharding_type, compute_device_type)
-        return [CACHED_KERNEL]
-
-    def config_for(self, table_name: str) -> CacheConfig:
-        return self.table_configs.get(table_name, self.cache_config)
 
     def shard(
         self,
@@ -81,16 +106,9 @@ class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedCachedEmbeddingBagCollection:
-        unknown = sorted(set(self.table_configs) - set(params))
-        if unknown:
-            raise DistcacheConfigError(
-                f"table_configs name tables {unknown} that this module does not shard; its "
-                f"tables are {sorted(params)}"
-            )
-        params = {name: with_cache_config(p, self.config_for(name)) for name, p in params.items()}
         sharded = ShardedCachedEmbeddingBagCollection(
             module=module,
-            table_name_to_parameter_sharding=params,
+            table_name_to_parameter_sharding=self._with_configs(params),
             env=env,
             fused_params=self.fused_params,
             device=device,
@@ -103,3 +121,37 @@ class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     @property
     def module_type(self) -> type[nn.Module]:
         return EmbeddingBagCollection
+
+
+class CachedEmbeddingCollectionSharder(_CachedSharder, EmbeddingCollectionSharder):
+    """Shards `EmbeddingCollection`s (per-id embeddings of sequence features) with tables in
+    host memory behind look-ahead caches.
+
+    Offers TorchRec's `customized_kernel` for the sharding types TorchRec offers an
+    `EmbeddingCollection`: table-, row- and column-wise; data-parallel tables stay TorchRec's
+    dense ones. Arguments as `CachedEmbeddingBagCollectionSharder`.
+    """
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedCachedEmbeddingCollection:
+        sharded = ShardedCachedEmbeddingCollection(
+            module,
+            self._with_configs(params),
+            env,
+            self.fused_params,
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+        sharded.check_ids = self.cache_config.check_ids
+        return sharded
+
+    @property
+    def module_type(self) -> type[nn.Module]:
+        return EmbeddingCollection

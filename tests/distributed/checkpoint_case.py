@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from distcache import CacheConfig
+from tests.distributed.ec_case import local_seq_slice, make_ec, seq_batches, seq_loss, shard_ec
 from tests.distributed.sharded_model import global_batches, local_slice, loss_of, make_ebc, shard
 
 Shards = dict[str, list[tuple[list[int], torch.Tensor]]]
@@ -19,14 +22,33 @@ def _model(
     optimizer: str = "rowwise_adagrad",
     data_type: str = "FP32",
     weighted: bool = False,
+    module: str = "ebc",
 ):
     torch.manual_seed(seed)
-    ebc = make_ebc(data_type=data_type, weighted=weighted)
     opt_cls = {"rowwise_adagrad": RowWiseAdagrad, "adagrad": torch.optim.Adagrad}[optimizer]
-    apply_optimizer_in_backward(opt_cls, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6})
     config = CacheConfig(capacity=14, lookahead=2, prefetch_depth=1)
+    if module == "ec":
+        ec = make_ec(data_type=data_type)
+        apply_optimizer_in_backward(opt_cls, ec.embeddings.parameters(), {"lr": 0.1, "eps": 1e-6})
+        big = {"s2": CacheConfig(capacity=40)}  # two features of sequences: a larger cache
+        return shard_ec(ec, "", ec, kind, dataclasses.replace(config, capacity=20), big)
+    ebc = make_ebc(data_type=data_type, weighted=weighted)
+    apply_optimizer_in_backward(opt_cls, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6})
     # t3 serves two features: a larger cache of its own.
     return shard(ebc, kind, config, {"t3": CacheConfig(capacity=28)})
+
+
+def _batches(module: str, num: int, world: int, seed: int, weighted: bool) -> list:
+    if module == "ec":
+        return seq_batches(num, 3, world, seed)
+    return global_batches(num, 3, world, seed=seed, weighted=weighted)
+
+
+def _train_step(model, module: str, batch, rank: int, world: int) -> None:
+    if module == "ec":
+        seq_loss(model(local_seq_slice(batch, rank, world))).backward()
+    else:
+        loss_of(model(local_slice(batch, rank, world))).backward()
 
 
 def _state(model) -> dict:
@@ -58,10 +80,11 @@ def save(
     optimizer: str = "rowwise_adagrad",
     data_type: str = "FP32",
     weighted: bool = False,
+    module: str = "ebc",
 ) -> Shards:
-    model = _model(kind, seed=0, optimizer=optimizer, data_type=data_type, weighted=weighted)
-    for batch in global_batches(steps, 3, world, seed=5, weighted=weighted):
-        loss_of(model(local_slice(batch, rank, world))).backward()
+    model = _model(kind, 0, optimizer, data_type, weighted, module)
+    for batch in _batches(module, steps, world, 5, weighted):
+        _train_step(model, module, batch, rank, world)
     dirty = sum(
         int(e.scheduler.residency.dirty.sum())
         for m in model.modules()
@@ -83,16 +106,19 @@ def load(
     optimizer: str = "rowwise_adagrad",
     data_type: str = "FP32",
     weighted: bool = False,
+    module: str = "ebc",
 ) -> Shards:
     # Different initial rows: everything must come from the checkpoint.
-    model = _model(kind, seed=123, optimizer=optimizer, data_type=data_type, weighted=weighted)
+    model = _model(kind, 123, optimizer, data_type, weighted, module)
     state = _state(model)
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     model.fused_optimizer.load_state_dict(state["optim"])
     # Read back through a forward pass too: no stale cached row may be served.
-    batch = global_batches(1, 3, world, seed=9, weighted=weighted)[0]
-    model(local_slice(batch, rank, world))
+    batch = _batches(module, 1, world, 9, weighted)[0]
+    model(
+        local_seq_slice(batch, rank, world) if module == "ec" else local_slice(batch, rank, world)
+    )
     return _local_shards(_state(model))
 
 
@@ -121,11 +147,11 @@ def _name(key: str) -> str:
     return key.split("/")[-1]
 
 
-def assert_same(saved: list[Shards], loaded: list[Shards]) -> None:
+def assert_same(saved: list[Shards], loaded: list[Shards], tables: int = 4) -> None:
     a = {_name(k): v for k, v in assemble(saved).items()}
     b = {_name(k): v for k, v in assemble(loaded).items()}
-    assert set(a) == set(b) and len(a) == 8, (sorted(a), sorted(b))  # 4 tables x (rows, state)
-    assert sum("momentum" in k for k in a) == 4, sorted(a)  # every table's optimizer state
+    assert set(a) == set(b) and len(a) == 2 * tables, (sorted(a), sorted(b))  # rows, state
+    assert sum("momentum" in k for k in a) == tables, sorted(a)  # every table's optimizer state
     for key in a:
         assert not a[key].isnan().any(), f"{key}: saved shards do not cover the table"
         assert torch.equal(a[key], b[key]), key

@@ -1,0 +1,355 @@
+"""Rank bodies for `EmbeddingCollection` tests: a small EC (sequence features), its batches,
+plans and the comparison against the unsharded, uncached EC."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from distcache import CacheConfig
+from distcache.pipeline import LookaheadTrainPipeline
+from distcache.sharding import (
+    CACHED_KERNEL,
+    CachedEmbeddingBagCollectionSharder,
+    CachedEmbeddingCollectionSharder,
+    cache_stats,
+)
+from tests.distributed.sharded_model import (
+    TABLES,
+    compare_with_global,
+    copy_global_into,
+    global_batches,
+    integer_init,
+    local_slice,
+    loss_of,
+    make_ebc,
+    plan_for,
+    wrap,
+)
+
+DIM = 8
+# (name, rows, features): one width (as EmbeddingCollection requires); s2 serves two features.
+SEQ_TABLES = [("s0", 40, ["q0"]), ("s1", 64, ["q1"]), ("s2", 50, ["q2", "q3"])]
+SEQ_FEATURES = [f for *_, fs in SEQ_TABLES for f in fs]
+
+
+def make_ec(data_type: str = "FP32") -> EmbeddingCollection:
+    from torchrec.modules.embedding_configs import DataType
+
+    configs = [
+        EmbeddingConfig(
+            name=n,
+            num_embeddings=r,
+            embedding_dim=DIM,
+            feature_names=fs,
+            data_type=DataType[data_type],
+        )
+        for n, r, fs in SEQ_TABLES
+    ]
+    return EmbeddingCollection(tables=configs, device=torch.device("cpu"))
+
+
+def seq_batches(num: int, batch_per_rank: int, world: int, seed: int) -> list[KeyedJaggedTensor]:
+    """Global batches of power-law id sequences (0 to 5 ids per sample, some empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = {f: r for _, r, fs in SEQ_TABLES for f in fs}
+    out = []
+    for _ in range(num):
+        b = world * batch_per_rank
+        lengths = torch.randint(0, 6, (len(SEQ_FEATURES) * b,), generator=gen)
+        values = []
+        for k, f in enumerate(SEQ_FEATURES):
+            n = int(lengths[k * b : (k + 1) * b].sum())
+            u = torch.rand(n, generator=gen)
+            values.append(((rows[f] ** u).long() - 1).clamp(0, rows[f] - 1))
+        out.append(
+            KeyedJaggedTensor.from_lengths_sync(
+                keys=SEQ_FEATURES, values=torch.cat(values), lengths=lengths
+            )
+        )
+    return out
+
+
+def local_seq_slice(kjt: KeyedJaggedTensor, rank: int, world: int) -> KeyedJaggedTensor:
+    """Rank `rank`'s samples of a global batch."""
+    b = kjt.stride() // world
+    per_key = kjt.to_dict()
+    lengths, values = [], []
+    for f in SEQ_FEATURES:
+        jt = per_key[f]
+        lens = jt.lengths()
+        start = int(lens[: rank * b].sum())
+        stop = start + int(lens[rank * b : (rank + 1) * b].sum())
+        lengths.append(lens[rank * b : (rank + 1) * b])
+        values.append(jt.values()[start:stop])
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=SEQ_FEATURES, values=torch.cat(values), lengths=torch.cat(lengths)
+    )
+
+
+def ec_plan(kind: str, world: int) -> dict:
+    ranks = list(range(world))
+    per_table = {
+        "table_wise": lambda i: table_wise(rank=i % world, compute_kernel=CACHED_KERNEL),
+        "row_wise": lambda i: row_wise(compute_kernel=CACHED_KERNEL),
+        "column_wise": lambda i: column_wise(ranks=ranks, compute_kernel=CACHED_KERNEL),
+        "mixed": lambda i: [
+            table_wise(rank=1 % world, compute_kernel=CACHED_KERNEL),
+            row_wise(compute_kernel=CACHED_KERNEL),
+            table_wise(rank=0, compute_kernel=CACHED_KERNEL),
+        ][i],
+    }[kind]
+    return {name: per_table(i) for i, (name, *_) in enumerate(SEQ_TABLES)}
+
+
+def shard_ec(
+    model: torch.nn.Module,
+    path: str,
+    ec: EmbeddingCollection,
+    kind: str,
+    config: CacheConfig,
+    table_configs: dict[str, CacheConfig] | None = None,
+):
+    """`model` under DMP with the EC at `path` sharded by `kind`, cached by `config`."""
+    world = dist.get_world_size()
+    sharder = CachedEmbeddingCollectionSharder(config, table_configs)
+    module_plan = construct_module_sharding_plan(
+        ec,
+        per_param_sharding=ec_plan(kind, world),
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+        sharder=sharder,
+    )
+    return wrap(model, ShardingPlan({path: module_plan}), sharder, init_data_parallel=False)
+
+
+def seq_loss(per_feature: dict) -> torch.Tensor:
+    """An integer-gradient loss over every id's row, features in a fixed order."""
+    rows = torch.cat([per_feature[f].values() for f in SEQ_FEATURES])
+    weights = torch.arange(rows.numel(), dtype=rows.dtype).view_as(rows) % 3 - 1
+    return (rows * weights).sum()
+
+
+def train_ec_and_compare(
+    rank: int, world: int, kind: str, *, capacity: int = 16, steps: int = 10
+) -> dict:
+    """Train a cached, sharded EC and the unsharded EC side by side on the same batches (SGD,
+    integer rows and gradients): per-id outputs and final rows must be bitwise equal."""
+    torch.manual_seed(0)
+    reference = make_ec()
+    integer_init(reference)
+    src = make_ec()
+    src.load_state_dict(reference.state_dict())
+    apply_optimizer_in_backward(torch.optim.SGD, src.embeddings.parameters(), {"lr": 1.0})
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1.0)
+    config = CacheConfig(capacity=capacity, lookahead=2)
+    # s2 serves two features: a larger cache of its own.
+    big = {"s2": dataclasses.replace(config, capacity=2 * capacity)}
+    model = shard_ec(src, "", src, kind, config, big)
+    copy_global_into(model, reference.state_dict())
+    for step, batch in enumerate(seq_batches(steps, 3, world, seed=5)):
+        mine = model(local_seq_slice(batch, rank, world))
+        seq_loss(mine).backward()
+        theirs = reference(batch)
+        ref_opt.zero_grad()
+        # TorchRec's fused update follows the gradient of the mean of the ranks' losses (its
+        # sequence all-to-all divides gradients by the world size, as the pooled one does).
+        (
+            sum(seq_loss(_rank_slice(theirs, r, world, batch)) for r in range(world)) / world
+        ).backward()
+        ref_opt.step()
+        for f in SEQ_FEATURES:
+            expected = _rank_slice(theirs, rank, world, batch)[f]
+            assert torch.equal(mine[f].lengths(), expected.lengths()), (step, f)
+            assert torch.equal(mine[f].values().detach(), expected.values().detach()), (step, f)
+    compare_with_global(model, reference.state_dict(), exact=True)
+    return {name: s.as_dict() for name, s in cache_stats(model).items()}
+
+
+def _rank_slice(per_feature: dict, rank: int, world: int, batch: KeyedJaggedTensor) -> dict:
+    """The unsharded EC's output for rank `rank`'s samples (values keep their autograd graph)."""
+    from torchrec import JaggedTensor
+
+    b = batch.stride() // world
+    out = {}
+    for f, jt in per_feature.items():
+        lens = jt.lengths()
+        start = int(lens[: rank * b].sum())
+        stop = start + int(lens[rank * b : (rank + 1) * b].sum())
+        out[f] = JaggedTensor(
+            values=jt.values()[start:stop], lengths=lens[rank * b : (rank + 1) * b]
+        )
+    return out
+
+
+class BagsAndSequences(nn.Module):
+    """A model with an EmbeddingBagCollection (pooled features) and an EmbeddingCollection
+    (sequence features), fed by two KeyedJaggedTensors of one batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = make_ebc()
+        self.seq = make_ec()
+        integer_init(self.bags, 1)
+        integer_init(self.seq, 2)
+
+    def forward(self, batch: dict):  # noqa: ANN201
+        pooled, per_id = self.bags(batch["bags"]), self.seq(batch["seq"])
+        return loss_of(pooled) + 2 * seq_loss(per_id), (pooled, per_id)
+
+
+def _shard_both(state: dict, config: CacheConfig, world: int) -> nn.Module:
+    model = BagsAndSequences()
+    model.load_state_dict(state)
+    for module in (model.bags, model.seq):
+        apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 1.0})
+    bag_sharder = CachedEmbeddingBagCollectionSharder(config, {"t3": _twice(config)})
+    seq_sharder = CachedEmbeddingCollectionSharder(config, {"s2": _twice(config)})
+    plans = {
+        "bags": construct_module_sharding_plan(
+            model.bags,
+            per_param_sharding=plan_for("mixed", world),
+            local_size=world,
+            world_size=world,
+            device_type="cpu",
+            sharder=bag_sharder,
+        ),
+        "seq": construct_module_sharding_plan(
+            model.seq,
+            per_param_sharding=ec_plan("mixed", world),
+            local_size=world,
+            world_size=world,
+            device_type="cpu",
+            sharder=seq_sharder,
+        ),
+    }
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan(plans),
+        sharders=[bag_sharder, seq_sharder],
+        init_data_parallel=False,
+    )
+    copy_global_into(dmp, state)  # DMP initializes shards afresh
+    return dmp
+
+
+def _twice(config: CacheConfig) -> CacheConfig:
+    return dataclasses.replace(config, capacity=2 * config.capacity)
+
+
+def bags_and_sequences_pipelined_vs_plain(rank: int, world: int, steps: int = 10) -> dict:
+    """An EBC and an EC in one model: `LookaheadTrainPipeline` against the plain loop."""
+    bags = global_batches(steps, 3, world, seed=7)
+    seqs = seq_batches(steps, 3, world, seed=8)
+    local = [
+        {"bags": local_slice(b, rank, world), "seq": local_seq_slice(s, rank, world)}
+        for b, s in zip(bags, seqs, strict=True)
+    ]
+    state = BagsAndSequences().state_dict()
+    config = CacheConfig(capacity=24, lookahead=3, prefetch_depth=1)
+    runs = {}
+    for name in ("plain", "pipeline"):
+        model = _shard_both(state, config, world)
+        outputs = []
+        if name == "plain":
+            for batch in local:
+                loss, out = model(batch)
+                loss.backward()
+                outputs.append(out)
+        else:
+            pipeline = LookaheadTrainPipeline(
+                model, None, "cpu", sparse_input=lambda b: {"bags": b["bags"], "seq": b["seq"]}
+            )
+            it = iter(local)
+            while True:
+                try:
+                    outputs.append(pipeline.progress(it))
+                except StopIteration:
+                    break
+            stats = pipeline.stats()
+            assert {k.split("/")[0] for k in stats if k != "total"} == {"bags", "seq"}, stats
+            runs["critical"] = stats["total"]["critical_misses"]
+            runs["evictions"] = stats["total"]["evictions"]
+        runs[name] = {
+            "outputs": [
+                t.detach()
+                for pooled, per_id in outputs
+                for t in [pooled.values()] + [per_id[f].values() for f in SEQ_FEATURES]
+            ],
+            "weights": {
+                k: [s.tensor.clone() for s in v.local_shards()]
+                for k, v in model.state_dict().items()
+                if hasattr(v, "local_shards")
+            },
+        }
+    return runs
+
+
+def planner_plans_bags_and_sequences(rank: int, world: int) -> dict:
+    """`CachedShardingPlanner` over a model with an EBC and an EC: every table gets
+    distcache's kernel and its own sharder's `CacheConfig`, and the model trains."""
+    from distcache.sharding import CachedShardingPlanner
+
+    model = BagsAndSequences()
+    for module in (model.bags, model.seq):
+        apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1})
+    config = CacheConfig(capacity=0.5, lookahead=2)
+    bag_sharder = CachedEmbeddingBagCollectionSharder(config, {"t3": _twice(config)})
+    seq_sharder = CachedEmbeddingCollectionSharder(_twice(config))
+    sharders = [bag_sharder, seq_sharder]
+    plan = CachedShardingPlanner(batch_size=3).collective_plan(model, sharders, dist.group.WORLD)
+    configs = {
+        f"{path}.{name}": (p.sharding_type, p.compute_kernel, p.cache_config)
+        for path, module_plan in plan.plan.items()
+        for name, p in module_plan.items()
+    }
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=sharders,
+    )
+    bags = global_batches(4, 3, world, seed=3)
+    seqs = seq_batches(4, 3, world, seed=4)
+    for b, s in zip(bags, seqs, strict=True):
+        loss, _ = dmp({"bags": local_slice(b, rank, world), "seq": local_seq_slice(s, rank, world)})
+        loss.backward()
+    return {
+        "configs": configs,
+        "expected": {
+            **{f"bags.{n}": bag_sharder.config_for(n) for n, *_ in TABLES},
+            **{f"seq.{n}": seq_sharder.config_for(n) for n, *_ in SEQ_TABLES},
+        },
+        "batches": sum(s.batches for s in cache_stats(dmp).values()),
+    }
+
+
+def ec_with_bad_id(rank: int, world: int, bad_id: int) -> None:
+    """Rank 1's third batch holds `bad_id` for feature q1 (table s1, 64 rows)."""
+    ec = make_ec()
+    apply_optimizer_in_backward(torch.optim.SGD, ec.embeddings.parameters(), {"lr": 0.1})
+    model = shard_ec(ec, "", ec, "row_wise", CacheConfig(capacity=0.5))
+    for step, batch in enumerate(seq_batches(4, 2, world, seed=3)):
+        local = local_seq_slice(batch, rank, world)
+        if rank == 1 and step == 2:
+            values = local.values().clone()
+            values[local.length_per_key()[0]] = bad_id  # the first id of feature q1
+            local = KeyedJaggedTensor.from_lengths_sync(SEQ_FEATURES, values, local.lengths())
+        seq_loss(model(local)).backward()

@@ -1,0 +1,57 @@
+"""distcache's EmbeddingCollection sharder against the unsharded, uncached EmbeddingCollection
+(gloo, CPU): per-id rows of sequence features through the same look-ahead caches."""
+
+import pytest
+import torch
+
+from distcache.sharding import CACHED_KERNEL
+from tests.distributed.ec_case import (
+    bags_and_sequences_pipelined_vs_plain,
+    ec_with_bad_id,
+    planner_plans_bags_and_sequences,
+    train_ec_and_compare,
+)
+from tests.distributed.harness import RankFailed, run_ranks
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "mixed"])
+def test_sharded_cached_ec_sgd_equals_unsharded_bitwise(kind):
+    results = run_ranks(train_ec_and_compare, 2, args=(kind,), timeout_s=150)
+    assert any(s["evictions"] > 0 for stats in results for s in stats.values()), results
+
+
+@pytest.mark.timeout(180)
+def test_ebc_and_ec_in_one_model_pipelined_equal_plain_without_critical_misses():
+    for runs in run_ranks(bags_and_sequences_pipelined_vs_plain, 2, timeout_s=150):
+        plain, piped = runs["plain"], runs["pipeline"]
+        assert runs["critical"] == 0 and runs["evictions"] > 0, runs
+        assert len(piped["outputs"]) == len(plain["outputs"]) > 0
+        for a, b in zip(plain["outputs"], piped["outputs"], strict=True):
+            assert torch.equal(a, b)
+        assert plain["weights"].keys() == piped["weights"].keys()
+        assert any(k.startswith("seq.") for k in plain["weights"]), plain["weights"].keys()
+        for key, shards in plain["weights"].items():
+            for a, b in zip(shards, piped["weights"][key], strict=True):
+                assert torch.equal(a, b), key
+
+
+@pytest.mark.timeout(180)
+def test_planner_gives_ebc_and_ec_tables_the_cached_kernel_and_their_configs():
+    results = run_ranks(planner_plans_bags_and_sequences, 2, timeout_s=150)
+    for result in results:
+        assert result["configs"].keys() == result["expected"].keys()
+        for table, (_, kernel, config) in result["configs"].items():
+            assert kernel == CACHED_KERNEL, (table, kernel)
+            assert config == result["expected"][table], table
+        assert result["batches"] > 0
+    assert results[0]["configs"] == results[1]["configs"]  # one plan over both ranks
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_id_fails_the_job_on_the_rank_that_saw_it():
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(ec_with_bad_id, 2, args=(64,), timeout_s=90)
+    message = str(failure.value)
+    assert "rank 1 raised" in message and "InvalidIdError" in message
+    assert "table 's1' (feature 'q1', rank 1): id 64" in message and "[0, 64)" in message
