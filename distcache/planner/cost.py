@@ -28,7 +28,12 @@ U_table(n) otherwise, from `stats.expected_unique`.
   (LRU's score is one subtraction per slot, not priced).
 - all-to-all: each consumer rank sends B·P·8 bytes of ids to each shard (row-wise: /S) and each
   shard sends B·D_shard·dtype bytes of pooled embeddings (row-wise: partial sums, D) to each
-  consumer; backward sends the gradients back the same way. A rank's time per collective is
+  consumer; backward sends the gradients back the same way. Table-row-wise (TorchRec's TWRW
+  and grid: rows split over the k ranks of a node, columns over nodes) instead reduce-scatters
+  the node's partial sums over NVLink ((k-1)/k·W·B·D_shard·dtype each way per owner), then each
+  owner sends B·D_shard·dtype to the rank of its local index on every other node, and every
+  rank receives that much from each owner node but its own; it adds a second output
+  collective each way. A rank's time per collective is
   max(max(sent, received) over NVLink / intra bandwidth, same over the NIC / inter bandwidth):
   links are full duplex and both kinds run at once. Latencies: each sharding type a plan uses
   (data parallel aside) routes its ids with 3 collectives (TorchRec's splits, lengths and
@@ -123,9 +128,11 @@ from distcache.planner.shards import (
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
+    TABLE_ROW_WISE,
     Plan,
     PlanCost,
     StepCost,
+    TablePlan,
     Topology,
     Workload,
 )
@@ -210,11 +217,28 @@ def validate_plan(plan: Plan, workload: Workload, topology: Topology) -> None:
                 f"table {tp.table!r}: data parallel runs on all {world} ranks, got {tp.ranks}"
             )
         dim = known[tp.table].dim
+        if tp.sharding == TABLE_ROW_WISE:
+            _check_whole_nodes(tp, dim, topology)
         if tp.sharding == COLUMN_WISE and dim % len(tp.ranks):
             raise DistcacheConfigError(
                 f"table {tp.table!r}: column-wise over {len(tp.ranks)} ranks needs a dim divisible "
                 f"by {len(tp.ranks)}, got dim {dim}"
             )
+
+
+def _check_whole_nodes(tp: TablePlan, dim: int, topology: Topology) -> None:
+    """Table-row-wise ranks are whole nodes (one node, or one per column block of the dim)."""
+    per_node = topology.ranks_per_node
+    nodes = sorted({r // per_node for r in tp.ranks})
+    whole = [
+        r for n in nodes for r in range(n * per_node, min((n + 1) * per_node, topology.world_size))
+    ]
+    if sorted(tp.ranks) != whole or dim % len(nodes):
+        raise DistcacheConfigError(
+            f"table {tp.table!r}: table-row-wise over ranks {list(tp.ranks)} must span whole "
+            f"nodes of {per_node} ranks (nodes {nodes} have ranks {whole}), one column block of "
+            f"the dim {dim} per node (the dim divisible by the nodes)"
+        )
 
 
 @dataclass(frozen=True)
@@ -252,7 +276,11 @@ def global_terms(
     return GlobalTerms(
         all_reduce_s=all_reduce,
         input_latency_s=INPUT_COLLECTIVES * topology.network_latency_s * routed,
-        output_latency_s=OUTPUT_COLLECTIVES * sync_latency_s(topology) * routed,
+        # Table-row-wise outputs take two collectives each way: the node's reduce-scatter, then
+        # the all-to-all across nodes.
+        output_latency_s=OUTPUT_COLLECTIVES
+        * sync_latency_s(topology)
+        * (routed + (TABLE_ROW_WISE in kinds and topology.world_size > 1)),
         overhead_s=topology.step_overhead_s
         + topology.sharding_overhead_s * len(kinds)
         + topology.id_overhead_s * sent_ids,

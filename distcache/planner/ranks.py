@@ -201,9 +201,36 @@ def shard_contribution(terms: ShardTerms, ranks: tuple[int, ...], topology: Topo
         is_owner = np.zeros(topology.world_size)  # [W]
         is_owner[owners] = 1.0
         ids, emb = exchange(ids_bytes, emb_bytes, peer_counts(is_owner, topology))
+        if terms.reduced_in_node:
+            emb = reduced_in_node(emb_bytes, is_owner, topology)
         for row, value in zip((*load.ids, *load.emb), (*ids, *emb), strict=True):
             row[:] = value
     return load
+
+
+def reduced_in_node(emb_bytes: float, is_owner: np.ndarray, topology: Topology) -> Traffic:
+    """The output traffic per rank [W] of a table-row-wise table (TorchRec's TWRW and grid),
+    whose owners are whole nodes, each shard's partial sums `emb_bytes` per consumer rank.
+
+    Each owner node reduce-scatters its k ranks' partial sums of all W consumers' bags (an
+    owner sends and receives (k-1)/k of W·emb_bytes over NVLink); the owner of local index j
+    then holds the full sums of the bags of every rank of local index j, and sends each rank
+    of another node its share, emb_bytes, over the NIC (TorchRec's cross-node all-to-all among
+    the ranks of one local index). Every rank receives emb_bytes from each owner node but its
+    own. Backward sends the gradients back the same way."""
+    node, starts, node_size = node_layout(topology)
+    world = topology.world_size
+    owner_nodes = np.unique(node[is_owner > 0])
+    on_owner_node = np.isin(node, owner_nodes).astype(np.float64)  # [W]
+    reduce_scatter = is_owner * (node_size - 1) / node_size * world * emb_bytes
+    # Ranks of my local index on other nodes: one per other node (full nodes).
+    others = len(starts) - 1
+    return Traffic(
+        sent_intra=reduce_scatter,
+        sent_inter=is_owner * others * emb_bytes,
+        received_intra=reduce_scatter,
+        received_inter=(len(owner_nodes) - on_owner_node) * emb_bytes,
+    )
 
 
 class RankStep(NamedTuple):

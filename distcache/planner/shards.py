@@ -22,6 +22,7 @@ from distcache.planner.types import (
     HOST_CACHED,
     OPTIMIZER_STATE,
     ROW_WISE,
+    TABLE_ROW_WISE,
     TablePlan,
     TableStats,
     Topology,
@@ -67,6 +68,10 @@ class ShardTerms:
     """Output all-to-all: bytes this shard sends each consumer rank (forward; backward same)."""
     all_reduce_bytes: float
     """Gradient bytes all-reduced each step (data parallel only)."""
+    reduced_in_node: bool = False
+    """Table-row-wise: the shards' partial sums are reduce-scattered within their node, then
+    sent across nodes once (`ranks.shard_contribution`), instead of each shard answering
+    every consumer."""
 
     @property
     def fits_working_set(self) -> bool:
@@ -123,6 +128,20 @@ def staging_time_s(staging_bytes: float, topology: Topology, cache_rows: int = 0
     )
 
 
+def splits(sharding: str, shards: int, topology: Topology) -> tuple[int, int]:
+    """(row splits, column splits) of a table of `shards` shards: row-wise splits rows over
+    every shard, column-wise columns; table-row-wise splits rows over a node's ranks and
+    columns over its nodes (one node: rows only)."""
+    if sharding == ROW_WISE:
+        return shards, 1
+    if sharding == COLUMN_WISE:
+        return 1, shards
+    if sharding == TABLE_ROW_WISE:
+        per_node = min(shards, topology.ranks_per_node)
+        return per_node, max(1, shards // per_node)
+    return 1, 1
+
+
 def shard_access(
     table: TableStats, workload: Workload, topology: Topology, *, sharding: str, shards: int
 ) -> tuple[int, float, float]:
@@ -133,9 +152,8 @@ def shard_access(
     if sharding == DATA_PARALLEL:
         return table.rows, per_rank_ids, float(table.rows)
     unique = table_access(table).unique(global_ids)
-    if sharding == ROW_WISE:
-        return -(-table.rows // shards), global_ids / shards, unique / shards
-    return table.rows, global_ids, unique
+    rows_split, _ = splits(sharding, shards, topology)
+    return -(-table.rows // rows_split), global_ids / rows_split, unique / rows_split
 
 
 def shard_terms(
@@ -163,8 +181,8 @@ def shard_terms(
     dtype = workload.dtype_bytes
     per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
     global_ids = per_rank_ids * topology.world_size
-    split = shards if sharding in (ROW_WISE, COLUMN_WISE) else 1
-    dim = table.dim // split if sharding == COLUMN_WISE else table.dim
+    rows_split, columns_split = splits(sharding, shards, topology)
+    dim = table.dim // columns_split
     element = workload.element_bytes(table)  # the rows' dtype; state and outputs: `dtype`
     row_bytes = dim * element + OPTIMIZER_STATE[workload.optimizer](dim) * dtype
     rows, ids, unique = shard_access(table, workload, topology, sharding=sharding, shards=shards)
@@ -174,8 +192,8 @@ def shard_terms(
     loads = 0.0
     if cached:
         model = "frequency" if lookahead > 0 else "lru"
-        scale = split if sharding == ROW_WISE else 1  # row-wise: the table's cache is S shards'
-        loads = table_access(table).loads(global_ids, cache_rows * scale, model) / scale
+        # Row splits: the table's cache is the shards' caches together.
+        loads = table_access(table).loads(global_ids, cache_rows * rows_split, model) / rows_split
     staging_bytes = 2 * loads * row_bytes
     return ShardTerms(
         shard_rows=rows,
@@ -195,11 +213,10 @@ def shard_terms(
         and topology.compute_device == "cuda",
         device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, cached, lookahead),
         host_memory_bytes=rows * row_bytes if cached else 0,
-        ids_bytes_per_peer=per_rank_ids * ID_BYTES / (split if sharding == ROW_WISE else 1)
-        if sharded
-        else 0.0,
+        ids_bytes_per_peer=per_rank_ids * ID_BYTES / rows_split if sharded else 0.0,
         embedding_bytes_per_peer=workload.batch_size_per_rank * dim * dtype if sharded else 0.0,
         all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
+        reduced_in_node=sharding == TABLE_ROW_WISE,
     )
 
 

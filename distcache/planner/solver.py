@@ -63,7 +63,7 @@ from distcache.planner.types import (
     DEVICE,
     HOST_CACHED,
     ROW_WISE,
-    SHARDING_TYPES,
+    SOLVER_SHARDINGS,
     STORAGES,
     TABLE_WISE,
     Plan,
@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 class SolverOptions:
     """What `solve` may choose from, and how far it may search."""
 
-    shardings: tuple[str, ...] = SHARDING_TYPES
+    shardings: tuple[str, ...] = SOLVER_SHARDINGS
     """Allowed sharding types."""
     storages: tuple[str, ...] = STORAGES
     """Allowed storages for sharded tables (data parallel is always on the device)."""
@@ -108,8 +108,8 @@ class SolverOptions:
             if not ok:
                 raise DistcacheConfigError(f"SolverOptions: {message}")
 
-        bad = [s for s in self.shardings if s not in SHARDING_TYPES]
-        check(self.shardings and not bad, f"shardings {bad or '()'} not in {SHARDING_TYPES}")
+        bad = [s for s in self.shardings if s not in SOLVER_SHARDINGS]
+        check(self.shardings and not bad, f"shardings {bad or '()'} not in {SOLVER_SHARDINGS}")
         bad = [s for s in self.storages if s not in STORAGES]
         check(self.storages and not bad, f"storages {bad or '()'} not in {STORAGES}")
         check(
@@ -207,7 +207,7 @@ def uniform_plan(
     Args:
         workload: the tables.
         topology: the ranks.
-        sharding: one of `types.SHARDING_TYPES`.
+        sharding: one of `types.SOLVER_SHARDINGS`.
         storage, cache_fraction, lookahead, prefetch_depth: as in `TablePlan`, for every table.
         name: the plan's name (default "all-<sharding>[-<storage>]").
         column_wise_shards: at most this many shards per column-wise table.
@@ -216,8 +216,8 @@ def uniform_plan(
 
         baseline = uniform_plan(workload, topology, TABLE_WISE)
     """
-    if sharding not in SHARDING_TYPES:
-        raise DistcacheConfigError(f"sharding {sharding!r} is not one of {SHARDING_TYPES}")
+    if sharding not in SOLVER_SHARDINGS:
+        raise DistcacheConfigError(f"sharding {sharding!r} is not one of {SOLVER_SHARDINGS}")
     world = topology.world_size
     everyone = tuple(range(world))
     assigned = [(0.0, rank) for rank in everyone]  # a heap of (bytes so far, rank)

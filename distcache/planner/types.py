@@ -24,7 +24,14 @@ DATA_PARALLEL = "data_parallel"
 TABLE_WISE = "table_wise"
 ROW_WISE = "row_wise"
 COLUMN_WISE = "column_wise"
-SHARDING_TYPES = (DATA_PARALLEL, TABLE_WISE, ROW_WISE, COLUMN_WISE)
+TABLE_ROW_WISE = "table_row_wise"
+"""Row-wise within one node (TorchRec's `table_row_wise`), or column blocks each row-wise within
+its own node (TorchRec's `grid_shard`): partial sums reduce-scattered inside the node, then one
+all-to-all across nodes. The ranks are whole nodes."""
+SHARDING_TYPES = (DATA_PARALLEL, TABLE_WISE, ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE)
+SOLVER_SHARDINGS = (DATA_PARALLEL, TABLE_WISE, ROW_WISE, COLUMN_WISE)
+"""The sharding types distcache's solver chooses among; plans from elsewhere (TorchRec's
+planner) may also use `TABLE_ROW_WISE`, which the cost model prices as TorchRec runs it."""
 
 DEVICE = "device"  # every row of the shard in device memory
 HOST_CACHED = "host_cached"  # rows in host memory, a look-ahead cache of some rows on the device

@@ -26,11 +26,9 @@ kernel fused_uvm                 host-cached, lookahead 0, with the smallest cac
 kernel key_value and the         host-cached with the planner's default cache load factor
 virtual-table kernels (SSD/KV)   (approximation: the model has no SSD tier)
 kernel customized_kernel         distcache's own: read from the table's `CacheConfig`
-table_row_wise, grid_shard       row-wise over the shards' ranks (approximation: the
-                                 node-local reduce-scatter of TWRW is priced as a plain
-                                 row-wise all-to-all over those ranks, which overprices its
-                                 cross-node output k-fold for k ranks per node); or, with
-                                 `table_row_wise_as="column_wise"`, column-wise over them
+table_row_wise, grid_shard       table-row-wise over the shards' ranks, priced as TorchRec
+                                 runs them (node-local reduce-scatter, then one all-to-all
+                                 across nodes; grid: one column block per node)
 table_column_wise, column_wise   column-wise over the distinct ranks of the shards, the
                                  last dropped until their number divides the dim
                                  (approximation: TorchRec's shards may differ in width or
@@ -77,6 +75,7 @@ from distcache.planner.types import (
     DEVICE,
     HOST_CACHED,
     ROW_WISE,
+    TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
     TablePlan,
@@ -97,11 +96,7 @@ _OFFLOAD_KERNELS = {
 # TorchRec widens a column-wise shard to a multiple of 4 columns (`_find_base_dim`), which
 # would silently give fewer shards than ranks.
 _CW_BLOCK = 4
-_ROW_LIKE = {
-    ShardingType.ROW_WISE.value,
-    ShardingType.TABLE_ROW_WISE.value,
-    ShardingType.GRID_SHARD.value,
-}
+_NODE_ROWS = {ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value}
 _COLUMN_LIKE = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value}
 
 
@@ -204,8 +199,10 @@ def to_sharding_plan(
     """A TorchRec `ShardingPlan` placing the EBC at `module_path` as `plan` says (its tables
     named as in `workload_ebc`: `torchrec_names`).
 
-    Row-wise tables span every rank (TorchRec's `row_wise`) or exactly the ranks of one node
-    (TorchRec's `table_row_wise`); other rank subsets are refused. Column-wise tables split their
+    Row-wise tables span every rank (TorchRec's `row_wise`); table-row-wise tables the ranks of
+    one node (TorchRec's `table_row_wise`; distcache's kernel has no grid sharding, so a
+    table-row-wise table over several nodes is refused, as are other rank subsets). Column-wise
+    tables split their
     columns evenly over distinct ranks (as the cost model requires, the count divides the dim),
     in shards of a multiple of 4 columns (as TorchRec requires).
 
@@ -280,17 +277,23 @@ def _generator(
         return data_parallel()
     if table.sharding == TABLE_WISE:
         return table_wise(rank=table.ranks[0], compute_kernel=CACHED_KERNEL)
+    ranks = tuple(sorted(table.ranks))
     if table.sharding == ROW_WISE:
-        ranks = tuple(sorted(table.ranks))
         if ranks == tuple(range(world_size)):
             return row_wise(compute_kernel=CACHED_KERNEL)
-        node = ranks[0] // local_size
-        if ranks == tuple(range(node * local_size, (node + 1) * local_size)):
-            return table_row_wise(host_index=node)
         raise DistcacheConfigError(
             f"table {table.table!r}: row-wise over ranks {list(table.ranks)} has no TorchRec "
-            f"form; use every rank (0..{world_size - 1}) or every rank of one node "
-            f"({local_size} per node)"
+            f"form; use every rank (0..{world_size - 1}), or table_row_wise over the ranks of "
+            f"one node ({local_size} per node)"
+        )
+    if table.sharding == TABLE_ROW_WISE:
+        node = ranks[0] // local_size
+        if ranks == tuple(range(node * local_size, min((node + 1) * local_size, world_size))):
+            return table_row_wise(host_index=node)
+        raise DistcacheConfigError(
+            f"table {table.table!r}: table_row_wise over ranks {list(table.ranks)} is not one "
+            f"node's ranks ({local_size} per node); distcache's kernel runs table_row_wise on "
+            "one node (no grid sharding)"
         )
     return _column_wise(table, stats.dim)
 
@@ -323,7 +326,6 @@ def from_sharding_plan(
     name: str = "torchrec",
     cache_load_factor: float = 0.2,
     cache_config: CacheConfig | None = None,
-    table_row_wise_as: str = ROW_WISE,
 ) -> Plan:
     """The distcache `Plan` closest to a TorchRec plan (see the module docstring for the map).
 
@@ -336,12 +338,6 @@ def from_sharding_plan(
             `cache_params.load_factor` (TorchRec's planner default is 0.2).
         cache_config: the `CacheConfig` of distcache tables whose sharding carries none (a plan
             from TorchRec's planner with distcache's sharder); default `CacheConfig()`.
-        table_row_wise_as: how `table_row_wise` (and `grid_shard`) tables are priced:
-            `row_wise` over the node's ranks (the default), or `column_wise` over them, which
-            the cost model prices closer to TWRW's traffic (its node-local reduce-scatter
-            leaves each rank 1/k of the pooled output to send across nodes, as k column
-            shards do; row-wise shards each send the whole partial output). Falls back to
-            row-wise where the ranks do not divide the dim.
 
     Example::
 
@@ -349,16 +345,11 @@ def from_sharding_plan(
     """
     if not 0 < cache_load_factor <= 1:
         raise DistcacheConfigError(f"cache_load_factor must be in (0, 1], got {cache_load_factor}")
-    if table_row_wise_as not in (ROW_WISE, COLUMN_WISE):
-        raise DistcacheConfigError(
-            f"table_row_wise_as must be {ROW_WISE!r} or {COLUMN_WISE!r}, got {table_row_wise_as!r}"
-        )
     conversion = _Conversion(
         workload=workload,
         world_size=world_size,
         cache_load_factor=cache_load_factor,
         default_config=cache_config or CacheConfig(),
-        table_row_wise_as=table_row_wise_as,
     )
     shardings = _shardings_by_table(sharding_plan, workload)
     tables, explanations = [], {}
@@ -406,7 +397,6 @@ class _Conversion:
     world_size: int
     cache_load_factor: float
     default_config: CacheConfig
-    table_row_wise_as: str
 
 
 def _table_plan(stats: TableStats, sharding: ParameterSharding, conv: _Conversion) -> TablePlan:
@@ -417,18 +407,21 @@ def _table_plan(stats: TableStats, sharding: ParameterSharding, conv: _Conversio
     ranks = _shard_ranks(stats.name, sharding)
     if kind == ShardingType.TABLE_WISE.value:
         sharding_type = TABLE_WISE
-    elif kind in _ROW_LIKE:
+    elif kind == ShardingType.ROW_WISE.value:
         sharding_type, ranks = ROW_WISE, tuple(sorted(set(ranks)))
-        as_columns = kind != ShardingType.ROW_WISE.value and conv.table_row_wise_as == COLUMN_WISE
-        if as_columns and stats.dim % len(ranks) == 0:
-            sharding_type = COLUMN_WISE
+    elif kind in _NODE_ROWS:
+        sharding_type, ranks = TABLE_ROW_WISE, tuple(sorted(set(ranks)))
     elif kind in _COLUMN_LIKE:
         sharding_type, ranks = COLUMN_WISE, _column_ranks(stats.dim, ranks)
     else:
         raise DistcacheConfigError(
             f"table {stats.name!r}: sharding type {kind!r} has no distcache equivalent"
         )
-    split = len(ranks) if sharding_type == ROW_WISE else 1
+    split = 1
+    if sharding_type == ROW_WISE:
+        split = len(ranks)
+    elif sharding_type == TABLE_ROW_WISE:  # rows over a node's ranks (grid: in every node)
+        split = _row_splits(sharding) or len(ranks)
     shard_rows = -(-stats.rows // split)
     if kernel == _K.FUSED_UVM.value:  # no cache: model the smallest one the cost model accepts
         touched = table_access(stats).unique(
@@ -460,6 +453,15 @@ def _shard_ranks(table: str, sharding: ParameterSharding) -> tuple[int, ...]:
     if not ranks:
         raise DistcacheConfigError(f"table {table!r}: the TorchRec sharding names no rank")
     return tuple(ranks)
+
+
+def _row_splits(sharding: ParameterSharding) -> int:
+    """How many ways the sharding splits the rows (distinct row offsets of its shards); 0 when
+    its spec does not list them."""
+    spec = sharding.sharding_spec
+    if not isinstance(spec, EnumerableShardingSpec):
+        return 0
+    return len({s.shard_offsets[0] for s in spec.shards if math.prod(s.shard_sizes) > 0})
 
 
 def _column_ranks(dim: int, ranks: tuple[int, ...]) -> tuple[int, ...]:

@@ -19,8 +19,10 @@ converted from ms to seconds. It leaves out the input all-to-all (`Perf.total` e
 `input_dist_comms`) and the dense MLPs, so it is not comparable term by term with distcache's
 step time; `compare` prices TorchRec's plan with distcache's cost model as well.
 
-`torchrec_estimate` prices any distcache plan that TorchRec can express (device-resident tables,
-reactive caches as `fused_uvm_caching`; no look-ahead) with the same TorchRec model.
+`torchrec_estimate` prices any distcache plan that TorchRec can express with the same TorchRec
+model: device-resident tables as `fused`, every cache (look-ahead or not) as TorchRec's
+`fused_uvm_caching` cache of the same size, which TorchRec prices as a reactive cache (its model
+has no look-ahead, so this credits distcache's caches nothing for it).
 
 Example::
 
@@ -66,6 +68,7 @@ from distcache.planner.types import (
     DATA_PARALLEL,
     HOST_CACHED,
     ROW_WISE,
+    TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
     TablePlan,
@@ -245,9 +248,10 @@ def torchrec_plan(
 
 def torchrec_estimate(plan: Plan, workload: Workload, topology: Topology) -> float | None:
     """TorchRec's modelled step time (seconds, as `TorchRecResult.estimate_s`) of a distcache
-    plan, or None where TorchRec cannot express it: a look-ahead cache, a cache on a CPU
-    topology, row-wise over ranks other than all of them or one node's, or column-wise shards
-    of unequal width.
+    plan, or None where TorchRec cannot express it: a cache on a CPU topology, row-wise over
+    ranks other than all of them, table-row-wise over other than one node's ranks, or
+    column-wise shards of unequal width. Caches, look-ahead ones included, are priced as
+    TorchRec's `fused_uvm_caching` at the plan's cache fraction.
 
     Each table is enumerated by TorchRec under constraints that leave exactly the plan's
     sharding type and kernel (`fused`, `dense` for data parallel, `fused_uvm_caching` with the
@@ -301,13 +305,15 @@ def _constraint(
     cache = None
     kernel = "fused"
     if table.storage == HOST_CACHED:
-        if table.lookahead > 0 or topology.compute_device != "cuda":
+        if topology.compute_device != "cuda":  # TorchRec's caches are CUDA-only
             return None
         kernel = "fused_uvm_caching"
         cache = CacheParams(load_factor=table.cache_fraction)
     sharding, min_partition = table.sharding, None
     if table.sharding == ROW_WISE and len(table.ranks) != topology.world_size:
-        sharding = ShardingType.TABLE_ROW_WISE.value
+        return None  # TorchRec's row_wise spans every rank
+    if table.sharding == TABLE_ROW_WISE and len(table.ranks) > topology.ranks_per_node:
+        return None  # a grid: the estimate is not wired for it
     if table.sharding == COLUMN_WISE:
         dim = workload.table(table.table).dim
         if dim % len(table.ranks):
@@ -326,11 +332,9 @@ def _assign_ranks(option: ShardingOption, table: TablePlan, local_size: int) -> 
     """Put the shards of TorchRec's option on the plan's ranks; False if they do not match."""
     if table.sharding == TABLE_WISE:
         ranks: list[int] = list(table.ranks)
-    elif table.sharding in (DATA_PARALLEL, ROW_WISE) and (
-        option.sharding_type != ShardingType.TABLE_ROW_WISE.value
-    ):
+    elif table.sharding in (DATA_PARALLEL, ROW_WISE):
         ranks = list(range(len(option.shards)))
-    elif table.sharding == ROW_WISE:
+    elif table.sharding == TABLE_ROW_WISE:
         node = min(table.ranks) // local_size
         ranks = list(range(node * local_size, (node + 1) * local_size))
         if sorted(table.ranks) != ranks:

@@ -75,14 +75,23 @@ def test_torchrec_estimate_reprices_torchrecs_own_plan() -> None:
     assert torchrec_estimate(plan, WORKLOAD, topology) == pytest.approx(result.estimate_s)
 
 
-def test_torchrec_cannot_express_lookahead_caches() -> None:
+def test_torchrec_prices_lookahead_caches_as_its_own_caches_of_that_size() -> None:
+    """TorchRec's model has no look-ahead: a look-ahead cache is priced as TorchRec's UVM cache
+    of the same size (no credit for look-ahead); TorchRec has no cache on a CPU topology."""
     topology = preset("h100", world_size=4)
-    plan = uniform_plan(
-        WORKLOAD, topology, TABLE_WISE, storage=HOST_CACHED, cache_fraction=0.5, lookahead=4
+    kwargs = {"storage": HOST_CACHED, "cache_fraction": 0.5}
+    ahead = uniform_plan(WORKLOAD, topology, TABLE_WISE, lookahead=4, prefetch_depth=1, **kwargs)
+    reactive = uniform_plan(WORKLOAD, topology, TABLE_WISE, **kwargs)
+    device = uniform_plan(WORKLOAD, topology, TABLE_WISE)
+    assert torchrec_estimate(ahead, WORKLOAD, topology) == torchrec_estimate(
+        reactive, WORKLOAD, topology
     )
-    assert torchrec_estimate(plan, WORKLOAD, topology) is None
-    reactive = uniform_plan(WORKLOAD, topology, TABLE_WISE, storage=HOST_CACHED, cache_fraction=0.5)
-    assert torchrec_estimate(reactive, WORKLOAD, topology) > 0  # fused_uvm_caching
+    assert torchrec_estimate(ahead, WORKLOAD, topology) > torchrec_estimate(
+        device, WORKLOAD, topology
+    )
+    cpu = preset("cpu", world_size=2)
+    on_cpu = uniform_plan(WORKLOAD, cpu, TABLE_WISE, lookahead=4, prefetch_depth=1, **kwargs)
+    assert torchrec_estimate(on_cpu, WORKLOAD, cpu) is None
 
 
 def test_torchrec_failure_is_a_row_not_a_crash() -> None:

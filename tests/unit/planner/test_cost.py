@@ -22,6 +22,7 @@ from distcache.planner.types import (
     DATA_PARALLEL,
     HOST_CACHED,
     ROW_WISE,
+    TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
     TablePlan,
@@ -337,3 +338,66 @@ def test_half_precision_rows_halve_row_bytes_not_the_state_or_the_wire():
     assert b.embedding_bytes_per_peer == a.embedding_bytes_per_peer  # fp32 outputs
     with pytest.raises(DistcacheConfigError, match="row_dtype_bytes must be"):
         TableStats(name="t", rows=10, dim=4, row_dtype_bytes=3)
+
+
+# Two nodes of two ranks: NVLink inside a node, the NIC between them.
+NODES = dataclasses.replace(TOPOLOGY, name="2x2", world_size=4, ranks_per_node=2)
+ONE_TABLE = dataclasses.replace(
+    WORKLOAD, tables=(TableStats(name="a", rows=1000, dim=8, pooling_factor=2, alpha=1.0),)
+)
+
+
+def _emb_traffic(sharding: str, ranks: tuple[int, ...]) -> list[tuple[float, ...]]:
+    """(sent intra, sent inter, received intra, received inter) output bytes per rank."""
+    from distcache.planner.ranks import shard_contribution
+    from distcache.planner.shards import table_plan_terms
+
+    table = TablePlan(table="a", sharding=sharding, ranks=ranks)
+    terms = table_plan_terms(table, ONE_TABLE.tables[0], ONE_TABLE, NODES)
+    load = shard_contribution(terms, ranks, NODES)
+    return [tuple(float(row[r]) for row in load.emb) for r in range(NODES.world_size)]
+
+
+def test_table_row_wise_output_by_hand():
+    """TorchRec's TWRW on node 0 (ranks 0, 1): the node reduce-scatters its partial sums of all
+    4 ranks' bags over NVLink, then rank j sends the rank of local index j on node 1 its bags
+    over the NIC. B = 100, D = 8, fp32: one rank's bags are e = 3200 bytes."""
+    e = 100 * 8 * 4
+    twrw = _emb_traffic(TABLE_ROW_WISE, (0, 1))
+    reduce_scatter = 1 / 2 * 4 * e  # (k - 1) / k of W ranks' bags
+    assert twrw[0] == twrw[1] == (reduce_scatter, e, reduce_scatter, 0.0)
+    assert twrw[2] == twrw[3] == (0.0, 0.0, 0.0, e)
+    # Row-wise over the same ranks (the old reading of TWRW) sends each consumer the whole
+    # partial sums: twice (k-fold) the bytes across nodes.
+    rw = _emb_traffic(ROW_WISE, (0, 1))
+    assert rw[0] == (e, 2 * e, e, 0.0) and rw[2] == (0.0, 0.0, 0.0, 2 * e)
+    # Priced in a plan: its rows split over the node, one more output collective each way.
+    plan = Plan(name="twrw", tables=(TablePlan(table="a", sharding=TABLE_ROW_WISE, ranks=(0, 1)),))
+    cost = plan_cost(plan, ONE_TABLE, NODES)
+    rw_plan = Plan(name="rw", tables=(TablePlan(table="a", sharding=ROW_WISE, ranks=(0, 1)),))
+    as_rw = plan_cost(rw_plan, ONE_TABLE, NODES)
+    assert cost.per_rank[0].lookup_s == pytest.approx(as_rw.per_rank[0].lookup_s)
+    assert cost.per_rank[2].input_all_to_all_s == pytest.approx(
+        as_rw.per_rank[2].input_all_to_all_s
+    )
+    # Rank 2 receives e (not 2 e) each way, and waits on two output collectives, not one.
+    latency_rw = as_rw.per_rank[2].output_all_to_all_s - 2 * 2 * e / 1e10
+    latency = cost.per_rank[2].output_all_to_all_s - 2 * e / 1e10
+    assert latency == pytest.approx(2 * latency_rw) and latency_rw > 0
+    assert cost.device_memory_bytes == as_rw.device_memory_bytes == (500 * 32, 500 * 32, 0, 0)
+
+
+def test_grid_output_by_hand():
+    """A table-row-wise table over both nodes (TorchRec's grid): a column block of 4 per node,
+    rows over the node's 2 ranks. e = 100 * 4 * 4 bytes per rank's bags per block."""
+    e = 100 * 4 * 4
+    grid = _emb_traffic(TABLE_ROW_WISE, (0, 1, 2, 3))
+    for rank in range(4):  # reduce-scatter in the node; one block to and from the other node
+        assert grid[rank] == (1 / 2 * 4 * e, e, 1 / 2 * 4 * e, e)
+
+
+@pytest.mark.parametrize("ranks", [(0, 2), (1, 2), (0,), (0, 1, 2)])
+def test_table_row_wise_spans_whole_nodes(ranks):
+    plan = Plan(name="bad", tables=(TablePlan(table="a", sharding=TABLE_ROW_WISE, ranks=ranks),))
+    with pytest.raises(DistcacheConfigError, match="whole nodes"):
+        plan_cost(plan, ONE_TABLE, NODES)

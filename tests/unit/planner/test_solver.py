@@ -16,7 +16,7 @@ from distcache.planner.types import (
     DEVICE,
     HOST_CACHED,
     ROW_WISE,
-    SHARDING_TYPES,
+    SOLVER_SHARDINGS,
     TABLE_WISE,
     Plan,
     TablePlan,
@@ -124,7 +124,7 @@ def test_never_worse_than_a_fitting_uniform_plan(seed):
     )
     ours = plan_cost(solve(workload, topology, options=QUICK), workload, topology)
     assert ours.fits
-    for sharding in SHARDING_TYPES:
+    for sharding in SOLVER_SHARDINGS:
         baseline = plan_cost(uniform_plan(workload, topology, sharding), workload, topology)
         if baseline.fits:
             assert ours.step_s <= baseline.step_s * (1 + 1e-9), sharding

@@ -29,7 +29,7 @@ from distcache.planner.solver import SolverOptions, solve, uniform_plan
 from distcache.planner.topology import preset
 from distcache.planner.types import (
     HOST_CACHED,
-    SHARDING_TYPES,
+    SOLVER_SHARDINGS,
     Plan,
     Topology,
     Workload,
@@ -156,7 +156,7 @@ def _solve_record(spec: str, topology_name: str, options: dict[str, Any]) -> dic
 def _uniform_record(topology_name: str, spec: str) -> dict[str, Any]:
     workload, topology = workload_preset(spec), _topology(topology_name)
     out = {}
-    for sharding in SHARDING_TYPES:
+    for sharding in SOLVER_SHARDINGS:
         plan = uniform_plan(workload, topology, sharding, column_wise_shards=4)
         out[sharding] = _plan_record(plan, workload, topology)
     cached = uniform_plan(

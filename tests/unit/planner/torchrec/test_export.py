@@ -38,6 +38,7 @@ from distcache.planner.types import (
     DEVICE,
     HOST_CACHED,
     ROW_WISE,
+    TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
     TablePlan,
@@ -149,7 +150,7 @@ def test_multi_rank_placements() -> None:
         tables=(
             TablePlan(table="t0", sharding=DATA_PARALLEL, ranks=(0, 1, 2, 3)),
             TablePlan(table="t1", sharding=ROW_WISE, ranks=(0, 1, 2, 3)),
-            TablePlan(table="t2", sharding=ROW_WISE, ranks=(2, 3)),  # node 1 of 2
+            TablePlan(table="t2", sharding=TABLE_ROW_WISE, ranks=(2, 3)),  # node 1 of 2
             TablePlan(table="t3", sharding=COLUMN_WISE, ranks=(3, 1)),
         ),
     )
@@ -170,27 +171,14 @@ def test_multi_rank_placements() -> None:
         name="four",
     )
     assert back == plan
-    proxy = from_sharding_plan(
-        to_sharding_plan(plan, workload, world_size=4, ranks_per_node=2),
-        workload,
-        world_size=4,
-        table_row_wise_as=COLUMN_WISE,
-    )
-    assert proxy.table("t2") == dataclasses.replace(plan.table("t2"), sharding=COLUMN_WISE)
-    assert proxy.table("t1") == plan.table("t1")  # plain row-wise stays row-wise
-    with pytest.raises(DistcacheConfigError, match="table_row_wise_as"):
-        from_sharding_plan(
-            to_sharding_plan(plan, workload, world_size=4, ranks_per_node=2),
-            workload,
-            world_size=4,
-            table_row_wise_as=TABLE_WISE,
-        )
 
 
 @pytest.mark.parametrize(
     ("table", "message"),
     [
         (TablePlan(table="t1", sharding=ROW_WISE, ranks=(0, 2)), "row-wise over ranks"),
+        (TablePlan(table="t1", sharding=ROW_WISE, ranks=(2, 3)), "table_row_wise over the"),
+        (TablePlan(table="t1", sharding=TABLE_ROW_WISE, ranks=(0, 1, 2, 3)), "no grid"),
         (TablePlan(table="t1", sharding=TABLE_WISE, ranks=(5,)), "outside"),
         (TablePlan(table="t3", sharding=COLUMN_WISE, ranks=(0, 1, 2, 3)), "divides the dim"),
         (TablePlan(table="t3", sharding=COLUMN_WISE, ranks=(0, 0)), "distinct ranks"),
