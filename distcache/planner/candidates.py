@@ -30,6 +30,7 @@ from distcache.planner.types import (
     DEVICE,
     HOST_CACHED,
     ROW_WISE,
+    TABLE_ROW_WISE,
     TABLE_WISE,
     TablePlan,
     TableStats,
@@ -61,6 +62,8 @@ class Mode:
             TABLE_WISE: f"table_wise on rank {ranks[0]}" if ranks else "table_wise",
             ROW_WISE: f"row_wise on {self.shards} ranks",
             COLUMN_WISE: f"column_wise on {self.shards} ranks"
+            + (f" {list(ranks)}" if ranks else ""),
+            TABLE_ROW_WISE: f"table_row_wise on {self.shards} ranks"
             + (f" {list(ranks)}" if ranks else ""),
         }[self.sharding]
         if self.storage == DEVICE:
@@ -145,6 +148,8 @@ class Problem:
             layouts.append((TABLE_WISE, 1))
         if ROW_WISE in opts.shardings and self.world > 1:
             layouts.append((ROW_WISE, self.world))
+        if TABLE_ROW_WISE in opts.shardings and self._whole_nodes():
+            layouts.append((TABLE_ROW_WISE, self.topology.ranks_per_node))
         if COLUMN_WISE in opts.shardings:
             layouts += [
                 (COLUMN_WISE, s)
@@ -161,6 +166,10 @@ class Problem:
             if modes:
                 groups.append(Group(modes))
         return groups
+
+    def _whole_nodes(self) -> bool:
+        """Whether table-row-wise has a choice of node: several nodes, all full."""
+        return self.nodes > 1 and self.world % self.topology.ranks_per_node == 0
 
     def _layout_modes(
         self, index: int, table: TableStats, sharding: str, shards: int
@@ -248,7 +257,8 @@ class Problem:
 
 
 def kind_text(sharding: str, shards: int, storage: str) -> str:
-    where = f"{sharding} x{shards}" if sharding in (ROW_WISE, COLUMN_WISE) else sharding
+    spread = (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE)
+    where = f"{sharding} x{shards}" if sharding in spread else sharding
     return f"{where} {'device' if storage == DEVICE else 'host + cache'}"
 
 

@@ -33,10 +33,19 @@ from distcache.planner.ranks import (
     peer_counts,
     rank_step,
     rank_step_of,
+    reduced_in_node,
     shard_contribution,
 )
 from distcache.planner.shards import ShardTerms, sent_ids_per_rank
-from distcache.planner.types import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_WISE, Plan
+from distcache.planner.types import (
+    COLUMN_WISE,
+    DATA_PARALLEL,
+    ROW_WISE,
+    TABLE_ROW_WISE,
+    TABLE_WISE,
+    Plan,
+    Topology,
+)
 
 
 class State:
@@ -86,7 +95,7 @@ class State:
         self.dp_bytes += mode.terms.all_reduce_bytes
         self.kinds[mode.sharding] += 1
         self.sent_ids += sent_ids_per_rank(mode.terms, mode.shards)
-        self.link_work_s += _link_work(mode.terms, self.p.pair_s[list(ranks)].sum())
+        self.link_work_s += self._link_work(mode, ranks, contrib)
         self.placed[index], self.contrib[index] = (mode, ranks), contrib
 
     def remove(self, index: int) -> tuple[Mode, tuple[int, ...], RankTerms]:
@@ -96,9 +105,14 @@ class State:
         self.dp_bytes -= mode.terms.all_reduce_bytes
         self.kinds[mode.sharding] -= 1
         self.sent_ids -= sent_ids_per_rank(mode.terms, mode.shards)
-        self.link_work_s -= _link_work(mode.terms, self.p.pair_s[list(ranks)].sum())
+        self.link_work_s -= self._link_work(mode, ranks, contrib)
         self.placed[index] = self.contrib[index] = None
         return mode, ranks, contrib
+
+    def _link_work(self, mode: Mode, ranks: tuple[int, ...], contrib: RankTerms) -> float:
+        if mode.terms.reduced_in_node:
+            return traffic_work(contrib.ids, contrib.emb, self.p.topology)
+        return _link_work(mode.terms, self.p.pair_s[list(ranks)].sum())
 
     def score(self) -> tuple[float, float]:
         """(step, work): see the class docstring."""
@@ -126,6 +140,20 @@ def _link_work(terms: ShardTerms, pair_s: float) -> float:
     return (terms.ids_bytes_per_peer + 2 * terms.embedding_bytes_per_peer) * pair_s
 
 
+def traffic_work(ids: Traffic, emb: Traffic, topology: Topology) -> float:
+    """All-to-all seconds summed over ranks, bytes counted linearly (half at the sender, half
+    at the receiver), embeddings forward and backward: `_link_work` for any traffic."""
+
+    def seconds(t: Traffic) -> float:
+        intra = (np.sum(t.sent_intra) + np.sum(t.received_intra)) / 2
+        inter = (np.sum(t.sent_inter) + np.sum(t.received_inter)) / 2
+        return float(
+            intra / topology.intra_node_bw_bytes_per_s + inter / topology.inter_node_bw_bytes_per_s
+        )
+
+    return seconds(ids) + 2 * seconds(emb)
+
+
 def evaluate(
     state: State,
     index: int,
@@ -140,7 +168,7 @@ def evaluate(
     for group in state.p.groups[index]:  # data parallel, table-wise, then the others
         if kinds is not None and group.sharding not in kinds:
             continue
-        if group.sharding in (ROW_WISE, COLUMN_WISE) and enough is not None:
+        if group.sharding in (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE) and enough is not None:
             if any(c.fits and c.mode.sharding == TABLE_WISE and enough(c) for c in out):
                 break
             enough = None  # decided: the spread layouts are priced
@@ -148,6 +176,8 @@ def evaluate(
             out += _evaluate_table_wise(state, group)
         elif group.sharding == COLUMN_WISE:
             out += _evaluate_column_wise(state, group)
+        elif group.sharding == TABLE_ROW_WISE:
+            out += _evaluate_node(state, group)
         else:
             out += _evaluate_everywhere(state, group)
     return out
@@ -246,6 +276,43 @@ def _evaluate_everywhere(state: State, group: Group) -> list[Candidate]:
     return [
         Candidate(mode, everyone, float(totals[m].max()), float(work[m]))
         if ok[m]
+        else _no_room(state, mode)
+        for m, mode in enumerate(group.modes)
+    ]
+
+
+def _evaluate_node(state: State, group: Group) -> list[Candidate]:
+    """Table-row-wise: the shards on every rank of one node, each node tried; the node whose
+    step (then work) is least wins. Output traffic as TorchRec runs it (`reduced_in_node`)."""
+    p = state.p
+    ok = _memory_ok(state, group)  # [M, W]
+    const = state.constant_s(group.modes[0])
+    best_step = np.full(len(group.modes), np.inf)
+    best_work = np.full(len(group.modes), np.inf)
+    best_node = np.zeros(len(group.modes), dtype=int)
+    for n in range(p.nodes):
+        is_owner = p.same_node[n]  # [W]
+        ids, _ = exchange(group.ids, group.emb, peer_counts(is_owner, p.topology))
+        emb = reduced_in_node(group.emb, is_owner, p.topology)
+        step = _step(state, ids, emb, group, is_owner)
+        totals = step.total_s(const).max(axis=-1)  # [M]
+        work = (
+            step.core_s.sum(axis=-1)
+            + state.link_work_s
+            + traffic_work(ids, emb, p.topology)
+            + p.world * const
+        )
+        fits = ok[:, is_owner > 0].all(axis=-1)
+        totals = np.where(fits, totals, np.inf)
+        tie = np.isfinite(totals) & (totals <= best_step + TIE_S)
+        wins = (totals < best_step - TIE_S) | (tie & (work < best_work - TIE_S))
+        best_step = np.where(wins, totals, best_step)
+        best_work = np.where(wins, work, best_work)
+        best_node = np.where(wins, n, best_node)
+    ranks_of = [tuple(int(r) for r in np.flatnonzero(p.same_node[n])) for n in range(p.nodes)]
+    return [
+        Candidate(mode, ranks_of[best_node[m]], float(best_step[m]), float(best_work[m]))
+        if np.isfinite(best_step[m])
         else _no_room(state, mode)
         for m, mode in enumerate(group.modes)
     ]

@@ -65,6 +65,7 @@ from distcache.planner.types import (
     ROW_WISE,
     SOLVER_SHARDINGS,
     STORAGES,
+    TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
     TablePlan,
@@ -203,6 +204,7 @@ def uniform_plan(
     Table-wise: largest tables first, each on the rank with the fewest bytes so far. Row-wise
     and data parallel: all ranks. Column-wise: S = the largest divisor of the dim that is at
     most the world size (and `column_wise_shards`), on the S ranks with the fewest bytes.
+    Table-row-wise: largest tables first, each on the node with the fewest bytes so far.
 
     Args:
         workload: the tables.
@@ -221,12 +223,18 @@ def uniform_plan(
     world = topology.world_size
     everyone = tuple(range(world))
     assigned = [(0.0, rank) for rank in everyone]  # a heap of (bytes so far, rank)
+    per_node = topology.ranks_per_node
+    nodes = [(0.0, n) for n in range(topology.num_nodes)]  # a heap of (bytes so far, node)
     tables = sorted(workload.tables, key=lambda t: -t.rows * workload.row_bytes(t))
     plans = {}
     for table in tables:
         size = table.rows * workload.row_bytes(table) * (1 if storage == DEVICE else cache_fraction)
         if sharding in (DATA_PARALLEL, ROW_WISE):
             ranks = everyone
+        elif sharding == TABLE_ROW_WISE:
+            used, node = heapq.heappop(nodes)
+            heapq.heappush(nodes, (used + size, node))
+            ranks = tuple(range(node * per_node, min((node + 1) * per_node, world)))
         else:
             shards = 1
             if sharding == COLUMN_WISE:

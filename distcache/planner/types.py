@@ -29,7 +29,7 @@ TABLE_ROW_WISE = "table_row_wise"
 its own node (TorchRec's `grid_shard`): partial sums reduce-scattered inside the node, then one
 all-to-all across nodes. The ranks are whole nodes."""
 SHARDING_TYPES = (DATA_PARALLEL, TABLE_WISE, ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE)
-SOLVER_SHARDINGS = (DATA_PARALLEL, TABLE_WISE, ROW_WISE, COLUMN_WISE)
+SOLVER_SHARDINGS = (DATA_PARALLEL, TABLE_WISE, ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE)
 """The sharding types distcache's solver chooses among; plans from elsewhere (TorchRec's
 planner) may also use `TABLE_ROW_WISE`, which the cost model prices as TorchRec runs it."""
 
