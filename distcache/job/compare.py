@@ -14,9 +14,10 @@ the machine this runs on. Rows:
 
 With `measure_rows` (`python -m distcache compare --measure`), every row's plan is also run
 for real on this machine when the topology fits it (a CPU topology of at most
-`measure.MAX_LOCAL_RANKS` ranks; `measure.measure_plans`): TorchRec's plan runs on distcache's
-engine as `from_sharding_plan` reads it, i.e. its cached tables as reactive LRU caches at
-TorchRec's load factor. Larger topologies keep modelled figures only, and say why.
+`measure.MAX_LOCAL_RANKS` ranks; `measure.measure_plans`): TorchRec's plan runs on TorchRec's
+own kernels and sharders, as TorchRec runs it (on a CPU topology TorchRec keeps every table on
+the device), the other plans on distcache's engine. Larger topologies keep modelled figures
+only, and say why.
 
 The per-term times are those of the rank that sets the step (the slowest), so they add up to
 the step time. "TorchRec est" is TorchRec's own model of the same plan (`torchrec_estimate`;
@@ -45,6 +46,7 @@ from distcache.planner.solver import SolverOptions, solve, uniform_plan
 from distcache.planner.torchrec.export import from_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
 from distcache.planner.types import (
+    DEVICE,
     ROW_WISE,
     TABLE_WISE,
     Plan,
@@ -62,7 +64,8 @@ MODELLED_NOTE = (
 )
 MEASURED_NOTE = (
     "Except 'measured ms' and 'measured samples/s': the median step of the plan run on this "
-    "machine (local gloo ranks, distcache's engine; TorchRec's plan as reactive LRU caches)."
+    "machine (local gloo ranks; TorchRec's plan on TorchRec's own kernels, the others on "
+    "distcache's engine)."
 )
 # (label, StepCost field) of the per-term columns, in step order.
 TERMS = (
@@ -285,7 +288,18 @@ def measure_rows(
     runnable = {r.name: r.plan for r in rows if r.plan is not None and r.fits}
     if not runnable:
         return rows, "not measured: no row has a plan that fits the topology"
-    results = measure_plans(runnable, workload, world_size=topology.world_size, options=options)
+    theirs = [
+        name
+        for name, plan in runnable.items()
+        if name == "torchrec" and all(t.storage == DEVICE for t in plan.tables)
+    ]
+    results = measure_plans(
+        runnable,
+        workload,
+        world_size=topology.world_size,
+        options=options,
+        torchrec_kernels=theirs,
+    )
     out = []
     for row in rows:
         if row.name in results:

@@ -12,6 +12,12 @@ rotated every step), each step timed from a barrier, so the machine's drift touc
 alike; a step's time is the slowest rank's, and a plan's is the median over the timed steps
 after the warm-up (partial caches fill during it).
 
+A plan named in `torchrec_kernels` runs on TorchRec's own kernels instead (`fused`, its
+device-resident kernel, on every sharded table; TorchRec's sharders; trained by TorchRec's
+`TrainPipelineBase`, which on CPU runs forward, backward and the optimizer in order, as
+distcache's pipeline does here): TorchRec's plan as TorchRec runs it. Such a plan must keep every
+table on the device (TorchRec has no cache on CPU).
+
 The pipeline runs one look-ahead window: every cache at the smallest (L, K) of the plan's
 caches (`runnable_plan`). What can be measured (`unmeasurable_reason`): a CPU topology of at
 most `MAX_LOCAL_RANKS` ranks, a workload of one embedding dim whose MLPs end as DLRM's do
@@ -32,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
@@ -167,6 +173,7 @@ def measure_plans(
     *,
     world_size: int,
     options: MeasureOptions | None = None,
+    torchrec_kernels: Collection[str] = (),
 ) -> dict[str, Measurement]:
     """Train every plan of `plans` on `world_size` local gloo ranks, in turns; time them.
 
@@ -175,6 +182,8 @@ def measure_plans(
         workload: tables, batch and MLPs (see `unmeasurable_reason` for what runs).
         world_size: ranks (1 runs in this process when no process group is up).
         options: steps, warm-up, threads.
+        torchrec_kernels: names of plans to run on TorchRec's own kernels (see the module
+            docstring); their tables must all be on the device.
 
     Raises:
         DistcacheConfigError: the workload cannot run here.
@@ -186,10 +195,21 @@ def measure_plans(
         reason = reason or f"{world_size} ranks; this machine runs 1 to {MAX_LOCAL_RANKS}"
         raise DistcacheConfigError(f"cannot measure here: {reason}")
     names = list(plans)
+    unknown = sorted(set(torchrec_kernels) - set(names))
+    if unknown:
+        raise DistcacheConfigError(f"torchrec_kernels names {unknown}, which are not plans here")
+    for name in torchrec_kernels:
+        cached = [t.table for t in plans[name].tables if t.storage != DEVICE]
+        if cached:
+            raise DistcacheConfigError(
+                f"plan {name!r} cannot run on TorchRec's kernels here: tables {cached} are in "
+                "host memory behind a cache, and TorchRec has no cache on CPU"
+            )
+    kernels = [n in set(torchrec_kernels) for n in names]
     per_rank = run_ranks(
         _rank_main,
         world_size,
-        args=([plans[n] for n in names], workload, options),
+        args=([plans[n] for n in names], workload, options, kernels),
         timeout_s=options.timeout_s,
         env={"OMP_NUM_THREADS": str(options.threads)},
         alone_in_process=True,
@@ -201,10 +221,15 @@ def measure_plans(
 
 
 def _rank_main(
-    rank: int, world: int, plans: list[Plan], workload: Workload, options: MeasureOptions
+    rank: int,
+    world: int,
+    plans: list[Plan],
+    workload: Workload,
+    options: MeasureOptions,
+    torchrec_kernels: list[bool],
 ) -> list[_RankResult]:
     del rank, world  # the default group knows them
-    return _run_here(plans, workload, options)
+    return _run_here(plans, workload, options, torchrec_kernels)
 
 
 def time_plans_here(
@@ -220,12 +245,19 @@ def time_plans_here(
     """
     options = options or MeasureOptions()
     names = list(plans)
-    results = _run_here([plans[n] for n in names], workload, options)
+    results = _run_here([plans[n] for n in names], workload, options, [False] * len(names))
     return {name: r["step_s"] for name, r in zip(names, results, strict=True)}
 
 
-def _run_here(plans: list[Plan], workload: Workload, options: MeasureOptions) -> list[_RankResult]:
-    runs = [_build(runnable_plan(p), workload, options) for p in plans]
+def _run_here(
+    plans: list[Plan], workload: Workload, options: MeasureOptions, torchrec_kernels: list[bool]
+) -> list[_RankResult]:
+    runs = [
+        _build_torchrec(p, workload, options)
+        if theirs
+        else _build(runnable_plan(p), workload, options)
+        for p, theirs in zip(plans, torchrec_kernels, strict=True)
+    ]
     return _timed(runs, options)
 
 
@@ -311,6 +343,53 @@ def _build(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
     return _Run(
         step=lambda: pipeline.progress(batches)[0].detach(),
         stats=lambda: _counters(cache_stats(dmp)),
+    )
+
+
+def _build_torchrec(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
+    """`plan` on TorchRec's own kernels and sharders, trained by TorchRec's pipeline."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.distributed.train_pipeline import TrainPipelineBase
+    from torchrec.distributed.types import ParameterSharding, ShardingEnv
+
+    from distcache.job.dlrm import (
+        EBC_PATH,
+        FUSED_KERNEL,
+        apply_embedding_optimizer,
+        build_dlrm,
+        dense_optimizer,
+    )
+    from distcache.planner.torchrec.export import to_sharding_plan
+    from distcache.sharding import CACHED_KERNEL
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan, named = _renamed(plan, workload)
+    model = build_dlrm(dlrm_config(workload), table_device=torch.device("meta"), seed=options.seed)
+    apply_embedding_optimizer(model, workload.optimizer, lr=options.learning_rate)
+    sharding_plan = to_sharding_plan(plan, named, module_path=EBC_PATH, world_size=world)
+    for module_plan in sharding_plan.plan.values():
+        for name, sharding in list(module_plan.items()):
+            if sharding.compute_kernel != CACHED_KERNEL:
+                continue
+            fields = {
+                f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)
+            }
+            module_plan[name] = ParameterSharding(**{**fields, "compute_kernel": FUSED_KERNEL})
+    device = torch.device("cpu")
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=device,
+        plan=sharding_plan,
+        sharders=get_default_sharders(),
+    )
+    optimizer = dense_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=options.learning_rate))
+    pipeline = TrainPipelineBase(dmp, optimizer, device)
+    batches = iter(_batches(workload, options, rank, world, 0))
+    return _Run(
+        step=lambda: pipeline.progress(batches)[0].detach(),
+        stats=lambda: dict.fromkeys(_COUNTERS, 0.0),
     )
 
 

@@ -6,9 +6,11 @@ A spec string names a preset:
   one table each (``t0``..``t25``, feature ``t<i>`` reads table ``t<i>``), dim 128, one id per
   feature per sample, and DLRM's MLPs (13 dense features, bottom 512-256-128, top
   1024-1024-512-256-1, as in the MLPerf DLRM reference with dim 128).
-- ``synthetic:tables=T,rows=R,dim=D,alpha=A,pooling=P,seed=S,spread=X``: T tables whose rows
-  are drawn log-uniformly from [R / X, R] with `seed` (X = 1 gives every table R rows); every
-  key is optional (defaults in `SYNTHETIC_DEFAULTS`).
+- ``synthetic:tables=T,rows=R,dim=D,alpha=A,pooling=P,seed=S,spread=X,mlp=M``: T tables whose
+  rows are drawn log-uniformly from [R / X, R] with `seed` (X = 1 gives every table R rows);
+  every key is optional (defaults in `SYNTHETIC_DEFAULTS`). MLPs: DLRM's (as Criteo's) with
+  `mlp=0`, the default; `mlp=M` sizes them to the tables instead: bottom (M, D), top (M, 1),
+  a dense part small enough that placement shows in a step measured on CPU.
 
 Access profiles: every table gets a power law p_r ∝ (r + 1)^-alpha with one exponent,
 `CRITEO_ALPHA` = 1.05 — the exponent of distcache's zipf traces, a moderate skew for
@@ -53,8 +55,9 @@ SYNTHETIC_DEFAULTS: dict[str, float] = {
     "pooling": 1.0,
     "seed": 0,
     "spread": 100.0,
+    "mlp": 0,
 }
-_INT_KEYS = ("tables", "rows", "dim", "seed")
+_INT_KEYS = ("tables", "rows", "dim", "seed", "mlp")
 
 
 def workload_preset(
@@ -85,16 +88,20 @@ def workload_preset(
             TableStats(name=f"t{i}", rows=rows, dim=CRITEO_DIM, alpha=CRITEO_ALPHA)
             for i, rows in enumerate(_CRITEO[name])
         )
-    else:
-        tables = _synthetic_tables(_parse_synthetic(args))
+    bottom, top = (512, 256, 128), (1024, 1024, 512, 256, 1)
+    if name not in _CRITEO:
+        values = _parse_synthetic(args)
+        tables = _synthetic_tables(values)
+        if values["mlp"]:
+            bottom, top = (int(values["mlp"]), int(values["dim"])), (int(values["mlp"]), 1)
     extra = {} if optimizer is None else {"optimizer": optimizer}
     return Workload(
         name=spec.strip(),
         tables=tables,
         batch_size_per_rank=batch_size_per_rank or DEFAULT_BATCH_SIZE_PER_RANK,
         dense_in_features=13,
-        bottom_mlp=(512, 256, 128),
-        top_mlp=(1024, 1024, 512, 256, 1),
+        bottom_mlp=bottom,
+        top_mlp=top,
         **extra,
     )
 
@@ -117,7 +124,14 @@ def _parse_synthetic(args: str) -> dict[str, float]:
         if key in _INT_KEYS and number != int(number):
             raise DistcacheConfigError(f"synthetic workload: {key} must be an integer, got {text}")
         values[key] = int(number) if key in _INT_KEYS else number
-    for key, low in (("tables", 1), ("rows", 1), ("dim", 1), ("pooling", 1e-9), ("spread", 1)):
+    for key, low in (
+        ("tables", 1),
+        ("rows", 1),
+        ("dim", 1),
+        ("pooling", 1e-9),
+        ("spread", 1),
+        ("mlp", 0),
+    ):
         if values[key] < low:
             raise DistcacheConfigError(
                 f"synthetic workload: {key} must be >= {low}, got {values[key]}"

@@ -123,3 +123,25 @@ def test_compare_measure_skips_topologies_larger_than_this_machine(
     captured = capsys.readouterr()
     assert "--measure: not measured" in captured.err and "modelled" in captured.err
     assert "measured ms" not in captured.out and "modelled" in captured.out
+
+
+def test_a_plan_runs_on_torchrecs_own_kernels() -> None:
+    """`torchrec_kernels`: the plan on TorchRec's `fused` kernel and sharders (no distcache
+    cache is involved), side by side with the same plan on distcache's engine."""
+    cpu = preset("cpu", world_size=1)
+    device = uniform_plan(WORKLOAD, cpu, TABLE_WISE)
+    plans = {"distcache": device, "torchrec": device}
+    results = measure_plans(
+        plans, WORKLOAD, world_size=1, options=FEW, torchrec_kernels=["torchrec"]
+    )
+    assert results["torchrec"].step_s > 0 and results["distcache"].step_s > 0
+    assert results["torchrec"].cache["ids"] == 0  # TorchRec's kernel: no distcache cache
+    assert results["distcache"].cache["ids"] == 2 * 16
+    cached = uniform_plan(
+        WORKLOAD, cpu, TABLE_WISE, storage=HOST_CACHED, cache_fraction=0.5, lookahead=2,
+        prefetch_depth=1,
+    )  # fmt: skip
+    with pytest.raises(DistcacheConfigError, match="TorchRec has no cache on CPU"):
+        measure_plans({"c": cached}, WORKLOAD, world_size=1, torchrec_kernels=["c"])
+    with pytest.raises(DistcacheConfigError, match="not plans here"):
+        measure_plans({"c": device}, WORKLOAD, world_size=1, torchrec_kernels=["x"])

@@ -58,6 +58,12 @@ def test_synthetic_keys_and_determinism():
     assert [t.rows for t in other.tables] != [t.rows for t in a.tables]
     fixed = workload_preset("synthetic:tables=3,rows=5000,spread=1")
     assert [t.rows for t in fixed.tables] == [5000] * 3
+    assert a.bottom_mlp == (512, 256, 128)  # mlp=0: DLRM's MLPs, as Criteo's
+
+
+def test_synthetic_mlps_sized_to_the_tables():
+    workload = workload_preset("synthetic:tables=4,dim=16,mlp=32")
+    assert (workload.bottom_mlp, workload.top_mlp) == ((32, 16), (32, 1))
 
 
 @pytest.mark.parametrize(
@@ -70,6 +76,7 @@ def test_synthetic_keys_and_determinism():
         ("synthetic:tables=2.5", "integer"),
         ("synthetic:tables=0", "tables must be >= 1"),
         ("synthetic:alpha=-1", "alpha"),
+        ("synthetic:mlp=-4", "mlp must be >= 0"),
         ("criteo-kaggle:dim=64", "no arguments"),
     ],
 )
