@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 from distcache.errors import DistcacheConfigError
 from distcache.job.measure import MeasureOptions, measure_plans, unmeasurable_reason
-from distcache.planner.cost import plan_cost
+from distcache.planner.cost import all_to_all_sent_bytes, plan_cost
 from distcache.planner.solver import SolverOptions, solve, uniform_plan
 from distcache.planner.torchrec.export import from_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
@@ -65,7 +65,8 @@ MODELLED_NOTE = (
 MEASURED_NOTE = (
     "Except 'measured ms' and 'measured samples/s': the median step of the plan run on this "
     "machine (local gloo ranks; TorchRec's plan on TorchRec's own kernels, the others on "
-    "distcache's engine)."
+    "distcache's engine), and 'a2a KB/rank': bytes a rank sent in one step's all-to-alls "
+    "(ids; embeddings forward and backward), counted on that run, beside the model's figure."
 )
 # (label, StepCost field) of the per-term columns, in step order.
 TERMS = (
@@ -94,6 +95,12 @@ class ComparisonRow:
     note: str = ""
     measured_step_s: float | None = None
     """Median step time of the plan run on this machine (`measure_rows`); None: not run."""
+    measured_a2a_bytes: float | None = None
+    """Bytes a rank sent in the all-to-alls of one measured step (ids; embeddings forward and
+    backward), averaged over ranks; None: not run."""
+    modelled_a2a_bytes: float | None = None
+    """The same as the cost model prices it (`cost.all_to_all_sent_bytes`), set beside the
+    measured figure."""
 
     @property
     def critical_rank(self) -> int | None:
@@ -148,6 +155,12 @@ class ComparisonRow:
             "planning_s": self.planning_s,
             "measured_step_ms": (
                 None if self.measured_step_s is None else 1e3 * self.measured_step_s
+            ),
+            "measured_all_to_all_kb_per_rank": (
+                None if self.measured_a2a_bytes is None else self.measured_a2a_bytes / 1e3
+            ),
+            "modelled_all_to_all_kb_per_rank": (
+                None if self.modelled_a2a_bytes is None else self.modelled_a2a_bytes / 1e3
             ),
             "note": self.note,
             "plan": None if self.plan is None else json.loads(self.plan.to_json()),
@@ -303,7 +316,16 @@ def measure_rows(
     out = []
     for row in rows:
         if row.name in results:
-            row = replace(row, measured_step_s=results[row.name].step_s)
+            measured = results[row.name]
+            modelled = all_to_all_sent_bytes(row.plan, workload, topology)
+            row = replace(
+                row,
+                measured_step_s=measured.step_s,
+                measured_a2a_bytes=measured.all_to_all_sent_bytes,
+                modelled_a2a_bytes=float(modelled.mean()),
+            )
+            if row.name in theirs:
+                row = _with_note(row, "measured on TorchRec's own kernels")
         elif row.plan is not None:
             row = _with_note(row, "not measured: the plan does not fit the topology")
         out.append(row)
@@ -325,7 +347,7 @@ def format_table(rows: list[ComparisonRow], *, title: str | None = None) -> str:
     measured = any(r.measured_step_s is not None for r in rows)
     header = ["plan", "dev GB", "host GB", *(label for label, _ in TERMS)]
     header += ["step ms", "samples/s", "fits", "TorchRec est ms", "plan s"]
-    header += ["measured ms", "measured samples/s"] if measured else []
+    header += ["measured ms", "measured samples/s", "a2a KB/rank meas/model"] if measured else []
     body = []
     for row in rows:
         terms = row.terms_ms
@@ -343,9 +365,15 @@ def format_table(rows: list[ComparisonRow], *, title: str | None = None) -> str:
         if measured:
             step = row.measured_step_s
             batch = row.cost.global_batch_size if row.cost else None
+            sent = (
+                "-"
+                if row.measured_a2a_bytes is None
+                else f"{row.measured_a2a_bytes / 1e3:,.1f} / {row.modelled_a2a_bytes / 1e3:,.1f}"
+            )
             cells += [
                 _fmt(None if step is None else 1e3 * step, 3),
                 _fmt(None if step is None or batch is None else batch / step, 0),
+                sent,
             ]
         body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distcache.errors import DistcacheConfigError
 from distcache.job.distributed import run_ranks
@@ -107,6 +108,12 @@ class Measurement:
     cache: dict[str, float]
     """Cache counters of the timed steps per step, averaged over ranks: ids, unique, hits,
     loads, writebacks; critical_misses summed over the timed steps and ranks."""
+    all_to_all_sent_bytes: float = 0.0
+    """Bytes a rank sent to other ranks per timed step in the ids' and embeddings'
+    collectives (all-to-alls, and the reduce-scatter and all-gather of row-wise outputs),
+    forward and backward, averaged over ranks (`CollectiveBytes`)."""
+    all_reduce_bytes: float = 0.0
+    """Bytes a rank all-reduced per timed step (dense gradients), averaged over ranks."""
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -271,11 +278,54 @@ class _Run:
     stats: Callable[[], dict[str, float]]
 
 
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the bytes this rank sends to other ranks in the collectives dispatched while it
+    is active (c10d's ops, as TorchRec and DDP issue them on gloo):
+
+    - all-to-all: the input but the rows the rank keeps (its own split);
+    - reduce-scatter: (W - 1) / W of the input; all-gather: the input to each of the W - 1
+      others (row-wise outputs forward and backward);
+    - all-reduce: the tensors reduced (what DDP syncs), counted apart.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.all_to_all = 0.0
+        self.all_reduce = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func._schema.name
+        if name.startswith("c10d::"):
+            self._count(name, args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str, args: tuple) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if name == "c10d::alltoall_base_":
+            source, splits = args[1], list(args[4])
+            total = source.numel() * source.element_size()
+            rows = source.shape[0] if source.dim() else 0
+            own = splits[rank] if splits else rows / world
+            kept = own * (total / rows) if rows else 0.0
+            self.all_to_all += total - kept
+        elif name == "c10d::_reduce_scatter_base_":
+            source = args[1]
+            self.all_to_all += source.numel() * source.element_size() * (world - 1) / world
+        elif name == "c10d::_allgather_base_":
+            source = args[1]
+            self.all_to_all += source.numel() * source.element_size() * (world - 1)
+        elif name == "c10d::allreduce_":
+            self.all_reduce += sum(t.numel() * t.element_size() for t in args[0])
+
+
 class _RankResult(TypedDict):
     """One rank's run of one plan."""
 
     step_s: list[float]
     """This rank's time of each timed step."""
+    sent_bytes: list[float]
+    """Bytes this rank sent in all-to-alls (and row-wise outputs' collectives) over the timed
+    steps, and all-reduced: [all_to_all, all_reduce]."""
     before: dict[str, float]
     """Cache counters (`_COUNTERS`) before the timed steps ..."""
     after: dict[str, float]
@@ -442,18 +492,29 @@ def _timed(runs: list[_Run], options: MeasureOptions) -> list[_RankResult]:
     """Each run trains warmup + steps steps, in turns; per-step times of the timed ones."""
     times: list[list[float]] = [[] for _ in runs]
     before: list[dict[str, float]] = [{} for _ in runs]
+    sent = [[0.0, 0.0] for _ in runs]
     for step in range(options.warmup + options.steps):
         if step == options.warmup:
             before = [r.stats() for r in runs]
         shift = step % len(runs)  # rotate the order so no run always follows another
         for i in [*range(shift, len(runs)), *range(shift)]:
             dist.barrier()
+            if step < options.warmup:
+                runs[i].step()
+                continue
+            # Counted in a step timed apart (the mode's dispatch would slow the timed one).
             start = time.perf_counter()
             runs[i].step()
-            if step >= options.warmup:
-                times[i].append(time.perf_counter() - start)
+            times[i].append(time.perf_counter() - start)
+    after = [r.stats() for r in runs]
+    for i, run in enumerate(runs):  # one more step per run, its collectives counted
+        dist.barrier()
+        with CollectiveBytes() as counted:
+            run.step()
+        sent[i] = [counted.all_to_all, counted.all_reduce]
     return [
-        {"step_s": times[i], "before": before[i], "after": r.stats()} for i, r in enumerate(runs)
+        {"step_s": times[i], "before": before[i], "after": after[i], "sent_bytes": sent[i]}
+        for i in range(len(runs))
     ]
 
 
@@ -477,6 +538,8 @@ def _summarize(
         step_s=statistics.median(per_step),
         step_s_per_step=per_step,
         cache=cache,
+        all_to_all_sent_bytes=sum(r["sent_bytes"][0] for r in ranks) / world_size,
+        all_reduce_bytes=sum(r["sent_bytes"][1] for r in ranks) / world_size,
     )
 
 

@@ -141,6 +141,7 @@ INPUT_COLLECTIVES = 3  # per sharding type: TorchRec's splits, lengths and value
 OUTPUT_COLLECTIVES = 2  # per sharding type: pooled embeddings forward, gradients backward
 
 __all__ = [
+    "all_to_all_sent_bytes",
     "ACCESS_BYTES",
     "ACTIVATION_IN_PASSES",
     "ACTIVATION_OUT_PASSES",
@@ -330,6 +331,20 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
         fits=not violations,
         violations=tuple(violations),
     )
+
+
+def all_to_all_sent_bytes(plan: Plan, workload: Workload, topology: Topology) -> np.ndarray:
+    """[W] bytes each rank sends other ranks per step in the ids' and embeddings' collectives
+    as the model prices them: ids once, embeddings forward and backward (what
+    `job.measure.CollectiveBytes` counts on a real run)."""
+    validate_plan(plan, workload, topology)
+    tables = {t.name: t for t in workload.tables}
+    load = RankTerms.zeros(topology.world_size)
+    for tp in plan.tables:
+        terms = table_plan_terms(tp, tables[tp.table], workload, topology)
+        load += shard_contribution(terms, tp.ranks, topology)
+    ids, emb = load.ids, load.emb
+    return ids.sent_intra + ids.sent_inter + 2 * (emb.sent_intra + emb.sent_inter)
 
 
 def _memory_violations(load: RankTerms, topology: Topology) -> list[str]:

@@ -16,6 +16,7 @@ from distcache.job.measure import (
     unmeasurable_reason,
 )
 from distcache.job.plan_cli import compare_main
+from distcache.planner.cost import all_to_all_sent_bytes
 from distcache.planner.solver import uniform_plan
 from distcache.planner.topology import preset
 from distcache.planner.types import (
@@ -145,3 +146,24 @@ def test_a_plan_runs_on_torchrecs_own_kernels() -> None:
         measure_plans({"c": cached}, WORKLOAD, world_size=1, torchrec_kernels=["c"])
     with pytest.raises(DistcacheConfigError, match="not plans here"):
         measure_plans({"c": device}, WORKLOAD, world_size=1, torchrec_kernels=["x"])
+
+
+def test_all_to_all_bytes_are_counted_and_match_the_model() -> None:
+    """On 2 ranks, the bytes a rank sends in a step's all-to-alls (`CollectiveBytes`) are the
+    model's (`all_to_all_sent_bytes`: ids once, embeddings forward and backward) plus what the
+    model leaves out: TorchRec's lengths (4 bytes per bag sent) and split sizes. A plan moves
+    the same bytes on TorchRec's kernels as on distcache's; data parallel moves none."""
+    cpu = preset("cpu", world_size=2)
+    plans = {k: uniform_plan(WORKLOAD, cpu, k) for k in (TABLE_WISE, "row_wise", DATA_PARALLEL)}
+    plans["torchrec"] = plans[TABLE_WISE]
+    results = measure_plans(
+        plans, WORKLOAD, world_size=2, options=FEW, torchrec_kernels=["torchrec"]
+    )
+    for name, plan in plans.items():
+        modelled = float(all_to_all_sent_bytes(plan, WORKLOAD, cpu).mean())
+        measured = results[name].all_to_all_sent_bytes
+        lengths = 4 * 16 * len(WORKLOAD.tables)  # at most every table's bags sent
+        assert modelled <= measured <= modelled + lengths + 64, (name, measured, modelled)
+    assert results[DATA_PARALLEL].all_to_all_sent_bytes == 0
+    assert results[DATA_PARALLEL].all_reduce_bytes > results[TABLE_WISE].all_reduce_bytes
+    assert results["torchrec"].all_to_all_sent_bytes == results[TABLE_WISE].all_to_all_sent_bytes
