@@ -113,6 +113,11 @@ def test_compare_measure_runs_every_plan_here(
     for name in ("distcache", "torchrec", "all table-wise"):  # TorchRec's plan runs too
         assert rows[name]["measured_step_ms"] > 0, name
         assert rows[name]["step_ms"] > 0  # the modelled figure stays beside it
+    # TorchRec's plan ran on TorchRec's kernels, and on distcache's engine beside them.
+    assert "TorchRec's own kernels" in rows["torchrec"]["note"]
+    assert rows["torchrec"]["measured_on_distcache_engine_step_ms"] > 0
+    gains = data["distcache_over_torchrec"]
+    assert gains["measured"] > 0 and gains["measured_same_engine"] > 0
 
 
 def test_compare_measure_skips_topologies_larger_than_this_machine(
