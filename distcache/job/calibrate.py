@@ -22,7 +22,7 @@ and re-used on its own (one rank's compute in `distcache.job.microbench`, the ne
 - `measure_collectives`: gloo all-to-all and all-reduce between the local ranks, fitted as
   `time = latency + bytes / bandwidth` over several message sizes; `measure_sync_latency`:
   what a collective costs between compute bursts, when peers compete for the cores.
-- `distcache.job.measure.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
+- `distcache.job.framework_costs.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
   giving the framework's fixed costs per step and per sharding type and the bytes/s of a
   data-parallel table's dense update.
 
@@ -59,7 +59,8 @@ import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
 from distcache.job.distributed import run_ranks, single_rank_group
-from distcache.job.measure import MeasureOptions, measure_framework_costs
+from distcache.job.framework_costs import measure_framework_costs
+from distcache.job.measure import MeasureOptions
 from distcache.job.microbench import (
     FULL,
     QUICK,

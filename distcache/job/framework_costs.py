@@ -1,0 +1,128 @@
+"""The framework's fixed costs on CPU, fitted from tiny plans trained for real (for `calibrate`).
+
+What a training step costs beyond the priced work (a step's fixed overhead, a sharding type's,
+an id's, and the bytes/s of a data-parallel table's dense update) cannot be derived from the
+calibrated rates; `measure_framework_costs` times four tiny plans that differ in one thing
+each (`distcache.job.measure.time_plans_here`) and subtracts what the cost model prices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from distcache.job.measure import MeasureOptions, time_plans_here
+from distcache.planner.cost import plan_cost
+from distcache.planner.types import (
+    DATA_PARALLEL,
+    ROW_WISE,
+    TABLE_WISE,
+    Plan,
+    TablePlan,
+    TableStats,
+    Topology,
+    Workload,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameworkCosts:
+    """What a training step costs on CPU beyond the priced work (`Topology` fields)."""
+
+    step_overhead_s: float
+    sharding_overhead_s: float
+    id_overhead_s: float
+    dense_update_bytes_per_s: float | None
+    """None when the big table's update was lost in the noise (the model's default stands)."""
+
+
+def measure_framework_costs(
+    topology: Topology,
+    *,
+    big_rows: int = 250_000,
+    big_batch: int = 512,
+    options: MeasureOptions | None = None,
+) -> FrameworkCosts:
+    """Time tiny plans on this rank and fit the costs the cost model cannot derive.
+
+    The model is a DLRM too small to compute much (MLPs of one layer and two, tables `t0` of
+    1000 rows and `t1` of `big_rows`, dim 16). At batch 8, four plans differ in one thing
+    each: (t0, t1) table-wise / table-wise, table-wise / row-wise (a second sharding type),
+    data parallel / table-wise (a second type, data parallel), table-wise / data parallel
+    (the big table's dense update); the first plan runs again at `big_batch` (more ids).
+    With `topology`'s other rates (its framework costs ignored) each run's priced time is
+    subtracted from its measured median step:
+
+    - dense update: table bytes per second from the last two plans' difference;
+    - sharding overhead: the mean of what a second sharding type adds (row-wise, data parallel);
+    - step overhead: what remains of the first plan once its one sharding type is paid;
+    - id overhead: what the bigger batch adds, per id routed (sent and served).
+
+    Args:
+        topology: the calibrated rates (lookups, dense compute); its world size is ignored.
+        big_rows: rows of `t1`: its dense update should take far longer than a step's noise.
+        big_batch: the batch of the second run of the first plan.
+        options: steps and warm-up.
+
+    Runs in this process, whose default process group must be of one rank (TorchRec's plans
+    name global ranks).
+    """
+    workload, plans = _framework_plans(big_rows)
+    bigger = dataclasses.replace(workload, batch_size_per_rank=big_batch)
+    measured = {
+        n: statistics.median(s)
+        for n, s in time_plans_here(plans, workload, options=options).items()
+    }
+    tw = {"tw": plans["tw"]}
+    big_s = statistics.median(time_plans_here(tw, bigger, options=options)["tw"])
+    extra_bytes = (big_rows - 1000) * workload.row_bytes(workload.tables[0])
+    update_s = measured["tw+dp"] - measured["dp+tw"]
+    update_rate = extra_bytes / update_s if update_s > 0 else None
+    free = dataclasses.replace(  # the framework's costs left out of the price
+        topology, world_size=1, ranks_per_node=1, step_overhead_s=0.0,
+        sharding_overhead_s=0.0, id_overhead_s=0.0, dense_update_bytes_per_s=update_rate,
+    )  # fmt: skip
+    excess = {n: measured[n] - plan_cost(p, workload, free).step_s for n, p in plans.items()}
+    big_excess = big_s - plan_cost(plans["tw"], bigger, free).step_s
+    routed = 2 * 2 * (big_batch - workload.batch_size_per_rank)  # 2 tables, sent and served
+    per_type = 0.5 * (excess["tw+rw"] + excess["dp+tw"]) - excess["tw"]
+    sharding = max(0.0, per_type)
+    return FrameworkCosts(
+        step_overhead_s=max(0.0, excess["tw"] - sharding),
+        sharding_overhead_s=sharding,
+        id_overhead_s=max(0.0, (big_excess - excess["tw"]) / routed),
+        dense_update_bytes_per_s=update_rate,
+    )
+
+
+def _framework_plans(big_rows: int) -> tuple[Workload, dict[str, Plan]]:
+    """`measure_framework_costs`'s tiny DLRM at batch 8 and its four plans of (t0, t1)."""
+    workload = Workload(
+        name="calibration",
+        tables=(
+            TableStats(name="t0", rows=1000, dim=16),
+            TableStats(name="t1", rows=big_rows, dim=16),
+        ),
+        batch_size_per_rank=8,
+        dense_in_features=4,
+        bottom_mlp=(16,),
+        top_mlp=(4, 1),
+    )
+    layouts = {
+        "tw": (TABLE_WISE, TABLE_WISE),
+        "tw+rw": (TABLE_WISE, ROW_WISE),
+        "dp+tw": (DATA_PARALLEL, TABLE_WISE),
+        "tw+dp": (TABLE_WISE, DATA_PARALLEL),
+    }
+    plans = {
+        name: Plan(
+            name=name,
+            tables=tuple(
+                TablePlan(table=t, sharding=k, ranks=(0,))
+                for t, k in zip(("t0", "t1"), kinds, strict=True)
+            ),
+        )
+        for name, kinds in layouts.items()
+    }
+    return workload, plans
