@@ -50,8 +50,23 @@ class CacheConfig:
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
+    hot_rows: tuple[int, ...] = ()
+    """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
+    their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
+    across ranks and applied with the same row optimizer. Only for distcache-sharded tables
+    (`distcache.sharding.hot_rows`); () for none."""
 
     def __post_init__(self) -> None:
+        hot = self.hot_rows
+        if not isinstance(hot, tuple):
+            hot = tuple(hot) if isinstance(hot, list | range) else hot
+            object.__setattr__(self, "hot_rows", hot)
+        if not isinstance(hot, tuple) or any(
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in hot
+        ):
+            _fail("hot_rows", _short(hot), "a tuple of distinct row ids >= 0")
+        if len(set(hot)) != len(hot):
+            _fail("hot_rows", _short(hot), "distinct row ids (some repeat)")
         cap = self.capacity
         if isinstance(cap, bool) or not isinstance(cap, int | float):
             _fail("capacity", cap, "a float in (0, 1] (fraction of rows) or an int >= 1 (rows)")
@@ -91,6 +106,13 @@ class CacheConfig:
     def is_reactive(self) -> bool:
         """True for policies that use no knowledge of future batches."""
         return self.policy != "lookahead"
+
+
+def _short(value: object) -> object:
+    """A long tuple, shortened for an error message."""
+    if isinstance(value, tuple) and len(value) > 8:
+        return f"({', '.join(map(repr, value[:8]))}, ... {len(value)} in all)"
+    return value
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -13,7 +13,7 @@ rows, and a `FusedOptimizerModule` whose learning rate schedulers can change.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -204,6 +204,10 @@ class _CachedKernel:
             param._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward
             self._param_per_table[spec.name] = param
         self._optim = _CacheOptimizer(self)
+        # Called after every flush (the host rows are then up to date: more may be written
+        # into them, e.g. hot rows) and after every purge (the host rows were just loaded).
+        self.flush_hooks: list[Callable[[], None]] = []
+        self.purge_hooks: list[Callable[[], None]] = []
 
     @property
     def emb_module(self) -> CachedEmbeddingBags:
@@ -253,12 +257,16 @@ class _CachedKernel:
 
     def flush(self) -> None:
         self.bags.flush()
+        for hook in self.flush_hooks:
+            hook()
 
     def purge(self) -> None:
         """Drop the caches without writing them back, as TorchRec's kernels do before a load:
         `torch.distributed.checkpoint` has just written the host rows in place, and a flush
         would overwrite them. (`state_dict()` flushed before that load read its targets.)"""
         self.bags.reset(flush=False)
+        for hook in self.purge_hooks:
+            hook()
 
 
 class CachedEmbeddingBagKernel(

@@ -18,15 +18,21 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dp_sequence_sharding import DpSequenceEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.cache.engine import CacheStats
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.streams import HostCopy
-from distcache.errors import InvalidBatchError, InvalidIdError
-from distcache.sharding.kernel import CachedEmbeddingBagKernel, CachedEmbeddingKernel
+from distcache.errors import InvalidBatchError, InvalidIdError, UnsupportedError
+from distcache.sharding.hot_rows import HotRows
+from distcache.sharding.kernel import (
+    CachedEmbeddingBagKernel,
+    CachedEmbeddingKernel,
+    cache_config_from_fused_params,
+)
 from distcache.sharding.lookup import CachedGroupedLookup, CachedGroupedSequenceLookup
-from distcache.sharding.plan import CACHED_KERNEL
+from distcache.sharding.plan import CACHED_KERNEL, CachedParameterSharding
 
 _SHARDING_TYPE = {
     "TwPooledEmbeddingSharding": ShardingType.TABLE_WISE,
@@ -59,11 +65,15 @@ class CachedShardedModule:
         """The collection's TorchRec table configs."""
         return getattr(self, self._configs_attr)
 
+    _hot: HotRows | None = None
+
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
         if isinstance(features, KeyedJaggedTensor):
             self._check_batch(features)
         if self.check_ids and isinstance(features, KeyedJaggedTensor):
             features, ctx.distcache_check = self._check_feature_ids(features)
+        if self._hot is not None and isinstance(features, KeyedJaggedTensor):
+            features, ctx.distcache_hot = self._hot.split(features)  # hot ids stay here
         return super().input_dist(ctx, features)  # type: ignore[misc]
 
     def compute_and_output_dist(self, ctx, input):  # noqa: ANN001, ANN201, A002
@@ -75,7 +85,83 @@ class CachedShardedModule:
                 for kernel in self.cached_kernels():
                     kernel.bags.drop_window()
                 raise
-        return super().compute_and_output_dist(ctx, input)  # type: ignore[misc]
+        out = super().compute_and_output_dist(ctx, input)  # type: ignore[misc]
+        part = getattr(ctx, "distcache_hot", None)
+        if part is not None:
+            hot = self._hot
+            pooled = hot.pooled(part)
+            out.callbacks.append(lambda kt: hot.combine(kt, part, pooled))
+        return out
+
+    def setup_hot_rows(self) -> None:
+        """Replicate the hot rows of the tables whose `CacheConfig.hot_rows` name some
+        (`distcache.sharding.hot_rows`); all ranks call it (it creates a process group)."""
+        planned = {
+            name
+            for name, sharding in self.module_sharding_plan.items()
+            if isinstance(sharding, CachedParameterSharding)
+            and sharding.cache_config is not None
+            and sharding.cache_config.hot_rows
+        }
+        if not planned:
+            return
+        if self._collection != "EmbeddingBagCollection":
+            raise UnsupportedError(
+                f"hot_rows are supported for EmbeddingBagCollection tables, not yet for "
+                f"{self._collection} tables {sorted(planned)}"
+            )
+        # Each table's full settings, its optimizer from TorchRec's fused params included (as
+        # its kernel gets them), on every rank: a rank may hold no shard of the table.
+        hot = {
+            info.embedding_config.name: cache_config_from_fused_params(info.fused_params)
+            for infos in self.sharding_type_to_sharding_infos.values()
+            for info in infos
+            if info.embedding_config.name in planned
+        }
+        configs = {c.name: c for c in self._table_configs()}
+        self._hot = HotRows(
+            {
+                name: (configs[name].num_embeddings, configs[name].embedding_dim, c)
+                for name, c in hot.items()
+            },
+            {f: c.name for c in self._table_configs() for f in c.feature_names},
+            {
+                f
+                for c in self._table_configs()
+                if c.pooling == PoolingType.MEAN
+                for f in c.feature_names
+            },
+            self._device or torch.device("cpu"),
+        )
+        self._hot.reader = self._read_hot_rows
+        for kernel in self.cached_kernels():
+            kernel.flush_hooks.append(lambda k=kernel: self._write_hot_rows(k))
+            kernel.purge_hooks.append(self._hot_rows_stale)
+        self.register_load_state_dict_post_hook(lambda module, keys: self._hot_rows_stale())
+
+    def _hot_shards(self, kernel: CachedEmbeddingBagKernel | CachedEmbeddingKernel):  # noqa: ANN202
+        """(table, first row, first column, host rows, host state) of the kernel's shards of
+        hot tables (views of the host store, not flushed)."""
+        for table in kernel._config.embedding_tables:
+            if table.name not in self._hot.tables:
+                continue
+            offsets = table.local_metadata.shard_offsets if table.local_metadata else [0, 0]
+            store, lo, hi = kernel.bags.table_slab(table.name)
+            yield table.name, offsets[0], offsets[1], store.weights[lo:hi], store.state[lo:hi]
+
+    def _read_hot_rows(self, hot: HotRows) -> None:
+        shards = []
+        for kernel in self.cached_kernels():
+            kernel.bags.flush()  # the host rows up to date before they are read
+            shards += list(self._hot_shards(kernel))
+        hot.gather(shards)
+
+    def _write_hot_rows(self, kernel: CachedEmbeddingBagKernel | CachedEmbeddingKernel) -> None:
+        for name, row0, col0, rows, state in self._hot_shards(kernel):
+            self._hot.scatter(name, row0, col0, rows, state)
+
+    def _hot_rows_stale(self) -> None:
+        self._hot.stale = True
 
     def _check_batch(self, features: KeyedJaggedTensor) -> None:
         """Raise `InvalidBatchError` for a batch TorchRec would fail on later, or train wrongly:

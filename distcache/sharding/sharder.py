@@ -116,6 +116,7 @@ class CachedEmbeddingBagCollectionSharder(_CachedSharder, EmbeddingBagCollection
             module_fqn=module_fqn,
         )
         sharded.check_ids = self.cache_config.check_ids
+        sharded.setup_hot_rows()
         return sharded
 
     @property
@@ -150,6 +151,7 @@ class CachedEmbeddingCollectionSharder(_CachedSharder, EmbeddingCollectionSharde
             module_fqn=module_fqn,
         )
         sharded.check_ids = self.cache_config.check_ids
+        sharded.setup_hot_rows()
         return sharded
 
     @property

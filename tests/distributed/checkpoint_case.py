@@ -14,6 +14,12 @@ from tests.distributed.ec_case import local_seq_slice, make_ec, seq_batches, seq
 from tests.distributed.sharded_model import global_batches, local_slice, loss_of, make_ebc, shard
 
 Shards = dict[str, list[tuple[list[int], torch.Tensor]]]
+# Two choices of hot rows (`CacheConfig.hot_rows`) per table: a checkpoint saved with one loads
+# with the other, or with none.
+HOT = {
+    "a": {"t0": (0, 1, 2, 3), "t1": (0, 1, 2), "t3": (0, 1)},
+    "b": {"t0": (5, 6), "t1": (0,), "t2": (0, 1, 2)},
+}
 
 
 def _model(
@@ -23,6 +29,7 @@ def _model(
     data_type: str = "FP32",
     weighted: bool = False,
     module: str = "ebc",
+    hot: str | None = None,
 ):
     torch.manual_seed(seed)
     opt_cls = {"rowwise_adagrad": RowWiseAdagrad, "adagrad": torch.optim.Adagrad}[optimizer]
@@ -35,7 +42,10 @@ def _model(
     ebc = make_ebc(data_type=data_type, weighted=weighted)
     apply_optimizer_in_backward(opt_cls, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6})
     # t3 serves two features: a larger cache of its own.
-    return shard(ebc, kind, config, {"t3": CacheConfig(capacity=28)})
+    tables = {"t3": CacheConfig(capacity=28)}
+    for table, rows in HOT.get(hot or "", {}).items():
+        tables[table] = dataclasses.replace(tables.get(table, config), hot_rows=rows)
+    return shard(ebc, kind, config, tables)
 
 
 def _batches(module: str, num: int, world: int, seed: int, weighted: bool) -> list:
@@ -81,8 +91,9 @@ def save(
     data_type: str = "FP32",
     weighted: bool = False,
     module: str = "ebc",
+    hot: str | None = None,
 ) -> Shards:
-    model = _model(kind, 0, optimizer, data_type, weighted, module)
+    model = _model(kind, 0, optimizer, data_type, weighted, module, hot)
     for batch in _batches(module, steps, world, 5, weighted):
         _train_step(model, module, batch, rank, world)
     dirty = sum(
@@ -107,9 +118,10 @@ def load(
     data_type: str = "FP32",
     weighted: bool = False,
     module: str = "ebc",
+    hot: str | None = None,
 ) -> Shards:
     # Different initial rows: everything must come from the checkpoint.
-    model = _model(kind, 123, optimizer, data_type, weighted, module)
+    model = _model(kind, 123, optimizer, data_type, weighted, module, hot)
     state = _state(model)
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])

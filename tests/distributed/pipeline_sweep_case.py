@@ -7,6 +7,8 @@ must agree bitwise, step by step and at the end, and the pipeline must never mis
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -97,12 +99,17 @@ def _one_case(
     fraction: float,
     seed: int,
     weighted: bool = False,
+    hot: bool = False,
 ) -> dict:
     batches = sweep_batches(10, world, seed, weighted)
     need = in_flight_rows(batches, depth)
     biggest = max(rows for _, rows, _, _ in TABLES)
     capacity = need + round(fraction * (biggest - need))  # rows per table (or per shard)
     config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=depth)
+    tables = {}
+    if hot:  # some rows of t0, t1 and t3 replicated on every rank (the hottest: small ids)
+        rows = {"t0": (0, 1, 2), "t1": (0, 1, 3, 2), "t3": (1, 0)}
+        tables = {t: dataclasses.replace(config, hot_rows=r) for t, r in rows.items()}
 
     reference = make_ebc(weighted=weighted)
     integer_init(reference, seed)
@@ -137,7 +144,7 @@ def _one_case(
             "ebc",
             ebc,
             plan_for(kind, world),
-            CachedEmbeddingBagCollectionSharder(config),
+            CachedEmbeddingBagCollectionSharder(config, tables),
             init_data_parallel=False,
         )
         copy_global_into(model, {f"ebc.{k}": v for k, v in state.items()})

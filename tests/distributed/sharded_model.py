@@ -246,8 +246,10 @@ def train_and_compare(
     pooling: str = "sum",
     prefetch: bool = False,
     weighted: bool = False,
+    hot: bool = False,
 ) -> dict:
-    """Train sharded+cached and unsharded side by side on the same batches; compare."""
+    """Train sharded+cached and unsharded side by side on the same batches; compare.
+    `hot`: t0, t1 and t3 replicate their hottest rows on every rank (`CacheConfig.hot_rows`)."""
     torch.manual_seed(0)
     # Bitwise where fp32 is exact: SGD on integers, sum pooling, and a world size whose 1/world
     # gradient scaling (TorchRec's mean over ranks) is a power of two.
@@ -266,7 +268,14 @@ def train_and_compare(
     ref_opt = opt_cls(reference.parameters(), **kwargs)
     # t3 serves two features: a per-table override gives it a larger cache (its own group).
     big = dataclasses.replace(config, capacity=2 * capacity if isinstance(capacity, int) else 1.0)
-    model = shard(sharded_src, kind, config, {"t3": big})
+    tables = {"t3": big}
+    if hot:  # the power law's hottest ids are the smallest
+        tables = {
+            "t0": dataclasses.replace(config, hot_rows=(0, 1, 2, 3)),
+            "t1": dataclasses.replace(config, hot_rows=(5, 0, 1, 2, 3, 4)),
+            "t3": dataclasses.replace(big, hot_rows=(0, 2, 1)),
+        }
+    model = shard(sharded_src, kind, config, tables)
     copy_global_into(model, reference.state_dict())
     batches = global_batches(steps, 3, world, seed=1, weighted=weighted)  # 3 samples per rank
     sharded = model._dmp_wrapped_module

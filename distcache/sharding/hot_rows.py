@@ -1,0 +1,298 @@
+"""Hot rows: some rows of a sharded table replicated on every rank.
+
+A table's `CacheConfig.hot_rows` names rows (its hottest, typically) that every rank holds in a
+local replica. One batch's ids flow so:
+
+    input_dist   `HotRows.split`: each id of a hot table is looked up among its hot rows; hot
+                 ids are taken out of the features before TorchRec routes them (they cross no
+                 all-to-all and take no cache slot), the rest go through the table's sharding
+    compute      `HotRows.pooled`: the hot ids' rows pooled from the replica on this rank,
+                 `[B, dim]` per feature, each id scaled by its weight for weighted features
+    output       `HotRows.combine`: added to the sharded (cold) part of the output; a mean bag
+                 becomes (cold mean * cold ids + hot sum) / all ids, as pooling all its ids
+    backward     each replica's gradient is summed over the ranks (divided by the world size,
+                 TorchRec's convention for embedding gradients) and applied by the table's row
+                 optimizer to the rows some rank touched; untouched rows (and their optimizer
+                 state) are left as they are, as for every row of a sharded table
+
+The table stays one table for its users: a flush (before any state dict) writes the replica's
+rows and optimizer state into the shards that own those rows, and after a load the replica is
+read back from them (one all-reduce, at the next forward). So checkpoints hold plain tables,
+and a checkpoint loads with any set of hot rows.
+
+Splitting a batch takes its hot ids out: on CUDA that compaction reads the batch's size back
+(as TorchRec's own input distribution does for its splits); the rest is fixed-shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from distcache.cache.config import CacheConfig
+from distcache.cache.optimizers import RowOptimizer, make_optimizer
+from distcache.errors import DistcacheConfigError
+
+
+@dataclass
+class _HotTable:
+    """One table's replicated rows."""
+
+    name: str
+    dim: int
+    ids: torch.Tensor  # [H] int64 global rows, sorted
+    weight: torch.Tensor  # [H, dim] float32, a leaf that requires grad (not a Parameter)
+    state: torch.Tensor  # [H, state_dim] float32 optimizer state
+    optimizer: RowOptimizer
+    touched: torch.Tensor | None = None  # [H] bool rows this rank used in the step
+
+
+@dataclass
+class HotInput:
+    """One batch's hot part, kept in the context from `split` to `pooled` and `combine`."""
+
+    keys: list[str]
+    offsets: torch.Tensor  # [F * B + 1] the batch's bags (all its ids)
+    slots: dict[str, torch.Tensor]  # table -> [n] hot slot of each id (0 where not its hot id)
+    weights: dict[str, torch.Tensor]  # table -> [n] the id's weight if it is the table's hot id
+    hot_per_bag: torch.Tensor  # [F * B] hot ids per bag
+    lengths: torch.Tensor  # [F * B] all ids per bag
+    stride: int
+
+
+class HotRows:
+    """The hot rows of one sharded collection's tables.
+
+    Args:
+        tables: per table with hot rows: (rows, dim, its CacheConfig with `hot_rows`).
+        feature_tables: the collection's features, in order, and the table each reads.
+        mean_features: features pooled by mean.
+        device: where the replicas live.
+    """
+
+    def __init__(
+        self,
+        tables: dict[str, tuple[int, int, CacheConfig]],
+        feature_tables: dict[str, str],
+        mean_features: set[str],
+        device: torch.device,
+    ):
+        self.tables: dict[str, _HotTable] = {}
+        for name, (rows, dim, config) in tables.items():
+            bad = [r for r in config.hot_rows if r >= rows]
+            if bad:
+                raise DistcacheConfigError(
+                    f"table {name!r}: hot_rows {bad[:8]} are outside its {rows} rows [0, {rows})"
+                )
+            ids = torch.tensor(sorted(config.hot_rows), dtype=torch.int64, device=device)
+            optimizer = make_optimizer(config)
+            weight = torch.zeros(len(ids), dim, device=device, requires_grad=True)
+            state = torch.zeros(len(ids), optimizer.state_dim(dim), device=device)
+            table = _HotTable(name, dim, ids, weight, state, optimizer)
+            weight.register_post_accumulate_grad_hook(self._stepper(table))
+            self.tables[name] = table
+        self.feature_tables = {f: t for f, t in feature_tables.items() if t in self.tables}
+        self.mean_features = set(mean_features)
+        self.device = device
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.stale = True  # the replicas must be read from the tables' shards
+        self.reader: Callable[[HotRows], None] | None = None
+
+    # ------------------------------------------------------------ the batch
+    def split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HotInput]:
+        """The features without their hot ids, and the hot part of the batch."""
+        keys = features.keys()
+        values, lengths = features.values(), features.lengths()
+        weights = features.weights_or_none()
+        stride, n = features.stride(), values.numel()
+        device = values.device
+        bags = torch.arange(lengths.numel(), device=device)
+        key_of_id = torch.repeat_interleave(bags, lengths, output_size=n) // max(stride, 1)
+        hot = torch.zeros(n, dtype=torch.bool, device=device)
+        slots, id_weights = {}, {}
+        for name, table in self.tables.items():
+            mine = [k for k, f in enumerate(keys) if self.feature_tables.get(f) == name]
+            if not mine:
+                continue
+            reads = torch.isin(key_of_id, torch.tensor(mine, device=device))
+            size = table.ids.numel()
+            pos = torch.searchsorted(table.ids, values).clamp(max=size - 1)
+            is_hot = reads & (table.ids.index_select(0, pos) == values)
+            slots[name] = torch.where(is_hot, pos, 0)
+            one = torch.ones(n, device=device) if weights is None else weights.float()
+            id_weights[name] = torch.where(is_hot, one, 0.0)
+            hot |= is_hot
+        bag_of_id = torch.repeat_interleave(bags, lengths, output_size=n)
+        hot_per_bag = torch.zeros_like(lengths).index_add_(0, bag_of_id, hot.to(lengths.dtype))
+        cold = ~hot
+        rest = KeyedJaggedTensor(
+            keys=keys,
+            values=values[cold],  # data-dependent size (see the module docstring)
+            lengths=lengths - hot_per_bag,
+            weights=None if weights is None else weights[cold],
+            stride=stride,
+        )
+        part = HotInput(
+            keys=list(keys),
+            offsets=features.offsets(),
+            slots=slots,
+            weights=id_weights,
+            hot_per_bag=hot_per_bag,
+            lengths=lengths,
+            stride=stride,
+        )
+        return rest, part
+
+    def pooled(self, part: HotInput) -> dict[str, torch.Tensor]:
+        """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted)."""
+        if self.stale and self.reader is not None:
+            self.reader(self)
+        out: dict[str, torch.Tensor] = {}
+        num_keys = len(part.keys)
+        for name, slots in part.slots.items():
+            table = self.tables[name]
+            sums = F.embedding_bag(
+                slots,
+                table.weight,
+                part.offsets,
+                mode="sum",
+                per_sample_weights=part.weights[name],
+                include_last_offset=True,
+            ).view(num_keys, part.stride, table.dim)
+            if torch.is_grad_enabled():
+                used = torch.zeros(table.ids.numel() + 1, dtype=torch.bool, device=self.device)
+                mask = part.weights[name] != 0
+                used.index_fill_(0, torch.where(mask, slots, table.ids.numel()), True)
+                table.touched = used[:-1]
+            for k, feature in enumerate(part.keys):
+                if self.feature_tables.get(feature) == name:
+                    out[feature] = sums[k]
+        return out
+
+    def combine(
+        self, kt: KeyedTensor, part: HotInput, pooled: dict[str, torch.Tensor]
+    ) -> KeyedTensor:
+        """The collection's output with the hot rows' part added, feature by feature."""
+        values, columns, start = kt.values(), [], 0
+        stride = part.stride
+        key_index = {k: i for i, k in enumerate(part.keys)}
+        for key, width in zip(kt.keys(), kt.length_per_key(), strict=True):
+            cold = values[:, start : start + width]
+            start += width
+            if key not in pooled:
+                columns.append(cold)
+                continue
+            hot = pooled[key]
+            if key in self.mean_features:
+                k = key_index[key]
+                bags = slice(k * stride, (k + 1) * stride)
+                total = part.lengths[bags].to(values.dtype)
+                cold_ids = total - part.hot_per_bag[bags].to(values.dtype)
+                cold = (cold * cold_ids.unsqueeze(1) + hot) / total.clamp(min=1).unsqueeze(1)
+            else:
+                cold = cold + hot
+            columns.append(cold)
+        return KeyedTensor(
+            keys=kt.keys(),
+            length_per_key=kt.length_per_key(),
+            values=torch.cat(columns, dim=1),
+            key_dim=1,
+        )
+
+    # ------------------------------------------------------------ the update
+    def _stepper(self, table: _HotTable) -> Callable[[torch.Tensor], None]:
+        def step(weight: torch.Tensor) -> None:
+            grad, weight.grad = weight.grad, None
+            touched = table.touched
+            if touched is None:
+                touched = torch.zeros(table.ids.numel(), dtype=torch.bool, device=grad.device)
+            touched = touched.to(torch.int32)
+            if self._group is not None:
+                dist.all_reduce(grad, group=self._group)
+                grad.div_(dist.get_world_size(self._group))
+                dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=self._group)
+            with torch.no_grad():
+                rows = weight.detach().clone()
+                state = table.state.clone()
+                table.optimizer.update(rows, state, grad)
+                used = touched.bool().unsqueeze(1)
+                weight.copy_(torch.where(used, rows, weight))
+                table.state.copy_(torch.where(used, state, table.state))
+            table.optimizer.step()
+            table.touched = None
+
+        return step
+
+    # ------------------------------------------------------------ the tables' shards
+    def gather(self, shards: list[tuple[str, int, int, torch.Tensor, torch.Tensor]]) -> None:
+        """Read the replicas from the shards (all ranks at once: one all-reduce per table).
+
+        `shards`: this rank's shards of hot tables as (table, first row, first column, rows
+        `[r, c]`, optimizer state `[r, s]`)."""
+        for name, table in self.tables.items():
+            dim, width = table.dim, table.state.shape[1]
+            # Rows, state, and how many shards gave each row's state (column shards each keep a
+            # row-wise state of their own: the replica takes their mean).
+            buf = torch.zeros(table.ids.numel(), dim + width + 1, device=self.device)
+            for shard_table, row0, col0, rows, state in shards:
+                if shard_table != name:
+                    continue
+                local, mine = self._local(table, row0, rows.shape[0])
+                part = buf.index_select(0, mine)
+                part[:, col0 : col0 + rows.shape[1]] = rows.index_select(0, local).float()
+                shard_state = state.index_select(0, local).float()
+                for full, own, count in self._state_columns(table, col0, rows.shape[1]):
+                    part[:, dim + full : dim + full + count] += shard_state[:, own : own + count]
+                part[:, -1] += 1.0
+                buf.index_copy_(0, mine, part)
+            if self._group is not None:
+                dist.all_reduce(buf, group=self._group)
+            with torch.no_grad():
+                table.weight.copy_(buf[:, :dim])
+                if width:
+                    shared = buf[:, -1:].clamp(min=1) if self._row_wise(table) else 1.0
+                    table.state.copy_(buf[:, dim : dim + width] / shared)
+        self.stale = False
+
+    def scatter(self, name: str, row0: int, col0: int, rows: torch.Tensor, state: torch.Tensor):  # noqa: ANN201
+        """Write table `name`'s replica into one of its shards (rows `[r, c]` from `row0`,
+        columns from `col0`, and the rows' optimizer state), in place."""
+        table = self.tables.get(name)
+        if table is None or self.stale:
+            return
+        local, mine = self._local(table, row0, rows.shape[0])
+        values = table.weight.detach().index_select(0, mine)[:, col0 : col0 + rows.shape[1]]
+        rows.index_copy_(0, local, values.to(rows.dtype))
+        if state.shape[1]:
+            mine_state = table.state.index_select(0, mine)
+            part = state.index_select(0, local)
+            for full, own, count in self._state_columns(table, col0, rows.shape[1]):
+                part[:, own : own + count] = mine_state[:, full : full + count].to(state.dtype)
+            state.index_copy_(0, local, part)
+
+    @staticmethod
+    def _row_wise(table: _HotTable) -> bool:
+        return table.state.shape[1] == 1
+
+    def _state_columns(self, table: _HotTable, col0: int, cols: int) -> list[tuple[int, int, int]]:
+        """(first replica state column, first shard state column, count) of a shard of
+        columns [col0, col0 + cols): a row-wise state is one column; an element-wise one is
+        blocks of `dim` columns (Adagrad: one, Adam: two), of which the shard holds its
+        columns."""
+        width = table.state.shape[1]
+        if not width:
+            return []
+        if self._row_wise(table):
+            return [(0, 0, 1)]
+        return [(b * table.dim + col0, b * cols, cols) for b in range(width // table.dim)]
+
+    def _local(self, table: _HotTable, row0: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shard-local rows, replica slots) of the hot rows in [row0, row0 + count)."""
+        inside = (table.ids >= row0) & (table.ids < row0 + count)
+        mine = torch.arange(table.ids.numel(), device=self.device)[inside]  # host-side setup
+        return table.ids[inside] - row0, mine

@@ -1,0 +1,53 @@
+"""Hot rows replicated on every rank (`CacheConfig.hot_rows`), the rest sharded and cached:
+against the unsharded, uncached EmbeddingBagCollection (gloo, CPU)."""
+
+import pytest
+
+from tests.distributed.harness import run_ranks
+from tests.distributed.pipeline_sweep_case import three_ways
+from tests.distributed.sharded_model import train_and_compare
+
+
+def _routed_ids(results: list[dict]) -> float:
+    return sum(s["ids"] for stats in results for s in stats.values())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "mixed"])
+def test_hot_rows_sgd_equal_unsharded_bitwise(kind):
+    """Bitwise for SGD on integers; the hot ids never reach the caches (fewer routed ids)."""
+    hot = run_ranks(train_and_compare, 2, args=(kind,), kwargs={"hot": True}, timeout_s=150)
+    assert any(s["evictions"] > 0 for stats in hot for s in stats.values()), hot
+    plain = run_ranks(train_and_compare, 2, args=(kind,), timeout_s=150)
+    assert _routed_ids(hot) < 0.8 * _routed_ids(plain), (_routed_ids(hot), _routed_ids(plain))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("kind", "kwargs"),
+    [
+        ("row_wise", {"pooling": "mean"}),  # within tolerance: a mean is not exact
+        ("column_wise", {"pooling": "mean"}),
+        ("table_wise", {"weighted": True}),  # bitwise: integer weights
+        ("mixed", {"optimizer": "rowwise_adagrad"}),  # within tolerance
+    ],
+)
+def test_hot_rows_mean_weighted_and_adagrad(kind, kwargs):
+    run_ranks(train_and_compare, 2, args=(kind,), kwargs={"hot": True, **kwargs}, timeout_s=150)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_hot_rows_on_three_ranks(kind):
+    run_ranks(
+        train_and_compare, 3, args=(kind,), kwargs={"hot": True, "capacity": 24}, timeout_s=200
+    )
+
+
+@pytest.mark.timeout(240)
+def test_hot_rows_pipelined_equal_plain_and_uncached():
+    """Through LookaheadTrainPipeline: hot ids split off when each batch is routed, L ahead."""
+    cases = [(kind, 3, 1, 0.0, 12, False, True) for kind in ("table_wise", "row_wise")]
+    for results in run_ranks(three_ways, 2, args=(cases,), timeout_s=200):
+        for case, result in zip(cases, results, strict=True):
+            assert result["pipeline"]["critical"] == 0, (case, result)
