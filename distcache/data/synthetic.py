@@ -332,6 +332,17 @@ class SyntheticClickLog(IterableDataset):
         )
         return torch.from_numpy(logit)
 
+    def rows_of_ranks(self, table: int, ranks: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The rows of table `table` (its index) at popularity ranks `ranks` (0 the likeliest):
+        the ids this log draws for them, e.g. a table's hot rows."""
+        r = np.asarray(ranks, dtype=np.int64)
+        rows = int(self._rows[table])
+        if r.size and (r.min() < 0 or r.max() >= rows):
+            _fail(f"ranks must lie in [0, {rows}) for table {table}")
+        if not self.config.hash_ids:
+            return r
+        return (int(self._a[table]) * r + int(self._b[table])) % rows
+
     def _sample_ids(self, u: np.ndarray, tables: np.ndarray) -> np.ndarray:
         """Rows for uniforms `u` [N] of tables `tables` [N]: inverse power-law CDF, then the map."""
         e, near, p0 = self._e[tables], self._near_one[tables], self._p0[tables]

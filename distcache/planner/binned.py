@@ -115,6 +115,37 @@ class BinnedProfile:
         self._memo[key] = value
         return value
 
+    def head(self, rows: int, n: float = 0.0) -> tuple[float, float]:
+        """(lookup mass, expected distinct rows in n lookups) of the `rows` likeliest rows: the
+        share of lookups a replica of them serves, and the rows of it a batch touches."""
+        key = ("h", int(rows), float(n))
+        if key in self._memo:
+            return self._memo[key]
+        rows = min(max(int(rows), 0), self.rows)
+        k = int(np.searchsorted(self.rows_through, rows, side="left"))
+        whole = slice(0, k)  # bins wholly inside the head; bin k holds its last rows
+        inside = rows - (self.rows_through[k - 1] if k else 0.0)
+        q = self._touch(n)
+        value = (
+            float(self.rows_per_bin[whole] @ self.probability[whole])
+            + (inside * self.probability[k] if k < self.probability.size else 0.0),
+            float(self.rows_per_bin[whole] @ q[whole]) + (inside * q[k] if k < q.size else 0.0),
+        )
+        self._memo[key] = value
+        return value
+
+    def rows_for_mass(self, mass: float) -> int:
+        """The fewest likeliest rows that take at least `mass` of the lookups (all rows for
+        a mass of 1 or more)."""
+        through = np.cumsum(self.rows_per_bin * self.probability)  # mass up to each bin's end
+        k = int(np.searchsorted(through, mass - 1e-12, side="left"))
+        if k >= through.size:
+            return self.rows
+        before = through[k - 1] if k else 0.0
+        start = self.rows_through[k - 1] if k else 0.0
+        need = math.ceil((mass - before) / self.probability[k] - 1e-9) if self.probability[k] else 0
+        return int(min(self.rows, start + max(need, 0)))
+
     def _lru_loads(self, q: np.ndarray, capacity: int) -> float:
         """Che's approximation: τ with Σ rows·(1 - (1-q)^τ) = capacity; misses q·(1-q)^τ."""
         log_keep = np.log1p(-np.minimum(q, 1 - 1e-16))

@@ -55,6 +55,7 @@ class Mode:
     lookahead: int
     prefetch_depth: int
     terms: ShardTerms
+    hot_rows: int = 0
 
     def describe(self, ranks: tuple[int, ...] = ()) -> str:
         where = {
@@ -66,11 +67,12 @@ class Mode:
             TABLE_ROW_WISE: f"table_row_wise on {self.shards} ranks"
             + (f" {list(ranks)}" if ranks else ""),
         }[self.sharding]
+        hot = f", {self.hot_rows} hot rows replicated" if self.hot_rows else ""
         if self.storage == DEVICE:
-            return f"{where}, device"
+            return f"{where}, device{hot}"
         return (
             f"{where}, host + {100 * self.cache_fraction:.3g}% cache, L={self.lookahead} "
-            f"K={self.prefetch_depth}"
+            f"K={self.prefetch_depth}{hot}"
         )
 
     def key(self) -> tuple:
@@ -81,6 +83,7 @@ class Mode:
             self.cache_fraction,
             self.lookahead,
             self.prefetch_depth,
+            self.hot_rows,
         )
 
     def table_plan(self, table: str, ranks: tuple[int, ...]) -> TablePlan:
@@ -92,6 +95,7 @@ class Mode:
             cache_fraction=self.cache_fraction if self.storage == HOST_CACHED else 1.0,
             lookahead=self.lookahead,
             prefetch_depth=self.prefetch_depth,
+            hot_rows=self.hot_rows,
         )
 
 

@@ -59,6 +59,15 @@ U_table(n) otherwise, from `stats.expected_unique`.
 - memory: device = shard rows·r (device storage), or cache rows·(r + 40 B slot metadata) +
   shard rows·(8 B look-ahead or LRU index), + data-parallel tables R·r on every rank;
   host = shard rows·r for host-cached shards. Row-wise shards are priced at ceil(R/S) rows.
+- hot rows (`TablePlan.hot_rows` = H, the table's H likeliest rows replicated on every rank,
+  taking a share h of its lookups and touching U_hot of its distinct rows): the shards serve
+  (1 - h) of the ids and U - U_hot rows, each rank sends (1 - h) of its ids, and a cache
+  loads as one of H more slots would (the hot rows no longer compete for slots). The pooled
+  outputs are unchanged (a bag's cold part is still sent whole). Every rank adds the
+  lookups of its own h·B·P hot ids, a masked update streaming all H replica rows with
+  their state (at the dense update's rate) and device memory H·(2·D·4 + state) (fp32 rows
+  and gradient); the all-reduce adds H·(D + 1)·4 bytes (its gradient and which rows some
+  rank touched) and a sync latency per table.
 
 The model is written in four files, each a stage of it: `binned.py` (access statistics),
 `shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
@@ -139,6 +148,7 @@ from distcache.planner.types import (
 
 INPUT_COLLECTIVES = 3  # per sharding type: TorchRec's splits, lengths and values all-to-alls
 OUTPUT_COLLECTIVES = 2  # per sharding type: pooled embeddings forward, gradients backward
+HOT_COLLECTIVES = 1  # per table with hot rows: one all-reduce of its gradient and touched rows
 
 __all__ = [
     "all_to_all_sent_bytes",
@@ -150,6 +160,7 @@ __all__ = [
     "CACHE_SLOT_BYTES",
     "DENSE_UPDATE_PASSES",
     "ID_BYTES",
+    "HOT_COLLECTIVES",
     "INPUT_COLLECTIVES",
     "OUTPUT_COLLECTIVES",
     "RANK_TERMS",
@@ -218,6 +229,11 @@ def validate_plan(plan: Plan, workload: Workload, topology: Topology) -> None:
                 f"table {tp.table!r}: data parallel runs on all {world} ranks, got {tp.ranks}"
             )
         dim = known[tp.table].dim
+        if tp.hot_rows > known[tp.table].rows:
+            raise DistcacheConfigError(
+                f"table {tp.table!r}: hot_rows {tp.hot_rows} exceeds its {known[tp.table].rows} "
+                "rows"
+            )
         if tp.sharding == TABLE_ROW_WISE:
             _check_whole_nodes(tp, dim, topology)
         if tp.sharding == COLUMN_WISE and dim % len(tp.ranks):
@@ -247,6 +263,7 @@ class GlobalTerms:
     """What every rank pays alike, per step."""
 
     all_reduce_s: float
+    """Dense parameters', data-parallel tables' and hot-row replicas' gradients."""
     input_latency_s: float
     """Latencies of the input all-to-alls, 3 per sharding type (data parallel aside)."""
     output_latency_s: float
@@ -265,15 +282,20 @@ def global_terms(
     dp_bytes: float,
     shardings: Collection[str],
     sent_ids: float = 0.0,
+    hot_bytes: float = 0.0,
+    hot_tables: int = 0,
 ) -> GlobalTerms:
     """The shared terms of a plan with `dp_bytes` of data-parallel gradients whose tables use
     the sharding types `shardings` (the set of `TablePlan.sharding`s), each rank sending
-    `sent_ids` ids per step (`sent_ids_per_rank`)."""
+    `sent_ids` ids per step (`sent_ids_per_rank`), and `hot_tables` tables with hot-row
+    replicas, whose gradients and touched flags (`hot_bytes` in all) are all-reduced."""
     kinds = set(shardings)
     routed = len(kinds - {DATA_PARALLEL}) if topology.world_size > 1 else 0
-    all_reduce = all_reduce_s(dense_parameter_bytes(workload) + dp_bytes, topology)
+    all_reduce = all_reduce_s(dense_parameter_bytes(workload) + dp_bytes + hot_bytes, topology)
     if dp_bytes > 0 and topology.world_size > 1:
         all_reduce += sync_latency_s(topology)  # the data-parallel tables' own all-reduce
+    if hot_tables and topology.world_size > 1:  # one all-reduce per replica
+        all_reduce += HOT_COLLECTIVES * hot_tables * sync_latency_s(topology)
     return GlobalTerms(
         all_reduce_s=all_reduce,
         input_latency_s=INPUT_COLLECTIVES * topology.network_latency_s * routed,
@@ -307,11 +329,12 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}
     load = RankTerms.zeros(topology.world_size)
-    dp_bytes, sent, violations = 0.0, 0.0, []
+    dp_bytes, sent, hot_bytes, violations = 0.0, 0.0, 0.0, []
     for tp in plan.tables:
         terms = table_plan_terms(tp, tables[tp.table], workload, topology)
         load += shard_contribution(terms, tp.ranks, topology)
         dp_bytes += terms.all_reduce_bytes
+        hot_bytes += terms.hot_reduce_bytes
         sent += sent_ids_per_rank(terms, len(tp.ranks))
         if not terms.fits_working_set:
             violations.append(
@@ -320,7 +343,8 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
                 "batches in flight touch"
             )
     kinds = {tp.sharding for tp in plan.tables}
-    shared = global_terms(workload, topology, dp_bytes, kinds, sent)
+    hot_tables = sum(tp.hot_rows > 0 for tp in plan.tables)
+    shared = global_terms(workload, topology, dp_bytes, kinds, sent, hot_bytes, hot_tables)
     dense = dense_compute_s(workload, topology)
     violations += _memory_violations(load, topology)
     return PlanCost(

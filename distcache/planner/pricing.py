@@ -64,6 +64,8 @@ class State:
         self.dp_bytes = 0.0
         self.kinds: Counter[str] = Counter()  # tables placed per sharding type
         self.sent_ids = 0.0  # ids each rank sends per step
+        self.hot_bytes = 0.0  # hot-row replicas' gradients and flags all-reduced per step
+        self.hot_tables = 0
         self.link_work_s = 0.0
         self.placed: list[tuple[Mode, tuple[int, ...]] | None] = [None] * len(problem.tables)
         self.contrib: list[RankTerms | None] = [None] * len(problem.tables)
@@ -75,7 +77,11 @@ class State:
         sent = self.sent_ids + (sent_ids_per_rank(mode.terms, mode.shards) if mode else 0.0)
         kinds = {k for k, n in self.kinds.items() if n > 0}
         kinds |= {mode.sharding} if mode is not None else set()
-        return global_terms(self.p.workload, self.p.topology, dp, kinds, sent).shared_s
+        hot_bytes = self.hot_bytes + (mode.terms.hot_reduce_bytes if mode else 0.0)
+        hot_tables = self.hot_tables + (mode is not None and mode.hot_rows > 0)
+        return global_terms(
+            self.p.workload, self.p.topology, dp, kinds, sent, hot_bytes, hot_tables
+        ).shared_s
 
     def step(self) -> RankStep:
         """[W] parts of the step per rank, without the shared terms (`constant_s`)."""
@@ -95,6 +101,8 @@ class State:
         self.dp_bytes += mode.terms.all_reduce_bytes
         self.kinds[mode.sharding] += 1
         self.sent_ids += sent_ids_per_rank(mode.terms, mode.shards)
+        self.hot_bytes += mode.terms.hot_reduce_bytes
+        self.hot_tables += mode.hot_rows > 0
         self.link_work_s += self._link_work(mode, ranks, contrib)
         self.placed[index], self.contrib[index] = (mode, ranks), contrib
 
@@ -105,6 +113,8 @@ class State:
         self.dp_bytes -= mode.terms.all_reduce_bytes
         self.kinds[mode.sharding] -= 1
         self.sent_ids -= sent_ids_per_rank(mode.terms, mode.shards)
+        self.hot_bytes -= mode.terms.hot_reduce_bytes
+        self.hot_tables -= mode.hot_rows > 0
         self.link_work_s -= self._link_work(mode, ranks, contrib)
         self.placed[index] = self.contrib[index] = None
         return mode, ranks, contrib

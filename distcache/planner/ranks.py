@@ -205,6 +205,9 @@ def shard_contribution(terms: ShardTerms, ranks: tuple[int, ...], topology: Topo
             emb = reduced_in_node(emb_bytes, is_owner, topology)
         for row, value in zip((*load.ids, *load.emb), (*ids, *emb), strict=True):
             row[:] = value
+    if terms.hot_rows:  # the replica of its hot rows, on every rank
+        load.lookup_s[:] += terms.hot_lookup_s
+        load.device_memory_bytes[:] += terms.hot_device_bytes
     return load
 
 

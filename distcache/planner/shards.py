@@ -30,6 +30,7 @@ from distcache.planner.types import (
 )
 
 ID_BYTES = 8  # int64 ids in the input all-to-all
+FP32_BYTES = 4  # a hot-row replica's rows, gradient and state
 # Device metadata of a distcache cache (cache/residency.py, cache/policies.py):
 CACHE_ROW_INDEX_BYTES_LOOKAHEAD = 8  # per shard row: slot map + latest window position (int32)
 CACHE_ROW_INDEX_BYTES_REACTIVE = 8  # per shard row: slot map (int64), LRU policy
@@ -72,6 +73,16 @@ class ShardTerms:
     """Table-row-wise: the shards' partial sums are reduce-scattered within their node, then
     sent across nodes once (`ranks.shard_contribution`), instead of each shard answering
     every consumer."""
+    hot_rows: int = 0
+    """Rows replicated on every rank (`TablePlan.hot_rows`); the terms above are the rest's."""
+    hot_fraction: float = 0.0
+    """Share of the table's lookups the replica serves."""
+    hot_lookup_s: float = 0.0
+    """Every rank: its batch's hot lookups (forward, backward) and the replica's masked update."""
+    hot_reduce_bytes: float = 0.0
+    """Every rank: the replica's gradient and touched flags, all-reduced each step."""
+    hot_device_bytes: int = 0
+    """Every rank: the replica (fp32 rows, optimizer state and gradient)."""
 
     @property
     def fits_working_set(self) -> bool:
@@ -143,17 +154,27 @@ def splits(sharding: str, shards: int, topology: Topology) -> tuple[int, int]:
 
 
 def shard_access(
-    table: TableStats, workload: Workload, topology: Topology, *, sharding: str, shards: int
+    table: TableStats,
+    workload: Workload,
+    topology: Topology,
+    *,
+    sharding: str,
+    shards: int,
+    hot_rows: int = 0,
 ) -> tuple[int, float, float]:
-    """(rows, ids served, distinct rows touched) per step of one shard of `table`; for data
-    parallel the distinct rows are all rows (a dense gradient updates every row)."""
+    """(rows, ids served, distinct rows touched) per step of one shard of `table`, its
+    `hot_rows` likeliest rows served by their replicas; for data parallel the distinct rows
+    are all rows (a dense gradient updates every row)."""
     per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
     global_ids = per_rank_ids * topology.world_size
     if sharding == DATA_PARALLEL:
         return table.rows, per_rank_ids, float(table.rows)
-    unique = table_access(table).unique(global_ids)
+    access = table_access(table)
+    hot_mass, hot_unique = access.head(hot_rows, global_ids) if hot_rows else (0.0, 0.0)
+    unique = max(access.unique(global_ids) - hot_unique, 0.0)
     rows_split, _ = splits(sharding, shards, topology)
-    return -(-table.rows // rows_split), global_ids / rows_split, unique / rows_split
+    served = global_ids * (1.0 - hot_mass)
+    return -(-table.rows // rows_split), served / rows_split, unique / rows_split
 
 
 def shard_terms(
@@ -167,6 +188,7 @@ def shard_terms(
     cache_fraction: float = 1.0,
     lookahead: int = 0,
     prefetch_depth: int = 0,
+    hot_rows: int = 0,
 ) -> ShardTerms:
     """The terms of one shard of `table` placed as described (see the module docstring).
 
@@ -176,7 +198,7 @@ def shard_terms(
         topology: rates and world size.
         sharding: one of `types.SHARDING_TYPES`.
         shards: number of shards (ranks) of the table; ignored for data parallel.
-        storage, cache_fraction, lookahead, prefetch_depth: as in `TablePlan`.
+        storage, cache_fraction, lookahead, prefetch_depth, hot_rows: as in `TablePlan`.
     """
     dtype = workload.dtype_bytes
     per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
@@ -185,16 +207,22 @@ def shard_terms(
     dim = table.dim // columns_split
     element = workload.element_bytes(table)  # the rows' dtype; state and outputs: `dtype`
     row_bytes = dim * element + OPTIMIZER_STATE[workload.optimizer](dim) * dtype
-    rows, ids, unique = shard_access(table, workload, topology, sharding=sharding, shards=shards)
     sharded = sharding != DATA_PARALLEL
+    hot_rows = hot_rows if sharded else 0
+    rows, ids, unique = shard_access(
+        table, workload, topology, sharding=sharding, shards=shards, hot_rows=hot_rows
+    )
     cached = storage == HOST_CACHED
     cache_rows = min(rows, math.ceil(cache_fraction * rows)) if cached else rows
     loads = 0.0
     if cached:
         model = "frequency" if lookahead > 0 else "lru"
-        # Row splits: the table's cache is the shards' caches together.
-        loads = table_access(table).loads(global_ids, cache_rows * rows_split, model) / rows_split
+        # Row splits: the table's cache is the shards' caches together. Hot rows take no slot:
+        # the cache holds the next likeliest rows, as one of `hot_rows` more slots would.
+        slots = cache_rows * rows_split + hot_rows
+        loads = table_access(table).loads(global_ids, slots, model) / rows_split
     staging_bytes = 2 * loads * row_bytes
+    hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,
@@ -213,11 +241,38 @@ def shard_terms(
         and topology.compute_device == "cuda",
         device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, cached, lookahead),
         host_memory_bytes=rows * row_bytes if cached else 0,
-        ids_bytes_per_peer=per_rank_ids * ID_BYTES / rows_split if sharded else 0.0,
+        ids_bytes_per_peer=per_rank_ids * (1 - hot_mass) * ID_BYTES / rows_split
+        if sharded
+        else 0.0,
         embedding_bytes_per_peer=workload.batch_size_per_rank * dim * dtype if sharded else 0.0,
         all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
         reduced_in_node=sharding == TABLE_ROW_WISE,
+        **_hot_terms(table, workload, topology, hot_rows, hot_mass),
     )
+
+
+def _hot_terms(
+    table: TableStats, workload: Workload, topology: Topology, hot_rows: int, hot_mass: float
+) -> dict[str, float | int]:
+    """The replica's terms on every rank (`ShardTerms.hot_*`): fp32 rows of the whole dim, as
+    `sharding.hot_rows` keeps them. The lookups of the rank's own batch, then the update:
+    every replica row and its state read and written once (a masked update), at the dense
+    update's rate; the all-reduce sends the gradient and a touched count per row."""
+    if not hot_rows:
+        return {}
+    state = OPTIMIZER_STATE[workload.optimizer](table.dim) * FP32_BYTES
+    row, full = table.dim * FP32_BYTES, table.dim * FP32_BYTES + state
+    ids = workload.batch_size_per_rank * table.pooling_factor * hot_mass
+    lookup = lookup_time_s(
+        ids=ids, unique_rows=0.0, dim_bytes=row, row_bytes=full, topology=topology
+    )
+    return {
+        "hot_rows": hot_rows,
+        "hot_fraction": hot_mass,
+        "hot_lookup_s": lookup + dense_update_time_s(hot_rows * full, topology),
+        "hot_reduce_bytes": hot_rows * (row + FP32_BYTES),
+        "hot_device_bytes": hot_rows * (full + row),
+    }
 
 
 def _lookup_s(
@@ -267,6 +322,7 @@ def table_plan_terms(
         cache_fraction=table_plan.cache_fraction,
         lookahead=table_plan.lookahead,
         prefetch_depth=table_plan.prefetch_depth,
+        hot_rows=table_plan.hot_rows,
     )
 
 

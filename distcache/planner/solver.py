@@ -5,7 +5,8 @@ Every cost comes from `cost.py`, on the per-rank terms `plan_cost` uses; a state
 by (step, work), work being the rank time summed over ranks (see `pricing.State`). The stages
 live in their own files: the menu (step 1) in `candidates.py`, the pricing of a table's modes
 against a partial plan in `pricing.py`, the greedy passes and local search (steps 2-4) in
-`search.py`, the explanations (step 5) in `explain.py`; this file holds the entry point.
+`search.py`, the hot rows (step 5) in `hot.py`, the explanations (step 6) in `explain.py`;
+this file holds the entry point.
 
 1. Menu: per table, every allowed mode — data parallel; table-wise, row-wise (all ranks),
    column-wise (S ranks, S dividing the dim) — with device storage or a host store plus a
@@ -32,8 +33,10 @@ against a partial plan in `pricing.py`, the greedy passes and local search (step
    result is never worse than a fitting baseline; and, when each sharding type a plan uses
    costs at least 1 % of the step (`cost.global_terms`: latencies, CPU overheads), the greedy
    restricted to one sharding type, which single moves cannot reach. The best plan wins.
-5. Explanations: per table, the chosen placement and the best placement of every other kind
-   with the step the plan would have, or why it does not fit.
+5. Hot rows (`hot.py`): each sharded table of the best plan tries replicating its likeliest
+   rows on every rank (`SolverOptions.hot_row_shares`), kept where the step drops.
+6. Explanations: per table, the chosen placement and the best placement of every other kind
+   with the step the plan would have, or why it does not fit; and the replica sizes tried.
 
 On 3 tables and 2 ranks the result equals a brute-force search over every placement
 (tests/unit/planner/test_solver.py).
@@ -56,6 +59,7 @@ from distcache.cache.config import DEFAULT_LOOKAHEAD
 from distcache.errors import DistcacheConfigError
 from distcache.planner.candidates import Problem
 from distcache.planner.explain import explain
+from distcache.planner.hot import choose_hot_rows
 from distcache.planner.search import improve, starts
 from distcache.planner.types import (
     COLUMN_WISE,
@@ -101,6 +105,9 @@ class SolverOptions:
     """Safety limit on the local search's wall time, far above a normal run (1000 tables on
     128 ranks: ~1.5 s of search, ~5 s in all on 2 shared CPU cores). Only a runaway search
     reaches it; the plan then depends on the machine's speed, and a warning says so."""
+    hot_row_shares: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)
+    """Per sharded table, replicas tried of the fewest likeliest rows taking each share of its
+    lookups (`hot.py`); () for none."""
     explain: bool = True
     """Fill `Plan.explanations` (one more pass over the tables)."""
 
@@ -133,6 +140,10 @@ class SolverOptions:
         check(
             all(s >= 2 for s in self.column_wise_shards),
             f"column_wise_shards must be >= 2: {self.column_wise_shards}",
+        )
+        check(
+            all(0 < s < 1 for s in self.hot_row_shares),
+            f"hot_row_shares must lie in (0, 1), got {self.hot_row_shares}",
         )
         check(self.max_moves >= 0, f"max_moves must be >= 0, got {self.max_moves}")
         check(self.time_limit_s > 0, f"time_limit_s must be > 0, got {self.time_limit_s}")
@@ -168,7 +179,13 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     log.debug("solve: %d starts by %.2f s", len(states), time.monotonic() - began)
     best = improve(states, max_moves=options.max_moves, time_limit_s=options.time_limit_s)
     log.debug("solve: improved by %.2f s, step %.4g s", time.monotonic() - began, best.score()[0])
+    hot = choose_hot_rows(best, options.hot_row_shares)
+    log.debug("solve: hot rows by %.2f s, step %.4g s", time.monotonic() - began, best.score()[0])
     explanations = explain(best) if options.explain else {}
+    for index, note in hot.items():
+        name = problem.tables[index].name
+        if name in explanations:
+            explanations[name] += f"; {note}"
     log.debug("solve: explained by %.2f s", time.monotonic() - began)
     return best.plan(f"distcache-{workload.name}-{topology.name}", explanations)
 

@@ -258,6 +258,9 @@ class TablePlan:
     """Fraction of each shard's rows the device cache holds (1.0 for `device` storage)."""
     lookahead: int = 0
     prefetch_depth: int = 0
+    hot_rows: int = 0
+    """The table's likeliest rows replicated on every rank (`distcache.sharding.hot_rows`): their
+    lookups stay on the rank, their gradients are all-reduced; 0 for none (data parallel: 0)."""
 
     def __post_init__(self) -> None:
         t = self.table
@@ -285,6 +288,15 @@ class TablePlan:
         _check(
             self.sharding != DATA_PARALLEL or self.storage == DEVICE,
             f"table {t!r}: data-parallel tables are stored on the device",
+        )
+        _check(
+            isinstance(self.hot_rows, int) and self.hot_rows >= 0,
+            f"table {t!r}: hot_rows must be an int >= 0, got {self.hot_rows!r}",
+        )
+        _check(
+            self.sharding != DATA_PARALLEL or self.hot_rows == 0,
+            f"table {t!r}: a data-parallel table is replicated whole (hot_rows 0), got "
+            f"{self.hot_rows}",
         )
         _check(
             0 <= self.prefetch_depth <= self.lookahead,

@@ -11,7 +11,8 @@ local replica. One batch's ids flow so:
     output       `HotRows.combine`: added to the sharded (cold) part of the output; a mean bag
                  becomes (cold mean * cold ids + hot sum) / all ids, as pooling all its ids
     backward     each replica's gradient is summed over the ranks (divided by the world size,
-                 TorchRec's convention for embedding gradients) and applied by the table's row
+                 TorchRec's convention for embedding gradients) in one all-reduce with a column
+                 counting the ranks that touched each row, and applied by the table's row
                  optimizer to the rows some rank touched; untouched rows (and their optimizer
                  state) are left as they are, as for every row of a sharded table
 
@@ -211,16 +212,16 @@ class HotRows:
             touched = table.touched
             if touched is None:
                 touched = torch.zeros(table.ids.numel(), dtype=torch.bool, device=grad.device)
-            touched = touched.to(torch.int32)
-            if self._group is not None:
-                dist.all_reduce(grad, group=self._group)
-                grad.div_(dist.get_world_size(self._group))
-                dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=self._group)
+            if self._group is not None:  # one all-reduce: the gradient, then a touched column
+                both = torch.cat([grad, touched.to(grad.dtype).unsqueeze(1)], dim=1)
+                dist.all_reduce(both, group=self._group)
+                grad = both[:, :-1].div_(dist.get_world_size(self._group))
+                touched = both[:, -1] > 0
             with torch.no_grad():
                 rows = weight.detach().clone()
                 state = table.state.clone()
                 table.optimizer.update(rows, state, grad)
-                used = touched.bool().unsqueeze(1)
+                used = touched.unsqueeze(1)
                 weight.copy_(torch.where(used, rows, weight))
                 table.state.copy_(torch.where(used, state, table.state))
             table.optimizer.step()

@@ -257,6 +257,7 @@ def train_and_compare(
     opt_cls, kwargs = {
         "sgd": (torch.optim.SGD, {"lr": 1.0}),
         "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-6}),
+        "adam": (torch.optim.Adam, {"lr": 0.1, "eps": 1e-6}),
     }[optimizer]
     reference = make_ebc(pooling, weighted=weighted)
     integer_init(reference)
@@ -265,7 +266,11 @@ def train_and_compare(
     config = CacheConfig(capacity=capacity, lookahead=2, prefetch_depth=1)
     # The optimizer is configured the TorchRec way; the kernel's CacheConfig takes it from there.
     apply_optimizer_in_backward(opt_cls, sharded_src.embedding_bags.parameters(), kwargs)
-    ref_opt = opt_cls(reference.parameters(), **kwargs)
+    ref_opt = (
+        _LazyAdam(reference, **kwargs)
+        if optimizer == "adam"
+        else opt_cls(reference.parameters(), **kwargs)
+    )
     # t3 serves two features: a per-table override gives it a larger cache (its own group).
     big = dataclasses.replace(config, capacity=2 * capacity if isinstance(capacity, int) else 1.0)
     tables = {"t3": big}
@@ -290,7 +295,7 @@ def train_and_compare(
         # TorchRec's fused update follows the gradient of the mean of the ranks' losses.
         ref_opt.zero_grad()
         (loss_of(ref_out) / world).backward()
-        ref_opt.step()
+        ref_opt.step(batch) if optimizer == "adam" else ref_opt.step()
         mine, theirs = out.to_dict(), ref_out.to_dict()
         b = batch.stride() // world
         for key in FEATURES:
@@ -301,6 +306,28 @@ def train_and_compare(
                 torch.testing.assert_close(mine[key].detach(), expected)
     compare_with_global(model, reference.state_dict(), exact)
     return {name: s.as_dict() for name, s in cache_stats(model).items()}
+
+
+class _LazyAdam:
+    """The reference of a fused Adam (`torch.optim.SparseAdam`): only the rows the global batch
+    touched are updated, their moments included; every other row is left as it is."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, lr: float, eps: float):
+        self.ebc = ebc
+        weights = [ebc.embedding_bags[name].weight for name, *_ in TABLES]
+        self.adam = torch.optim.SparseAdam(weights, lr=lr, eps=eps)
+
+    def zero_grad(self) -> None:
+        self.adam.zero_grad()
+
+    def step(self, batch: KeyedJaggedTensor) -> None:
+        features = batch.to_dict()
+        for name, _, _, feats in TABLES:
+            weight = self.ebc.embedding_bags[name].weight
+            ids = torch.cat([features[f].values() for f in feats]).unique()
+            grad = weight.grad.index_select(0, ids)
+            weight.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), grad, weight.shape)
+        self.adam.step()
 
 
 def train_with_bad_id(rank: int, world: int, bad_id: int, kind: str = "row_wise") -> None:

@@ -30,6 +30,7 @@ def test_hot_rows_sgd_equal_unsharded_bitwise(kind):
         ("column_wise", {"pooling": "mean"}),
         ("table_wise", {"weighted": True}),  # bitwise: integer weights
         ("mixed", {"optimizer": "rowwise_adagrad"}),  # within tolerance
+        ("mixed", {"optimizer": "adam"}),  # lazy Adam: untouched rows and moments unchanged
     ],
 )
 def test_hot_rows_mean_weighted_and_adagrad(kind, kwargs):

@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
@@ -159,15 +161,32 @@ _MODULE_DICT = torch.nn.ModuleDict()  # an instance: `training` and the like are
 # distcache Plan -> TorchRec ShardingPlan
 
 
-def cache_config_for(table: TablePlan, base: CacheConfig) -> CacheConfig:
+HotRowIds = Callable[[TableStats, int], Sequence[int]]
+"""(table, count) -> the table's `count` likeliest rows, for `TablePlan.hot_rows`."""
+
+
+def hottest_rows(table: TableStats, count: int) -> list[int]:
+    """A table's `count` likeliest rows: by its sampled id counts (ties by row), or, for a
+    power law without counts, rows 0 .. count - 1 (its rows in popularity order)."""
+    if table.counts is None:
+        return list(range(min(count, table.rows)))
+    order = np.argsort(-np.asarray(table.counts), kind="stable")[:count]
+    return sorted(int(r) for r in order)
+
+
+def cache_config_for(
+    table: TablePlan, base: CacheConfig, hot_rows: Sequence[int] = ()
+) -> CacheConfig:
     """The `CacheConfig` of one non-data-parallel table: `base` (optimizer, learning rate...)
-    with the plan's cache size and look-ahead.
+    with the plan's cache size and look-ahead, and `hot_rows` replicated (the rows of its
+    `TablePlan.hot_rows`).
 
     Device storage is a cache holding every row; it keeps `base`'s look-ahead so that even
     first touches are staged ahead of their batch. A host-cached table without look-ahead (how
     TorchRec's UVM caching is priced) is reactive: `base.policy` if it is ('lru'/'lfu'), else
     'lru'.
     """
+    base = dataclasses.replace(base, hot_rows=tuple(sorted(int(r) for r in hot_rows)))
     if table.storage != HOST_CACHED:
         return dataclasses.replace(base, capacity=1.0)
     if table.lookahead == 0:  # reactive; its window may still hold the pipeline's batches
@@ -195,6 +214,7 @@ def to_sharding_plan(
     ranks_per_node: int | None = None,
     device: str = "cpu",
     base_config: CacheConfig | None = None,
+    hot_row_ids: HotRowIds = hottest_rows,
 ) -> ShardingPlan:
     """A TorchRec `ShardingPlan` placing the EBC at `module_path` as `plan` says (its tables
     named as in `workload_ebc`: `torchrec_names`).
@@ -216,6 +236,9 @@ def to_sharding_plan(
         device: "cpu" or "cuda", the device type of the placements.
         base_config: settings shared by every cached table (optimizer, learning rate, ...);
             default `CacheConfig(optimizer=workload.optimizer)`.
+        hot_row_ids: which rows a table's `TablePlan.hot_rows` are (default `hottest_rows`:
+            by its id counts, or its first rows for a power law); the data's own map when it
+            hashes popularity ranks to ids.
 
     Example::
 
@@ -248,7 +271,13 @@ def to_sharding_plan(
             continue
         sharding.compute_kernel = CACHED_KERNEL  # table_row_wise() takes no kernel argument
         fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
-        config = cache_config_for(plan.table(ours[name]), base)
+        table_plan = plan.table(ours[name])
+        hot = (
+            hot_row_ids(workload.table(ours[name]), table_plan.hot_rows)
+            if table_plan.hot_rows
+            else ()
+        )
+        config = cache_config_for(table_plan, base, hot)
         module_plan[name] = CachedParameterSharding(**fields, cache_config=config)
     return ShardingPlan({module_path: module_plan})
 
@@ -433,6 +462,7 @@ def _table_plan(stats: TableStats, sharding: ParameterSharding, conv: _Conversio
             stats.name, kernel, sharding, shard_rows, conv.cache_load_factor, conv.default_config
         )
     storage, fraction, lookahead, depth = placement
+    config = getattr(sharding, "cache_config", None)  # distcache's sharding: its hot rows
     return TablePlan(
         table=stats.name,
         sharding=sharding_type,
@@ -441,6 +471,7 @@ def _table_plan(stats: TableStats, sharding: ParameterSharding, conv: _Conversio
         cache_fraction=fraction,
         lookahead=lookahead,
         prefetch_depth=depth,
+        hot_rows=len(config.hot_rows) if config is not None else 0,
     )
 
 

@@ -1,0 +1,118 @@
+"""The solver's last stage: how many of each sharded table's likeliest rows to replicate on
+every rank (`TablePlan.hot_rows`), chosen by the modelled step like every other choice.
+
+A replica of a table's H likeliest rows takes their share of its lookups off the all-to-all
+and off the shards (and their cache), and costs every rank the replica's memory, its lookups,
+its masked update, and an all-reduce of its gradient (`cost.py`'s docstring prices each).
+Once the placements are chosen, each sharded table tries H = 0 and the H that takes each of
+`SolverOptions.hot_row_shares` of its lookups, keeping the one with the least step (then
+work) that fits; a second pass runs when the first changed anything, since one table's
+replica changes what the others' would save. Placements, caches and ranks stay as chosen:
+the replicas are a refinement, not a search of their own.
+
+Example::
+
+    notes = choose_hot_rows(state, shares=(0.5, 0.9))
+    print(notes.get(0, "no hot rows"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from distcache.planner.binned import table_access
+from distcache.planner.candidates import Mode
+from distcache.planner.pricing import State
+from distcache.planner.shards import shard_terms
+from distcache.planner.types import DATA_PARALLEL
+
+PASSES = 2
+
+
+def hot_row_counts(state: State, index: int, shares: Sequence[float]) -> list[int]:
+    """The replica sizes tried for table `index`: 0 and, per share, the fewest likeliest rows
+    taking at least that share of its lookups (fewer than all its rows)."""
+    table = state.p.tables[index]
+    access = table_access(table)
+    counts = {access.rows_for_mass(share) for share in shares}
+    return sorted({0} | {h for h in counts if 0 < h < table.rows})
+
+
+def with_hot_rows(state: State, index: int, mode: Mode, hot_rows: int) -> Mode:
+    """`mode` with `hot_rows` replicated, its terms priced again."""
+    p = state.p
+    terms = shard_terms(
+        p.tables[index],
+        p.workload,
+        p.topology,
+        sharding=mode.sharding,
+        shards=mode.shards,
+        storage=mode.storage,
+        cache_fraction=mode.cache_fraction,
+        lookahead=mode.lookahead,
+        prefetch_depth=mode.prefetch_depth,
+        hot_rows=hot_rows,
+    )
+    return dataclasses.replace(mode, hot_rows=hot_rows, terms=terms)
+
+
+def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
+    """Give each sharded table of the placed `state` its best replica (in place); returns a
+    note per table that was offered one: the replica chosen and the steps of the others."""
+    notes: dict[int, str] = {}
+    if not shares:
+        return notes
+    for _ in range(PASSES):
+        changed = False
+        for index, placed in enumerate(state.placed):
+            if placed is None or placed[0].sharding == DATA_PARALLEL:
+                continue
+            note, moved = _choose_one(state, index, shares)
+            notes[index] = note
+            changed |= moved
+        if not changed:
+            break
+    return notes
+
+
+def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str, bool]:
+    """Try each replica size for table `index`; keep the best. (note, whether it changed)."""
+    mode, ranks, contrib = state.remove(index)
+    state.add(index, mode, ranks, contrib)
+    best, best_score = mode, (state.score() if state.fits() else None)
+    tried: list[tuple[int, float | None]] = []
+    access = table_access(state.p.tables[index])
+    for hot in hot_row_counts(state, index, shares):
+        variant = mode if hot == mode.hot_rows else with_hot_rows(state, index, mode, hot)
+        state.remove(index)
+        state.add(index, variant, ranks)
+        score = state.score() if state.fits() else None
+        tried.append((hot, score[0] if score else None))
+        if score is not None and (best_score is None or _better(score, best_score)):
+            best, best_score = variant, score
+        state.remove(index)
+        state.add(index, mode, ranks, contrib)
+    if best is not mode:
+        state.remove(index)
+        state.add(index, best, ranks)
+    others = ", ".join(
+        f"{h} ({100 * access.head(h)[0]:.3g}% of lookups): "
+        + (f"{s * 1e3:.4g} ms/step" if s is not None else "does not fit")
+        for h, s in tried
+        if h != best.hot_rows
+    )
+    chosen = (
+        f"{best.hot_rows} hot rows replicated ({100 * access.head(best.hot_rows)[0]:.3g}% of "
+        "lookups)"
+        if best.hot_rows
+        else "no hot rows"
+    )
+    return f"{chosen}; tried {others}", best is not mode
+
+
+def _better(new: tuple[float, float], old: tuple[float, float], rtol: float = 1e-7) -> bool:
+    """Lower step, or the same step and lower work (by more than a rounding error)."""
+    if new[0] < old[0] * (1 - rtol):
+        return True
+    return new[0] <= old[0] * (1 + rtol) and new[1] < old[1] * (1 - rtol)

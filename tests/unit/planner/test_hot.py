@@ -1,0 +1,181 @@
+"""Hot rows in the cost model and the solver: priced by hand, chosen where they pay, exported
+as `CacheConfig.hot_rows`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from distcache.errors import DistcacheConfigError
+from distcache.planner.candidates import Problem
+from distcache.planner.cost import global_terms, plan_cost, shard_terms
+from distcache.planner.hot import choose_hot_rows
+from distcache.planner.pricing import State
+from distcache.planner.solver import SolverOptions, solve
+from distcache.planner.stats import AccessProfile, expected_unique
+from distcache.planner.torchrec.export import from_sharding_plan, hottest_rows, to_sharding_plan
+from distcache.planner.types import (
+    DATA_PARALLEL,
+    HOST_CACHED,
+    TABLE_WISE,
+    Plan,
+    TablePlan,
+    TableStats,
+    Topology,
+    Workload,
+)
+
+TOPOLOGY = Topology(
+    name="toy",
+    world_size=2,
+    ranks_per_node=1,
+    device_memory_bytes=10**7,
+    host_memory_bytes=10**8,
+    device_memory_bw_bytes_per_s=1e11,
+    host_to_device_bw_bytes_per_s=1e10,
+    intra_node_bw_bytes_per_s=1e11,
+    inter_node_bw_bytes_per_s=1e10,
+    network_latency_s=2e-5,
+    dense_flops_per_s=1e12,
+)
+TABLE = TableStats(name="a", rows=1000, dim=16, pooling_factor=2, alpha=1.2)
+WORKLOAD = Workload(
+    name="toy", tables=(TABLE,), batch_size_per_rank=100, bottom_mlp=(8, 16), top_mlp=(4, 1)
+)
+
+
+def _plan(hot: int, **kwargs) -> Plan:
+    table = TablePlan(table="a", sharding=TABLE_WISE, ranks=(0,), hot_rows=hot, **kwargs)
+    return Plan(name=f"hot{hot}", tables=(table,))
+
+
+def test_hot_rows_priced_by_hand() -> None:
+    H, B, P, D, W = 10, 100, 2, 16, 2
+    p = AccessProfile.power_law(TABLE.rows, TABLE.alpha).probabilities
+    h = p[:H].sum()
+    cold_unique = expected_unique(AccessProfile(p), B * P * W) - float(
+        (-np.expm1(B * P * W * np.log1p(-p[:H]))).sum()
+    )
+    plain = shard_terms(TABLE, WORKLOAD, TOPOLOGY, sharding=TABLE_WISE, shards=1)
+    hot = shard_terms(TABLE, WORKLOAD, TOPOLOGY, sharding=TABLE_WISE, shards=1, hot_rows=H)
+    assert hot.hot_fraction == pytest.approx(h, rel=1e-6)
+    assert hot.ids_per_step == pytest.approx(B * P * W * (1 - h), rel=1e-6)
+    assert hot.unique_rows_per_step == pytest.approx(cold_unique, rel=1e-3)
+    assert hot.ids_bytes_per_peer == pytest.approx(B * P * (1 - h) * 8, rel=1e-6)
+    assert hot.embedding_bytes_per_peer == plain.embedding_bytes_per_peer  # pooled: unchanged
+    assert hot.hot_reduce_bytes == H * (D + 1) * 4
+    assert hot.hot_device_bytes == H * (2 * D * 4)  # sgd: rows and gradient, no state
+    assert hot.lookup_s < plain.lookup_s
+    # Every rank holds the replica; the all-reduce adds its bytes and one latency.
+    with_hot, without = (
+        plan_cost(_plan(H), WORKLOAD, TOPOLOGY),
+        plan_cost(_plan(0), WORKLOAD, TOPOLOGY),
+    )
+    added = np.subtract(with_hot.device_memory_bytes, without.device_memory_bytes)
+    assert list(added) == [H * 2 * D * 4] * W
+    expected = global_terms(WORKLOAD, TOPOLOGY, 0.0, {TABLE_WISE}, 0.0, H * (D + 1) * 4, 1)
+    assert with_hot.per_rank[1].all_reduce_s == pytest.approx(expected.all_reduce_s)
+    assert with_hot.per_rank[1].all_reduce_s > without.per_rank[1].all_reduce_s
+    assert with_hot.per_rank[1].input_all_to_all_s < without.per_rank[1].input_all_to_all_s
+
+
+def test_a_replica_frees_cache_slots() -> None:
+    """Hot rows take no cache slot: a cache of C rows loads as one of C + H did."""
+    cached = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 8, "prefetch_depth": 1}
+    args = {"sharding": TABLE_WISE, "shards": 1, **cached}
+    plain = shard_terms(TABLE, WORKLOAD, TOPOLOGY, **args)
+    hot = shard_terms(TABLE, WORKLOAD, TOPOLOGY, **args, hot_rows=20)
+    bigger = shard_terms(TABLE, WORKLOAD, TOPOLOGY, **{**args, "cache_fraction": 0.07})
+    assert hot.loads_per_step == pytest.approx(bigger.loads_per_step, rel=1e-6)
+    assert hot.loads_per_step < plain.loads_per_step
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hot_rows": -1}, "hot_rows must be an int >= 0"),
+        ({"hot_rows": 5, "sharding": DATA_PARALLEL, "ranks": (0, 1)}, "replicated whole"),
+    ],
+)
+def test_bad_hot_rows_are_refused(kwargs, message) -> None:
+    with pytest.raises(DistcacheConfigError, match=message):
+        TablePlan(**{"table": "a", "sharding": TABLE_WISE, "ranks": (0,), **kwargs})
+
+
+def test_more_hot_rows_than_the_table_has_is_refused() -> None:
+    with pytest.raises(DistcacheConfigError, match="hot_rows 2000 exceeds its 1000 rows"):
+        plan_cost(_plan(2000), WORKLOAD, TOPOLOGY)
+
+
+def _routing_bound() -> tuple[Workload, Topology]:
+    """Ids cost a lot to route and serve (a CPU's per-id framework cost), collectives little:
+    replicating the hottest rows pays."""
+    topology = dataclasses.replace(
+        TOPOLOGY, device_memory_bytes=10**9, id_overhead_s=2e-6, sync_latency_s=1e-6
+    )
+    tables = tuple(
+        TableStats(name=f"t{i}", rows=2_000_000, dim=16, pooling_factor=4, alpha=1.2)
+        for i in range(3)
+    )
+    return dataclasses.replace(WORKLOAD, tables=tables, batch_size_per_rank=512), topology
+
+
+def test_the_solver_replicates_hot_rows_where_they_pay() -> None:
+    workload, topology = _routing_bound()
+    plan = solve(workload, topology)
+    without = solve(workload, topology, options=SolverOptions(hot_row_shares=()))
+    assert any(t.hot_rows for t in plan.tables), plan
+    assert not any(t.hot_rows for t in without.tables)
+    ours = plan_cost(plan, workload, topology)
+    assert ours.fits
+    assert ours.step_s < plan_cost(without, workload, topology).step_s
+    # The same placements without their replicas are slower: the replicas earn their keep.
+    stripped = dataclasses.replace(
+        plan, tables=tuple(dataclasses.replace(t, hot_rows=0) for t in plan.tables)
+    )
+    assert ours.step_s < plan_cost(stripped, workload, topology).step_s
+    hot = next(t for t in plan.tables if t.hot_rows)
+    assert f"{hot.hot_rows} hot rows replicated" in plan.explanations[hot.table]
+
+
+def test_no_hot_rows_where_the_all_reduce_costs_more() -> None:
+    """A collective's latency above what the routed ids cost: no replica."""
+    workload, topology = _routing_bound()
+    topology = dataclasses.replace(topology, id_overhead_s=0.0, sync_latency_s=1e-3)
+    plan = solve(workload, topology)
+    assert not any(t.hot_rows for t in plan.tables)
+    assert "no hot rows; tried" in plan.explanations["t0"]
+
+
+def test_the_solver_state_prices_replicas_as_plan_cost_does() -> None:
+    workload, topology = _routing_bound()
+    state = State(Problem(workload, topology, SolverOptions()))
+    plan = solve(workload, topology, options=SolverOptions(hot_row_shares=()))
+    for index, tp in enumerate(plan.tables):
+        mode = next(m for g in state.p.groups[index] for m in g.modes if m.key()[:6] == (
+            tp.sharding, len(tp.ranks), tp.storage, tp.cache_fraction, tp.lookahead,
+            tp.prefetch_depth))  # fmt: skip
+        state.add(index, mode, tp.ranks)
+    choose_hot_rows(state, (0.5, 0.9))
+    chosen = state.plan("s", {})
+    assert any(t.hot_rows for t in chosen.tables)
+    assert state.score()[0] == pytest.approx(plan_cost(chosen, workload, topology).step_s, rel=1e-9)
+
+
+def test_export_names_the_hottest_rows_and_reads_them_back() -> None:
+    counts = np.zeros(1000, dtype=np.int64)
+    counts[[7, 3, 500]] = [50, 40, 30]
+    counted = dataclasses.replace(TABLE, counts=counts)
+    assert hottest_rows(counted, 2) == [3, 7]
+    assert hottest_rows(TABLE, 3) == [0, 1, 2]  # a power law's rows are in popularity order
+    workload = dataclasses.replace(WORKLOAD, tables=(counted,))
+    sharding = to_sharding_plan(_plan(3), workload, world_size=2)
+    assert sharding.plan[""]["a"].cache_config.hot_rows == (3, 7, 500)
+    custom = to_sharding_plan(
+        _plan(2), workload, world_size=2, hot_row_ids=lambda t, n: [999 - r for r in range(n)]
+    )
+    assert custom.plan[""]["a"].cache_config.hot_rows == (998, 999)
+    back = from_sharding_plan(sharding, workload, world_size=2)
+    assert back.table("a").hot_rows == 3
