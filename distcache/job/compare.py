@@ -8,6 +8,9 @@ the machine this runs on. Rows:
 - ``torchrec``: TorchRec's `EmbeddingShardingPlanner`, converted by `from_sharding_plan` and
   priced by distcache's model (its table-row-wise tables as TorchRec runs them: node-local
   reduce-scatter, then one all-to-all across nodes), next to TorchRec's own estimate of it;
+- ``distcache without hot rows``: when distcache's plan replicates some tables' hot rows, the
+  same placements without the replicas (what the hot rows buy; TorchRec's estimate cannot
+  express replicas and prices both alike);
 - ``all table-wise`` / ``all row-wise``: `uniform_plan` with every table on the device (noted
   when that does not fit);
 - any plans the caller passes.
@@ -68,6 +71,7 @@ MEASURED_NOTE = (
     "distcache's engine), and 'a2a KB/rank': bytes a rank sent in one step's all-to-alls "
     "(ids; embeddings forward and backward), counted on that run, beside the model's figure."
 )
+NO_HOT_ROWS = "distcache without hot rows"
 # (label, StepCost field) of the per-term columns, in step order.
 TERMS = (
     ("dense", "dense_compute_s"),
@@ -201,6 +205,16 @@ def compare(
     try:
         ours = solve(workload, topology, options=options)
         rows = [_row("distcache", ours, workload, topology, include_torchrec, start)]
+        hot = [f"{t.table} {t.hot_rows}" for t in ours.tables if t.hot_rows]
+        if hot:  # the same placements without their replicas: what the hot rows buy
+            rows[0] = _with_note(rows[0], f"hot rows replicated: {', '.join(hot)}")
+            stripped = replace(
+                ours,
+                name=f"{ours.name}-no-hot-rows",
+                tables=tuple(replace(t, hot_rows=0) for t in ours.tables),
+                explanations={},
+            )
+            rows.append(_row(NO_HOT_ROWS, stripped, workload, topology, include_torchrec))
     except DistcacheConfigError as err:  # no placement fits
         rows = [
             ComparisonRow(name="distcache", planning_s=time.perf_counter() - start, note=str(err))
@@ -276,12 +290,17 @@ def speedups(rows: list[ComparisonRow], ours: str = "distcache", theirs: str = "
         return dict.fromkeys(
             ("distcache_model", "torchrec_estimator", "measured", "measured_same_engine")
         )
-    return {
+    out = {
         "distcache_model": ratio(a.cost and a.cost.step_s, b.cost and b.cost.step_s),
         "torchrec_estimator": ratio(a.torchrec_estimate_s, b.torchrec_estimate_s),
         "measured": ratio(a.measured_step_s, b.measured_step_s),
         "measured_same_engine": ratio(a.measured_step_s, b.measured_on_distcache_s),
     }
+    plain = by_name.get(NO_HOT_ROWS)
+    if plain is not None and ours == "distcache":  # what the hot rows buy, same placements
+        out["hot_rows_model"] = ratio(a.cost and a.cost.step_s, plain.cost and plain.cost.step_s)
+        out["hot_rows_measured"] = ratio(a.measured_step_s, plain.measured_step_s)
+    return out
 
 
 def measure_rows(
@@ -414,8 +433,14 @@ def format_table(rows: list[ComparisonRow], *, title: str | None = None) -> str:
             "measured": "measured here (TorchRec's plan on its own kernels)",
             "measured_same_engine": "measured with both plans on distcache's engine",
         }
-        parts = [f"{_fmt(v)} x {labels[k]}" for k, v in gains.items() if v is not None]
+        parts = [
+            f"{_fmt(v)} x {labels[k]}" for k, v in gains.items() if v is not None and k in labels
+        ]
         out += ["distcache's plan over TorchRec's: " + "; ".join(parts)]
+        hot = {"hot_rows_model": "modelled", "hot_rows_measured": "measured here"}
+        parts = [f"{_fmt(v)} x {hot[k]}" for k, v in gains.items() if v is not None and k in hot]
+        if parts:
+            out += ["distcache's plan over the same without hot rows: " + "; ".join(parts)]
     notes = [f"  {row.name}: {row.note}" for row in rows if row.note]
     if notes:
         out += ["notes:", *notes]

@@ -60,7 +60,9 @@ if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
 
     from distcache.cache.engine import CacheStats
+    from distcache.data.synthetic import SyntheticClickLog
     from distcache.job.dlrm import DLRMConfig
+    from distcache.planner.torchrec.export import HotRowIds
 
 MAX_LOCAL_RANKS = 2
 """Ranks this machine runs at once (2 shared cores: more would time the scheduler)."""
@@ -371,7 +373,12 @@ def _build(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
     apply_embedding_optimizer(model, workload.optimizer, lr=options.learning_rate)
     base = CacheConfig(optimizer=workload.optimizer, learning_rate=options.learning_rate)
     sharding_plan = to_sharding_plan(
-        plan, named, module_path=EBC_PATH, world_size=world, base_config=base
+        plan,
+        named,
+        module_path=EBC_PATH,
+        world_size=world,
+        base_config=base,
+        hot_row_ids=_hot_row_ids(named, options),
     )
     device = torch.device("cpu")
     dmp = DistributedModelParallel(
@@ -459,9 +466,17 @@ def _batches(
     workload: Workload, options: MeasureOptions, rank: int, world: int, lookahead: int
 ) -> list[Batch]:
     """This rank's batches, in host memory: power-law ids, each table's exponent."""
+    n = options.warmup + options.steps + lookahead + 2
+    log = _log(workload, options, rank, world, n)
+    return [log.batch(i) for i in range(n)]
+
+
+def _log(
+    workload: Workload, options: MeasureOptions, rank: int, world: int, n: int = 1
+) -> SyntheticClickLog:
+    """The synthetic click log of a measured workload (table i is `t{i}`)."""
     from distcache.data.synthetic import SyntheticClickLog, SyntheticConfig
 
-    n = options.warmup + options.steps + lookahead + 2
     config = SyntheticConfig(
         table_sizes=tuple(t.rows for t in workload.tables),
         alpha=tuple(float(t.alpha) for t in workload.tables),
@@ -472,8 +487,14 @@ def _batches(
         seed=options.seed,
         hash_ids=True,
     )
-    log = SyntheticClickLog(config, rank=rank, world_size=world)
-    return [log.batch(i) for i in range(n)]
+    return SyntheticClickLog(config, rank=rank, world_size=world)
+
+
+def _hot_row_ids(workload: Workload, options: MeasureOptions) -> HotRowIds:
+    """A table's likeliest rows as the measured log draws them (popularity ranks hashed)."""
+    log = _log(workload, options, 0, 1)
+    index = {t.name: i for i, t in enumerate(workload.tables)}
+    return lambda table, count: log.rows_of_ranks(index[table.name], range(count)).tolist()
 
 
 _COUNTERS = ("ids", "unique", "hits", "loads", "writebacks", "critical_misses")

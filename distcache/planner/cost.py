@@ -67,7 +67,7 @@ U_table(n) otherwise, from `stats.expected_unique`.
   lookups of its own h·B·P hot ids, a masked update streaming all H replica rows with
   their state (at the dense update's rate) and device memory H·(2·D·4 + state) (fp32 rows
   and gradient); the all-reduce adds H·(D + 1)·4 bytes (its gradient and which rows some
-  rank touched) and a sync latency per table.
+  rank touched), and a plan with replicas one sync latency (one all-reduce of them all).
 
 The model is written in four files, each a stage of it: `binned.py` (access statistics),
 `shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
@@ -148,7 +148,7 @@ from distcache.planner.types import (
 
 INPUT_COLLECTIVES = 3  # per sharding type: TorchRec's splits, lengths and values all-to-alls
 OUTPUT_COLLECTIVES = 2  # per sharding type: pooled embeddings forward, gradients backward
-HOT_COLLECTIVES = 1  # per table with hot rows: one all-reduce of its gradient and touched rows
+HOT_COLLECTIVES = 1  # a plan with hot rows: one all-reduce of every replica's gradient + rows
 
 __all__ = [
     "all_to_all_sent_bytes",
@@ -288,14 +288,15 @@ def global_terms(
     """The shared terms of a plan with `dp_bytes` of data-parallel gradients whose tables use
     the sharding types `shardings` (the set of `TablePlan.sharding`s), each rank sending
     `sent_ids` ids per step (`sent_ids_per_rank`), and `hot_tables` tables with hot-row
-    replicas, whose gradients and touched flags (`hot_bytes` in all) are all-reduced."""
+    replicas, whose gradients and touched counts (`hot_bytes` in all) are all-reduced together
+    (one collective for the collection, whatever the number of tables)."""
     kinds = set(shardings)
     routed = len(kinds - {DATA_PARALLEL}) if topology.world_size > 1 else 0
     all_reduce = all_reduce_s(dense_parameter_bytes(workload) + dp_bytes + hot_bytes, topology)
     if dp_bytes > 0 and topology.world_size > 1:
         all_reduce += sync_latency_s(topology)  # the data-parallel tables' own all-reduce
-    if hot_tables and topology.world_size > 1:  # one all-reduce per replica
-        all_reduce += HOT_COLLECTIVES * hot_tables * sync_latency_s(topology)
+    if hot_tables and topology.world_size > 1:  # one all-reduce of every replica
+        all_reduce += HOT_COLLECTIVES * sync_latency_s(topology)
     return GlobalTerms(
         all_reduce_s=all_reduce,
         input_latency_s=INPUT_COLLECTIVES * topology.network_latency_s * routed,

@@ -4,11 +4,13 @@ every rank (`TablePlan.hot_rows`), chosen by the modelled step like every other 
 A replica of a table's H likeliest rows takes their share of its lookups off the all-to-all
 and off the shards (and their cache), and costs every rank the replica's memory, its lookups,
 its masked update, and an all-reduce of its gradient (`cost.py`'s docstring prices each).
-Once the placements are chosen, each sharded table tries H = 0 and the H that takes each of
-`SolverOptions.hot_row_shares` of its lookups, keeping the one with the least step (then
-work) that fits; a second pass runs when the first changed anything, since one table's
-replica changes what the others' would save. Placements, caches and ranks stay as chosen:
-the replicas are a refinement, not a search of their own.
+Once the placements are chosen, every sharded table first takes the same share of its lookups
+(each of `SolverOptions.hot_row_shares`, or none), the best of these kept: the replicas share
+one all-reduce, whose latency no single table's saving may pay for. Then each table tries
+H = 0 and the H that takes each share, keeping the one with the least step (then work) that
+fits; a second pass runs when the first changed anything, since one table's replica changes
+what the others' would save. Placements, caches and ranks stay as chosen: the replicas are a
+refinement, not a search of their own.
 
 Example::
 
@@ -63,6 +65,7 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
     notes: dict[int, str] = {}
     if not shares:
         return notes
+    _same_share_everywhere(state, shares)
     for _ in range(PASSES):
         changed = False
         for index, placed in enumerate(state.placed):
@@ -74,6 +77,32 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
         if not changed:
             break
     return notes
+
+
+def _same_share_everywhere(state: State, shares: Sequence[float]) -> None:
+    """Give every sharded table the replica taking the same share of its lookups: each share
+    tried (and none), the best kept."""
+    sharded = [
+        i for i, placed in enumerate(state.placed) if placed and placed[0].sharding != DATA_PARALLEL
+    ]
+    start = {i: state.placed[i] for i in sharded}
+    best_score = state.score() if state.fits() else None
+    best = {i: start[i][0] for i in sharded}
+    for share in shares:
+        modes = {}
+        for i in sharded:
+            mode, ranks = start[i]
+            hot = table_access(state.p.tables[i]).rows_for_mass(share)
+            hot = hot if hot < state.p.tables[i].rows else 0
+            modes[i] = with_hot_rows(state, i, mode, hot)
+            state.remove(i)
+            state.add(i, modes[i], ranks)
+        score = state.score() if state.fits() else None
+        if score is not None and (best_score is None or _better(score, best_score)):
+            best, best_score = modes, score
+    for i in sharded:
+        state.remove(i)
+        state.add(i, best[i], start[i][1])
 
 
 def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str, bool]:

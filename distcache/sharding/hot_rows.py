@@ -10,10 +10,11 @@ local replica. One batch's ids flow so:
                  `[B, dim]` per feature, each id scaled by its weight for weighted features
     output       `HotRows.combine`: added to the sharded (cold) part of the output; a mean bag
                  becomes (cold mean * cold ids + hot sum) / all ids, as pooling all its ids
-    backward     each replica's gradient is summed over the ranks (divided by the world size,
-                 TorchRec's convention for embedding gradients) in one all-reduce with a column
-                 counting the ranks that touched each row, and applied by the table's row
-                 optimizer to the rows some rank touched; untouched rows (and their optimizer
+    backward     the replicas' gradient (every hot table's, one flat tensor) is summed over
+                 the ranks (divided by the world size, TorchRec's convention for embedding
+                 gradients) in one all-reduce per collection with a count of the ranks that
+                 touched each row, and applied by each table's row optimizer to the rows some
+                 rank touched; untouched rows (and their optimizer
                  state) are left as they are, as for every row of a sharded table
 
 The table stays one table for its users: a flush (before any state dict) writes the replica's
@@ -47,10 +48,14 @@ class _HotTable:
     name: str
     dim: int
     ids: torch.Tensor  # [H] int64 global rows, sorted
-    weight: torch.Tensor  # [H, dim] float32, a leaf that requires grad (not a Parameter)
+    start: int  # where its [H, dim] rows begin in the collection's flat replica
     state: torch.Tensor  # [H, state_dim] float32 optimizer state
     optimizer: RowOptimizer
     touched: torch.Tensor | None = None  # [H] bool rows this rank used in the step
+
+    def rows_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """Its [H, dim] rows in `flat` (the replica, or its gradient): a view."""
+        return flat[self.start : self.start + self.ids.numel() * self.dim].view(-1, self.dim)
 
 
 @dataclass
@@ -84,6 +89,7 @@ class HotRows:
         device: torch.device,
     ):
         self.tables: dict[str, _HotTable] = {}
+        start = 0
         for name, (rows, dim, config) in tables.items():
             bad = [r for r in config.hot_rows if r >= rows]
             if bad:
@@ -92,11 +98,13 @@ class HotRows:
                 )
             ids = torch.tensor(sorted(config.hot_rows), dtype=torch.int64, device=device)
             optimizer = make_optimizer(config)
-            weight = torch.zeros(len(ids), dim, device=device, requires_grad=True)
             state = torch.zeros(len(ids), optimizer.state_dim(dim), device=device)
-            table = _HotTable(name, dim, ids, weight, state, optimizer)
-            weight.register_post_accumulate_grad_hook(self._stepper(table))
-            self.tables[name] = table
+            self.tables[name] = _HotTable(name, dim, ids, start, state, optimizer)
+            start += len(ids) * dim
+        # Every table's replica in one fp32 leaf (not a Parameter): one gradient, reduced in one
+        # all-reduce per step for the whole collection.
+        self.flat = torch.zeros(start, device=device, requires_grad=True)
+        self.flat.register_post_accumulate_grad_hook(self._step)
         self.feature_tables = {f: t for f, t in feature_tables.items() if t in self.tables}
         self.mean_features = set(mean_features)
         self.device = device
@@ -159,7 +167,7 @@ class HotRows:
             table = self.tables[name]
             sums = F.embedding_bag(
                 slots,
-                table.weight,
+                table.rows_of(self.flat),
                 part.offsets,
                 mode="sum",
                 per_sample_weights=part.weights[name],
@@ -206,28 +214,34 @@ class HotRows:
         )
 
     # ------------------------------------------------------------ the update
-    def _stepper(self, table: _HotTable) -> Callable[[torch.Tensor], None]:
-        def step(weight: torch.Tensor) -> None:
-            grad, weight.grad = weight.grad, None
-            touched = table.touched
-            if touched is None:
-                touched = torch.zeros(table.ids.numel(), dtype=torch.bool, device=grad.device)
-            if self._group is not None:  # one all-reduce: the gradient, then a touched column
-                both = torch.cat([grad, touched.to(grad.dtype).unsqueeze(1)], dim=1)
-                dist.all_reduce(both, group=self._group)
-                grad = both[:, :-1].div_(dist.get_world_size(self._group))
-                touched = both[:, -1] > 0
-            with torch.no_grad():
-                rows = weight.detach().clone()
-                state = table.state.clone()
-                table.optimizer.update(rows, state, grad)
-                used = touched.unsqueeze(1)
+    def _step(self, flat: torch.Tensor) -> None:
+        """After backward: reduce the collection's replica gradient and touched rows over the
+        ranks in one all-reduce, then each table's row optimizer updates the rows some rank
+        touched."""
+        grad, flat.grad = flat.grad, None
+        touched = [
+            t.touched if t.touched is not None else torch.zeros_like(t.ids, dtype=torch.bool)
+            for t in self.tables.values()
+        ]
+        counts = torch.cat(touched).to(grad.dtype)
+        if self._group is not None:
+            both = torch.cat([grad, counts])
+            dist.all_reduce(both, group=self._group)
+            grad = both[: grad.numel()].div_(dist.get_world_size(self._group))
+            counts = both[grad.numel() :]
+        first = 0
+        with torch.no_grad():
+            for table in self.tables.values():
+                count = table.ids.numel()
+                used = (counts[first : first + count] > 0).unsqueeze(1)
+                first += count
+                weight = table.rows_of(flat.detach())
+                rows, state = weight.clone(), table.state.clone()
+                table.optimizer.update(rows, state, table.rows_of(grad))
                 weight.copy_(torch.where(used, rows, weight))
                 table.state.copy_(torch.where(used, state, table.state))
-            table.optimizer.step()
-            table.touched = None
-
-        return step
+                table.optimizer.step()
+                table.touched = None
 
     # ------------------------------------------------------------ the tables' shards
     def gather(self, shards: list[tuple[str, int, int, torch.Tensor, torch.Tensor]]) -> None:
@@ -254,7 +268,7 @@ class HotRows:
             if self._group is not None:
                 dist.all_reduce(buf, group=self._group)
             with torch.no_grad():
-                table.weight.copy_(buf[:, :dim])
+                table.rows_of(self.flat.detach()).copy_(buf[:, :dim])
                 if width:
                     shared = buf[:, -1:].clamp(min=1) if self._row_wise(table) else 1.0
                     table.state.copy_(buf[:, dim : dim + width] / shared)
@@ -267,7 +281,8 @@ class HotRows:
         if table is None or self.stale:
             return
         local, mine = self._local(table, row0, rows.shape[0])
-        values = table.weight.detach().index_select(0, mine)[:, col0 : col0 + rows.shape[1]]
+        replica = table.rows_of(self.flat.detach())
+        values = replica.index_select(0, mine)[:, col0 : col0 + rows.shape[1]]
         rows.index_copy_(0, local, values.to(rows.dtype))
         if state.shape[1]:
             mine_state = table.state.index_select(0, mine)
