@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from distcache.cache.config import CacheConfig
@@ -59,13 +58,21 @@ class _HotTable:
 
 
 @dataclass
+class _HotIds:
+    """One table's hot ids in a batch (compacted): what its replica pools."""
+
+    features: list[str]  # the batch's features that read the table, in order
+    slots: torch.Tensor  # [m] the id's row in the replica
+    bags: torch.Tensor  # [m] j * B + b for the j-th of `features`, sample b
+    weights: torch.Tensor  # [m] the id's weight (1.0 unweighted)
+
+
+@dataclass
 class HotInput:
     """One batch's hot part, kept in the context from `split` to `pooled` and `combine`."""
 
     keys: list[str]
-    offsets: torch.Tensor  # [F * B + 1] the batch's bags (all its ids)
-    slots: dict[str, torch.Tensor]  # table -> [n] hot slot of each id (0 where not its hot id)
-    weights: dict[str, torch.Tensor]  # table -> [n] the id's weight if it is the table's hot id
+    tables: dict[str, _HotIds]
     hot_per_bag: torch.Tensor  # [F * B] hot ids per bag
     lengths: torch.Tensor  # [F * B] all ids per bag
     stride: int
@@ -114,29 +121,39 @@ class HotRows:
 
     # ------------------------------------------------------------ the batch
     def split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HotInput]:
-        """The features without their hot ids, and the hot part of the batch."""
+        """The features without their hot ids, and the hot part of the batch.
+
+        Each feature of a hot table looks its ids up among the table's sorted hot rows (one
+        binary search per id, on the feature's own slice of the values)."""
         keys = features.keys()
         values, lengths = features.values(), features.lengths()
         weights = features.weights_or_none()
         stride, n = features.stride(), values.numel()
         device = values.device
-        bags = torch.arange(lengths.numel(), device=device)
-        key_of_id = torch.repeat_interleave(bags, lengths, output_size=n) // max(stride, 1)
-        hot = torch.zeros(n, dtype=torch.bool, device=device)
-        slots, id_weights = {}, {}
-        for name, table in self.tables.items():
-            mine = [k for k, f in enumerate(keys) if self.feature_tables.get(f) == name]
-            if not mine:
+        ends = features.offset_per_key()  # host ints, as TorchRec's own routing reads them
+        masks: list[torch.Tensor] = []
+        found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        samples = torch.arange(stride, device=device)
+        for k, key in enumerate(keys):
+            lo, hi = ends[k], ends[k + 1]
+            name = self.feature_tables.get(key)
+            if name is None:
+                masks.append(torch.zeros(hi - lo, dtype=torch.bool, device=device))
                 continue
-            reads = torch.isin(key_of_id, torch.tensor(mine, device=device))
-            size = table.ids.numel()
-            pos = torch.searchsorted(table.ids, values).clamp(max=size - 1)
-            is_hot = reads & (table.ids.index_select(0, pos) == values)
-            slots[name] = torch.where(is_hot, pos, 0)
-            one = torch.ones(n, device=device) if weights is None else weights.float()
-            id_weights[name] = torch.where(is_hot, one, 0.0)
-            hot |= is_hot
-        bag_of_id = torch.repeat_interleave(bags, lengths, output_size=n)
+            table, ids = self.tables[name], values[lo:hi]
+            pos = torch.searchsorted(table.ids, ids).clamp(max=table.ids.numel() - 1)
+            is_hot = table.ids.index_select(0, pos) == ids
+            masks.append(is_hot)
+            bag_lengths = lengths[k * stride : (k + 1) * stride]
+            bag = torch.repeat_interleave(samples, bag_lengths, output_size=hi - lo)
+            weight = (
+                torch.ones(hi - lo, device=device) if weights is None else weights[lo:hi].float()
+            )
+            found.setdefault(name, []).append((key, pos[is_hot], bag[is_hot], weight[is_hot]))
+        hot = torch.cat(masks) if masks else torch.zeros(n, dtype=torch.bool, device=device)
+        bag_of_id = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=device), lengths, output_size=n
+        )
         hot_per_bag = torch.zeros_like(lengths).index_add_(0, bag_of_id, hot.to(lengths.dtype))
         cold = ~hot
         rest = KeyedJaggedTensor(
@@ -146,41 +163,38 @@ class HotRows:
             weights=None if weights is None else weights[cold],
             stride=stride,
         )
+        tables = {
+            name: _HotIds(
+                features=[key for key, *_ in parts],
+                slots=torch.cat([slots for _, slots, _, _ in parts]),
+                bags=torch.cat([bag + j * stride for j, (_, _, bag, _) in enumerate(parts)]),
+                weights=torch.cat([w for *_, w in parts]),
+            )
+            for name, parts in found.items()
+        }
         part = HotInput(
-            keys=list(keys),
-            offsets=features.offsets(),
-            slots=slots,
-            weights=id_weights,
-            hot_per_bag=hot_per_bag,
-            lengths=lengths,
-            stride=stride,
+            keys=list(keys), tables=tables, hot_per_bag=hot_per_bag, lengths=lengths, stride=stride
         )
         return rest, part
 
     def pooled(self, part: HotInput) -> dict[str, torch.Tensor]:
-        """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted)."""
+        """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted): rows
+        gathered, scaled and added into their bags (their gradient flows back the same way,
+        without the sort of an embedding bag's backward)."""
         if self.stale and self.reader is not None:
             self.reader(self)
         out: dict[str, torch.Tensor] = {}
-        num_keys = len(part.keys)
-        for name, slots in part.slots.items():
+        for name, hot in part.tables.items():
             table = self.tables[name]
-            sums = F.embedding_bag(
-                slots,
-                table.rows_of(self.flat),
-                part.offsets,
-                mode="sum",
-                per_sample_weights=part.weights[name],
-                include_last_offset=True,
-            ).view(num_keys, part.stride, table.dim)
+            rows = table.rows_of(self.flat).index_select(0, hot.slots) * hot.weights.unsqueeze(1)
+            bags = len(hot.features) * part.stride
+            zeros = torch.zeros(bags, table.dim, dtype=rows.dtype, device=rows.device)
+            sums = zeros.index_add(0, hot.bags, rows)
             if torch.is_grad_enabled():
-                used = torch.zeros(table.ids.numel() + 1, dtype=torch.bool, device=self.device)
-                mask = part.weights[name] != 0
-                used.index_fill_(0, torch.where(mask, slots, table.ids.numel()), True)
-                table.touched = used[:-1]
-            for k, feature in enumerate(part.keys):
-                if self.feature_tables.get(feature) == name:
-                    out[feature] = sums[k]
+                used = torch.zeros(table.ids.numel(), dtype=torch.bool, device=self.device)
+                table.touched = used.index_fill_(0, hot.slots, True)
+            for j, feature in enumerate(hot.features):
+                out[feature] = sums[j * part.stride : (j + 1) * part.stride]
         return out
 
     def combine(

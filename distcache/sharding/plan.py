@@ -30,7 +30,12 @@ class CachedParameterSharding(ParameterSharding):
     cache_config: CacheConfig | None = None
 
     def get_additional_fused_params(self) -> dict[str, Any]:
-        return {} if self.cache_config is None else {CACHE_CONFIG_KEY: self.cache_config}
+        # Without the hot rows: TorchRec groups tables of equal fused params into one kernel,
+        # and tables replicating different rows should still share one (the sharded module
+        # reads the hot rows from the plan).
+        if self.cache_config is None:
+            return {}
+        return {CACHE_CONFIG_KEY: dataclasses.replace(self.cache_config, hot_rows=())}
 
 
 def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> ParameterSharding:

@@ -8,6 +8,7 @@ Input and output distribution are TorchRec's, unchanged; only the lookups differ
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -97,7 +98,7 @@ class CachedShardedModule:
         """Replicate the hot rows of the tables whose `CacheConfig.hot_rows` name some
         (`distcache.sharding.hot_rows`); all ranks call it (it creates a process group)."""
         planned = {
-            name
+            name: sharding.cache_config.hot_rows
             for name, sharding in self.module_sharding_plan.items()
             if isinstance(sharding, CachedParameterSharding)
             and sharding.cache_config is not None
@@ -113,7 +114,10 @@ class CachedShardedModule:
         # Each table's full settings, its optimizer from TorchRec's fused params included (as
         # its kernel gets them), on every rank: a rank may hold no shard of the table.
         hot = {
-            info.embedding_config.name: cache_config_from_fused_params(info.fused_params)
+            info.embedding_config.name: dataclasses.replace(
+                cache_config_from_fused_params(info.fused_params),
+                hot_rows=planned[info.embedding_config.name],
+            )
             for infos in self.sharding_type_to_sharding_infos.values()
             for info in infos
             if info.embedding_config.name in planned
