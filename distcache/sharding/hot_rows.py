@@ -13,9 +13,11 @@ local replica. One batch's ids flow so:
     backward     the replicas' gradient (every hot table's, one flat tensor) is summed over
                  the ranks (divided by the world size, TorchRec's convention for embedding
                  gradients) in one all-reduce per collection with a count of the ranks that
-                 touched each row, and applied by each table's row optimizer to the rows some
-                 rank touched; untouched rows (and their optimizer
-                 state) are left as they are, as for every row of a sharded table
+                 touched each row, started when the gradient is ready and waited for when
+                 the replica is next read (the next forward, a flush), then applied by each
+                 table's row optimizer to the rows some rank touched; untouched rows (and
+                 their optimizer state) are left as they are, as for every row of a sharded
+                 table
 
 The table stays one table for its users: a flush (before any state dict) writes the replica's
 rows and optimizer state into the shards that own those rows, and after a load the replica is
@@ -117,6 +119,8 @@ class HotRows:
         self.device = device
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.stale = True  # the replicas must be read from the tables' shards
+        # The last backward's all-reduce, still in flight: (work, gradient + counts, size).
+        self._pending: tuple[dist.Work | None, torch.Tensor, int] | None = None
         self.reader: Callable[[HotRows], None] | None = None
 
     # ------------------------------------------------------------ the batch
@@ -181,6 +185,7 @@ class HotRows:
         """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted): rows
         gathered, scaled and added into their bags (their gradient flows back the same way,
         without the sort of an embedding bag's backward)."""
+        self.finish_step()
         if self.stale and self.reader is not None:
             self.reader(self)
         out: dict[str, torch.Tensor] = {}
@@ -229,33 +234,45 @@ class HotRows:
 
     # ------------------------------------------------------------ the update
     def _step(self, flat: torch.Tensor) -> None:
-        """After backward: reduce the collection's replica gradient and touched rows over the
-        ranks in one all-reduce, then each table's row optimizer updates the rows some rank
-        touched."""
+        """After backward: start reducing the collection's replica gradient and touched rows
+        over the ranks (one all-reduce, not waited for: the rest of the backward and the
+        dense all-reduce overlap it); `finish_step` applies it before the replica is next read."""
         grad, flat.grad = flat.grad, None
         touched = [
             t.touched if t.touched is not None else torch.zeros_like(t.ids, dtype=torch.bool)
             for t in self.tables.values()
         ]
-        counts = torch.cat(touched).to(grad.dtype)
+        for table in self.tables.values():
+            table.touched = None
+        both = torch.cat([grad, torch.cat(touched).to(grad.dtype)])
+        work = None
         if self._group is not None:
-            both = torch.cat([grad, counts])
-            dist.all_reduce(both, group=self._group)
-            grad = both[: grad.numel()].div_(dist.get_world_size(self._group))
-            counts = both[grad.numel() :]
-        first = 0
+            work = dist.all_reduce(both, group=self._group, async_op=True)
+        self._pending = (work, both, grad.numel())
+
+    def finish_step(self) -> None:
+        """Apply the reduced gradient of the last backward, if any: each table's row optimizer
+        updates the rows some rank touched (the others, and their state, stay as they are)."""
+        if self._pending is None:
+            return
+        work, both, size = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        world = dist.get_world_size(self._group) if self._group is not None else 1
+        grad, counts = both[:size].div_(world), both[size:]
+        flat, first = self.flat.detach(), 0
         with torch.no_grad():
             for table in self.tables.values():
                 count = table.ids.numel()
                 used = (counts[first : first + count] > 0).unsqueeze(1)
                 first += count
-                weight = table.rows_of(flat.detach())
+                weight = table.rows_of(flat)
                 rows, state = weight.clone(), table.state.clone()
                 table.optimizer.update(rows, state, table.rows_of(grad))
                 weight.copy_(torch.where(used, rows, weight))
                 table.state.copy_(torch.where(used, state, table.state))
                 table.optimizer.step()
-                table.touched = None
 
     # ------------------------------------------------------------ the tables' shards
     def gather(self, shards: list[tuple[str, int, int, torch.Tensor, torch.Tensor]]) -> None:
@@ -263,6 +280,7 @@ class HotRows:
 
         `shards`: this rank's shards of hot tables as (table, first row, first column, rows
         `[r, c]`, optimizer state `[r, s]`)."""
+        self.finish_step()
         for name, table in self.tables.items():
             dim, width = table.dim, table.state.shape[1]
             # Rows, state, and how many shards gave each row's state (column shards each keep a
@@ -291,6 +309,7 @@ class HotRows:
     def scatter(self, name: str, row0: int, col0: int, rows: torch.Tensor, state: torch.Tensor):  # noqa: ANN201
         """Write table `name`'s replica into one of its shards (rows `[r, c]` from `row0`,
         columns from `col0`, and the rows' optimizer state), in place."""
+        self.finish_step()
         table = self.tables.get(name)
         if table is None or self.stale:
             return
