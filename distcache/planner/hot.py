@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from distcache.planner.binned import table_access
 from distcache.planner.candidates import Mode
 from distcache.planner.pricing import State
+from distcache.planner.search import better_state as _better
 from distcache.planner.shards import shard_terms
 from distcache.planner.types import DATA_PARALLEL
 
@@ -138,10 +139,3 @@ def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str,
         else "no hot rows"
     )
     return f"{chosen}; tried {others}", best is not mode
-
-
-def _better(new: tuple[float, float], old: tuple[float, float], rtol: float = 1e-7) -> bool:
-    """Lower step, or the same step and lower work (by more than a rounding error)."""
-    if new[0] < old[0] * (1 - rtol):
-        return True
-    return new[0] <= old[0] * (1 + rtol) and new[1] < old[1] * (1 - rtol)

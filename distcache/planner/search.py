@@ -219,7 +219,7 @@ def _try_move(state: State, tables: tuple[int, ...]) -> bool:
             break
         state.add(index, best.mode, best.ranks)
         placed.append(index)
-    if len(placed) == len(tables) and _better(state.score(), current):
+    if len(placed) == len(tables) and better_state(state.score(), current):
         return True
     for index in placed:
         state.remove(index)
@@ -228,7 +228,7 @@ def _try_move(state: State, tables: tuple[int, ...]) -> bool:
     return False
 
 
-def _better(new: tuple[float, float], old: tuple[float, float], rtol: float = 1e-7) -> bool:
+def better_state(new: tuple[float, float], old: tuple[float, float], rtol: float = 1e-7) -> bool:
     """Lower step, or the same step and lower work (by more than a rounding error)."""
     if new[0] < old[0] * (1 - rtol):
         return True
