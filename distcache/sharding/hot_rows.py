@@ -24,8 +24,10 @@ rows and optimizer state into the shards that own those rows, and after a load t
 read back from them (one all-reduce, at the next forward). So checkpoints hold plain tables,
 and a checkpoint loads with any set of hot rows.
 
-Splitting a batch takes its hot ids out: on CUDA that compaction reads the batch's size back
-(as TorchRec's own input distribution does for its splits); the rest is fixed-shape.
+Splitting a batch takes its hot ids out: on CUDA that compaction reads the batch's size back,
+and the features' offsets are read as host ints (both as TorchRec's own input distribution
+does for its splits); the rest is fixed-shape: every id of a hot table's features is pooled,
+the ids not hot with weight 0.
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ class _HotTable:
 
 @dataclass
 class _HotIds:
-    """One table's hot ids in a batch (compacted): what its replica pools."""
+    """The ids of one table's features in a batch, every one (fixed shapes: no compaction per
+    feature); the ids not hot weigh 0."""
 
     features: list[str]  # the batch's features that read the table, in order
-    slots: torch.Tensor  # [m] the id's row in the replica
+    slots: torch.Tensor  # [m] the id's row in the replica (any row for an id not hot)
     bags: torch.Tensor  # [m] j * B + b for the j-th of `features`, sample b
-    weights: torch.Tensor  # [m] the id's weight (1.0 unweighted)
+    weights: torch.Tensor  # [m] the id's weight (1.0 unweighted), 0.0 for an id not hot
+    touched: torch.Tensor  # [m] the id's row in the replica, H (none) for an id not hot
 
 
 @dataclass
@@ -128,7 +132,8 @@ class HotRows:
         """The features without their hot ids, and the hot part of the batch.
 
         Each feature of a hot table looks its ids up among the table's sorted hot rows (one
-        binary search per id, on the feature's own slice of the values)."""
+        binary search per id, on the feature's own slice of the values). Only the cold ids'
+        compaction has a data-dependent size."""
         keys = features.keys()
         values, lengths = features.values(), features.lengths()
         weights = features.weights_or_none()
@@ -136,7 +141,8 @@ class HotRows:
         device = values.device
         ends = features.offset_per_key()  # host ints, as TorchRec's own routing reads them
         masks: list[torch.Tensor] = []
-        found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]
+        found = {}
         samples = torch.arange(stride, device=device)
         for k, key in enumerate(keys):
             lo, hi = ends[k], ends[k + 1]
@@ -153,7 +159,9 @@ class HotRows:
             weight = (
                 torch.ones(hi - lo, device=device) if weights is None else weights[lo:hi].float()
             )
-            found.setdefault(name, []).append((key, pos[is_hot], bag[is_hot], weight[is_hot]))
+            found.setdefault(name, []).append(
+                (key, pos, bag, torch.where(is_hot, weight, 0.0), is_hot)
+            )
         hot = torch.cat(masks) if masks else torch.zeros(n, dtype=torch.bool, device=device)
         bag_of_id = torch.repeat_interleave(
             torch.arange(lengths.numel(), device=device), lengths, output_size=n
@@ -167,15 +175,17 @@ class HotRows:
             weights=None if weights is None else weights[cold],
             stride=stride,
         )
-        tables = {
-            name: _HotIds(
-                features=[key for key, *_ in parts],
-                slots=torch.cat([slots for _, slots, _, _ in parts]),
-                bags=torch.cat([bag + j * stride for j, (_, _, bag, _) in enumerate(parts)]),
-                weights=torch.cat([w for *_, w in parts]),
+        tables = {}
+        for name, parts in found.items():
+            slots = torch.cat([part[1] for part in parts])
+            none = self.tables[name].ids.numel()
+            tables[name] = _HotIds(
+                features=[part[0] for part in parts],
+                slots=slots,
+                bags=torch.cat([part[2] + j * stride for j, part in enumerate(parts)]),
+                weights=torch.cat([part[3] for part in parts]),
+                touched=torch.where(torch.cat([part[4] for part in parts]), slots, none),
             )
-            for name, parts in found.items()
-        }
         part = HotInput(
             keys=list(keys), tables=tables, hot_per_bag=hot_per_bag, lengths=lengths, stride=stride
         )
@@ -183,8 +193,8 @@ class HotRows:
 
     def pooled(self, part: HotInput) -> dict[str, torch.Tensor]:
         """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted): rows
-        gathered, scaled and added into their bags (their gradient flows back the same way,
-        without the sort of an embedding bag's backward)."""
+        gathered, scaled (by 0 for an id not hot) and added into their bags; their gradient
+        flows back the same way, without the sort of an embedding bag's backward."""
         self.finish_step()
         if self.stale and self.reader is not None:
             self.reader(self)
@@ -196,8 +206,8 @@ class HotRows:
             zeros = torch.zeros(bags, table.dim, dtype=rows.dtype, device=rows.device)
             sums = zeros.index_add(0, hot.bags, rows)
             if torch.is_grad_enabled():
-                used = torch.zeros(table.ids.numel(), dtype=torch.bool, device=self.device)
-                table.touched = used.index_fill_(0, hot.slots, True)
+                used = torch.zeros(table.ids.numel() + 1, dtype=torch.bool, device=self.device)
+                table.touched = used.index_fill_(0, hot.touched, True)[:-1]
             for j, feature in enumerate(hot.features):
                 out[feature] = sums[j * part.stride : (j + 1) * part.stride]
         return out
