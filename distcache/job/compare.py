@@ -286,18 +286,18 @@ def speedups(rows: list[ComparisonRow], ours: str = "distcache", theirs: str = "
     def ratio(x: float | None, y: float | None) -> float | None:
         return None if x is None or y is None or x <= 0 else y / x
 
-    if a is None or b is None:
-        return dict.fromkeys(
-            ("distcache_model", "torchrec_estimator", "measured", "measured_same_engine")
-        )
-    out = {
-        "distcache_model": ratio(a.cost and a.cost.step_s, b.cost and b.cost.step_s),
-        "torchrec_estimator": ratio(a.torchrec_estimate_s, b.torchrec_estimate_s),
-        "measured": ratio(a.measured_step_s, b.measured_step_s),
-        "measured_same_engine": ratio(a.measured_step_s, b.measured_on_distcache_s),
-    }
+    out = dict.fromkeys(
+        ("distcache_model", "torchrec_estimator", "measured", "measured_same_engine")
+    )
+    if a is not None and b is not None:
+        out = {
+            "distcache_model": ratio(a.cost and a.cost.step_s, b.cost and b.cost.step_s),
+            "torchrec_estimator": ratio(a.torchrec_estimate_s, b.torchrec_estimate_s),
+            "measured": ratio(a.measured_step_s, b.measured_step_s),
+            "measured_same_engine": ratio(a.measured_step_s, b.measured_on_distcache_s),
+        }
     plain = by_name.get(NO_HOT_ROWS)
-    if plain is not None and ours == "distcache":  # what the hot rows buy, same placements
+    if a is not None and plain is not None:  # what the hot rows buy, same placements
         out["hot_rows_model"] = ratio(a.cost and a.cost.step_s, plain.cost and plain.cost.step_s)
         out["hot_rows_measured"] = ratio(a.measured_step_s, plain.measured_step_s)
     return out
@@ -437,10 +437,10 @@ def format_table(rows: list[ComparisonRow], *, title: str | None = None) -> str:
             f"{_fmt(v)} x {labels[k]}" for k, v in gains.items() if v is not None and k in labels
         ]
         out += ["distcache's plan over TorchRec's: " + "; ".join(parts)]
-        hot = {"hot_rows_model": "modelled", "hot_rows_measured": "measured here"}
-        parts = [f"{_fmt(v)} x {hot[k]}" for k, v in gains.items() if v is not None and k in hot]
-        if parts:
-            out += ["distcache's plan over the same without hot rows: " + "; ".join(parts)]
+    hot = {"hot_rows_model": "modelled", "hot_rows_measured": "measured here"}
+    parts = [f"{_fmt(v)} x {hot[k]}" for k, v in gains.items() if v is not None and k in hot]
+    if parts:
+        out += ["distcache's plan over the same without hot rows: " + "; ".join(parts)]
     notes = [f"  {row.name}: {row.note}" for row in rows if row.note]
     if notes:
         out += ["notes:", *notes]

@@ -88,6 +88,18 @@ def test_hashing_spreads_hot_rows():
     assert float((ids_hashed < 100).float().mean()) < 0.1
 
 
+@pytest.mark.parametrize("hash_ids", [False, True])
+def test_rows_of_ranks_are_the_ids_drawn_most(hash_ids):
+    config = SyntheticConfig(table_sizes=(10_000,), alpha=1.2, batch_size=4096, hash_ids=hash_ids)
+    log = SyntheticClickLog(config)
+    ids = log.batch(0).sparse_features.values().numpy()
+    counts = np.bincount(ids, minlength=10_000)
+    top = set(np.argsort(-counts, kind="stable")[:3].tolist())
+    assert top == set(log.rows_of_ranks(0, range(3)).tolist())
+    with pytest.raises(DistcacheConfigError, match="ranks must lie in"):
+        log.rows_of_ranks(0, [10_000])
+
+
 def test_labels_are_learnable():
     log = SyntheticClickLog(synthetic_preset("criteo-kaggle:scale=1000,batch_size=2048"))
     batches = [log.batch(i) for i in range(4)]

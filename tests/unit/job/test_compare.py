@@ -13,6 +13,7 @@ from distcache.job.compare import (
     compare,
     format_table,
     rows_to_json,
+    speedups,
 )
 from distcache.planner.solver import SolverOptions, uniform_plan
 from distcache.planner.topology import preset
@@ -115,6 +116,27 @@ def test_torchrec_plans_with_distcaches_sharder_on_cpu() -> None:
     assert {s.compute_kernel for s in shardings.values()} <= {CACHED_KERNEL, "dense"}
     cached = [s for s in shardings.values() if s.compute_kernel == CACHED_KERNEL]
     assert cached and all(isinstance(s, CachedParameterSharding) for s in cached)
+
+
+def test_hot_rows_get_a_row_without_them_and_their_ratio() -> None:
+    """Where the plan replicates hot rows, the same placements without them are priced too."""
+    topology = dataclasses.replace(
+        preset("cpu", world_size=2), id_overhead_s=2e-6, sync_latency_s=1e-6, name="routing"
+    )
+    workload = workload_preset(
+        "synthetic:tables=3,rows=2e6,dim=16,alpha=1.2,pooling=4,mlp=16", batch_size_per_rank=512
+    )
+    rows = compare(workload, topology, include_torchrec=False, options=FAST)
+    ours, plain = rows[0], rows[1]
+    assert plain.name == "distcache without hot rows"
+    assert any(t.hot_rows for t in ours.plan.tables)
+    assert [t.hot_rows for t in plain.plan.tables] == [0] * len(plain.plan.tables)
+    assert [dataclasses.replace(t, hot_rows=0) for t in ours.plan.tables] == list(plain.plan.tables)
+    gains = speedups(rows, theirs="all table-wise")
+    assert gains["hot_rows_model"] == pytest.approx(plain.cost.step_s / ours.cost.step_s)
+    assert gains["hot_rows_model"] > 1
+    assert "hot rows replicated" in ours.note
+    assert "over the same without hot rows" in format_table(rows)
 
 
 def test_compare_without_torchrec_skips_its_row_and_estimates() -> None:
