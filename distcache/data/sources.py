@@ -70,6 +70,13 @@ class JobData:
             self.dense_features = INT_FEATURE_COUNT
             self.max_ids_per_sample = 1
 
+    def hottest_rows(self, table: int, count: int) -> list[int] | None:
+        """Table `table`'s `count` likeliest rows, where the data knows them (synthetic: its
+        hashed popularity ranks); None for Criteo (no sample of its ids is counted)."""
+        if self.config.source != "synthetic":
+            return None
+        return self._log.rows_of_ranks(table, range(count)).tolist()
+
     def train_batches(self, start: int = 0) -> Iterator[Batch]:
         """This rank's training batches `start, start + 1, ..., steps - 1`."""
         if self.config.source == "synthetic":

@@ -287,6 +287,10 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union) and float in typing.get_args(hint):
         hint = float  # `float | int` (CacheConfig.capacity): a job's numbers are fractions
+    if origin is tuple:  # `tuple[int, ...]` (CacheConfig.hot_rows): a list in the file
+        _require(isinstance(value, list), section, key, value, f"a list ({hint})")
+        item = (typing.get_args(hint) or (object,))[0]
+        return tuple(_coerce(section, key, v, item) for v in value)
     if origin in (list, types.GenericAlias) or hint is list:
         _require(isinstance(value, list), section, key, value, f"a list ({hint})")
         (item,) = typing.get_args(hint) or (object,)
@@ -407,7 +411,7 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
 
@@ -455,6 +459,12 @@ def check_inputs(config: JobConfig) -> None:
     if planner.endswith(".json") and not Path(planner).is_file():
         _fail(f"[plan] planner file {planner!r} does not exist")
     plan_topology(config, world_size=1)
+    if config.cache.hot_rows:
+        _fail(
+            f"[cache] hot_rows = {list(config.cache.hot_rows)[:8]} is invalid: hot rows are per "
+            "table, and [cache] is every table's; the 'distcache' planner replicates hot rows "
+            "itself (synthetic data): leave it []"
+        )
     if config.train.tensorboard:
         try:
             import tensorboard  # noqa: F401

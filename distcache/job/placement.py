@@ -29,9 +29,10 @@ from torchrec.models.dlrm import DLRMTrain
 
 from distcache.cache.config import CacheConfig
 from distcache.data.sources import JobData
+from distcache.errors import DistcacheConfigError
 from distcache.job import dlrm
 from distcache.job.config import JobConfig, job_topology, plan_topology
-from distcache.planner.solver import solve
+from distcache.planner.solver import SolverOptions, solve
 from distcache.planner.torchrec.export import to_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_topology
 from distcache.planner.types import Plan, TableStats, Workload
@@ -103,7 +104,10 @@ def job_sharding_plan(
     if dist.get_rank() == 0:
         if planner == "distcache":
             topology = plan_topology(config, world_size) or job_topology("cpu", world_size)
-            box[0] = solve(workload, topology)
+            # Hot rows only where the data can name its hottest rows (synthetic data).
+            known = data.hottest_rows(0, 1) is not None
+            options = SolverOptions() if known else SolverOptions(hot_row_shares=())
+            box[0] = solve(workload, topology, options=options)
         else:
             box[0] = Plan.load(Path(planner))
         for table, why in box[0].explanations.items():
@@ -117,6 +121,7 @@ def job_sharding_plan(
         lookahead=planned.lookahead,
         prefetch_depth=planned.prefetch_depth,
     )
+    index = {t.name: i for i, t in enumerate(workload.tables)}
     return to_sharding_plan(
         box[0],
         workload,
@@ -124,7 +129,19 @@ def job_sharding_plan(
         world_size=world_size,
         device=device.type,
         base_config=base,
+        hot_row_ids=lambda table, count: _hot_rows(data, index[table.name], table.name, count),
     )
+
+
+def _hot_rows(data: JobData, index: int, name: str, count: int) -> list[int]:
+    """The job data's `count` hottest rows of table `index`, for a plan that replicates them."""
+    rows = data.hottest_rows(index, count)
+    if rows is None:
+        raise DistcacheConfigError(
+            f"the plan replicates {count} hot rows of table {name!r}, but {data.config.source} "
+            "data cannot name its hottest rows; use a plan without hot_rows (or synthetic data)"
+        )
+    return rows
 
 
 def describe_placement(

@@ -29,6 +29,14 @@ def test_shipped_configs_load_and_round_trip(path):
     assert build_job_config(tomllib.loads(dump_toml(config))) == config
 
 
+def test_hot_rows_round_trip_as_a_list_and_a_job_refuses_them():
+    config = load_job_config(None, ["--cache.hot_rows=[3, 1]"])
+    assert config.cache.hot_rows == (3, 1)
+    assert build_job_config(tomllib.loads(dump_toml(config))) == config
+    with pytest.raises(DistcacheConfigError, match=r"\[cache\] hot_rows = \[3, 1\] is invalid"):
+        check_inputs(config)
+
+
 def test_ints_are_accepted_as_floats():
     assert load_job_config(None, ["--cache.capacity=1"]).cache.capacity == 1.0
 

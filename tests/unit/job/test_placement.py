@@ -1,7 +1,9 @@
 """Where a job's tables go: the planners' topology (`distcache.job.placement`)."""
 
+import pytest
 import torch
 
+from distcache.errors import DistcacheConfigError
 from distcache.job.config import load_job_config
 from distcache.job.placement import torchrec_job_topology
 from distcache.planner.topology import preset
@@ -52,3 +54,18 @@ def test_the_model_s_tables_take_the_configured_dtype():
     from distcache.job.placement import job_workload
 
     assert {t.row_dtype_bytes for t in job_workload(config, data).tables} == {2}  # priced so
+
+
+def test_the_job_names_hot_rows_only_where_its_data_knows_them():
+    from distcache.data.sources import JobData
+    from distcache.job.placement import _hot_rows
+
+    synthetic = JobData(load_job_config(None, []).data, steps=1, rank=0, world_size=1)
+    log_rows = synthetic._log.rows_of_ranks(1, range(4)).tolist()
+    assert synthetic.hottest_rows(1, 4) == log_rows
+    assert _hot_rows(synthetic, 1, "t1", 4) == log_rows
+    criteo = load_job_config(None, ["--data.source=criteo_tsv", '--data.paths=["day_0.tsv"]'])
+    data = JobData(criteo.data, steps=1, rank=0, world_size=1)
+    assert data.hottest_rows(0, 4) is None
+    with pytest.raises(DistcacheConfigError, match="criteo_tsv data cannot name its hottest"):
+        _hot_rows(data, 0, "t0", 4)
