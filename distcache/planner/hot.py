@@ -34,12 +34,23 @@ PASSES = 2
 
 
 def hot_row_counts(state: State, index: int, shares: Sequence[float]) -> list[int]:
-    """The replica sizes tried for table `index`: 0 and, per share, the fewest likeliest rows
-    taking at least that share of its lookups (fewer than all its rows)."""
+    """The replica sizes tried for table `index`: 0 and `_replica_rows` of each share."""
+    return sorted({0} | {_replica_rows(state, index, share) for share in shares})
+
+
+def _replica_rows(state: State, index: int, share: float) -> int:
+    """The fewest likeliest rows of table `index` taking at least `share` of its lookups; 0
+    when that is every row (a replica of the whole table is data parallel)."""
     table = state.p.tables[index]
-    access = table_access(table)
-    counts = {access.rows_for_mass(share) for share in shares}
-    return sorted({0} | {h for h in counts if 0 < h < table.rows})
+    rows = table_access(table).rows_for_mass(share)
+    return rows if rows < table.rows else 0
+
+
+def _sharded(state: State) -> list[int]:
+    """The placed tables a replica may serve (all but data-parallel ones)."""
+    return [
+        i for i, placed in enumerate(state.placed) if placed and placed[0].sharding != DATA_PARALLEL
+    ]
 
 
 def with_hot_rows(state: State, index: int, mode: Mode, hot_rows: int) -> Mode:
@@ -69,9 +80,7 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
     _same_share_everywhere(state, shares)
     for _ in range(PASSES):
         changed = False
-        for index, placed in enumerate(state.placed):
-            if placed is None or placed[0].sharding == DATA_PARALLEL:
-                continue
+        for index in _sharded(state):
             note, moved = _choose_one(state, index, shares)
             notes[index] = note
             changed |= moved
@@ -83,9 +92,7 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
 def _same_share_everywhere(state: State, shares: Sequence[float]) -> None:
     """Give every sharded table the replica taking the same share of its lookups: each share
     tried (and none), the best kept."""
-    sharded = [
-        i for i, placed in enumerate(state.placed) if placed and placed[0].sharding != DATA_PARALLEL
-    ]
+    sharded = _sharded(state)
     start = {i: state.placed[i] for i in sharded}
     best_score = state.score() if state.fits() else None
     best = {i: start[i][0] for i in sharded}
@@ -93,9 +100,7 @@ def _same_share_everywhere(state: State, shares: Sequence[float]) -> None:
         modes = {}
         for i in sharded:
             mode, ranks = start[i]
-            hot = table_access(state.p.tables[i]).rows_for_mass(share)
-            hot = hot if hot < state.p.tables[i].rows else 0
-            modes[i] = with_hot_rows(state, i, mode, hot)
+            modes[i] = with_hot_rows(state, i, mode, _replica_rows(state, i, share))
             state.remove(i)
             state.add(i, modes[i], ranks)
         score = state.score() if state.fits() else None
@@ -108,8 +113,7 @@ def _same_share_everywhere(state: State, shares: Sequence[float]) -> None:
 
 def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str, bool]:
     """Try each replica size for table `index`; keep the best. (note, whether it changed)."""
-    mode, ranks, contrib = state.remove(index)
-    state.add(index, mode, ranks, contrib)
+    (mode, ranks), contrib = state.placed[index], state.contrib[index]
     best, best_score = mode, (state.score() if state.fits() else None)
     tried: list[tuple[int, float | None]] = []
     access = table_access(state.p.tables[index])

@@ -143,7 +143,10 @@ class HotRows:
         masks: list[torch.Tensor] = []
         found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]
         found = {}
-        samples = torch.arange(stride, device=device)
+        # The bag of every id: k * B + b for feature k, sample b.
+        bag_of_id = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=device), lengths, output_size=n
+        )
         for k, key in enumerate(keys):
             lo, hi = ends[k], ends[k + 1]
             name = self.feature_tables.get(key)
@@ -154,8 +157,8 @@ class HotRows:
             pos = torch.searchsorted(table.ids, ids).clamp(max=table.ids.numel() - 1)
             is_hot = table.ids.index_select(0, pos) == ids
             masks.append(is_hot)
-            bag_lengths = lengths[k * stride : (k + 1) * stride]
-            bag = torch.repeat_interleave(samples, bag_lengths, output_size=hi - lo)
+            j = len(found.get(name, ()))  # the feature's place among its table's: bags j * B + b
+            bag = bag_of_id[lo:hi] + (j - k) * stride
             weight = (
                 torch.ones(hi - lo, device=device) if weights is None else weights[lo:hi].float()
             )
@@ -163,9 +166,6 @@ class HotRows:
                 (key, pos, bag, torch.where(is_hot, weight, 0.0), is_hot)
             )
         hot = torch.cat(masks) if masks else torch.zeros(n, dtype=torch.bool, device=device)
-        bag_of_id = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=device), lengths, output_size=n
-        )
         hot_per_bag = torch.zeros_like(lengths).index_add_(0, bag_of_id, hot.to(lengths.dtype))
         cold = ~hot
         rest = KeyedJaggedTensor(
@@ -182,7 +182,7 @@ class HotRows:
             tables[name] = _HotIds(
                 features=[part[0] for part in parts],
                 slots=slots,
-                bags=torch.cat([part[2] + j * stride for j, part in enumerate(parts)]),
+                bags=torch.cat([part[2] for part in parts]),
                 weights=torch.cat([part[3] for part in parts]),
                 touched=torch.where(torch.cat([part[4] for part in parts]), slots, none),
             )
