@@ -339,9 +339,13 @@ class SyntheticClickLog(IterableDataset):
         rows = int(self._rows[table])
         if r.size and (r.min() < 0 or r.max() >= rows):
             _fail(f"ranks must lie in [0, {rows}) for table {table}")
+        return self._rows_of(r, np.full(r.shape, table))
+
+    def _rows_of(self, ranks: np.ndarray, tables: np.ndarray) -> np.ndarray:
+        """Rows of popularity `ranks` [N] in `tables` [N]: the affine map, with `hash_ids`."""
         if not self.config.hash_ids:
-            return r
-        return (int(self._a[table]) * r + int(self._b[table])) % rows
+            return ranks
+        return (self._a[tables] * ranks + self._b[tables]) % self._rows[tables]
 
     def _sample_ids(self, u: np.ndarray, tables: np.ndarray) -> np.ndarray:
         """Rows for uniforms `u` [N] of tables `tables` [N]: inverse power-law CDF, then the map."""
@@ -354,9 +358,7 @@ class SyntheticClickLog(IterableDataset):
         rows = self._rows[tables]
         ranks = np.where(u < p0, 0, np.clip(np.floor(x - 0.5), 1, rows - 1)).astype(np.int64)
         ranks = np.minimum(ranks, rows - 1)  # one-row tables
-        if not self.config.hash_ids:
-            return ranks
-        return (self._a[tables] * ranks + self._b[tables]) % rows
+        return self._rows_of(ranks, tables)
 
     def _logit(self, dense: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """The hidden logit per sample from dense [B, D], ids [N] and bag lengths [T * B]."""
