@@ -152,7 +152,10 @@ class LookaheadTrainPipeline:
             )
         self._bags = [k.bags for m in self._modules.values() for k in m.cached_kernels()]
         # Reactive caches (lru, lfu) use no future knowledge: they do not bound the window.
-        ahead = [b.config for b in self._bags if not b.config.is_reactive]
+        # Every rank's caches bound it (the plan's configs), not only this rank's: the ranks
+        # route the same batches ahead, collective for collective, even where one holds no cache.
+        planned = [c for m in self._modules.values() for c in m.planned_cache_configs()]
+        ahead = [c for c in planned or [b.config for b in self._bags] if not c.is_reactive]
         self._lookahead = _window_setting(
             "lookahead", lookahead, min((c.lookahead for c in ahead), default=0)
         )

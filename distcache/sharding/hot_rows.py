@@ -285,11 +285,12 @@ class HotRows:
                 table.optimizer.step()
 
     # ------------------------------------------------------------ the tables' shards
-    def gather(self, shards: list[tuple[str, int, int, torch.Tensor, torch.Tensor]]) -> None:
+    def gather(self, shards: list[tuple[str, int, int, torch.Tensor, list[torch.Tensor]]]) -> None:
         """Read the replicas from the shards (all ranks at once: one all-reduce per table).
 
         `shards`: this rank's shards of hot tables as (table, first row, first column, rows
-        `[r, c]`, optimizer state `[r, s]`)."""
+        `[r, c]`, optimizer state as blocks `[r, s_i]` whose columns, side by side, are the
+        row optimizer's state layout)."""
         self.finish_step()
         for name, table in self.tables.items():
             dim, width = table.dim, table.state.shape[1]
@@ -302,7 +303,7 @@ class HotRows:
                 local, mine = self._local(table, row0, rows.shape[0])
                 part = buf.index_select(0, mine)
                 part[:, col0 : col0 + rows.shape[1]] = rows.index_select(0, local).float()
-                shard_state = state.index_select(0, local).float()
+                shard_state = _state_rows(state, local)
                 for full, own, count in self._state_columns(table, col0, rows.shape[1]):
                     part[:, dim + full : dim + full + count] += shard_state[:, own : own + count]
                 part[:, -1] += 1.0
@@ -316,9 +317,12 @@ class HotRows:
                     table.state.copy_(buf[:, dim : dim + width] / shared)
         self.stale = False
 
-    def scatter(self, name: str, row0: int, col0: int, rows: torch.Tensor, state: torch.Tensor):  # noqa: ANN201
+    def scatter(
+        self, name: str, row0: int, col0: int, rows: torch.Tensor, state: list[torch.Tensor]
+    ) -> None:
         """Write table `name`'s replica into one of its shards (rows `[r, c]` from `row0`,
-        columns from `col0`, and the rows' optimizer state), in place."""
+        columns from `col0`, and the rows' optimizer state blocks, as `gather` reads them), in
+        place."""
         self.finish_step()
         table = self.tables.get(name)
         if table is None or self.stale:
@@ -327,12 +331,16 @@ class HotRows:
         replica = table.rows_of(self.flat.detach())
         values = replica.index_select(0, mine)[:, col0 : col0 + rows.shape[1]]
         rows.index_copy_(0, local, values.to(rows.dtype))
-        if state.shape[1]:
+        if table.state.shape[1]:
             mine_state = table.state.index_select(0, mine)
-            part = state.index_select(0, local)
+            part = _state_rows(state, local)
             for full, own, count in self._state_columns(table, col0, rows.shape[1]):
-                part[:, own : own + count] = mine_state[:, full : full + count].to(state.dtype)
-            state.index_copy_(0, local, part)
+                part[:, own : own + count] = mine_state[:, full : full + count]
+            first = 0
+            for block in state:
+                width = block.shape[1]
+                block.index_copy_(0, local, part[:, first : first + width].to(block.dtype))
+                first += width
 
     @staticmethod
     def _row_wise(table: _HotTable) -> bool:
@@ -355,3 +363,9 @@ class HotRows:
         inside = (table.ids >= row0) & (table.ids < row0 + count)
         mine = torch.arange(table.ids.numel(), device=self.device)[inside]  # host-side setup
         return table.ids[inside] - row0, mine
+
+
+def _state_rows(state: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+    """Rows `local` of a shard's optimizer state blocks, side by side: `[n, sum s_i]` fp32."""
+    blocks = [block.index_select(0, local).float() for block in state]
+    return torch.cat(blocks, 1) if blocks else torch.zeros(local.numel(), 0, device=local.device)

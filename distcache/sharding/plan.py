@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.types import ParameterSharding, ShardingPlan
+from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
 from distcache.cache.config import CacheConfig
 
@@ -25,26 +25,31 @@ CACHED_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 
 @dataclass
 class CachedParameterSharding(ParameterSharding):
-    """A `ParameterSharding` whose table lives in host memory behind a distcache cache."""
+    """A `ParameterSharding` with a distcache `CacheConfig`: a table in host memory behind a
+    distcache cache (`CACHED_KERNEL`), or a table on TorchRec's kernel whose hot rows distcache
+    replicates (`CacheConfig.hot_rows`; its other settings are then unused)."""
 
     cache_config: CacheConfig | None = None
 
     def get_additional_fused_params(self) -> dict[str, Any]:
         # Without the hot rows: TorchRec groups tables of equal fused params into one kernel,
         # and tables replicating different rows should still share one (the sharded module
-        # reads the hot rows from the plan).
-        if self.cache_config is None:
+        # reads the hot rows from the plan). TorchRec's kernels get none of it.
+        if self.cache_config is None or self.compute_kernel != CACHED_KERNEL:
             return {}
         return {CACHE_CONFIG_KEY: dataclasses.replace(self.cache_config, hot_rows=())}
 
 
 def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> ParameterSharding:
-    """The same placement with `config` attached, for tables using distcache's kernel.
+    """The same placement with `config` attached, for tables using distcache's kernel, and for
+    tables on TorchRec's kernels when `config` replicates hot rows.
 
     Other tables (data parallel, TorchRec's kernels) are returned unchanged; a table that already
     carries a config keeps it, so a saved plan wins over the sharder's defaults.
     """
-    if sharding.compute_kernel != CACHED_KERNEL:
+    if sharding.compute_kernel != CACHED_KERNEL and (
+        not config.hot_rows or sharding.sharding_type == ShardingType.DATA_PARALLEL.value
+    ):
         return sharding
     if isinstance(sharding, CachedParameterSharding) and sharding.cache_config is not None:
         return sharding

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dp_sequence_sharding import DpSequenceEmbeddingSharding
@@ -22,6 +23,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheStats
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.streams import HostCopy
@@ -139,30 +141,64 @@ class CachedShardedModule:
         )
         self._hot.reader = self._read_hot_rows
         for kernel in self.cached_kernels():
-            kernel.flush_hooks.append(lambda k=kernel: self._write_hot_rows(k))
+            kernel.flush_hooks.append(lambda k=kernel: self._write_hot_rows(self._hot_shards(k)))
             kernel.purge_hooks.append(self._hot_rows_stale)
+        # TorchRec's kernels have no flush of ours: their shards get the replica when the
+        # module's state dict is taken (where TorchRec flushes its own caches).
+        self.register_state_dict_pre_hook(
+            lambda *_: self._write_hot_rows(self._torchrec_hot_shards())
+        )
         self.register_load_state_dict_post_hook(lambda module, keys: self._hot_rows_stale())
 
     def _hot_shards(self, kernel: CachedEmbeddingBagKernel | CachedEmbeddingKernel):  # noqa: ANN202
-        """(table, first row, first column, host rows, host state) of the kernel's shards of
+        """(table, first row, first column, host rows, [host state]) of the kernel's shards of
         hot tables (views of the host store, not flushed)."""
         for table in kernel._config.embedding_tables:
             if table.name not in self._hot.tables:
                 continue
             offsets = table.local_metadata.shard_offsets if table.local_metadata else [0, 0]
             store, lo, hi = kernel.bags.table_slab(table.name)
-            yield table.name, offsets[0], offsets[1], store.weights[lo:hi], store.state[lo:hi]
+            yield table.name, offsets[0], offsets[1], store.weights[lo:hi], [store.state[lo:hi]]
+
+    def _torchrec_hot_shards(self):  # noqa: ANN202
+        """As `_hot_shards`, for the shards of hot tables in TorchRec's own kernels (FBGEMM's:
+        views of its weights and of each optimizer state, `[rows, 1]` for a row-wise one)."""
+        for lookup in self._lookups:
+            while isinstance(lookup, DistributedDataParallel):
+                lookup = lookup.module
+            for kernel in lookup.modules():
+                if not isinstance(kernel, BaseBatchedEmbeddingBag) or isinstance(
+                    kernel, CachedEmbeddingBagKernel
+                ):
+                    continue
+                tables = kernel.config.embedding_tables
+                if not any(t.name in self._hot.tables for t in tables):
+                    continue
+                weights = kernel.split_embedding_weights()
+                states = kernel.emb_module.split_optimizer_states() or [[] for _ in tables]
+                for table, weight, state in zip(tables, weights, states, strict=True):
+                    if table.name not in self._hot.tables:
+                        continue
+                    offsets = table.local_metadata.shard_offsets
+                    rows = weight.shape[0]
+                    yield (
+                        table.name,
+                        offsets[0],
+                        offsets[1],
+                        weight,
+                        [s.view(rows, -1) for s in state],
+                    )
 
     def _read_hot_rows(self, hot: HotRows) -> None:
-        shards = []
+        shards = list(self._torchrec_hot_shards())
         for kernel in self.cached_kernels():
             kernel.bags.flush()  # the host rows up to date before they are read
             shards += list(self._hot_shards(kernel))
         hot.gather(shards)
 
-    def _write_hot_rows(self, kernel: CachedEmbeddingBagKernel | CachedEmbeddingKernel) -> None:
-        for name, row0, col0, rows, state in self._hot_shards(kernel):
-            self._hot.scatter(name, row0, col0, rows, state)
+    def _write_hot_rows(self, shards) -> None:  # noqa: ANN001
+        for name, row0, col0, rows, states in shards:
+            self._hot.scatter(name, row0, col0, rows, states)
 
     def _hot_rows_stale(self) -> None:
         self._hot.stale = True
@@ -275,6 +311,17 @@ class CachedShardedModule:
                 if isinstance(m, (CachedEmbeddingBagKernel, CachedEmbeddingKernel))
             ]
         return kernels
+
+    def planned_cache_configs(self) -> list[CacheConfig]:
+        """The `CacheConfig` of every table of the collection on distcache's kernel, whichever
+        rank holds it: the same list on every rank (a rank may hold no cached shard)."""
+        return [
+            sharding.cache_config
+            for sharding in self.module_sharding_plan.values()
+            if isinstance(sharding, CachedParameterSharding)
+            and sharding.compute_kernel == CACHED_KERNEL
+            and sharding.cache_config is not None
+        ]
 
     def stage_ahead(self) -> None:
         """Stage enqueued batches' rows up to each cache's `prefetch_depth` batches ahead."""

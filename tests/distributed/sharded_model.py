@@ -156,9 +156,11 @@ def per_table_plan(
     ebc: EmbeddingBagCollection,
     per_table: dict,
     sharder,
+    kernel: str | dict[str, str] = CACHED_KERNEL,
     **kwargs,
 ) -> DistributedModelParallel:
-    """`model` under DMP with the EBC at `path` sharded by hand, table by table."""
+    """`model` under DMP with the EBC at `path` sharded by hand, table by table, on `kernel`
+    (with distcache's sharder; one for every table, or per table)."""
     world = dist.get_world_size()
     module_plan = construct_module_sharding_plan(
         ebc,
@@ -169,8 +171,8 @@ def per_table_plan(
         sharder=sharder,
     )
     if isinstance(sharder, CachedEmbeddingBagCollectionSharder):
-        for sharding in module_plan.values():  # table_row_wise() takes no compute kernel
-            sharding.compute_kernel = CACHED_KERNEL
+        for name, sharding in module_plan.items():  # table_row_wise() takes no compute kernel
+            sharding.compute_kernel = kernel if isinstance(kernel, str) else kernel[name]
     return wrap(model, ShardingPlan({path: module_plan}), sharder, **kwargs)
 
 
@@ -179,6 +181,7 @@ def shard(
     kind: str,
     config: CacheConfig,
     table_configs: dict[str, CacheConfig] | None = None,
+    kernel: str = CACHED_KERNEL,
 ) -> DistributedModelParallel:
     world = dist.get_world_size()
     sharder = CachedEmbeddingBagCollectionSharder(config, table_configs)
@@ -188,7 +191,9 @@ def shard(
         planner = EmbeddingShardingPlanner(topology=topology, enumerator=enumerator)
         plan = planner.collective_plan(ebc, [sharder], dist.group.WORLD)
         return wrap(ebc, attach_cache_configs(plan, sharder), sharder, init_data_parallel=False)
-    return per_table_plan(ebc, "", ebc, plan_for(kind, world), sharder, init_data_parallel=False)
+    return per_table_plan(
+        ebc, "", ebc, plan_for(kind, world), sharder, kernel, init_data_parallel=False
+    )
 
 
 def copy_global_into(model: torch.nn.Module, global_state: dict[str, torch.Tensor]) -> None:
@@ -247,9 +252,11 @@ def train_and_compare(
     prefetch: bool = False,
     weighted: bool = False,
     hot: bool = False,
+    kernel: str = CACHED_KERNEL,
 ) -> dict:
     """Train sharded+cached and unsharded side by side on the same batches; compare.
-    `hot`: t0, t1 and t3 replicate their hottest rows on every rank (`CacheConfig.hot_rows`)."""
+    `hot`: t0, t1 and t3 replicate their hottest rows on every rank (`CacheConfig.hot_rows`).
+    `kernel`: the tables' compute kernel ("fused": TorchRec's, with only the hot rows ours)."""
     torch.manual_seed(0)
     # Bitwise where fp32 is exact: SGD on integers, sum pooling, and a world size whose 1/world
     # gradient scaling (TorchRec's mean over ranks) is a power of two.
@@ -280,7 +287,7 @@ def train_and_compare(
             "t1": dataclasses.replace(config, hot_rows=(5, 0, 1, 2, 3, 4)),
             "t3": dataclasses.replace(big, hot_rows=(0, 2, 1)),
         }
-    model = shard(sharded_src, kind, config, tables)
+    model = shard(sharded_src, kind, config, tables, kernel)
     copy_global_into(model, reference.state_dict())
     batches = global_batches(steps, 3, world, seed=1, weighted=weighted)  # 3 samples per rank
     sharded = model._dmp_wrapped_module

@@ -85,21 +85,32 @@ def test_embedding_collection_round_trips_from_2_ranks_to_1(tmp_path, data_type)
 
 
 @pytest.mark.timeout(300)
-def test_hot_rows_round_trip_and_load_with_other_hot_rows(tmp_path):
+@pytest.mark.parametrize("kernel", ["customized_kernel", "fused"])
+def test_hot_rows_round_trip_and_load_with_other_hot_rows(tmp_path, kernel):
     """Hot rows are saved in their tables (a user sees one table): saved on 2 ranks with one
     set of hot rows, loaded on 1 rank with none and on 2 ranks with another set, bitwise,
-    rows and row-wise Adagrad state, after a forward pass on the loaded model."""
+    rows and row-wise Adagrad state, after a forward pass on the loaded model. On distcache's
+    kernel and on TorchRec's (FBGEMM's), whose tables distcache's replica is written into."""
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(save, 2, args=(path, "row_wise"), kwargs={"hot": "a"}, timeout_s=120)
+    hot = {"hot": "a", "kernel": kernel}
+    saved = run_ranks(save, 2, args=(path, "row_wise"), kwargs=hot, timeout_s=120)
     # The checkpoint holds what training produced, hot rows included: the same training
     # without hot rows saves the same tables (within float rounding: the gradients are summed
     # in another order).
-    plain = run_ranks(save, 2, args=(str(tmp_path / "plain"), "row_wise"), timeout_s=120)
+    plain = run_ranks(
+        save,
+        2,
+        args=(str(tmp_path / "plain"), "row_wise"),
+        kwargs={"kernel": kernel},
+        timeout_s=120,
+    )
     ours, theirs = assemble(saved), assemble(plain)
     assert ours.keys() == theirs.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
-    on_one = run_ranks(load, 1, args=(path, "table_wise"), timeout_s=120)
+    on_one = run_ranks(load, 1, args=(path, "table_wise"), kwargs={"kernel": kernel}, timeout_s=120)
     assert_same(saved, on_one)
-    other = run_ranks(load, 2, args=(path, "table_wise"), kwargs={"hot": "b"}, timeout_s=120)
+    other = run_ranks(
+        load, 2, args=(path, "table_wise"), kwargs={"hot": "b", "kernel": kernel}, timeout_s=120
+    )
     assert_same(saved, other)

@@ -38,6 +38,29 @@ def test_hot_rows_mean_weighted_and_adagrad(kind, kwargs):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("kind", "kwargs"),
+    [
+        ("mixed", {}),  # bitwise: SGD on integers
+        ("row_wise", {"optimizer": "rowwise_adagrad"}),  # within tolerance
+        ("column_wise", {"pooling": "mean"}),
+    ],
+)
+def test_hot_rows_over_torchrecs_fused_kernel(kind, kwargs):
+    """Device-stored tables stay on TorchRec's kernel (FBGEMM's); distcache replicates their
+    hot rows beside it, reads the replica from its shards and writes it back into them (the
+    final comparison reads the tables' state dict)."""
+    results = run_ranks(
+        train_and_compare,
+        2,
+        args=(kind,),
+        kwargs={"hot": True, "kernel": "fused", **kwargs},
+        timeout_s=150,
+    )
+    assert results == [{}, {}]  # no distcache cache: every table on TorchRec's kernel
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
 def test_hot_rows_on_three_ranks(kind):
     run_ranks(

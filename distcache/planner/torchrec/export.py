@@ -3,8 +3,11 @@
 `to_sharding_plan` turns a plan into what `DistributedModelParallel` takes, for an
 `EmbeddingBagCollection` whose tables are named like the workload's (`workload_ebc` builds one;
 a name TorchRec refuses, such as `items`, gets a suffix: `torchrec_names`):
-data-parallel tables keep TorchRec's dense kernel; every other table runs on distcache's kernel
-(`CACHED_KERNEL`) with its `CacheConfig` in the plan (`CachedParameterSharding`). Pass
+data-parallel tables keep TorchRec's dense kernel; device-stored tables run on TorchRec's fused
+kernel (FBGEMM's table-batched embedding: every row is in device memory, there is nothing to
+cache, and no lookup of ours beats it); host-cached tables run on distcache's kernel
+(`CACHED_KERNEL`). A table's `CacheConfig` travels in the plan (`CachedParameterSharding`) for
+the cached tables and for the device tables whose hot rows distcache replicates. Pass
 `CachedEmbeddingBagCollectionSharder` to DMP with it.
 
 `from_sharding_plan` reads a TorchRec plan, e.g. one from TorchRec's own planner, as a distcache
@@ -26,6 +29,7 @@ kernel fused_uvm                 host-cached, lookahead 0, with the smallest cac
 kernel key_value and the         host-cached with the planner's default cache load factor
 virtual-table kernels (SSD/KV)   (approximation: the model has no SSD tier)
 kernel customized_kernel         distcache's own: read from the table's `CacheConfig`
+                                 (device storage when the cache holds every row)
 table_row_wise, grid_shard       table-row-wise over the shards' ranks, priced as TorchRec
                                  runs them (node-local reduce-scatter, then one all-to-all
                                  across nodes; grid: one column block per node)
@@ -88,6 +92,7 @@ from distcache.sharding.plan import CACHED_KERNEL, CachedParameterSharding
 from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
 
 _K = EmbeddingComputeKernel
+FUSED_KERNEL = EmbeddingComputeKernel.FUSED.value
 _DEVICE_KERNELS = {_K.DENSE.value, _K.FUSED.value, _K.QUANT.value, _K.FUSED_TRITON.value}
 _OFFLOAD_KERNELS = {
     _K.KEY_VALUE.value,
@@ -215,6 +220,7 @@ def to_sharding_plan(
     device: str = "cpu",
     base_config: CacheConfig | None = None,
     hot_row_ids: HotRowIds = hottest_rows,
+    device_kernel: str = FUSED_KERNEL,
 ) -> ShardingPlan:
     """A TorchRec `ShardingPlan` placing the EBC at `module_path` as `plan` says (its tables
     named as in `workload_ebc`: `torchrec_names`).
@@ -239,15 +245,14 @@ def to_sharding_plan(
         hot_row_ids: which rows a table's `TablePlan.hot_rows` are (default `hottest_rows`:
             by its id counts, or its first rows for a power law); the data's own map when it
             hashes popularity ranks to ids.
+        device_kernel: the kernel of a device-stored table: TorchRec's `"fused"` (default),
+            or distcache's `CACHED_KERNEL` (a cache holding every row).
 
     Example::
 
         sharding_plan = to_sharding_plan(plan, workload, world_size=2)
     """
-    if device not in ("cpu", "cuda"):
-        raise DistcacheConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if world_size < 1:
-        raise DistcacheConfigError(f"world_size must be >= 1, got {world_size}")
+    _check_arguments(device, world_size, device_kernel)
     local_size = ranks_per_node or world_size
     base = base_config or CacheConfig(optimizer=workload.optimizer)
     _check_covers(plan, workload)
@@ -269,9 +274,12 @@ def to_sharding_plan(
     for name, sharding in list(module_plan.items()):
         if sharding.sharding_type == DATA_PARALLEL:
             continue
-        sharding.compute_kernel = CACHED_KERNEL  # table_row_wise() takes no kernel argument
-        fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
         table_plan = plan.table(ours[name])
+        # (table_row_wise() takes no kernel argument: every kernel is set here)
+        sharding.compute_kernel = device_kernel if table_plan.storage == DEVICE else CACHED_KERNEL
+        if sharding.compute_kernel != CACHED_KERNEL and not table_plan.hot_rows:
+            continue
+        fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
         hot = (
             hot_row_ids(workload.table(ours[name]), table_plan.hot_rows)
             if table_plan.hot_rows
@@ -280,6 +288,17 @@ def to_sharding_plan(
         config = cache_config_for(table_plan, base, hot)
         module_plan[name] = CachedParameterSharding(**fields, cache_config=config)
     return ShardingPlan({module_path: module_plan})
+
+
+def _check_arguments(device: str, world_size: int, device_kernel: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise DistcacheConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if world_size < 1:
+        raise DistcacheConfigError(f"world_size must be >= 1, got {world_size}")
+    if device_kernel not in (FUSED_KERNEL, CACHED_KERNEL):
+        raise DistcacheConfigError(
+            f"device_kernel must be {FUSED_KERNEL!r} or {CACHED_KERNEL!r}, got {device_kernel!r}"
+        )
 
 
 def _check_covers(plan: Plan, workload: Workload) -> None:

@@ -136,17 +136,19 @@ def test_a_plan_runs_on_torchrecs_own_kernels() -> None:
     cache is involved), side by side with the same plan on distcache's engine."""
     cpu = preset("cpu", world_size=1)
     device = uniform_plan(WORKLOAD, cpu, TABLE_WISE)
-    plans = {"distcache": device, "torchrec": device}
-    results = measure_plans(
-        plans, WORKLOAD, world_size=1, options=FEW, torchrec_kernels=["torchrec"]
-    )
-    assert results["torchrec"].step_s > 0 and results["distcache"].step_s > 0
-    assert results["torchrec"].cache["ids"] == 0  # TorchRec's kernel: no distcache cache
-    assert results["distcache"].cache["ids"] == 2 * 16
     cached = uniform_plan(
         WORKLOAD, cpu, TABLE_WISE, storage=HOST_CACHED, cache_fraction=0.5, lookahead=2,
         prefetch_depth=1,
     )  # fmt: skip
+    plans = {"distcache": cached, "torchrec": device, "device": device}
+    results = measure_plans(
+        plans, WORKLOAD, world_size=1, options=FEW, torchrec_kernels=["torchrec"]
+    )
+    assert all(r.step_s > 0 for r in results.values())
+    assert results["torchrec"].cache["ids"] == 0  # TorchRec's kernel: no distcache cache
+    assert results["distcache"].cache["ids"] == 2 * 16
+    # distcache's export keeps device-stored tables on TorchRec's fused kernel too
+    assert results["device"].cache["ids"] == 0
     with pytest.raises(DistcacheConfigError, match="TorchRec has no cache on CPU"):
         measure_plans({"c": cached}, WORKLOAD, world_size=1, torchrec_kernels=["c"])
     with pytest.raises(DistcacheConfigError, match="not plans here"):

@@ -111,16 +111,39 @@ def test_to_sharding_plan_kernels_and_cache_configs() -> None:
     module_plan = sharding_plan.plan[""]
     assert module_plan["t0"].sharding_type == DATA_PARALLEL
     assert module_plan["t0"].compute_kernel == "dense"
-    for name in ("t1", "t2", "t3"):
+    for name in ("t1", "t3"):  # host-cached
         assert module_plan[name].compute_kernel == CACHED_KERNEL
         assert isinstance(module_plan[name], CachedParameterSharding)
+    # device storage without hot rows: TorchRec's fused kernel, no cache config
+    assert module_plan["t2"].compute_kernel == "fused"
+    assert not isinstance(module_plan["t2"], CachedParameterSharding)
     t1 = module_plan["t1"].cache_config
     assert (t1.capacity, t1.lookahead, t1.prefetch_depth, t1.policy) == (0.5, 2, 1, "lookahead")
     assert t1.optimizer == "rowwise_adagrad"  # from the workload
+
+
+def test_device_tables_on_distcache_kernel_when_asked_and_their_hot_rows() -> None:
+    plan = one_rank_plan()
+    module_plan = to_sharding_plan(plan, WORKLOAD, world_size=1, device_kernel=CACHED_KERNEL).plan[
+        ""
+    ]
+    assert module_plan["t2"].compute_kernel == CACHED_KERNEL
     t2 = module_plan["t2"].cache_config
     # device: a cache of every row, staged ahead with the base config's look-ahead
     expected = (1.0, DEFAULT_LOOKAHEAD, 1, "lookahead")
     assert (t2.capacity, t2.lookahead, t2.prefetch_depth, t2.policy) == expected
+    hot = dataclasses.replace(
+        plan,
+        tables=tuple(
+            dataclasses.replace(t, hot_rows=3) if t.table == "t2" else t for t in plan.tables
+        ),
+    )
+    module_plan = to_sharding_plan(hot, WORKLOAD, world_size=1).plan[""]
+    assert module_plan["t2"].compute_kernel == "fused"  # hot rows replicated by distcache
+    assert module_plan["t2"].cache_config.hot_rows == (0, 1, 2)
+    assert module_plan["t2"].get_additional_fused_params() == {}  # nothing for TorchRec's kernel
+    with pytest.raises(DistcacheConfigError, match="device_kernel must be"):
+        to_sharding_plan(plan, WORKLOAD, world_size=1, device_kernel="fused_uvm")
 
 
 def test_cache_config_keeps_base_settings_and_a_reactive_policy() -> None:
@@ -159,7 +182,7 @@ def test_multi_rank_placements() -> None:
     ).plan[""]
     assert module_plan["t1"].sharding_type == "row_wise"
     assert module_plan["t2"].sharding_type == "table_row_wise"
-    assert module_plan["t2"].compute_kernel == CACHED_KERNEL
+    assert module_plan["t2"].compute_kernel == "fused"  # device storage
     assert [str(s.placement) for s in module_plan["t3"].sharding_spec.shards] == [
         "rank:3/cuda:1",
         "rank:1/cuda:1",
