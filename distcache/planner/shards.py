@@ -257,17 +257,20 @@ def _hot_terms(
     """The replica's terms on every rank (`ShardTerms.hot_*`): fp32 rows of the whole dim, as
     `sharding.hot_rows` keeps them. The lookups of the rank's own batch, then the update:
     every replica row and its state read and written once (a masked update), at the dense
-    update's rate; the all-reduce sends the gradient and a touched count per row. The replica
-    pools every id of the table's features, not only the hot ones: `HotRows.pooled` keeps
-    fixed shapes (an id not hot weighs 0), so its lookups cost the whole batch's."""
+    update's rate; the all-reduce sends the gradient and a touched count per row. Before that,
+    `HotRows.split` reads every id of the table's features: a binary search among the hot rows
+    and a compaction, priced as two accesses of the id's bytes per id (read, written)."""
     if not hot_rows:
         return {}
     state = OPTIMIZER_STATE[workload.optimizer](table.dim) * FP32_BYTES
     row, full = table.dim * FP32_BYTES, table.dim * FP32_BYTES + state
-    ids = workload.batch_size_per_rank * table.pooling_factor  # every id (see above)
+    ids = workload.batch_size_per_rank * table.pooling_factor
     lookup = lookup_time_s(
-        ids=ids, unique_rows=0.0, dim_bytes=row, row_bytes=full, topology=topology
+        ids=ids * hot_mass, unique_rows=0.0, dim_bytes=row, row_bytes=full, topology=topology
     )
+    lookup += lookup_time_s(
+        ids=ids, unique_rows=0.0, dim_bytes=ID_BYTES, row_bytes=ID_BYTES, topology=topology
+    )  # the split
     return {
         "hot_rows": hot_rows,
         "hot_fraction": hot_mass,

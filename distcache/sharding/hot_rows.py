@@ -7,7 +7,8 @@ local replica. One batch's ids flow so:
                  ids are taken out of the features before TorchRec routes them (they cross no
                  all-to-all and take no cache slot), the rest go through the table's sharding
     compute      `HotRows.pooled`: the hot ids' rows pooled from the replica on this rank,
-                 `[B, dim]` per feature, each id scaled by its weight for weighted features
+                 `[B, dim]` per feature, each id scaled by its weight for weighted features:
+                 one embedding bag per embedding dim over every feature's bags
     output       `HotRows.combine`: added to the sharded (cold) part of the output; a mean bag
                  becomes (cold mean * cold ids + hot sum) / all ids, as pooling all its ids
     backward     the replicas' gradient (every hot table's, one flat tensor) is summed over
@@ -24,10 +25,9 @@ rows and optimizer state into the shards that own those rows, and after a load t
 read back from them (one all-reduce, at the next forward). So checkpoints hold plain tables,
 and a checkpoint loads with any set of hot rows.
 
-Splitting a batch takes its hot ids out: on CUDA that compaction reads the batch's size back,
-and the features' offsets are read as host ints (both as TorchRec's own input distribution
-does for its splits); the rest is fixed-shape: every id of a hot table's features is pooled,
-the ids not hot with weight 0.
+Splitting a batch compacts its hot ids and its cold ids: on CUDA that reads their counts back
+(one read for the batch), and the features' offsets are read as host ints (both as TorchRec's
+own input distribution does for its splits); everything else is fixed-shape.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from distcache.cache.config import CacheConfig
@@ -52,9 +53,9 @@ class _HotTable:
     dim: int
     ids: torch.Tensor  # [H] int64 global rows, sorted
     start: int  # where its [H, dim] rows begin in the collection's flat replica
+    row: int  # its first row among the replica's rows (every table's, in the flat's order)
     state: torch.Tensor  # [H, state_dim] float32 optimizer state
     optimizer: RowOptimizer
-    touched: torch.Tensor | None = None  # [H] bool rows this rank used in the step
 
     def rows_of(self, flat: torch.Tensor) -> torch.Tensor:
         """Its [H, dim] rows in `flat` (the replica, or its gradient): a view."""
@@ -62,15 +63,27 @@ class _HotTable:
 
 
 @dataclass
-class _HotIds:
-    """The ids of one table's features in a batch, every one (fixed shapes: no compaction per
-    feature); the ids not hot weigh 0."""
+class _Width:
+    """The hot tables of one embedding dim: their rows side by side in the flat replica, one
+    `[rows, dim]` view that one embedding bag pools from."""
 
-    features: list[str]  # the batch's features that read the table, in order
-    slots: torch.Tensor  # [m] the id's row in the replica (any row for an id not hot)
-    bags: torch.Tensor  # [m] j * B + b for the j-th of `features`, sample b
-    weights: torch.Tensor  # [m] the id's weight (1.0 unweighted), 0.0 for an id not hot
-    touched: torch.Tensor  # [m] the id's row in the replica, H (none) for an id not hot
+    dim: int
+    start: int  # where its rows begin in the flat replica
+    row: int  # its first row among the replica's rows
+    rows: int
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start : self.start + self.rows * self.dim].view(-1, self.dim)
+
+
+@dataclass
+class _HotIds:
+    """The hot ids of one width's tables in a batch, compacted, in bag order."""
+
+    rows: torch.Tensor  # [h] the id's row in the width's view
+    weights: torch.Tensor | None  # [h] the id's weight (weighted features), fp32
+    offsets: torch.Tensor  # [F * B + 1] where each bag's hot ids begin, and the end
+    bags: torch.Tensor  # [h] the id's bag, k * B + b for feature k, sample b
 
 
 @dataclass
@@ -78,7 +91,7 @@ class HotInput:
     """One batch's hot part, kept in the context from `split` to `pooled` and `combine`."""
 
     keys: list[str]
-    tables: dict[str, _HotIds]
+    widths: list[_HotIds]  # per `HotRows.widths`
     hot_per_bag: torch.Tensor  # [F * B] hot ids per bag
     lengths: torch.Tensor  # [F * B] all ids per bag
     stride: int
@@ -102,8 +115,10 @@ class HotRows:
         device: torch.device,
     ):
         self.tables: dict[str, _HotTable] = {}
-        start = 0
-        for name, (rows, dim, config) in tables.items():
+        self.widths: list[_Width] = []
+        start = row = 0
+        # Tables of one dim side by side (a width), widths one after another.
+        for name, (rows, dim, config) in sorted(tables.items(), key=lambda item: item[1][1]):
             bad = [r for r in config.hot_rows if r >= rows]
             if bad:
                 raise DistcacheConfigError(
@@ -112,8 +127,13 @@ class HotRows:
             ids = torch.tensor(sorted(config.hot_rows), dtype=torch.int64, device=device)
             optimizer = make_optimizer(config)
             state = torch.zeros(len(ids), optimizer.state_dim(dim), device=device)
-            self.tables[name] = _HotTable(name, dim, ids, start, state, optimizer)
+            self.tables[name] = _HotTable(name, dim, ids, start, row, state, optimizer)
+            if not self.widths or self.widths[-1].dim != dim:
+                self.widths.append(_Width(dim, start, row, 0))
+            self.widths[-1].rows += len(ids)
             start += len(ids) * dim
+            row += len(ids)
+        self.num_rows = row
         # Every table's replica in one fp32 leaf (not a Parameter): one gradient, reduced in one
         # all-reduce per step for the whole collection.
         self.flat = torch.zeros(start, device=device, requires_grad=True)
@@ -123,93 +143,90 @@ class HotRows:
         self.device = device
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.stale = True  # the replicas must be read from the tables' shards
+        self._touched: torch.Tensor | None = None  # [rows] bool: rows this rank used in the step
         # The last backward's all-reduce, still in flight: (work, gradient + counts, size).
         self._pending: tuple[dist.Work | None, torch.Tensor, int] | None = None
         self.reader: Callable[[HotRows], None] | None = None
 
     # ------------------------------------------------------------ the batch
     def split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HotInput]:
-        """The features without their hot ids, and the hot part of the batch.
+        """The features without their hot ids, and the hot ids, compacted per width.
 
         Each feature of a hot table looks its ids up among the table's sorted hot rows (one
-        binary search per id, on the feature's own slice of the values). Only the cold ids'
-        compaction has a data-dependent size."""
+        binary search per id, on the feature's own slice of the values); per-bag counts come
+        from a running sum read at the bags' offsets. Only the compactions have a
+        data-dependent size: one host read per width, and one for the cold ids."""
         keys = features.keys()
         values, lengths = features.values(), features.lengths()
         weights = features.weights_or_none()
-        stride, n = features.stride(), values.numel()
-        device = values.device
+        n, device = values.numel(), values.device
         ends = features.offset_per_key()  # host ints, as TorchRec's own routing reads them
-        masks: list[torch.Tensor] = []
-        found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]
-        found = {}
-        # The bag of every id: k * B + b for feature k, sample b.
-        bag_of_id = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=device), lengths, output_size=n
-        )
+        row = torch.full((n,), -1, dtype=torch.int64, device=device)  # replica row, -1: cold
         for k, key in enumerate(keys):
-            lo, hi = ends[k], ends[k + 1]
             name = self.feature_tables.get(key)
             if name is None:
-                masks.append(torch.zeros(hi - lo, dtype=torch.bool, device=device))
                 continue
-            table, ids = self.tables[name], values[lo:hi]
-            pos = torch.searchsorted(table.ids, ids).clamp(max=table.ids.numel() - 1)
-            is_hot = table.ids.index_select(0, pos) == ids
-            masks.append(is_hot)
-            j = len(found.get(name, ()))  # the feature's place among its table's: bags j * B + b
-            bag = bag_of_id[lo:hi] + (j - k) * stride
-            weight = (
-                torch.ones(hi - lo, device=device) if weights is None else weights[lo:hi].float()
-            )
-            found.setdefault(name, []).append(
-                (key, pos, bag, torch.where(is_hot, weight, 0.0), is_hot)
-            )
-        hot = torch.cat(masks) if masks else torch.zeros(n, dtype=torch.bool, device=device)
-        hot_per_bag = torch.zeros_like(lengths).index_add_(0, bag_of_id, hot.to(lengths.dtype))
-        cold = ~hot
+            table, ids = self.tables[name], values[ends[k] : ends[k + 1]]
+            pos = torch.searchsorted(table.ids, ids).clamp_(max=table.ids.numel() - 1)
+            found = table.ids.index_select(0, pos) == ids
+            row[ends[k] : ends[k + 1]] = torch.where(found, pos + table.row, -1)
+        hot = row >= 0
+        bag_ends = features.offsets()  # [F * B + 1]
+        hot_ends = _running_sum(hot).index_select(0, bag_ends)  # [F * B + 1]
+        hot_per_bag = hot_ends.diff()
+        every_bag = torch.arange(hot_per_bag.numel(), device=device)
+        masks = [
+            hot if len(self.widths) == 1 else (row >= w.row) & (row < w.row + w.rows)
+            for w in self.widths
+        ]
+        # The compactions' sizes: one read of the device (see the module docstring).
+        counts = torch.stack([m.sum() for m in masks]).tolist() if masks else []
+        widths = []
+        for width, mine, count in zip(self.widths, masks, counts, strict=True):
+            rows, kept = _compact(mine, count, row - width.row if width.row else row, weights)
+            ends = hot_ends if mine is hot else _running_sum(mine).index_select(0, bag_ends)
+            bags = torch.repeat_interleave(every_bag, ends.diff(), output_size=count)
+            kept = None if kept is None else kept.float()
+            widths.append(_HotIds(rows=rows, weights=kept, offsets=ends, bags=bags))
+        values_cold, weights_cold = _compact(~hot, n - sum(counts), values, weights)
         rest = KeyedJaggedTensor(
             keys=keys,
-            values=values[cold],  # data-dependent size (see the module docstring)
-            lengths=lengths - hot_per_bag,
-            weights=None if weights is None else weights[cold],
-            stride=stride,
+            values=values_cold,
+            lengths=lengths - hot_per_bag.to(lengths.dtype),
+            weights=weights_cold,
+            stride=features.stride(),
         )
-        tables = {}
-        for name, parts in found.items():
-            slots = torch.cat([part[1] for part in parts])
-            none = self.tables[name].ids.numel()
-            tables[name] = _HotIds(
-                features=[part[0] for part in parts],
-                slots=slots,
-                bags=torch.cat([part[2] for part in parts]),
-                weights=torch.cat([part[3] for part in parts]),
-                touched=torch.where(torch.cat([part[4] for part in parts]), slots, none),
-            )
         part = HotInput(
-            keys=list(keys), tables=tables, hot_per_bag=hot_per_bag, lengths=lengths, stride=stride
+            keys=list(keys),
+            widths=widths,
+            hot_per_bag=hot_per_bag,
+            lengths=lengths,
+            stride=features.stride(),
         )
         return rest, part
 
     def pooled(self, part: HotInput) -> dict[str, torch.Tensor]:
-        """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted): rows
-        gathered, scaled (by 0 for an id not hot) and added into their bags; their gradient
-        flows back the same way, without the sort of an embedding bag's backward."""
+        """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted): one
+        embedding bag per width over the replica's rows, every feature's bags at once."""
         self.finish_step()
         if self.stale and self.reader is not None:
             self.reader(self)
         out: dict[str, torch.Tensor] = {}
-        for name, hot in part.tables.items():
-            table = self.tables[name]
-            rows = table.rows_of(self.flat).index_select(0, hot.slots) * hot.weights.unsqueeze(1)
-            bags = len(hot.features) * part.stride
-            zeros = torch.zeros(bags, table.dim, dtype=rows.dtype, device=rows.device)
-            sums = zeros.index_add(0, hot.bags, rows)
+        touched = []
+        stride = part.stride
+        for width, ids in zip(self.widths, part.widths, strict=True):
+            sums = _PooledRows.apply(
+                width.view(self.flat), ids.rows, ids.offsets, ids.weights, ids.bags
+            )  # [F * B, dim]
             if torch.is_grad_enabled():
-                used = torch.zeros(table.ids.numel() + 1, dtype=torch.bool, device=self.device)
-                table.touched = used.index_fill_(0, hot.touched, True)[:-1]
-            for j, feature in enumerate(hot.features):
-                out[feature] = sums[j * part.stride : (j + 1) * part.stride]
+                used = torch.zeros(width.rows, dtype=torch.bool, device=self.device)
+                touched.append(used.index_fill_(0, ids.rows, True))
+            for k, key in enumerate(part.keys):
+                name = self.feature_tables.get(key)
+                if name is not None and self.tables[name].dim == width.dim:
+                    out[key] = sums[k * stride : (k + 1) * stride]
+        if touched:
+            self._touched = torch.cat(touched)
         return out
 
     def combine(
@@ -248,13 +265,11 @@ class HotRows:
         over the ranks (one all-reduce, not waited for: the rest of the backward and the
         dense all-reduce overlap it); `finish_step` applies it before the replica is next read."""
         grad, flat.grad = flat.grad, None
-        touched = [
-            t.touched if t.touched is not None else torch.zeros_like(t.ids, dtype=torch.bool)
-            for t in self.tables.values()
-        ]
-        for table in self.tables.values():
-            table.touched = None
-        both = torch.cat([grad, torch.cat(touched).to(grad.dtype)])
+        touched = self._touched
+        if touched is None:
+            touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.device)
+        self._touched = None
+        both = torch.cat([grad, touched.to(grad.dtype)])
         work = None
         if self._group is not None:
             work = dist.all_reduce(both, group=self._group, async_op=True)
@@ -271,12 +286,11 @@ class HotRows:
             work.wait()
         world = dist.get_world_size(self._group) if self._group is not None else 1
         grad, counts = both[:size].div_(world), both[size:]
-        flat, first = self.flat.detach(), 0
+        flat = self.flat.detach()
         with torch.no_grad():
             for table in self.tables.values():
                 count = table.ids.numel()
-                used = (counts[first : first + count] > 0).unsqueeze(1)
-                first += count
+                used = (counts[table.row : table.row + count] > 0).unsqueeze(1)
                 weight = table.rows_of(flat)
                 rows, state = weight.clone(), table.state.clone()
                 table.optimizer.update(rows, state, table.rows_of(grad))
@@ -369,3 +383,55 @@ def _state_rows(state: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
     """Rows `local` of a shard's optimizer state blocks, side by side: `[n, sum s_i]` fp32."""
     blocks = [block.index_select(0, local).float() for block in state]
     return torch.cat(blocks, 1) if blocks else torch.zeros(local.numel(), 0, device=local.device)
+
+
+class _PooledRows(torch.autograd.Function):
+    """Sum pooling of replica rows `[rows, dim]` into bags: forward by an embedding bag; backward
+    by gathering each id's bag gradient (scaled by its weight) and adding it into its row, which
+    on CPU is cheaper than the embedding bag's own backward (it sorts the ids first)."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        weight: torch.Tensor,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        bags: torch.Tensor,
+    ):
+        ctx.save_for_backward(rows, weights, bags)
+        ctx.num_rows = weight.shape[0]
+        return F.embedding_bag(
+            rows, weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
+        )
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        rows, weights, bags = ctx.saved_tensors
+        per_id = grad.index_select(0, bags)
+        if weights is not None:
+            per_id = per_id * weights.unsqueeze(1)
+        shape = (ctx.num_rows, grad.shape[1])
+        grad_rows = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+        return grad_rows.index_add_(0, rows, per_id), None, None, None, None
+
+
+def _running_sum(mask: torch.Tensor) -> torch.Tensor:
+    """`[n + 1]`: how many of `mask`'s first i entries are set, for i = 0..n."""
+    out = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
+    torch.cumsum(mask, 0, out=out[1:])
+    return out
+
+
+def _compact(
+    keep: torch.Tensor, count: int, *tensors: torch.Tensor | None
+) -> list[torch.Tensor | None]:
+    """The entries of each tensor where `keep` is set (`count` of them), in order: each entry
+    is scattered to its place among the kept ones, the others to one extra slot, cut off."""
+    place = torch.where(keep, torch.cumsum(keep, 0) - 1, count)
+    return [
+        None
+        if t is None
+        else torch.empty(count + 1, dtype=t.dtype, device=t.device).index_copy_(0, place, t)[:count]
+        for t in tensors
+    ]
