@@ -10,7 +10,9 @@ and re-used on its own (one rank's compute in `distcache.job.microbench`, the ne
   every row resident, power-law ids), timed at two batch sizes and two widths and fitted as
   `seconds = fixed + row accesses / rows_per_s + bytes / bytes_per_s`, row accesses and bytes
   counted as the cost model counts them (2 per id, 2 per distinct row); the fixed part is the
-  kernel's share of `sharding_overhead_s`, measured below with the rest of the framework.
+  kernel's share of `sharding_overhead_s`, measured below with the rest of the framework. The
+  same fit for TorchRec's fused kernel (FBGEMM's), which serves device-stored tables
+  (`device_lookup_rows_per_s`; skipped where fbgemm_gpu is not installed).
 - `measure_dense_flops`: achieved FLOP/s of a wide MLP forward + backward (compute-bound).
 - `measure_dense_layer_overhead`: seconds per layer of an MLP too small to compute anything
   (forward, backward, SGD update): the dispatch cost of a layer.
@@ -122,6 +124,9 @@ class Measurements:
     host_to_device_latency_s: float
     lookup_rows_per_s: float
     lookup_bytes_per_s: float | None
+    device_lookup_rows_per_s: float | None = None
+    """TorchRec's fused kernel (FBGEMM's); None where fbgemm_gpu is not installed."""
+    device_lookup_bytes_per_s: float | None = None
     cache_scan_rows_per_s: float | None = None
     dense_flops_per_s: float
     dense_layer_overhead_s: float
@@ -167,6 +172,17 @@ def _compute(device: str, s: CalibrationSizes) -> dict[str, float | None]:
         alpha=s.lookup_alpha, repeats=repeats, device=device,
     )  # fmt: skip
     out |= {"lookup_rows_per_s": lookup.rows_per_s, "lookup_bytes_per_s": lookup.bytes_per_s}
+    try:
+        fused = measure_lookup_costs(
+            rows=s.lookup_rows, dims=s.lookup_dims, bags=s.lookup_bags, pooling=s.lookup_pooling,
+            alpha=s.lookup_alpha, repeats=repeats, device=device, kernel="fused",
+        )  # fmt: skip
+        out |= {
+            "device_lookup_rows_per_s": fused.rows_per_s,
+            "device_lookup_bytes_per_s": fused.bytes_per_s,
+        }
+    except ImportError:  # no fbgemm_gpu here (e.g. a GPU machine without TorchRec's wheels)
+        pass
     flops = measure_dense_flops(
         batch=s.mlp_batch, widths=s.mlp_widths, repeats=repeats, device=device
     )
@@ -340,6 +356,8 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
         dense_flops_per_s=m.dense_flops_per_s,
         lookup_rows_per_s=m.lookup_rows_per_s,
         lookup_bytes_per_s=m.lookup_bytes_per_s,
+        device_lookup_rows_per_s=m.device_lookup_rows_per_s,
+        device_lookup_bytes_per_s=m.device_lookup_bytes_per_s,
         cache_scan_rows_per_s=m.cache_scan_rows_per_s,
         dense_update_bytes_per_s=m.dense_update_bytes_per_s,
         dense_activation_bytes_per_s=m.dense_activation_bytes_per_s,
@@ -372,7 +390,9 @@ def _summary(m: Measurements) -> str:
             f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')}, "
             f"latency {m.host_to_device_latency_s * 1e6:.1f} us",
             f"  embedding lookup   {si(m.lookup_rows_per_s, 'rows/s')} + "
-            f"{si(m.lookup_bytes_per_s, 'B/s')}",
+            f"{si(m.lookup_bytes_per_s, 'B/s')} (distcache's kernel), "
+            f"{si(m.device_lookup_rows_per_s, 'rows/s')} + "
+            f"{si(m.device_lookup_bytes_per_s, 'B/s')} (TorchRec's fused)",
             f"  dense compute      {si(m.dense_flops_per_s, 'FLOP/s')}, "
             f"{ms(1e3 * m.dense_layer_overhead_s)} per layer, activations "
             f"{si(m.dense_activation_bytes_per_s, 'B/s')}",

@@ -111,7 +111,7 @@ QUICK = CalibrationSizes(
 
 @dataclass(frozen=True, kw_only=True)
 class LookupCosts:
-    """A cache-kernel step: `fixed_s + accesses / rows_per_s + bytes / bytes_per_s`."""
+    """A lookup kernel's step: `fixed_s + accesses / rows_per_s + bytes / bytes_per_s`."""
 
     rows_per_s: float
     bytes_per_s: float | None
@@ -223,6 +223,43 @@ def _lookup_step(
         kernel.enqueue(batches[i + 1], offsets)
         kernel.prefetch()
         kernel(batches[i], offsets).sum().backward()
+
+    seconds = median_seconds(train, dev, repeats)
+    unique = statistics.mean(int(b.unique().numel()) for b in batches)
+    return seconds, unique
+
+
+def _fused_lookup_step(
+    *, rows: int, dim: int, bags: int, pooling: int, alpha: float, repeats: int, device: str
+) -> tuple[float, float]:
+    """As `_lookup_step`, for TorchRec's fused kernel (FBGEMM's table-batched embedding, SGD
+    in backward), which serves device-stored tables."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    from distcache.data.traces import zipf_trace
+
+    dev = torch.device(device)
+    where = (
+        (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+        if dev.type == "cuda"
+        else (EmbeddingLocation.HOST, ComputeDevice.CPU)
+    )
+    kernel = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, *where)], optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev
+    )
+    n = bags * pooling
+    trace = zipf_trace(rows=rows, alpha=alpha, batch=n, batches=repeats + 3, seed=dim)
+    batches = [ids.to(dev) for ids in trace]  # [n] each
+    offsets = torch.arange(0, n + 1, pooling, device=dev)  # [bags + 1]
+    step = iter(range(len(batches)))
+
+    def train() -> None:
+        kernel(batches[next(step)], offsets).sum().backward()
 
     seconds = median_seconds(train, dev, repeats)
     unique = statistics.mean(int(b.unique().numel()) for b in batches)
@@ -341,10 +378,12 @@ def measure_lookup_costs(
     alpha: float = FULL.lookup_alpha,
     repeats: int = 5,
     device: str = "cpu",
+    kernel: str = "distcache",
 ) -> LookupCosts:
     """A training step of distcache's cache kernel on one table with every row resident (the
     next batch enters the look-ahead window, the batch is looked up and its rows updated by
-    SGD in backward), timed at every (dim, bags) and fitted by least relative squares as
+    SGD in backward), or of TorchRec's fused kernel (`kernel="fused"`: FBGEMM's, which serves
+    device-stored tables), timed at every (dim, bags) and fitted by least relative squares as
     `fixed + accesses / rows_per_s + bytes / bytes_per_s`, counted as the cost model counts
     them: 2 accesses per id (gather, gradient) and 2 per distinct row (read and write in the
     update); bytes = accesses·dim·4.
@@ -360,11 +399,15 @@ def measure_lookup_costs(
         alpha: Power-law exponent of the ids.
         repeats: Timed steps of each size; the median is kept.
         device: 'cpu' or 'cuda'.
+        kernel: "distcache" or "fused".
     """
+    if kernel not in ("distcache", "fused"):
+        raise DistcacheConfigError(f"kernel must be 'distcache' or 'fused', got {kernel!r}")
+    step = _fused_lookup_step if kernel == "fused" else _lookup_step
     points = []  # (seconds, accesses, bytes)
     for dim in dims:
         for b in bags:
-            seconds, unique = _lookup_step(
+            seconds, unique = step(
                 rows=rows, dim=dim, bags=b, pooling=pooling, alpha=alpha, repeats=repeats,
                 device=device,
             )  # fmt: skip

@@ -90,7 +90,13 @@ class ShardTerms:
 
 
 def lookup_time_s(
-    *, ids: float, unique_rows: float, dim_bytes: int, row_bytes: int, topology: Topology
+    *,
+    ids: float,
+    unique_rows: float,
+    dim_bytes: int,
+    row_bytes: int,
+    topology: Topology,
+    device_stored: bool = False,
 ) -> float:
     """Forward + backward of an embedding-bag shard (see the module docstring).
 
@@ -100,12 +106,20 @@ def lookup_time_s(
         dim_bytes: bytes of the embedding part of a row (what the forward reads).
         row_bytes: bytes of a stored row with its optimizer state (what the update touches).
         topology: gives the device memory bandwidth or measured `lookup_rows_per_s`.
+        device_stored: served by TorchRec's fused kernel (a device-stored or data-parallel
+            table), at `device_lookup_rows_per_s` where that is measured.
     """
-    if topology.lookup_rows_per_s:
-        seconds = (2 * ids + 2 * unique_rows) / topology.lookup_rows_per_s
-        if topology.lookup_bytes_per_s:
+    rows_per_s, bytes_per_s = topology.lookup_rows_per_s, topology.lookup_bytes_per_s
+    if device_stored and topology.device_lookup_rows_per_s:
+        rows_per_s, bytes_per_s = (
+            topology.device_lookup_rows_per_s,
+            topology.device_lookup_bytes_per_s,
+        )
+    if rows_per_s:
+        seconds = (2 * ids + 2 * unique_rows) / rows_per_s
+        if bytes_per_s:
             traffic = 2 * ids * dim_bytes + 2 * unique_rows * row_bytes
-            seconds += traffic / topology.lookup_bytes_per_s
+            seconds += traffic / bytes_per_s
         return seconds
     read, update = _sectors(dim_bytes), _sectors(row_bytes)
     return (2 * ids * read + 2 * unique_rows * update) / topology.device_memory_bw_bytes_per_s
@@ -229,7 +243,7 @@ def shard_terms(
         row_bytes=row_bytes,
         ids_per_step=ids,
         unique_rows_per_step=unique,
-        lookup_s=_lookup_s(ids, unique, rows, dim * element, row_bytes, sharded, topology),
+        lookup_s=_lookup_s(ids, unique, rows, dim * element, row_bytes, sharded, cached, topology),
         cache_rows=cache_rows,
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
@@ -287,16 +301,19 @@ def _lookup_s(
     dim_bytes: int,
     row_bytes: int,
     sharded: bool,
+    cached: bool,
     topology: Topology,
 ) -> float:
     """A shard's lookups with what comes with them: a sharded table routes the ids it serves;
-    a data-parallel one updates every row densely instead of the rows it touched."""
+    a data-parallel one updates every row densely instead of the rows it touched. A cached
+    table is served by distcache's kernel, the others by TorchRec's (`to_sharding_plan`)."""
     lookup_s = lookup_time_s(
         ids=ids,
         unique_rows=unique if sharded else 0.0,
         dim_bytes=dim_bytes,
         row_bytes=row_bytes,
         topology=topology,
+        device_stored=not cached,
     )
     if sharded:
         return lookup_s + topology.id_overhead_s * ids

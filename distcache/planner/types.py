@@ -162,6 +162,11 @@ class Topology:
     lookup_bytes_per_s: float | None = None
     """With `lookup_rows_per_s`: the per-byte part of a lookup's cost (rows of different widths
     cost differently), measured at two widths; None: rows/s alone."""
+    device_lookup_rows_per_s: float | None = None
+    """Measured rows/s of the kernel serving device-stored tables (TorchRec's fused kernel,
+    FBGEMM's; data-parallel tables too); None: `lookup_rows_per_s` (distcache's kernel)."""
+    device_lookup_bytes_per_s: float | None = None
+    """With `device_lookup_rows_per_s`: its per-byte part; None: rows/s alone."""
     cache_scan_rows_per_s: float | None = None
     """Cache slots per second the look-ahead scheduler scores to pick victims (every slot of a
     full cache, once per batch with misses); None: not priced (the GPU presets)."""
@@ -212,6 +217,8 @@ class Topology:
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
             "lookup_bytes_per_s",
+            "device_lookup_rows_per_s",
+            "device_lookup_bytes_per_s",
             "cache_scan_rows_per_s",
             "dense_update_bytes_per_s",
             "dense_activation_bytes_per_s",

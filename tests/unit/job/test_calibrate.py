@@ -35,6 +35,7 @@ def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
             assert value > 0 or name.endswith("overhead_s") and value == 0, name
     # The CPU-only figures are measured (their GPU defaults are None / 0).
     assert topology.lookup_rows_per_s and topology.dense_update_bytes_per_s
+    assert topology.device_lookup_rows_per_s  # TorchRec's fused kernel, measured too
     assert topology.dense_layer_overhead_s > 0 and topology.step_overhead_s > 0
     printed = capsys.readouterr().err
     assert "embedding lookup" in printed and "per sharding type" in printed
@@ -63,9 +64,14 @@ def test_copy_bandwidth_in_sane_range():
 
 
 def test_compute_rates_positive():
-    lookup = measure_lookup_costs(rows=5_000, dims=(8, 32), bags=(32, 128), pooling=4, repeats=2)
-    assert 1e4 < lookup.rows_per_s < 1e11 and lookup.fixed_s >= 0
-    assert lookup.bytes_per_s is None or lookup.bytes_per_s > 0
+    for kernel in ("distcache", "fused"):  # ours, and TorchRec's (FBGEMM's) for device tables
+        lookup = measure_lookup_costs(
+            rows=5_000, dims=(8, 32), bags=(32, 128), pooling=4, repeats=2, kernel=kernel
+        )
+        assert 1e4 < lookup.rows_per_s < 1e11 and lookup.fixed_s >= 0, kernel
+        assert lookup.bytes_per_s is None or lookup.bytes_per_s > 0, kernel
+    with pytest.raises(DistcacheConfigError, match="kernel must be"):
+        measure_lookup_costs(rows=10, dims=(8, 16), bags=(2, 4), kernel="uvm")
     staging = measure_staging_costs(rows=5_000, dim=8, bags=64, capacities=(0.4, 0.8), repeats=2)
     assert staging.bytes_per_s is None or staging.bytes_per_s > 0
     assert staging.scan_rows_per_s is None or staging.scan_rows_per_s > 0

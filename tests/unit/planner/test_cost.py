@@ -258,6 +258,22 @@ def test_measured_lookup_bytes_add_to_the_row_rate():
     assert terms.lookup_s == pytest.approx(accesses / 1e8 + accesses * 64 / 1e10)
 
 
+def test_device_tables_priced_at_the_fused_kernels_rate_cached_ones_at_ours():
+    """`to_sharding_plan` serves device-stored tables by TorchRec's fused kernel and cached ones
+    by distcache's: each is priced at its kernel's measured rate."""
+    table = WORKLOAD.tables[0]
+    measured = dataclasses.replace(TOPOLOGY, lookup_rows_per_s=1e7, device_lookup_rows_per_s=1e8)
+    device = _terms(table, measured)
+    assert device.lookup_s == pytest.approx((2 * 400 + 2 * device.unique_rows_per_step) / 1e8)
+    cached = _terms(table, measured, storage=HOST_CACHED, cache_fraction=0.5, lookahead=4)
+    assert cached.lookup_s == pytest.approx((2 * 400 + 2 * cached.unique_rows_per_step) / 1e7)
+    # Without a measured fused rate, every table takes distcache's.
+    ours_only = dataclasses.replace(measured, device_lookup_rows_per_s=None)
+    assert _terms(table, ours_only).lookup_s == pytest.approx(
+        (2 * 400 + 2 * device.unique_rows_per_step) / 1e7
+    )
+
+
 def test_fixed_costs_per_step_sharding_type_and_layer():
     costly = dataclasses.replace(
         TOPOLOGY,
