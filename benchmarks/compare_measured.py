@@ -10,7 +10,15 @@ buy, modelled and measured.
 
     python benchmarks/compare_measured.py \
         --workload "synthetic:tables=8,rows=1e6,dim=16,mlp=32,alpha=1.2,pooling=4" \
-        --runs 3 --json benchmarks/results/compare_hot_rows_cpu_2ranks.json
+        --runs 3 --json benchmarks/results/compare_fused_cpu_2ranks.json
+
+`--plan FILE` (repeatable) measures saved plans beside them; with two, the runs also give the
+first's speed over the second's (`first_over_second`: the second's step time / the first's):
+
+    python benchmarks/compare_measured.py \
+        --workload "synthetic:tables=8,rows=1e6,dim=16,mlp=32,alpha=1.2,pooling=4" \
+        --plan benchmarks/plans/hot_rows_75.json --plan benchmarks/plans/no_hot_rows.json \
+        --runs 3 --json benchmarks/results/hot_rows_fused_cpu_2ranks.json
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per plan and run")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plan", action="append", default=[], help="a saved plan (repeatable)")
     args = parser.parse_args()
+    plans = [a for path in args.plan for a in ("--plan", str(Path(path).resolve()))]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         topology = str(Path(tmp) / "topology.json")
@@ -52,7 +62,7 @@ def main() -> None:
             out = _distcache(
                 "compare", "--preset", args.workload, "--topology", topology,
                 "--world-size", str(args.world_size), "--measure",
-                "--measure-steps", str(args.steps), "--json",
+                "--measure-steps", str(args.steps), "--json", *plans,
             )  # fmt: skip
             runs.append(json.loads(out))
     ratios = {}
@@ -65,6 +75,19 @@ def main() -> None:
                 "max": max(values),
                 "runs": values,
             }
+    if len(args.plan) == 2:
+        names = [json.loads(Path(p).read_text())["name"] for p in args.plan]
+        values = []
+        for r in runs:
+            step = {x["name"]: x.get("measured_step_ms") for x in r["rows"]}
+            values.append(step[names[1]] / step[names[0]])
+        ratios["first_over_second"] = {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "runs": values,
+            "plans": names,
+        }
     table = []
     for name in [row["name"] for row in runs[0]["rows"]]:
         rows = [next(x for x in r["rows"] if x["name"] == name) for r in runs]
