@@ -2,8 +2,9 @@
 
 Calibrates this machine once (`python -m distcache calibrate`), then runs `python -m distcache
 compare --measure` `--runs` times on local gloo ranks: distcache's plan, the same placements
-without hot rows (when the plan has some), TorchRec's plan on TorchRec's own kernels (and on
-distcache's engine), all table-wise and all row-wise, interleaved step by step within a run.
+without hot rows (when the plan has some), TorchRec's plan on TorchRec's own kernels (and
+through distcache's sharder and pipeline), all table-wise and all row-wise, interleaved step by
+step within a run.
 Writes every run's rows and the median and range of each ratio (`compare.speedups`): distcache
 over TorchRec by distcache's model, by TorchRec's estimator and measured, and what the hot rows
 buy, modelled and measured.

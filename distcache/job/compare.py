@@ -18,8 +18,10 @@ the machine this runs on. Rows:
 With `measure_rows` (`python -m distcache compare --measure`), every row's plan is also run
 for real on this machine when the topology fits it (a CPU topology of at most
 `measure.MAX_LOCAL_RANKS` ranks; `measure.measure_plans`): TorchRec's plan runs on TorchRec's
-own kernels and sharders, as TorchRec runs it (on a CPU topology TorchRec keeps every table on
-the device), the other plans on distcache's engine. Larger topologies keep modelled figures
+own kernels, sharders and pipeline, as TorchRec runs it (on a CPU topology TorchRec keeps every
+table on the device), the other plans through distcache's path (its sharder and
+`LookaheadTrainPipeline`; device-stored tables on TorchRec's fused kernel, cached ones on
+distcache's). Larger topologies keep modelled figures
 only, and say why.
 
 The per-term times are those of the rank that sets the step (the slowest), so they add up to
@@ -67,9 +69,10 @@ MODELLED_NOTE = (
 )
 MEASURED_NOTE = (
     "Except 'measured ms' and 'measured samples/s': the median step of the plan run on this "
-    "machine (local gloo ranks; TorchRec's plan on TorchRec's own kernels, the others on "
-    "distcache's engine), and 'a2a KB/rank': bytes a rank sent in one step's all-to-alls "
-    "(ids; embeddings forward and backward), counted on that run, beside the model's figure."
+    "machine (local gloo ranks; TorchRec's plan on TorchRec's own kernels and pipeline, the "
+    "others through distcache's sharder and pipeline), and 'a2a KB/rank': bytes a rank sent "
+    "in one step's all-to-alls (ids; embeddings forward and backward), counted on that run, "
+    "beside the model's figure."
 )
 NO_HOT_ROWS = "distcache without hot rows"
 # (label, StepCost field) of the per-term columns, in step order.
@@ -103,8 +106,8 @@ class ComparisonRow:
     """Bytes a rank sent in the all-to-alls of one measured step (ids; embeddings forward and
     backward), averaged over ranks; None: not run."""
     measured_on_distcache_s: float | None = None
-    """TorchRec's row: its plan's measured step on distcache's engine (the row's own
-    measurement ran it on TorchRec's kernels)."""
+    """TorchRec's row: its plan's measured step through distcache's path (the row's own
+    measurement ran it on TorchRec's kernels and pipeline)."""
     modelled_a2a_bytes: float | None = None
     """The same as the cost model prices it (`cost.all_to_all_sent_bytes`), set beside the
     measured figure."""
@@ -334,9 +337,9 @@ def measure_rows(
         for name, plan in runnable.items()
         if name == "torchrec" and all(t.storage == DEVICE for t in plan.tables)
     ]
-    # TorchRec's plan on distcache's engine too: its gap to TorchRec's kernels is the engine's,
-    # its gap to distcache's plan (on the same engine) the plan's.
-    engine_twin = f"{theirs[0]} on distcache's engine" if theirs else None
+    # TorchRec's plan through distcache's path too: its gap to TorchRec's own run is the path's,
+    # its gap to distcache's plan (through the same path) the plan's.
+    engine_twin = f"{theirs[0]} through distcache's path" if theirs else None
     if engine_twin:
         runnable[engine_twin] = runnable[theirs[0]]
     results = measure_plans(
@@ -362,7 +365,7 @@ def measure_rows(
                 row = replace(row, measured_on_distcache_s=twin)
                 row = _with_note(
                     row,
-                    f"measured on TorchRec's own kernels; the same plan on distcache's engine: "
+                    f"measured on TorchRec's own kernels; the same plan through distcache's path: "
                     f"{1e3 * twin:.3f} ms ({row.cost.global_batch_size / twin:,.0f} samples/s)",
                 )
         elif row.plan is not None:
@@ -431,7 +434,7 @@ def format_table(rows: list[ComparisonRow], *, title: str | None = None) -> str:
             "distcache_model": "by distcache's cost model",
             "torchrec_estimator": "by TorchRec's estimator (caches as its UVM caches)",
             "measured": "measured here (TorchRec's plan on its own kernels)",
-            "measured_same_engine": "measured with both plans on distcache's engine",
+            "measured_same_engine": "measured with both plans through distcache's path",
         }
         parts = [
             f"{_fmt(v)} x {labels[k]}" for k, v in gains.items() if v is not None and k in labels

@@ -113,7 +113,7 @@ def test_compare_measure_runs_every_plan_here(
     for name in ("distcache", "torchrec", "all table-wise"):  # TorchRec's plan runs too
         assert rows[name]["measured_step_ms"] > 0, name
         assert rows[name]["step_ms"] > 0  # the modelled figure stays beside it
-    # TorchRec's plan ran on TorchRec's kernels, and on distcache's engine beside them.
+    # TorchRec's plan ran on TorchRec's kernels, and through distcache's path beside them.
     assert "TorchRec's own kernels" in rows["torchrec"]["note"]
     assert rows["torchrec"]["measured_on_distcache_engine_step_ms"] > 0
     gains = data["distcache_over_torchrec"]
@@ -133,7 +133,7 @@ def test_compare_measure_skips_topologies_larger_than_this_machine(
 
 def test_a_plan_runs_on_torchrecs_own_kernels() -> None:
     """`torchrec_kernels`: the plan on TorchRec's `fused` kernel and sharders (no distcache
-    cache is involved), side by side with the same plan on distcache's engine."""
+    cache is involved), side by side with plans through distcache's path."""
     cpu = preset("cpu", world_size=1)
     device = uniform_plan(WORKLOAD, cpu, TABLE_WISE)
     cached = uniform_plan(
