@@ -61,13 +61,12 @@ from distcache.errors import DistcacheConfigError
 from distcache.sharding import (
     CACHED_KERNEL,
     EMBEDDING_OPTIMIZERS,
+    FUSED_KERNEL,
     CachedEmbeddingBagCollectionSharder,
 )
 
 #: Path of the `EmbeddingBagCollection` inside a `DLRMTrain`.
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
-#: TorchRec's default (device-resident) compute kernel.
-FUSED_KERNEL = "fused"
 #: Sharding types `sharding_plan` builds.
 SHARDINGS = ("table_wise", "row_wise")
 

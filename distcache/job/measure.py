@@ -407,27 +407,27 @@ def _build_torchrec(plan: Plan, workload: Workload, options: MeasureOptions) -> 
 
     from distcache.job.dlrm import (
         EBC_PATH,
-        FUSED_KERNEL,
         apply_embedding_optimizer,
         build_dlrm,
         dense_optimizer,
     )
     from distcache.planner.torchrec.export import to_sharding_plan
-    from distcache.sharding import CACHED_KERNEL
+    from distcache.sharding import CachedParameterSharding
 
     rank, world = dist.get_rank(), dist.get_world_size()
     plan, named = _renamed(plan, workload)
     model = build_dlrm(dlrm_config(workload), table_device=torch.device("meta"), seed=options.seed)
     apply_embedding_optimizer(model, workload.optimizer, lr=options.learning_rate)
     sharding_plan = to_sharding_plan(plan, named, module_path=EBC_PATH, world_size=world)
+    # Every table is device-stored, so on TorchRec's fused kernel already; a replica of hot rows
+    # is distcache's, and TorchRec's own run has none.
     for module_plan in sharding_plan.plan.values():
         for name, sharding in list(module_plan.items()):
-            if sharding.compute_kernel != CACHED_KERNEL:
-                continue
-            fields = {
-                f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)
-            }
-            module_plan[name] = ParameterSharding(**{**fields, "compute_kernel": FUSED_KERNEL})
+            if isinstance(sharding, CachedParameterSharding):
+                fields = {
+                    f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)
+                }
+                module_plan[name] = ParameterSharding(**fields)
     device = torch.device("cpu")
     dmp = DistributedModelParallel(
         model,

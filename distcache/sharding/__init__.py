@@ -8,6 +8,7 @@ from distcache.sharding.kernel import (
 from distcache.sharding.lookup import CachedGroupedLookup, CachedGroupedSequenceLookup
 from distcache.sharding.plan import (
     CACHED_KERNEL,
+    FUSED_KERNEL,
     CachedParameterSharding,
     attach_cache_configs,
     with_cache_config,
@@ -30,6 +31,7 @@ from distcache.sharding.sharder import (
 
 __all__ = [
     "CACHED_KERNEL",
+    "FUSED_KERNEL",
     "EMBEDDING_OPTIMIZERS",
     "CachedEmbeddingBagCollectionSharder",
     "CachedEmbeddingBagKernel",

@@ -21,6 +21,8 @@ from distcache.cache.config import CacheConfig
 CACHE_CONFIG_KEY = "distcache_cache_config"
 #: TorchRec's compute kernel for out-of-tree kernels, which distcache's tables use.
 CACHED_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+#: TorchRec's own kernel for device-resident tables (FBGEMM's table-batched embedding).
+FUSED_KERNEL = EmbeddingComputeKernel.FUSED.value
 
 
 @dataclass

@@ -35,7 +35,7 @@ from distcache.sharding.kernel import (
     cache_config_from_fused_params,
 )
 from distcache.sharding.lookup import CachedGroupedLookup, CachedGroupedSequenceLookup
-from distcache.sharding.plan import CACHED_KERNEL, CachedParameterSharding
+from distcache.sharding.plan import CACHED_KERNEL, FUSED_KERNEL, CachedParameterSharding
 
 _SHARDING_TYPE = {
     "TwPooledEmbeddingSharding": ShardingType.TABLE_WISE,
@@ -291,7 +291,7 @@ class CachedShardedModule:
         for name, sharding in saved.items():
             if sharding.compute_kernel == CACHED_KERNEL:
                 twin = copy.copy(sharding)
-                twin.compute_kernel = "fused"
+                twin.compute_kernel = FUSED_KERNEL
                 patched[name] = twin
         self.module_sharding_plan = patched
         try:

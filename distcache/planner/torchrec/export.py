@@ -88,12 +88,11 @@ from distcache.planner.types import (
     TableStats,
     Workload,
 )
-from distcache.sharding.plan import CACHED_KERNEL, CachedParameterSharding
+from distcache.sharding.plan import CACHED_KERNEL, FUSED_KERNEL, CachedParameterSharding
 from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
 
 _K = EmbeddingComputeKernel
-FUSED_KERNEL = EmbeddingComputeKernel.FUSED.value
-_DEVICE_KERNELS = {_K.DENSE.value, _K.FUSED.value, _K.QUANT.value, _K.FUSED_TRITON.value}
+_DEVICE_KERNELS = {_K.DENSE.value, FUSED_KERNEL, _K.QUANT.value, _K.FUSED_TRITON.value}
 _OFFLOAD_KERNELS = {
     _K.KEY_VALUE.value,
     _K.SSD_VIRTUAL_TABLE.value,
