@@ -163,31 +163,28 @@ class CachedShardedModule:
     def _torchrec_hot_shards(self):  # noqa: ANN202
         """As `_hot_shards`, for the shards of hot tables in TorchRec's own kernels (FBGEMM's:
         views of its weights and of each optimizer state, `[rows, 1]` for a row-wise one)."""
-        for lookup in self._lookups:
-            while isinstance(lookup, DistributedDataParallel):
-                lookup = lookup.module
-            for kernel in lookup.modules():
-                if not isinstance(kernel, BaseBatchedEmbeddingBag) or isinstance(
-                    kernel, CachedEmbeddingBagKernel
-                ):
+        for kernel in self._lookup_modules():
+            if not isinstance(kernel, BaseBatchedEmbeddingBag) or isinstance(
+                kernel, CachedEmbeddingBagKernel
+            ):
+                continue
+            tables = kernel.config.embedding_tables
+            if not any(t.name in self._hot.tables for t in tables):
+                continue
+            weights = kernel.split_embedding_weights()
+            states = kernel.emb_module.split_optimizer_states() or [[] for _ in tables]
+            for table, weight, state in zip(tables, weights, states, strict=True):
+                if table.name not in self._hot.tables:
                     continue
-                tables = kernel.config.embedding_tables
-                if not any(t.name in self._hot.tables for t in tables):
-                    continue
-                weights = kernel.split_embedding_weights()
-                states = kernel.emb_module.split_optimizer_states() or [[] for _ in tables]
-                for table, weight, state in zip(tables, weights, states, strict=True):
-                    if table.name not in self._hot.tables:
-                        continue
-                    offsets = table.local_metadata.shard_offsets
-                    rows = weight.shape[0]
-                    yield (
-                        table.name,
-                        offsets[0],
-                        offsets[1],
-                        weight,
-                        [s.view(rows, -1) for s in state],
-                    )
+                offsets = table.local_metadata.shard_offsets
+                rows = weight.shape[0]
+                yield (
+                    table.name,
+                    offsets[0],
+                    offsets[1],
+                    weight,
+                    [s.view(rows, -1) for s in state],
+                )
 
     def _read_hot_rows(self, hot: HotRows) -> None:
         shards = list(self._torchrec_hot_shards())
@@ -299,18 +296,23 @@ class CachedShardedModule:
         finally:
             self.module_sharding_plan = saved
 
-    def cached_kernels(self) -> list[CachedEmbeddingBagKernel | CachedEmbeddingKernel]:
-        """This rank's distcache kernels (TorchRec keeps lookups in a plain list)."""
-        kernels = []
+    def _lookup_modules(self) -> list[nn.Module]:
+        """Every module of this rank's lookups (TorchRec keeps them in a plain list, some
+        wrapped in DDP)."""
+        modules = []
         for lookup in self._lookups:
             while isinstance(lookup, DistributedDataParallel):
                 lookup = lookup.module
-            kernels += [
-                m
-                for m in lookup.modules()
-                if isinstance(m, (CachedEmbeddingBagKernel, CachedEmbeddingKernel))
-            ]
-        return kernels
+            modules += list(lookup.modules())
+        return modules
+
+    def cached_kernels(self) -> list[CachedEmbeddingBagKernel | CachedEmbeddingKernel]:
+        """This rank's distcache kernels."""
+        return [
+            m
+            for m in self._lookup_modules()
+            if isinstance(m, (CachedEmbeddingBagKernel, CachedEmbeddingKernel))
+        ]
 
     def planned_cache_configs(self) -> list[CacheConfig]:
         """The `CacheConfig` of every table of the collection on distcache's kernel, whichever
