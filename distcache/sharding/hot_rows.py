@@ -172,8 +172,8 @@ class HotRows:
             row[ends[k] : ends[k + 1]] = torch.where(found, pos + table.row, -1)
         hot = row >= 0
         bag_ends = features.offsets()  # [F * B + 1]
-        hot_ends = _running_sum(hot).index_select(0, bag_ends)  # [F * B + 1]
-        hot_per_bag = hot_ends.diff()
+        hot_before = _running_sum(hot)  # [n + 1]
+        hot_per_bag = hot_before.index_select(0, bag_ends).diff()
         every_bag = torch.arange(hot_per_bag.numel(), device=device)
         masks = [
             hot if len(self.widths) == 1 else (row >= w.row) & (row < w.row + w.rows)
@@ -183,12 +183,15 @@ class HotRows:
         counts = torch.stack([m.sum() for m in masks]).tolist() if masks else []
         widths = []
         for width, mine, count in zip(self.widths, masks, counts, strict=True):
-            rows, kept = _compact(mine, count, row - width.row if width.row else row, weights)
-            ends = hot_ends if mine is hot else _running_sum(mine).index_select(0, bag_ends)
+            before = hot_before if mine is hot else _running_sum(mine)
+            local = row - width.row if width.row else row
+            rows, kept = _compact(mine, before, count, local, weights)
+            ends = before.index_select(0, bag_ends)
             bags = torch.repeat_interleave(every_bag, ends.diff(), output_size=count)
             kept = None if kept is None else kept.float()
             widths.append(_HotIds(rows=rows, weights=kept, offsets=ends, bags=bags))
-        values_cold, weights_cold = _compact(~hot, n - sum(counts), values, weights)
+        cold_before = torch.arange(n + 1, device=device) - hot_before  # cold ids before each
+        values_cold, weights_cold = _compact(~hot, cold_before, n - sum(counts), values, weights)
         rest = KeyedJaggedTensor(
             keys=keys,
             values=values_cold,
@@ -424,11 +427,12 @@ def _running_sum(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _compact(
-    keep: torch.Tensor, count: int, *tensors: torch.Tensor | None
+    keep: torch.Tensor, before: torch.Tensor, count: int, *tensors: torch.Tensor | None
 ) -> list[torch.Tensor | None]:
     """The entries of each tensor where `keep` is set (`count` of them), in order: each entry
-    is scattered to its place among the kept ones, the others to one extra slot, cut off."""
-    place = torch.where(keep, torch.cumsum(keep, 0) - 1, count)
+    is scattered to its place among the kept ones (`before` `[n + 1]`: `_running_sum(keep)`),
+    the others to one extra slot, cut off."""
+    place = torch.where(keep, before[:-1], count)
     return [
         None
         if t is None
