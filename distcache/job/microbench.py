@@ -194,6 +194,23 @@ def measure_copy_latency(*, device: str = "cpu", repeats: int = 50) -> float:
     return median_seconds(lambda: dst.copy_(src, non_blocking=True), dev, repeats)
 
 
+def _power_law_batches(
+    rows: int, alpha: float, bags: int, pooling: int, count: int, seed: int, dev: torch.device
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`count` batches of `bags` bags of `pooling` power-law ids each (`[bags * pooling]` on
+    `dev`), and their offsets `[bags + 1]`."""
+    from distcache.data.traces import zipf_trace
+
+    n = bags * pooling
+    trace = zipf_trace(rows=rows, alpha=alpha, batch=n, batches=count, seed=seed)
+    return [ids.to(dev) for ids in trace], torch.arange(0, n + 1, pooling, device=dev)
+
+
+def _mean_distinct(batches: list[torch.Tensor]) -> float:
+    """Mean distinct ids of a batch."""
+    return statistics.mean(int(b.unique().numel()) for b in batches)
+
+
 def _lookup_step(
     *, rows: int, dim: int, bags: int, pooling: int, alpha: float, repeats: int, device: str
 ) -> tuple[float, float]:
@@ -202,7 +219,6 @@ def _lookup_step(
     staged, the batch is looked up (sum-pooled) and its rows updated (SGD) in backward."""
     from distcache.cache.config import CacheConfig
     from distcache.cache.module import CachedEmbeddingBags, TableSpec
-    from distcache.data.traces import zipf_trace
 
     dev = torch.device(device)
     config = CacheConfig(capacity=1.0, lookahead=1, prefetch_depth=1, check_ids=False)
@@ -211,10 +227,7 @@ def _lookup_step(
     every, whole = torch.arange(rows, device=dev), torch.tensor([0, rows], device=dev)
     kernel.enqueue(every, whole)  # load every row: the steps below only look up and update
     kernel(every, whole).sum().backward()
-    n = bags * pooling
-    trace = zipf_trace(rows=rows, alpha=alpha, batch=n, batches=repeats + 3, seed=dim)
-    batches = [ids.to(dev) for ids in trace]  # [n] each
-    offsets = torch.arange(0, n + 1, pooling, device=dev)  # [bags + 1]
+    batches, offsets = _power_law_batches(rows, alpha, bags, pooling, repeats + 3, dim, dev)
     kernel.enqueue(batches[0], offsets)
     step = iter(range(len(batches) - 1))
 
@@ -224,9 +237,7 @@ def _lookup_step(
         kernel.prefetch()
         kernel(batches[i], offsets).sum().backward()
 
-    seconds = median_seconds(train, dev, repeats)
-    unique = statistics.mean(int(b.unique().numel()) for b in batches)
-    return seconds, unique
+    return median_seconds(train, dev, repeats), _mean_distinct(batches)
 
 
 def _fused_lookup_step(
@@ -241,8 +252,6 @@ def _fused_lookup_step(
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from distcache.data.traces import zipf_trace
-
     dev = torch.device(device)
     where = (
         (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
@@ -252,18 +261,13 @@ def _fused_lookup_step(
     kernel = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, *where)], optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev
     )
-    n = bags * pooling
-    trace = zipf_trace(rows=rows, alpha=alpha, batch=n, batches=repeats + 3, seed=dim)
-    batches = [ids.to(dev) for ids in trace]  # [n] each
-    offsets = torch.arange(0, n + 1, pooling, device=dev)  # [bags + 1]
+    batches, offsets = _power_law_batches(rows, alpha, bags, pooling, repeats + 3, dim, dev)
     step = iter(range(len(batches)))
 
     def train() -> None:
         kernel(batches[next(step)], offsets).sum().backward()
 
-    seconds = median_seconds(train, dev, repeats)
-    unique = statistics.mean(int(b.unique().numel()) for b in batches)
-    return seconds, unique
+    return median_seconds(train, dev, repeats), _mean_distinct(batches)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,7 +341,6 @@ def _cached_steps(
     batches ahead; a cache of every row is loaded whole first."""
     from distcache.cache.config import CacheConfig
     from distcache.cache.module import CachedEmbeddingBags, TableSpec
-    from distcache.data.traces import zipf_trace
 
     dev = torch.device(device)
     config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=1, check_ids=False)
@@ -347,10 +350,9 @@ def _cached_steps(
         engine = kernel.engines[0]
         engine.enqueue(torch.arange(rows, device=dev))
         engine.release(engine.lookup_plan())
-    n, warm, steps = bags * pooling, 8 * repeats, 4 * repeats
-    trace = zipf_trace(rows=rows, alpha=alpha, batch=n, batches=warm + steps + lookahead, seed=1)
-    batches = [ids.to(dev) for ids in trace]  # [n] each
-    offsets = torch.arange(0, n + 1, pooling, device=dev)  # [bags + 1]
+    warm, steps = 8 * repeats, 4 * repeats
+    count = warm + steps + lookahead
+    batches, offsets = _power_law_batches(rows, alpha, bags, pooling, count, 1, dev)
     for ids in batches[:lookahead]:
         kernel.enqueue(ids, offsets)
     times, before = [], kernel.stats()["t"]
