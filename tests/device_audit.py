@@ -26,7 +26,9 @@ import distcache
 
 _ROOT = Path(distcache.__file__).resolve().parent
 _INDEXING = {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
-_ALWAYS = {"aten::nonzero", "aten::nonzero_static", "aten::masked_select", "aten::equal"}
+# `nonzero_static` (its size given by the host) is not here: since PyTorch 2.6 its CUDA kernel
+# keeps the count on the device (pytorch/pytorch#141838); tests/gpu runs it under sync debug.
+_ALWAYS = {"aten::nonzero", "aten::masked_select", "aten::equal"}
 
 
 def reads_back(func, args, kwargs) -> bool:  # noqa: ANN001

@@ -2,9 +2,10 @@
 
 A policy scores the cache slots (`victim_keys`, higher = evict first) as small bounded classes, so
 that the scheduler can select victims by counting (`select.select_largest`) with no sort and no
-device read-back. The scheduler decides which slots may be evicted at all (never a pinned slot)
-and takes free slots first. All policies share one scheduler, so one code base measures them side
-by side.
+device read-back. Free slots (never loaded since `bind`) keep the policy's initial state, which
+puts them in its top class, so they are taken first with no pass of their own; the scheduler
+decides which slots may be evicted at all (never a pinned slot). All policies share one
+scheduler, so one code base measures them side by side.
 
 State lives per cache slot (or per window entry, in `Window`), not per table row, except LFU's
 use counts, which must survive eviction (4 bytes per row). Every update is a fixed-shape scatter:
@@ -72,7 +73,8 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
         """Eviction classes `[capacity]` (int32) in [0, classes) for staging batch `seq`, and
-        `classes`; higher goes first. Free and pinned slots are handled by the scheduler."""
+        `classes`; higher goes first. Free slots must be in the top class, `classes - 1` (LRU:
+        with rows idle for that many batches); pinned slots are handled by the scheduler."""
 
 
 class LookaheadPolicy(EvictionPolicy):
@@ -95,7 +97,8 @@ class LookaheadPolicy(EvictionPolicy):
         self.next_use = torch.full((slots,), NO_USE, dtype=torch.int32, device=device)
         self.uses = torch.zeros(slots, dtype=torch.int32, device=device)
         self.far = lookahead + 1  # distance class of a row the window does not use
-        self.use_bits = max(0, _class_bits(residency.capacity) - _bits(self.far + 1))
+        # At least one bit of uses: a free slot (0 uses, no next use) is alone in the top class.
+        self.use_bits = max(1, _class_bits(residency.capacity) - _bits(self.far + 1))
 
     def on_enqueue(self, seq: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
         slot = self.residency.slot_of.index_select(0, rows).long()
@@ -116,26 +119,28 @@ class LookaheadPolicy(EvictionPolicy):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Evict the least recently used row (recency counted in batches)."""
+    """Evict the least recently used row (recency counted in batches; free slots count as
+    used before every batch, tied with rows idle for `classes - 1` batches)."""
 
     def bind(self, residency: Residency, lookahead: int) -> None:
         super().bind(residency, lookahead)
-        device = residency.row_of.device
-        self.last_use = torch.zeros(residency.capacity + 2, dtype=torch.int32, device=device)
+        device, slots = residency.row_of.device, residency.capacity + 2
+        self.classes = 1 << _class_bits(residency.capacity)
+        self.last_use = torch.full((slots,), -self.classes, dtype=torch.int32, device=device)
 
     def on_stage(self, seq, rows, slots, loaded, next_use) -> None:  # noqa: ANN001
         self.last_use.index_fill_(0, slots, seq)
 
     def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
-        classes = 1 << _class_bits(self.residency.capacity)
-        age = (seq - self.last_use[: self.residency.capacity]).clamp_(0, classes - 1)
-        return age, classes
+        age = (seq - self.last_use[: self.residency.capacity]).clamp_(0, self.classes - 1)
+        return age, self.classes
 
 
 class LFUPolicy(EvictionPolicy):
     """Evict the row used in the fewest batches so far (counts kept for every row, resident or
     not, so a returning hot row keeps its history: 4 bytes per row), least recently used among
-    equals. Counts saturate at 1023, ages at 255 batches (fewer for caches under 128 K slots)."""
+    equals. Counts saturate at 1023, ages at 255 batches (fewer for caches under 128 K slots).
+    A free slot's count, 0, is below every resident row's."""
 
     COUNT_BITS = 10
 

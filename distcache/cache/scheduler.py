@@ -120,7 +120,6 @@ class Scheduler:
         self.device = device
         self.residency = Residency(num_rows, capacity, device)
         self.window = Window(num_rows, device)
-        self._slot_index = torch.arange(capacity, device=device)
         self._totals = torch.zeros(len(_DEVICE_COUNTERS), dtype=torch.int64, device=device)
         self._unstaged: deque[WindowBatch] = deque()
         self._staged: deque[StagePlan] = deque()
@@ -289,7 +288,8 @@ class Scheduler:
 
         While the host can tell that the free slots suffice (the cache holds the whole shard,
         or every batch so far loaded at most its id count), the misses take the next free
-        slots and no slot is scored. Otherwise the policy's classes choose, free slots first.
+        slots and no slot is scored. Otherwise the policy's classes choose (free slots: its top
+        class).
         """
         cap, res = self.capacity, self.residency
         index = torch.arange(size + 1, device=self.device)
@@ -301,8 +301,7 @@ class Scheduler:
             return victims, want, free
         self._fill_bound = self.num_rows
         keys, classes = self.policy.victim_keys(seq)
-        keys = torch.where(res.row_of[:cap] < 0, classes, keys)  # free slots first
         keys = torch.where(res.pin[:cap] > 0, -1, keys)  # pinned slots never
-        picked, taken, candidates = select_largest(keys, classes + 1, want, size, self._slot_index)
+        picked, taken, candidates = select_largest(keys, classes, want, size)
         victims = torch.cat([picked, picked.new_full((1,), res.sentinel_slot)])
         return victims, taken, candidates

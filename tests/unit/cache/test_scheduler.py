@@ -49,6 +49,24 @@ def test_lookahead_evicts_row_with_farthest_next_use():
     _check_bijection(s)
 
 
+@pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
+@pytest.mark.parametrize("lookahead", [2, 300])
+def test_free_slots_are_taken_before_any_row_is_evicted(policy, lookahead):
+    """Once the host can no longer tell that the free slots suffice (a batch of many repeated
+    ids), the policy's classes choose: free slots must come before every resident row."""
+    s = Scheduler(100, 10, make_policy(policy), lookahead=lookahead)
+    s.enqueue(_ids(0, 1, 2, 3))
+    s.enqueue(_ids(0, 0, 0, 0, 0, 0, 0, 4))  # 4 + 8 ids > 10 slots: the classes choose
+    s.enqueue(_ids(5, 6, 7, 8, 9))
+    for _ in range(3):
+        plan = s.stage_next()
+        assert int(plan.counts[1]) == int(plan.counts[LOADS])  # every miss got a slot
+        s.release(plan)
+        assert s.counters.evictions == 0
+    assert int((s.residency.slot_of[:10] >= 0).sum()) == 10  # the cache is full, nothing lost
+    _check_bijection(s)
+
+
 def test_lookahead_prefers_rows_outside_window_then_least_used():
     s = Scheduler(10, 3, make_policy("lookahead"), lookahead=4)
     for batch in ([1, 2], [2], [0], [5], [0]):

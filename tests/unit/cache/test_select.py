@@ -26,9 +26,7 @@ def test_select_largest_matches_a_stable_sort(m, classes, want_frac, seed):
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randint(-1, classes, (m,), generator=gen)  # few classes: many ties
     want = int(want_frac * m)
-    picked, taken, candidates = select_largest(
-        keys, classes, torch.tensor(want), m, torch.arange(m)
-    )
+    picked, taken, candidates = select_largest(keys, classes, torch.tensor(want), m)
     expected = _reference(keys, want)
     assert int(candidates) == int((keys >= 0).sum())
     assert int(taken) == len(expected)  # fewer than wanted when too few are eligible
@@ -41,7 +39,7 @@ def test_select_largest_at_scale(m):
     gen = torch.Generator().manual_seed(1)
     keys = torch.randint(-1, 1 << 16, (m,), generator=gen)
     want = 12_345
-    picked, taken, _ = select_largest(keys, 1 << 16, torch.tensor(want), 20_000, torch.arange(m))
+    picked, taken, _ = select_largest(keys, 1 << 16, torch.tensor(want), 20_000)
     assert int(taken) == want
     assert picked[:want].tolist() == _reference(keys, want)
 
