@@ -196,7 +196,8 @@ class Scheduler:
         self.policy.on_stage(batch.seq, batch.rows, slot, got, next_use)
 
         unique = batch.valid.sum()
-        wb_rank = writeback.cumsum(0, dtype=torch.int32) - 1
+        # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
+        wb_at = torch.nonzero_static(writeback, size=size, fill_value=size).squeeze(1)
         counts = torch.stack([unique, want, taken, writeback.sum(), evicted.sum(), candidates])
         critical_misses = want if critical else torch.zeros_like(want)
         self._totals[1:] += torch.stack(
@@ -209,8 +210,8 @@ class Scheduler:
             id_slots=slot.index_select(0, batch.inv),
             load_rows=pack(got, rank, batch.rows, size, res.sentinel_row),
             load_slots=victims[:size],
-            writeback_rows=pack(writeback, wb_rank, old, size, res.sentinel_row),
-            writeback_slots=pack(writeback, wb_rank, victims, size, res.sentinel_slot),
+            writeback_rows=old.index_select(0, wb_at),
+            writeback_slots=victims.index_select(0, wb_at),
             counts=counts,
             critical=critical,
             pinned_batches=len(self._staged),
