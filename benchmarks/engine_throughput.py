@@ -14,7 +14,9 @@
 
 Variants run step by step in turn, in an order rotated every step, so that this shared
 machine's drift touches them alike; each of --rounds rounds gives one steps/s (ids/s) per
-variant, and the tables report the median and range over rounds.
+variant, and the tables report the median and range over rounds. A variant's step ends when its
+staging worker is idle (what it staged overlaps the step's backward, not another variant's
+step).
 
 Usage::
 
@@ -98,6 +100,7 @@ class Replay:
         plan = engine.lookup_plan()
         engine.prefetch()
         engine.apply_gradients(plan, self.no_grad, torch.zeros_like(plan.batch.ids))
+        engine.stager.drain()
         self.t += 1
 
 
@@ -197,6 +200,8 @@ class Cached:
         bags.prefetch()
         self.schedule_s += time.perf_counter() - start
         out.sum().backward()
+        for group in bags._groups:  # the worker's staging, within this step
+            group.engine.stager.drain()
         self.t += 1
 
 

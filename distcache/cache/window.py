@@ -79,11 +79,12 @@ class Window:
         (this batch is their next use)."""
         n = ids.numel()
         base = self._alloc(n)
-        ordered, order = torch.sort(ids)  # [n]
+        # Rows fit int32 (`Residency`), which sorts faster than int64 (1.6 x at 200k ids, CPU).
+        ordered, order = torch.sort(ids.to(torch.int32))  # [n]
         first = torch.ones(n, dtype=torch.bool, device=self.device)
         first[1:] = ordered[1:] != ordered[:-1]  # the first id of each distinct row
         rank = first.cumsum(0, dtype=torch.int32) - 1  # [n] each sorted id's row among the distinct
-        rows = pack(first, rank, ordered, n, self.sentinel_row)  # ascending, then sentinels
+        rows = pack(first, rank, ordered, n, self.sentinel_row).long()  # ascending, then sentinels
         inv = torch.empty_like(rank).scatter_(0, order, rank)  # [n] back to input order
         valid = rows != self.sentinel_row
         prev = self.latest.index_select(0, rows)  # [n] latest live position, or -1
