@@ -18,7 +18,10 @@ local replica. One batch's ids flow so:
                  the replica is next read (the next forward, a flush), then applied by each
                  table's row optimizer to the rows some rank touched; untouched rows (and
                  their optimizer state) are left as they are, as for every row of a sharded
-                 table
+                 table. The learning rate is the one the table's shards used in that
+                 backward (which LR schedulers change), taken from the ranks that hold a
+                 shard (`lr_sources`) by a small all-reduce beside the gradient's, so every
+                 rank's replica takes the same step, a rank without a shard of the table too
 
 The table stays one table for its users: a flush (before any state dict) writes the replica's
 rows and optimizer state into the shards that own those rows, and after a load the replica is
@@ -144,9 +147,14 @@ class HotRows:
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.stale = True  # the replicas must be read from the tables' shards
         self._touched: torch.Tensor | None = None  # [rows] bool: rows this rank used in the step
-        # The last backward's all-reduce, still in flight: (work, gradient + counts, size).
-        self._pending: tuple[dist.Work | None, torch.Tensor, int] | None = None
+        # The last backward's all-reduces, still in flight: (works, gradient + counts, size,
+        # the tables' learning rates).
+        self._pending: tuple[list[dist.Work], torch.Tensor, int, torch.Tensor] | None = None
         self.reader: Callable[[HotRows], None] | None = None
+        # Per table with a shard on this rank: the learning rate its kernel applies in this
+        # backward (a host float). A table no rank reports keeps its configured rate.
+        self.lr_sources: dict[str, Callable[[], float]] = {}
+        self._names = list(self.tables)
 
     # ------------------------------------------------------------ the batch
     def split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HotInput]:
@@ -273,25 +281,37 @@ class HotRows:
             touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.device)
         self._touched = None
         both = torch.cat([grad, touched.to(grad.dtype)])
-        work = None
+        # The rate of each table's shards, -1 where this rank holds none: the maximum over
+        # the ranks is their rate (they agree), exact in float64, read on the host.
+        lrs = torch.tensor(
+            [self.lr_sources[n]() if n in self.lr_sources else -1.0 for n in self._names],
+            dtype=torch.float64,
+        )
+        works = []
         if self._group is not None:
-            work = dist.all_reduce(both, group=self._group, async_op=True)
-        self._pending = (work, both, grad.numel())
+            works.append(dist.all_reduce(both, group=self._group, async_op=True))
+            works.append(
+                dist.all_reduce(lrs, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            )
+        self._pending = (works, both, grad.numel(), lrs)
 
     def finish_step(self) -> None:
         """Apply the reduced gradient of the last backward, if any: each table's row optimizer
         updates the rows some rank touched (the others, and their state, stay as they are)."""
         if self._pending is None:
             return
-        work, both, size = self._pending
+        works, both, size, lrs = self._pending
         self._pending = None
-        if work is not None:
+        for work in works:
             work.wait()
         world = dist.get_world_size(self._group) if self._group is not None else 1
         grad, counts = both[:size].div_(world), both[size:]
         flat = self.flat.detach()
         with torch.no_grad():
-            for table in self.tables.values():
+            for name, lr in zip(self._names, lrs.tolist(), strict=True):  # a host tensor
+                table = self.tables[name]
+                if lr >= 0:
+                    table.optimizer.lr = lr
                 count = table.ids.numel()
                 used = (counts[table.row : table.row + count] > 0).unsqueeze(1)
                 weight = table.rows_of(flat)

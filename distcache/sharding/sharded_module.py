@@ -140,6 +140,7 @@ class CachedShardedModule:
             self._device or torch.device("cpu"),
         )
         self._hot.reader = self._read_hot_rows
+        self._hot.lr_sources = dict(self._hot_learning_rates())
         for kernel in self.cached_kernels():
             kernel.flush_hooks.append(lambda k=kernel: self._write_hot_rows(self._hot_shards(k)))
             kernel.purge_hooks.append(self._hot_rows_stale)
@@ -159,6 +160,24 @@ class CachedShardedModule:
             offsets = table.local_metadata.shard_offsets if table.local_metadata else [0, 0]
             store, lo, hi = kernel.bags.table_slab(table.name)
             yield table.name, offsets[0], offsets[1], store.weights[lo:hi], [store.state[lo:hi]]
+
+    def _hot_learning_rates(self):  # noqa: ANN202
+        """(table, its learning rate now) for this rank's shards of hot tables: what the
+        kernel applies in backward (distcache's: synced from its optimizer's param group each
+        forward; FBGEMM's: set from TorchRec's param group at each optimizer step)."""
+        for kernel in self._lookup_modules():
+            if isinstance(kernel, CachedEmbeddingBagKernel):
+                engines = kernel.bags.engines
+                source = lambda e=engines[0]: e.optimizer.lr  # noqa: E731
+            elif isinstance(kernel, BaseBatchedEmbeddingBag) and hasattr(
+                kernel.emb_module, "get_learning_rate"
+            ):
+                source = kernel.emb_module.get_learning_rate  # a host tensor's value
+            else:
+                continue
+            for table in kernel.config.embedding_tables:
+                if table.name in self._hot.tables:
+                    yield table.name, source
 
     def _torchrec_hot_shards(self):  # noqa: ANN202
         """As `_hot_shards`, for the shards of hot tables in TorchRec's own kernels (FBGEMM's:

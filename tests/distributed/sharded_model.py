@@ -253,10 +253,13 @@ def train_and_compare(
     weighted: bool = False,
     hot: bool = False,
     kernel: str = CACHED_KERNEL,
+    lr_halved_at: int | None = None,
 ) -> dict:
     """Train sharded+cached and unsharded side by side on the same batches; compare.
     `hot`: t0, t1 and t3 replicate their hottest rows on every rank (`CacheConfig.hot_rows`).
-    `kernel`: the tables' compute kernel ("fused": TorchRec's, with only the hot rows ours)."""
+    `kernel`: the tables' compute kernel ("fused": TorchRec's, with only the hot rows ours).
+    `lr_halved_at`: after that step, the learning rate is halved in the model's fused optimizer
+    (as an LR scheduler does; its `step()` hands it to FBGEMM's kernels) and the reference's."""
     torch.manual_seed(0)
     # Bitwise where fp32 is exact: SGD on integers, sum pooling, and a world size whose 1/world
     # gradient scaling (TorchRec's mean over ranks) is a power of two.
@@ -303,6 +306,11 @@ def train_and_compare(
         ref_opt.zero_grad()
         (loss_of(ref_out) / world).backward()
         ref_opt.step(batch) if optimizer == "adam" else ref_opt.step()
+        if step == lr_halved_at:
+            for opt in (model.fused_optimizer, getattr(ref_opt, "adam", ref_opt)):
+                for group in opt.param_groups:
+                    group["lr"] /= 2
+            model.fused_optimizer.step()  # no update (fused in backward): sets FBGEMM's rate
         mine, theirs = out.to_dict(), ref_out.to_dict()
         b = batch.stride() // world
         for key in FEATURES:

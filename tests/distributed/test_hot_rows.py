@@ -60,6 +60,17 @@ def test_hot_rows_over_torchrecs_fused_kernel(kind, kwargs):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("kernel", ["cached", "fused"])
+def test_hot_rows_follow_a_learning_rate_change(kernel):
+    """An LR scheduler changes the rate in the fused optimizer: the replica steps with the
+    rate the table's shards use, on every rank (table-wise: one rank holds no shard of t0)."""
+    kwargs = {"hot": True, "lr_halved_at": 5}
+    if kernel == "fused":
+        kwargs["kernel"] = "fused"
+    run_ranks(train_and_compare, 2, args=("mixed",), kwargs=kwargs, timeout_s=150)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
 def test_hot_rows_on_three_ranks(kind):
     run_ranks(
