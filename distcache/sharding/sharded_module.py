@@ -28,6 +28,7 @@ from distcache.cache.engine import CacheStats
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.streams import HostCopy
 from distcache.errors import InvalidBatchError, InvalidIdError, UnsupportedError
+from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
 from distcache.sharding.hot_rows import HotRows
 from distcache.sharding.kernel import (
     CachedEmbeddingBagKernel,
@@ -77,6 +78,7 @@ class CachedShardedModule:
             features, ctx.distcache_check = self._check_feature_ids(features)
         if self._hot is not None and isinstance(features, KeyedJaggedTensor):
             features, ctx.distcache_hot = self._hot.split(features)  # hot ids stay here
+            ctx.distcache_cold = (features.keys(), features.lengths())
         return super().input_dist(ctx, features)  # type: ignore[misc]
 
     def compute_and_output_dist(self, ctx, input):  # noqa: ANN001, ANN201, A002
@@ -88,6 +90,10 @@ class CachedShardedModule:
                 for kernel in self.cached_kernels():
                     kernel.bags.drop_window()
                 raise
+        cold = getattr(ctx, "distcache_cold", None)
+        for i, output_dist in enumerate(self._output_dists):
+            if isinstance(output_dist, CompactPooledEmbeddingDist) and cold is not None:
+                output_dist.prepare(input[i].lengths(), *cold)
         out = super().compute_and_output_dist(ctx, input)  # type: ignore[misc]
         part = getattr(ctx, "distcache_hot", None)
         if part is not None:
@@ -141,6 +147,7 @@ class CachedShardedModule:
         )
         self._hot.reader = self._read_hot_rows
         self._hot.lr_sources = dict(self._hot_learning_rates())
+        self._compact_output_dists()
         for kernel in self.cached_kernels():
             kernel.flush_hooks.append(lambda k=kernel: self._write_hot_rows(self._hot_shards(k)))
             kernel.purge_hooks.append(self._hot_rows_stale)
@@ -160,6 +167,32 @@ class CachedShardedModule:
             offsets = table.local_metadata.shard_offsets if table.local_metadata else [0, 0]
             store, lo, hi = kernel.bags.table_slab(table.name)
             yield table.name, offsets[0], offsets[1], store.weights[lo:hi], [store.state[lo:hi]]
+
+    def _compact_output_dists(self) -> None:
+        """Table- and column-wise outputs through `CompactPooledEmbeddingDist`: the bags whose
+        ids were all hot are not sent (quantized comms keep TorchRec's dist)."""
+        for i, (kind, sharding) in enumerate(
+            zip(self._sharding_types, self._embedding_shardings, strict=True)
+        ):
+            old = self._output_dists[i]
+            if kind not in (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value):
+                continue
+            if getattr(old, "_codecs", None) is not None:
+                continue
+            # A group of its own: its backward all-to-all may run before or after the other
+            # shardings' (autograd's order follows each rank's graph), which on one group
+            # would pair different collectives across ranks.
+            pg = sharding._pg
+            group = dist.new_group(
+                ranks=dist.get_process_group_ranks(pg), backend=dist.get_backend(pg)
+            )
+            self._output_dists[i] = CompactPooledEmbeddingDist(
+                group,
+                sharding.feature_names_per_rank(),
+                sharding._emb_dim_per_rank_per_feature(),
+                old,
+                getattr(old, "_callbacks", None),
+            )
 
     def _hot_learning_rates(self):  # noqa: ANN202
         """(table, its learning rate now) for this rank's shards of hot tables: what the

@@ -29,6 +29,7 @@ from distcache.sharding import (
     cache_stats,
     cached_estimators,
 )
+from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
 
 # (name, rows, dim, features): tables of different sizes and widths; t3 serves two features.
 TABLES = [
@@ -254,12 +255,15 @@ def train_and_compare(
     hot: bool = False,
     kernel: str = CACHED_KERNEL,
     lr_halved_at: int | None = None,
+    report_output: bool = False,
 ) -> dict:
     """Train sharded+cached and unsharded side by side on the same batches; compare.
     `hot`: t0, t1 and t3 replicate their hottest rows on every rank (`CacheConfig.hot_rows`).
     `kernel`: the tables' compute kernel ("fused": TorchRec's, with only the hot rows ours).
     `lr_halved_at`: after that step, the learning rate is halved in the model's fused optimizer
-    (as an LR scheduler does; its `step()` hands it to FBGEMM's kernels) and the reference's."""
+    (as an LR scheduler does; its `step()` hands it to FBGEMM's kernels) and the reference's.
+    `report_output`: return the pooled output elements this rank sent through compact output
+    dists, and TorchRec's dists would have, instead of the cache counters."""
     torch.manual_seed(0)
     # Bitwise where fp32 is exact: SGD on integers, sum pooling, and a world size whose 1/world
     # gradient scaling (TorchRec's mean over ranks) is a power of two.
@@ -320,6 +324,13 @@ def train_and_compare(
             else:
                 torch.testing.assert_close(mine[key].detach(), expected)
     compare_with_global(model, reference.state_dict(), exact)
+    if report_output:
+        dists = [d for d in sharded._output_dists if isinstance(d, CompactPooledEmbeddingDist)]
+        return {
+            "dists": len(dists),
+            "sent": sum(d.elements_sent for d in dists),
+            "full": sum(d.elements_full for d in dists),
+        }
     return {name: s.as_dict() for name, s in cache_stats(model).items()}
 
 

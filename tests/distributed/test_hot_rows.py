@@ -60,6 +60,23 @@ def test_hot_rows_over_torchrecs_fused_kernel(kind, kwargs):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["table_wise", "column_wise"])
+def test_hot_rows_send_only_bags_with_cold_ids(kind):
+    """Table- and column-wise outputs go through the compact dist: a bag whose ids were all
+    hot is not sent (and the training stays bitwise equal to unsharded TorchRec)."""
+    results = run_ranks(
+        train_and_compare,
+        2,
+        args=(kind,),
+        kwargs={"hot": True, "report_output": True},
+        timeout_s=150,
+    )
+    for result in results:
+        assert result["dists"] == 1, result
+        assert 0 < result["sent"] < 0.9 * result["full"], result
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("kernel", ["cached", "fused"])
 def test_hot_rows_follow_a_learning_rate_change(kernel):
     """An LR scheduler changes the rate in the fused optimizer: the replica steps with the

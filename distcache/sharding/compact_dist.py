@@ -1,0 +1,177 @@
+"""`CompactPooledEmbeddingDist`: the pooled output all-to-all of table- and column-wise shards,
+sending only the bags that have ids.
+
+With hot rows (`distcache.sharding.hot_rows`) a bag of a hot table whose ids are all hot reaches
+the table's shard empty, and its pooled output there is zero. Both sides know which bags are
+empty without asking: the shard from the lengths it was routed, the bag's own rank from the
+batch's cold lengths. TorchRec's output dist (`TwPooledEmbeddingDist`) sends every bag's output
+anyway, `[B, dims]` from each shard's rank to each batch's rank; this one sends the non-empty
+bags' outputs only and rebuilds the same `[B, sum of the ranks' dims]` tensor, zeros for the
+empty bags, so the rest of TorchRec (column-wise permutes, the collection's awaitable) sees
+what it always does. Exact: an empty bag pools to zero (sum or mean) in TorchRec too.
+
+One batch through it (rank r, world W, B samples per rank)::
+
+    prepare     the shard's routed lengths `[F_r, W * B]` and the batch's cold lengths
+    forward     the non-empty bags counted per (peer, feature) on both sides: one read of
+                the device for the batch (the all-to-all's split sizes are host ints, as
+                TorchRec's input dist reads its own); each feature's non-empty outputs
+                gathered, peer-major; one all-to-all (TorchRec's `AllToAllSingle`: the
+                backward sends the gradients back, divided by the world size as TorchRec's
+                own dist does); each peer's features scattered into zeros
+
+Used for the table- and column-wise shardings of a collection with hot rows
+(`CachedShardedModule.setup_hot_rows`); a variable batch per feature falls back to TorchRec's
+dist. The bytes sent are counted (`elements_sent`, `elements_full`) for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.comm_ops import AllToAllSingle, get_gradient_division, pg_name
+from torchrec.distributed.types import Awaitable
+
+
+class _Ready(Awaitable[torch.Tensor]):
+    """An awaitable of a tensor already computed (the all-to-all ran synchronously)."""
+
+    def __init__(
+        self, tensor: torch.Tensor, callbacks: list[Callable[[torch.Tensor], torch.Tensor]]
+    ):
+        super().__init__()
+        self._tensor = tensor
+        self.callbacks.extend(callbacks)
+
+    def _wait_impl(self) -> torch.Tensor:
+        return self._tensor
+
+
+class CompactPooledEmbeddingDist(nn.Module):
+    """The output dist of one table- or column-wise sharding, compacted to non-empty bags.
+
+    Args:
+        pg: a process group over the sharding's ranks, for this dist alone.
+        features_per_rank: per rank, the features whose pooled outputs it sends, in the order
+            of its output columns (`feature_names_per_rank()` of TorchRec's sharding).
+        dims_per_rank: per rank, each of those features' output columns.
+        fallback: TorchRec's own dist (variable batch per feature goes through it).
+        callbacks: TorchRec's dist's callbacks (a column-wise permute), applied on wait.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        features_per_rank: list[list[str]],
+        dims_per_rank: list[list[int]],
+        fallback: nn.Module,
+        callbacks: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    ):
+        super().__init__()
+        self._pg = pg
+        self._rank = dist.get_rank(pg)
+        self._features = features_per_rank
+        self._dims = dims_per_rank
+        self._fallback = fallback
+        self._callbacks = list(callbacks or [])
+        self._sent_lengths: torch.Tensor | None = None
+        self._cold: tuple[list[str], torch.Tensor] | None = None
+        self.elements_sent = 0  # pooled output elements this rank sent (forward), cumulative
+        self.elements_full = 0  # ... TorchRec's dist would have sent
+
+    def prepare(self, sent_lengths: torch.Tensor, keys: list[str], cold: torch.Tensor) -> None:
+        """The batch's lengths, before `forward`: `sent_lengths` `[F_r * W * B]` the shard's
+        routed lengths (feature-major, then peer, then sample); `keys` and `cold`
+        `[len(keys) * B]` this rank's features and their lengths without hot ids."""
+        self._sent_lengths, self._cold = sent_lengths, (keys, cold)
+
+    def forward(self, local_embs: torch.Tensor, sharding_ctx=None) -> Awaitable[torch.Tensor]:  # noqa: ANN001
+        if sharding_ctx is not None and (
+            sharding_ctx.variable_batch_per_feature
+            or len(set(sharding_ctx.batch_size_per_rank or [0])) > 1
+        ):
+            self._sent_lengths = self._cold = None
+            return self._fallback(local_embs, sharding_ctx)
+        if self._sent_lengths is None or self._cold is None:
+            raise RuntimeError("CompactPooledEmbeddingDist: prepare() must run before forward")
+        sent, (keys, cold) = self._sent_lengths, self._cold
+        self._sent_lengths = self._cold = None
+        world = dist.get_world_size(self._pg)
+        mine = self._features[self._rank]
+        batch = local_embs.shape[0] // world  # its rows: every peer's samples
+        # Bags this rank sends, peer-major: [W, F_r, B]; bags it receives, (peer, feature)
+        # in the peers' column order: [sum F_s, B].
+        sends = (sent.view(len(mine), world, batch) > 0).transpose(0, 1)
+        index = {k: i for i, k in enumerate(keys)}
+        order = [index[f] for features in self._features for f in features]
+        gets = cold.view(len(keys), batch).index_select(0, self._tensor(order, cold.device)) > 0
+        counts = torch.cat([sends.sum(2).reshape(-1), gets.sum(1)]).tolist()  # the one read
+        sent_counts, got_counts = counts[: world * len(mine)], counts[world * len(mine) :]
+        in_splits = [
+            sum(c * d for c, d in zip(sent_counts[s * len(mine) : (s + 1) * len(mine)],
+                                      self._dims[self._rank], strict=True))
+            for s in range(world)
+        ]  # fmt: skip
+        out_splits, k = [], 0
+        for s in range(world):
+            n = len(self._features[s])
+            out_splits.append(
+                sum(c * d for c, d in zip(got_counts[k : k + n], self._dims[s], strict=True))
+            )
+            k += n
+        # One gather of the outputs sent and one scatter of those received: the same autograd
+        # graph on every rank (as TorchRec's dist), so every rank runs the backward
+        # all-to-alls of a collection's shardings in the same order.
+        width = local_embs.shape[1]
+        take = self._elements(
+            sends.reshape(-1),
+            sum(sent_counts),
+            sum(in_splits),
+            self._dims[self._rank],
+            width,
+            batch,
+        )
+        send = local_embs.reshape(-1).index_select(0, take)
+        # TorchRec's own all-to-all: its backward divides the gradients by the world size (as
+        # TorchRec's pooled output dist does, `get_gradient_division`).
+        recv = AllToAllSingle.apply(
+            send, out_splits, in_splits, pg_name(self._pg), world, get_gradient_division()
+        )
+        self.elements_sent += send.numel()
+        self.elements_full += local_embs.numel()
+        dims = [d for per_rank in self._dims for d in per_rank]
+        put = self._elements(
+            gets.reshape(-1), sum(got_counts), sum(out_splits), dims, sum(dims), batch
+        )
+        out = recv.new_zeros(batch * sum(dims)).index_copy(0, put, recv)
+        return _Ready(out.view(batch, sum(dims)), self._callbacks)
+
+    @staticmethod
+    def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    def _elements(
+        self, bags: torch.Tensor, entries: int, total: int, dims: list[int], width: int, batch: int
+    ) -> torch.Tensor:
+        """Flat positions `[total]` of the output elements of the bags set in `bags` (bool
+        `[blocks * F * batch]`: block p, feature f, sample b, with F = len(dims); `entries` of
+        them set), in that order, each bag's dims[f] columns in turn, in a layout of rows
+        `p * batch + b` of `width` columns where feature f starts at column sum(dims[:f]):
+        `local_embs` (one block per peer) and the output (one block: every peer's features)."""
+        device = bags.device
+        dim = self._tensor(dims, device)
+        first = torch.cumsum(dim, 0) - dim  # [F] each feature's first column
+        k = torch.nonzero_static(bags, size=entries).squeeze(1)  # [entries]
+        bag, sample = k // batch, k % batch
+        feature = bag % len(dims)
+        row = (bag // len(dims)) * batch + sample
+        length = dim.index_select(0, feature)  # [entries] columns of each bag
+        base = row * width + first.index_select(0, feature)
+        start = torch.cumsum(length, 0) - length  # each bag's first element in the result
+        column = torch.arange(total, device=device) - torch.repeat_interleave(
+            start, length, output_size=total
+        )
+        return torch.repeat_interleave(base, length, output_size=total) + column
