@@ -62,12 +62,16 @@ U_table(n) otherwise, from `stats.expected_unique`.
 - hot rows (`TablePlan.hot_rows` = H, the table's H likeliest rows replicated on every rank,
   taking a share h of its lookups and touching U_hot of its distinct rows): the shards serve
   (1 - h) of the ids and U - U_hot rows, each rank sends (1 - h) of its ids, and a cache
-  loads as one of H more slots would (the hot rows no longer compete for slots). The pooled
-  outputs are unchanged (a bag's cold part is still sent whole). Every rank adds the
+  loads as one of H more slots would (the hot rows no longer compete for slots). Table- and
+  column-wise shards send the pooled outputs of the bags with cold ids only, 1 - h^P of them
+  (P ids a bag, each hot with probability h; row-wise shards reduce partial sums of every
+  bag); each such sharding type reads its split sizes from the device once a step (one
+  host-to-device latency). Every rank adds the
   lookups of its own h·B·P hot ids, a masked update streaming all H replica rows with
   their state (at the dense update's rate) and device memory H·(2·D·4 + state) (fp32 rows
   and gradient); the all-reduce adds H·(D + 1)·4 bytes (its gradient and which rows some
-  rank touched), and a plan with replicas one sync latency (one all-reduce of them all).
+  rank touched), and a plan with replicas two sync latencies (one all-reduce of them all, one
+  of their learning rates).
 
 The model is written in four files, each a stage of it: `binned.py` (access statistics),
 `shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
@@ -138,6 +142,7 @@ from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
     TABLE_ROW_WISE,
+    TABLE_WISE,
     Plan,
     PlanCost,
     StepCost,
@@ -148,7 +153,8 @@ from distcache.planner.types import (
 
 INPUT_COLLECTIVES = 3  # per sharding type: TorchRec's splits, lengths and values all-to-alls
 OUTPUT_COLLECTIVES = 2  # per sharding type: pooled embeddings forward, gradients backward
-HOT_COLLECTIVES = 1  # a plan with hot rows: one all-reduce of every replica's gradient + rows
+HOT_COLLECTIVES = 2  # a plan with hot rows: all-reduces of the replicas' gradients + rows, and
+# of their learning rates
 
 __all__ = [
     "all_to_all_sent_bytes",
@@ -295,8 +301,10 @@ def global_terms(
     all_reduce = all_reduce_s(dense_parameter_bytes(workload) + dp_bytes + hot_bytes, topology)
     if dp_bytes > 0 and topology.world_size > 1:
         all_reduce += sync_latency_s(topology)  # the data-parallel tables' own all-reduce
+    compact_reads = 0
     if hot_tables and topology.world_size > 1:  # one all-reduce of every replica
         all_reduce += HOT_COLLECTIVES * sync_latency_s(topology)
+        compact_reads = len(kinds & {TABLE_WISE, COLUMN_WISE})  # their split sizes' reads
     return GlobalTerms(
         all_reduce_s=all_reduce,
         input_latency_s=INPUT_COLLECTIVES * topology.network_latency_s * routed,
@@ -304,7 +312,8 @@ def global_terms(
         # the all-to-all across nodes.
         output_latency_s=OUTPUT_COLLECTIVES
         * sync_latency_s(topology)
-        * (routed + (TABLE_ROW_WISE in kinds and topology.world_size > 1)),
+        * (routed + (TABLE_ROW_WISE in kinds and topology.world_size > 1))
+        + compact_reads * topology.host_to_device_latency_s,
         overhead_s=topology.step_overhead_s
         + topology.sharding_overhead_s * len(kinds)
         + topology.id_overhead_s * sent_ids,

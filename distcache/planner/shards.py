@@ -23,6 +23,7 @@ from distcache.planner.types import (
     OPTIMIZER_STATE,
     ROW_WISE,
     TABLE_ROW_WISE,
+    TABLE_WISE,
     TablePlan,
     TableStats,
     Topology,
@@ -258,11 +259,26 @@ def shard_terms(
         ids_bytes_per_peer=per_rank_ids * (1 - hot_mass) * ID_BYTES / rows_split
         if sharded
         else 0.0,
-        embedding_bytes_per_peer=workload.batch_size_per_rank * dim * dtype if sharded else 0.0,
+        embedding_bytes_per_peer=workload.batch_size_per_rank
+        * dim
+        * dtype
+        * _sent_bags(table, sharding, hot_mass)
+        if sharded
+        else 0.0,
         all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
         reduced_in_node=sharding == TABLE_ROW_WISE,
         **_hot_terms(table, workload, topology, hot_rows, hot_mass),
     )
+
+
+def _sent_bags(table: TableStats, sharding: str, hot_mass: float) -> float:
+    """The share of a shard's bags whose pooled output is sent: with hot rows, table- and
+    column-wise outputs skip the bags whose ids were all hot (`sharding.compact_dist`), about
+    hot_mass ** pooling of them (each of a bag's ids hot with probability hot_mass); the other
+    shardings reduce partial sums and send every bag."""
+    if hot_mass <= 0.0 or sharding not in (TABLE_WISE, COLUMN_WISE):
+        return 1.0
+    return 1.0 - hot_mass ** max(1.0, table.pooling_factor)
 
 
 def _hot_terms(

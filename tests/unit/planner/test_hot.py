@@ -19,6 +19,7 @@ from distcache.planner.torchrec.export import from_sharding_plan, hottest_rows, 
 from distcache.planner.types import (
     DATA_PARALLEL,
     HOST_CACHED,
+    ROW_WISE,
     TABLE_WISE,
     Plan,
     TablePlan,
@@ -64,11 +65,20 @@ def test_hot_rows_priced_by_hand() -> None:
     assert hot.ids_per_step == pytest.approx(B * P * W * (1 - h), rel=1e-6)
     assert hot.unique_rows_per_step == pytest.approx(cold_unique, rel=1e-3)
     assert hot.ids_bytes_per_peer == pytest.approx(B * P * (1 - h) * 8, rel=1e-6)
-    assert hot.embedding_bytes_per_peer == plain.embedding_bytes_per_peer  # pooled: unchanged
+    # Table-wise: the bags whose P ids were all hot are not sent; row-wise reduces every bag.
+    assert hot.embedding_bytes_per_peer == pytest.approx(
+        plain.embedding_bytes_per_peer * (1 - h**P), rel=1e-9
+    )
+    row_wise = {"sharding": ROW_WISE, "shards": 2}
+    assert (
+        shard_terms(TABLE, WORKLOAD, TOPOLOGY, **row_wise, hot_rows=H).embedding_bytes_per_peer
+        == shard_terms(TABLE, WORKLOAD, TOPOLOGY, **row_wise).embedding_bytes_per_peer
+    )
     assert hot.hot_reduce_bytes == H * (D + 1) * 4
     assert hot.hot_device_bytes == H * (2 * D * 4)  # sgd: rows and gradient, no state
     assert hot.lookup_s < plain.lookup_s
-    # Every rank holds the replica; the all-reduce adds its bytes and one latency.
+    # Every rank holds the replica; the all-reduces add its bytes and two latencies (the
+    # replicas, their learning rates).
     with_hot, without = (
         plan_cost(_plan(H), WORKLOAD, TOPOLOGY),
         plan_cost(_plan(0), WORKLOAD, TOPOLOGY),
