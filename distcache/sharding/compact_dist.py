@@ -15,14 +15,20 @@ One batch through it (rank r, world W, B samples per rank)::
     prepare     the shard's routed lengths `[F_r, W * B]` and the batch's cold lengths
     forward     the non-empty bags counted per (peer, feature) on both sides: one read of
                 the device for the batch (the all-to-all's split sizes are host ints, as
-                TorchRec's input dist reads its own); each feature's non-empty outputs
-                gathered, peer-major; one all-to-all (TorchRec's `AllToAllSingle`: the
-                backward sends the gradients back, divided by the world size as TorchRec's
-                own dist does); each peer's features scattered into zeros
+                TorchRec's input dist reads its own); one gather of the non-empty outputs,
+                peer-major; one all-to-all (TorchRec's `AllToAllSingle`: the backward sends
+                the gradients back, divided by the world size as TorchRec's own dist does);
+                one scatter of what arrived into zeros
+
+The one gather and one scatter give every rank the same autograd graph, whatever its features,
+so the ranks run the backward all-to-alls of a collection's shardings in the same order (a
+graph shaped by each rank's features did not, and deadlocked); each dist has a process group
+of its own. The all-to-all runs when the dist is called (TorchRec's is waited for later).
 
 Used for the table- and column-wise shardings of a collection with hot rows
-(`CachedShardedModule.setup_hot_rows`); a variable batch per feature falls back to TorchRec's
-dist. The bytes sent are counted (`elements_sent`, `elements_full`) for tests and benchmarks.
+(`CachedShardedModule.setup_hot_rows`); a variable batch per feature, or batches of different
+sizes on the ranks, go through TorchRec's dist. The elements sent are counted
+(`elements_sent`, `elements_full`) for tests and benchmarks.
 """
 
 from __future__ import annotations
