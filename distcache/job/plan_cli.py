@@ -281,8 +281,9 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def format_plan(plan: Plan, workload: Workload) -> str:
-    """One line per table (placement, cache, look-ahead), then the solver's reasons."""
-    header = ["table", "rows", "dim", "sharding", "ranks", "storage", "cache", "L", "K"]
+    """One line per table (placement, cache, look-ahead, hot rows), then the solver's
+    reasons."""
+    header = ["table", "rows", "dim", "sharding", "ranks", "storage", "cache", "L", "K", "hot"]
     body = []
     for table in workload.tables:
         tp: TablePlan = plan.table(table.name)
@@ -298,6 +299,7 @@ def format_plan(plan: Plan, workload: Workload) -> str:
                 cache,
                 str(tp.lookahead),
                 str(tp.prefetch_depth),
+                f"{tp.hot_rows:,}" if tp.hot_rows else "-",
             ]
         )
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from distcache import DistcacheConfigError
 from distcache.__main__ import main
 from distcache.job.config import load_job_config
-from distcache.job.plan_cli import compare_main, load_workload_config, plan_main
+from distcache.job.plan_cli import compare_main, format_plan, load_workload_config, plan_main
 from distcache.planner.solver import solve
 from distcache.planner.topology import preset
 from distcache.planner.types import Plan
@@ -179,3 +180,14 @@ def test_a_job_config_with_an_unknown_key_names_it(tmp_path: Path) -> None:
     config.write_text('[data]\nsource = "synthetic"\n[train]\nstepz = 3\n')
     with pytest.raises(DistcacheConfigError, match="stepz"):
         load_workload_config(config)
+
+
+def test_the_plan_table_shows_hot_rows() -> None:
+    workload = workload_preset(SPEC)
+    plan = solve(workload, preset("h100", world_size=2))
+    first = dataclasses.replace(plan.tables[0], sharding="row_wise", ranks=(0, 1), hot_rows=1234)
+    hot = dataclasses.replace(plan, tables=(first, *plan.tables[1:]))
+    lines = format_plan(hot, workload).splitlines()
+    assert lines[0].split()[-1] == "hot"
+    row = next(line for line in lines if line.startswith(first.table + " "))
+    assert row.split()[-1] == "1,234"
