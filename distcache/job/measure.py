@@ -277,7 +277,8 @@ class _Run:
 
 class CollectiveBytes(TorchDispatchMode):
     """Counts the bytes this rank sends to other ranks in the collectives dispatched while it
-    is active (c10d's ops, as TorchRec and DDP issue them on gloo):
+    is active (c10d's ops, as TorchRec and DDP issue them on gloo, and the functional
+    all-to-all of distcache's compact output dist):
 
     - all-to-all: the input but the rows the rank keeps (its own split);
     - reduce-scatter: (W - 1) / W of the input; all-gather: the input to each of the W - 1
@@ -292,7 +293,7 @@ class CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = func._schema.name
-        if name.startswith("c10d::"):
+        if name.startswith("c10d::") or name == "_c10d_functional::all_to_all_single":
             self._count(name, args)
         return func(*args, **(kwargs or {}))
 
@@ -305,6 +306,10 @@ class CollectiveBytes(TorchDispatchMode):
             own = splits[rank] if splits else rows / world
             kept = own * (total / rows) if rows else 0.0
             self.all_to_all += total - kept
+        elif name == "_c10d_functional::all_to_all_single":  # (input, out splits, in splits)
+            source, splits = args[0], list(args[2])
+            element = source.element_size() * (source.numel() / max(sum(splits), 1))
+            self.all_to_all += (sum(splits) - splits[rank]) * element
         elif name == "c10d::_reduce_scatter_base_":
             source = args[1]
             self.all_to_all += source.numel() * source.element_size() * (world - 1) / world

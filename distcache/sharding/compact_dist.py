@@ -28,7 +28,7 @@ of its own. The all-to-all runs when the dist is called (TorchRec's is waited fo
 Used for the table- and column-wise shardings of a collection with hot rows
 (`CachedShardedModule.setup_hot_rows`); a variable batch per feature, or batches of different
 sizes on the ranks, go through TorchRec's dist. The elements sent are counted
-(`elements_sent`, `elements_full`) for tests and benchmarks.
+(`elements_sent`, `elements_kept`, `elements_received`, `elements_full`) for tests.
 """
 
 from __future__ import annotations
@@ -85,8 +85,10 @@ class CompactPooledEmbeddingDist(nn.Module):
         self._callbacks = list(callbacks or [])
         self._sent_lengths: torch.Tensor | None = None
         self._cold: tuple[list[str], torch.Tensor] | None = None
-        self.elements_sent = 0  # pooled output elements this rank sent (forward), cumulative
-        self.elements_full = 0  # ... TorchRec's dist would have sent
+        # Pooled output elements, cumulative, forward: this rank sent (to itself too), of which
+        # it kept (its own split), received, and what TorchRec's dist would have sent.
+        self.elements_sent = self.elements_kept = self.elements_received = 0
+        self.elements_full = 0
 
     def prepare(self, sent_lengths: torch.Tensor, keys: list[str], cold: torch.Tensor) -> None:
         """The batch's lengths, before `forward`: `sent_lengths` `[F_r * W * B]` the shard's
@@ -147,6 +149,8 @@ class CompactPooledEmbeddingDist(nn.Module):
             send, out_splits, in_splits, pg_name(self._pg), world, get_gradient_division()
         )
         self.elements_sent += send.numel()
+        self.elements_kept += in_splits[self._rank]
+        self.elements_received += recv.numel()
         self.elements_full += local_embs.numel()
         dims = [d for per_rank in self._dims for d in per_rank]
         put = self._elements(

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
 
+from distcache.job.measure import CollectiveBytes
 from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
 
 
@@ -44,8 +45,12 @@ def compact_equals_torchrec(rank: int, world: int, batch: int, empty: float, see
     cold = lengths[:, rank, :].reshape(-1)  # this rank's samples, every feature
     ours_in = embs.clone().requires_grad_()
     compact.prepare(mine_lengths, keys, cold)
-    ours = compact(ours_in).wait()
-    (ours * weight).sum().backward()
+    with CollectiveBytes() as counted:  # what `compare --measure` reports
+        ours = compact(ours_in).wait()
+        (ours * weight).sum().backward()
+    # Forward: what it sent but its own split; backward: the gradients of what it received.
+    elements = compact.elements_sent + compact.elements_received - 2 * compact.elements_kept
+    assert counted.all_to_all == 4 * elements, (counted.all_to_all, elements)
 
     reference = PooledEmbeddingsAllToAll(dist.group.WORLD, [sum(d) for d in dims])
     theirs_in = embs.clone().requires_grad_()
