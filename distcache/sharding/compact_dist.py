@@ -133,16 +133,7 @@ class CompactPooledEmbeddingDist(nn.Module):
         # One gather of the outputs sent and one scatter of those received: the same autograd
         # graph on every rank (as TorchRec's dist), so every rank runs the backward
         # all-to-alls of a collection's shardings in the same order.
-        width = local_embs.shape[1]
-        take = self._elements(
-            sends.reshape(-1),
-            sum(sent_counts),
-            sum(in_splits),
-            self._dims[self._rank],
-            width,
-            batch,
-        )
-        send = local_embs.reshape(-1).index_select(0, take)
+        send = self._gather(local_embs, sends.reshape(-1), sent_counts, in_splits, batch)
         # TorchRec's own all-to-all: its backward divides the gradients by the world size (as
         # TorchRec's pooled output dist does, `get_gradient_division`).
         recv = AllToAllSingle.apply(
@@ -152,12 +143,36 @@ class CompactPooledEmbeddingDist(nn.Module):
         self.elements_kept += in_splits[self._rank]
         self.elements_received += recv.numel()
         self.elements_full += local_embs.numel()
+        out = self._scatter(recv, gets.reshape(-1), got_counts, out_splits, batch)
+        return _Ready(out, self._callbacks)
+
+    def _gather(self, embs, bags, counts, splits, batch):  # noqa: ANN001, ANN202
+        """The outputs of the set `bags` (peer, feature, sample) of `embs` `[W * B, dims]`,
+        flat, in that order."""
+        dims = self._dims[self._rank]
+        if len(set(dims)) == 1:  # one width: whole rows of `embs` seen as [W * B * F, dim]
+            rows = self._rows(bags, sum(counts), len(dims), batch)
+            return embs.reshape(-1, dims[0]).index_select(0, rows).reshape(-1)
+        at = self._elements(bags, sum(counts), sum(splits), dims, embs.shape[1], batch)
+        return embs.reshape(-1).index_select(0, at)
+
+    def _scatter(self, recv, bags, counts, splits, batch):  # noqa: ANN001, ANN202
+        """`[B, every peer's dims]`: the outputs received (flat, the set `bags` (peer's
+        feature, sample) in order) in place, zeros elsewhere."""
         dims = [d for per_rank in self._dims for d in per_rank]
-        put = self._elements(
-            gets.reshape(-1), sum(got_counts), sum(out_splits), dims, sum(dims), batch
-        )
-        out = recv.new_zeros(batch * sum(dims)).index_copy(0, put, recv)
-        return _Ready(out.view(batch, sum(dims)), self._callbacks)
+        if len(set(dims)) == 1:
+            rows = self._rows(bags, sum(counts), len(dims), batch)
+            out = recv.new_zeros(batch * len(dims), dims[0])
+            return out.index_copy(0, rows, recv.view(-1, dims[0])).view(batch, -1)
+        at = self._elements(bags, sum(counts), sum(splits), dims, sum(dims), batch)
+        return recv.new_zeros(batch * sum(dims)).index_copy(0, at, recv).view(batch, -1)
+
+    @staticmethod
+    def _rows(bags: torch.Tensor, entries: int, features: int, batch: int) -> torch.Tensor:
+        """As `_elements` for one width: the row `(p * batch + b) * F + f` of each bag set."""
+        k = torch.nonzero_static(bags, size=entries).squeeze(1)
+        bag, sample = k // batch, k % batch
+        return ((bag // features) * batch + sample) * features + bag % features
 
     @staticmethod
     def _tensor(values: list[int], device: torch.device) -> torch.Tensor:

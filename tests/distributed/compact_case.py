@@ -11,15 +11,19 @@ from distcache.job.measure import CollectiveBytes
 from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
 
 
-def compact_equals_torchrec(rank: int, world: int, batch: int, empty: float, seed: int) -> dict:
-    """Every rank sends its features' pooled outputs (a feature of 1-3 columns, 0-2 features a
-    rank) for every rank's `batch` samples; a share `empty` of the bags has no id (TorchRec
-    pools them to zero). Forward bitwise equal to TorchRec's dist; backward too on the bags
-    that have ids (an empty bag's gradient reaches no row)."""
+def compact_equals_torchrec(
+    rank: int, world: int, batch: int, empty: float, seed: int, width: int | None = None
+) -> dict:
+    """Every rank sends its features' pooled outputs (a feature of 1-3 columns, or `width`
+    for all, 0-2 features a rank) for every rank's `batch` samples; a share `empty` of the bags
+    has no id (TorchRec pools them to zero). Forward bitwise equal to TorchRec's dist; backward
+    too on the bags that have ids (an empty bag's gradient reaches no row)."""
     gen = torch.Generator().manual_seed(seed)  # the same draws on every rank
     features = [[f"f{r}_{i}" for i in range(int(torch.randint(0, 3, (1,), generator=gen)))]
                 for r in range(world)]  # fmt: skip
     dims = [[int(torch.randint(1, 4, (1,), generator=gen)) for _ in fs] for fs in features]
+    if width is not None:  # one width: the dist moves whole rows
+        dims = [[width for _ in fs] for fs in features]
     keys = [f for fs in features for f in fs]
     # lengths[k, s, b]: ids of feature k in sample b of rank s
     lengths = torch.randint(1, 4, (len(keys), world, batch), generator=gen)

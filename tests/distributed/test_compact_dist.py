@@ -9,11 +9,13 @@ from tests.distributed.harness import run_ranks
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("world", "empty", "seed"),
-    [(2, 0.0, 0), (2, 0.6, 1), (2, 1.0, 2), (3, 0.5, 3), (3, 0.9, 4)],
+    ("world", "empty", "seed", "width"),
+    [(2, 0.0, 0, None), (2, 0.6, 1, None), (2, 1.0, 2, 4), (3, 0.9, 4, None), (3, 0.5, 7, 4)],
 )
-def test_compact_dist_equals_torchrecs(world, empty, seed):
-    results = run_ranks(compact_equals_torchrec, world, args=(4, empty, seed), timeout_s=120)
+def test_compact_dist_equals_torchrecs(world, empty, seed, width):
+    """Features of mixed widths (outputs gathered element by element) and of one width
+    (whole rows)."""
+    results = run_ranks(compact_equals_torchrec, world, args=(4, empty, seed, width), timeout_s=120)
     sent = sum(r["sent"] for r in results)
     full = sum(r["full"] for r in results)
     if empty == 0.0:
