@@ -59,6 +59,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         topology = str(Path(tmp) / "topology.json")
         _distcache("calibrate", "--out", topology)
+        calibrated = json.loads(Path(topology).read_text())  # kept with the results
         for _ in range(args.runs):
             out = _distcache(
                 "compare", "--preset", args.workload, "--topology", topology,
@@ -114,7 +115,10 @@ def main() -> None:
     )
     for key, r in ratios.items():
         print(f"{key}: {r['median']:.2f} x ({r['min']:.2f}-{r['max']:.2f})")
-    config = vars(args) | {"machine_calibrated": "python -m distcache calibrate, just before"}
+    config = vars(args) | {
+        "machine_calibrated": "python -m distcache calibrate, just before",
+        "calibrated_topology": calibrated,
+    }
     write_json(args.json, config, [{"summary": table, "ratios": ratios, "runs": runs}])
 
 
