@@ -37,11 +37,14 @@ class FrameworkCosts:
     """None when the big table's update was lost in the noise (the model's default stands)."""
 
 
+ROUNDS = 3  # the first plan's runs at either batch, in turns (`measure_framework_costs`)
+
+
 def measure_framework_costs(
     topology: Topology,
     *,
     big_rows: int = 250_000,
-    big_batch: int = 512,
+    big_batch: int = 8192,
     options: MeasureOptions | None = None,
 ) -> FrameworkCosts:
     """Time tiny plans on this rank and fit the costs the cost model cannot derive.
@@ -57,12 +60,14 @@ def measure_framework_costs(
     - dense update: table bytes per second from the last two plans' difference;
     - sharding overhead: the mean of what a second sharding type adds (row-wise, data parallel);
     - step overhead: what remains of the first plan once its one sharding type is paid;
-    - id overhead: what the bigger batch adds, per id routed (sent and served).
+    - id overhead: what the bigger batch adds, per id routed (sent and served); the two runs
+      of the first plan are repeated in turns (`ROUNDS`), their medians kept.
 
     Args:
         topology: the calibrated rates (lookups, dense compute); its world size is ignored.
         big_rows: rows of `t1`: its dense update should take far longer than a step's noise.
-        big_batch: the batch of the second run of the first plan.
+        big_batch: the batch of the second run of the first plan: large, so that the
+            per-id cost is a large difference (thousands of ids).
         options: steps and warm-up.
 
     Runs in this process, whose default process group must be of one rank (TorchRec's plans
@@ -75,7 +80,16 @@ def measure_framework_costs(
         for n, s in time_plans_here(plans, workload, options=options).items()
     }
     tw = {"tw": plans["tw"]}
-    big_s = statistics.median(time_plans_here(tw, bigger, options=options)["tw"])
+    # The per-id cost is a small difference of two steps: time the pair in turns, ROUNDS
+    # times, and keep each one's median (one slow moment of this machine moved it 10 x).
+    small_runs, big_runs = [measured["tw"]], []
+    for i in range(ROUNDS):
+        big_runs.append(statistics.median(time_plans_here(tw, bigger, options=options)["tw"]))
+        if i + 1 < ROUNDS:
+            small_runs.append(
+                statistics.median(time_plans_here(tw, workload, options=options)["tw"])
+            )
+    small_s, big_s = statistics.median(small_runs), statistics.median(big_runs)
     extra_bytes = (big_rows - 1000) * workload.row_bytes(workload.tables[0])
     update_s = measured["tw+dp"] - measured["dp+tw"]
     update_rate = extra_bytes / update_s if update_s > 0 else None
@@ -85,13 +99,14 @@ def measure_framework_costs(
     )  # fmt: skip
     excess = {n: measured[n] - plan_cost(p, workload, free).step_s for n, p in plans.items()}
     big_excess = big_s - plan_cost(plans["tw"], bigger, free).step_s
+    small_excess = small_s - plan_cost(plans["tw"], workload, free).step_s
     routed = 2 * 2 * (big_batch - workload.batch_size_per_rank)  # 2 tables, sent and served
     per_type = 0.5 * (excess["tw+rw"] + excess["dp+tw"]) - excess["tw"]
     sharding = max(0.0, per_type)
     return FrameworkCosts(
         step_overhead_s=max(0.0, excess["tw"] - sharding),
         sharding_overhead_s=sharding,
-        id_overhead_s=max(0.0, (big_excess - excess["tw"]) / routed),
+        id_overhead_s=max(0.0, (big_excess - small_excess) / routed),
         dense_update_bytes_per_s=update_rate,
     )
 

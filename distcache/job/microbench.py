@@ -65,7 +65,7 @@ class CalibrationSizes:
     """Rows of the data-parallel table whose dense update `measure_framework_costs` times:
     16 MB, a size replicated tables have (one that outgrows the last-level cache updates
     slower: here 1.6 GB/s at 16-32 MB, 1.0 GB/s at 64 MB)."""
-    framework_batch: int = 512
+    framework_batch: int = 8192
     """Batch of the run that times the framework's cost per id."""
     framework_steps: int = 30
     framework_warmup: int = 10
@@ -103,7 +103,7 @@ QUICK = CalibrationSizes(
     message_bytes=(1024, 16 * 1024, 256 * 1024),
     repeats=3,
     framework_rows=50_000,
-    framework_batch=128,
+    framework_batch=1024,
     framework_steps=6,
     framework_warmup=2,
 )
