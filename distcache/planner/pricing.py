@@ -36,7 +36,7 @@ from distcache.planner.ranks import (
     reduced_in_node,
     shard_contribution,
 )
-from distcache.planner.shards import ShardTerms, sent_ids_per_rank
+from distcache.planner.shards import ShardTerms, sent_bags_per_rank
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -63,7 +63,7 @@ class State:
         self.load = RankTerms.zeros(problem.world)
         self.dp_bytes = 0.0
         self.kinds: Counter[str] = Counter()  # tables placed per sharding type
-        self.sent_ids = 0.0  # ids each rank sends per step
+        self.sent_bags = 0.0  # bags each rank sends per step
         self.hot_bytes = 0.0  # hot-row replicas' gradients and flags all-reduced per step
         self.hot_tables = 0
         self.link_work_s = 0.0
@@ -74,7 +74,7 @@ class State:
         """What every rank pays alike (all-reduce, all-to-all latencies, per-sharding-type
         overheads) if `mode` were added."""
         dp = self.dp_bytes + (mode.terms.all_reduce_bytes if mode else 0.0)
-        sent = self.sent_ids + (sent_ids_per_rank(mode.terms, mode.shards) if mode else 0.0)
+        sent = self.sent_bags + (sent_bags_per_rank(mode.terms, mode.shards) if mode else 0.0)
         kinds = {k for k, n in self.kinds.items() if n > 0}
         kinds |= {mode.sharding} if mode is not None else set()
         hot_bytes = self.hot_bytes + (mode.terms.hot_reduce_bytes if mode else 0.0)
@@ -100,7 +100,7 @@ class State:
         self.load += contrib
         self.dp_bytes += mode.terms.all_reduce_bytes
         self.kinds[mode.sharding] += 1
-        self.sent_ids += sent_ids_per_rank(mode.terms, mode.shards)
+        self.sent_bags += sent_bags_per_rank(mode.terms, mode.shards)
         self.hot_bytes += mode.terms.hot_reduce_bytes
         self.hot_tables += mode.hot_rows > 0
         self.link_work_s += self._link_work(mode, ranks, contrib)
@@ -112,7 +112,7 @@ class State:
         self.load -= contrib
         self.dp_bytes -= mode.terms.all_reduce_bytes
         self.kinds[mode.sharding] -= 1
-        self.sent_ids -= sent_ids_per_rank(mode.terms, mode.shards)
+        self.sent_bags -= sent_bags_per_rank(mode.terms, mode.shards)
         self.hot_bytes -= mode.terms.hot_reduce_bytes
         self.hot_tables -= mode.hot_rows > 0
         self.link_work_s -= self._link_work(mode, ranks, contrib)

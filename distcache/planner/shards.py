@@ -76,6 +76,8 @@ class ShardTerms:
     every consumer."""
     hot_rows: int = 0
     """Rows replicated on every rank (`TablePlan.hot_rows`); the terms above are the rest's."""
+    pooling_factor: float = 1.0
+    """The table's ids a bag (what turns routed ids into routed bags)."""
     hot_fraction: float = 0.0
     """Share of the table's lookups the replica serves."""
     hot_lookup_s: float = 0.0
@@ -217,6 +219,7 @@ def shard_terms(
     """
     dtype = workload.dtype_bytes
     per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
+    pooling = table.pooling_factor if table.pooling_factor > 0 else 1.0  # ids a bag
     global_ids = per_rank_ids * topology.world_size
     rows_split, columns_split = splits(sharding, shards, topology)
     dim = table.dim // columns_split
@@ -244,7 +247,17 @@ def shard_terms(
         row_bytes=row_bytes,
         ids_per_step=ids,
         unique_rows_per_step=unique,
-        lookup_s=_lookup_s(ids, unique, rows, dim * element, row_bytes, sharded, cached, topology),
+        lookup_s=_lookup_s(
+            ids,
+            unique,
+            rows,
+            dim * element,
+            row_bytes,
+            sharded,
+            cached,
+            topology,
+            bags=ids / pooling,
+        ),
         cache_rows=cache_rows,
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
@@ -267,6 +280,7 @@ def shard_terms(
         else 0.0,
         all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
         reduced_in_node=sharding == TABLE_ROW_WISE,
+        pooling_factor=pooling,
         **_hot_terms(table, workload, topology, hot_rows, hot_mass),
     )
 
@@ -319,10 +333,13 @@ def _lookup_s(
     sharded: bool,
     cached: bool,
     topology: Topology,
+    *,
+    bags: float,
 ) -> float:
-    """A shard's lookups with what comes with them: a sharded table routes the ids it serves;
-    a data-parallel one updates every row densely instead of the rows it touched. A cached
-    table is served by distcache's kernel, the others by TorchRec's (`to_sharding_plan`)."""
+    """A shard's lookups with what comes with them: a sharded table routes the `bags` it
+    serves (`Topology.id_overhead_s` each); a data-parallel one updates every row densely
+    instead of the rows it touched. A cached table is served by distcache's kernel, the others
+    by TorchRec's (`to_sharding_plan`)."""
     lookup_s = lookup_time_s(
         ids=ids,
         unique_rows=unique if sharded else 0.0,
@@ -332,7 +349,7 @@ def _lookup_s(
         device_stored=not cached,
     )
     if sharded:
-        return lookup_s + topology.id_overhead_s * ids
+        return lookup_s + topology.id_overhead_s * bags
     return lookup_s + dense_update_time_s(rows * row_bytes, topology)
 
 
@@ -364,7 +381,7 @@ def table_plan_terms(
     )
 
 
-def sent_ids_per_rank(terms: ShardTerms, shards: int) -> float:
-    """Ids each rank sends a table of `shards` shards per step (column-wise: to every shard;
-    row-wise: each id to one); 0 for data parallel."""
-    return terms.ids_bytes_per_peer / ID_BYTES * shards
+def sent_bags_per_rank(terms: ShardTerms, shards: int) -> float:
+    """Bags each rank sends a table of `shards` shards per step, as its ids over the table's
+    ids a bag (column-wise: to every shard; row-wise: each id to one); 0 for data parallel."""
+    return terms.ids_bytes_per_peer / ID_BYTES * shards / terms.pooling_factor

@@ -187,9 +187,10 @@ class Topology:
     """Host time per step and rank for each sharding type a plan uses (its input and output
     distribution, lookup module and per-batch cache calls); 0 on GPUs (as above)."""
     id_overhead_s: float = 0.0
-    """Host time per id routed, on the rank sending it and on the rank serving it (TorchRec's
-    input distribution outside the cache kernel: bucketing, permutes, validation); 0 on GPUs
-    (as above)."""
+    """Host time per bag routed (a sample's ids of one feature; measured with one id a bag,
+    hence the name), on the rank sending it and on the rank serving it (TorchRec's input
+    distribution outside the cache kernel: bucketing, permutes, validation); 0 on GPUs (as
+    above)."""
     sync_latency_s: float | None = None
     """What a collective costs when the ranks arrive from their own computation, the wait for
     a peer the OS descheduled included (CPU ranks sharing cores); None: `network_latency_s`

@@ -189,3 +189,26 @@ def test_export_names_the_hottest_rows_and_reads_them_back() -> None:
     assert custom.plan[""]["a"].cache_config.hot_rows == (998, 999)
     back = from_sharding_plan(sharding, workload, world_size=2)
     assert back.table("a").hot_rows == 3
+
+
+def test_the_framework_cost_is_per_bag_routed() -> None:
+    """`Topology.id_overhead_s` is paid per bag (measured: the framework's cost follows bags,
+    not ids), by the rank sending it and the shard serving it."""
+    cost = dataclasses.replace(TOPOLOGY, id_overhead_s=1e-3)
+    steps = {}
+    for pooling in (1.0, 4.0):
+        table = dataclasses.replace(TABLE, pooling_factor=pooling)
+        workload = dataclasses.replace(WORKLOAD, tables=(table,))
+        placed = TablePlan(table=table.name, sharding=TABLE_WISE, ranks=(0,))
+        plan = Plan(name="p", tables=(placed,))
+        steps[pooling] = (
+            plan_cost(plan, workload, cost).per_rank[0].overhead_s
+            - plan_cost(plan, workload, TOPOLOGY).per_rank[0].overhead_s,
+            shard_terms(table, workload, cost, sharding=TABLE_WISE, shards=1).lookup_s
+            - shard_terms(table, workload, TOPOLOGY, sharding=TABLE_WISE, shards=1).lookup_s,
+        )
+    bags_sent, bags_served = WORKLOAD.batch_size_per_rank, WORKLOAD.batch_size_per_rank * 2
+    for pooling in (1.0, 4.0):
+        sent, served = steps[pooling]
+        assert sent == pytest.approx(1e-3 * bags_sent), pooling
+        assert served == pytest.approx(1e-3 * bags_served), pooling
