@@ -241,23 +241,15 @@ def shard_terms(
         loads = table_access(table).loads(global_ids, slots, model) / rows_split
     staging_bytes = 2 * loads * row_bytes
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
+    sent = workload.batch_size_per_rank * dim * dtype * _sent_bags(table, sharding, hot_mass)
+    lookup = (ids, unique, rows, dim * element, row_bytes, sharded, cached, topology)
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,
         row_bytes=row_bytes,
         ids_per_step=ids,
         unique_rows_per_step=unique,
-        lookup_s=_lookup_s(
-            ids,
-            unique,
-            rows,
-            dim * element,
-            row_bytes,
-            sharded,
-            cached,
-            topology,
-            bags=ids / pooling,
-        ),
+        lookup_s=_lookup_s(*lookup, bags=ids / pooling),
         cache_rows=cache_rows,
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
@@ -272,12 +264,7 @@ def shard_terms(
         ids_bytes_per_peer=per_rank_ids * (1 - hot_mass) * ID_BYTES / rows_split
         if sharded
         else 0.0,
-        embedding_bytes_per_peer=workload.batch_size_per_rank
-        * dim
-        * dtype
-        * _sent_bags(table, sharding, hot_mass)
-        if sharded
-        else 0.0,
+        embedding_bytes_per_peer=sent if sharded else 0.0,
         all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
         reduced_in_node=sharding == TABLE_ROW_WISE,
         pooling_factor=pooling,

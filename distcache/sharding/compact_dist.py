@@ -41,6 +41,8 @@ from torch import nn
 from torchrec.distributed.comm_ops import AllToAllSingle, get_gradient_division, pg_name
 from torchrec.distributed.types import Awaitable
 
+from distcache.errors import UnsupportedError
+
 
 class _Ready(Awaitable[torch.Tensor]):
     """An awaitable of a tensor already computed (the all-to-all ran synchronously)."""
@@ -104,7 +106,10 @@ class CompactPooledEmbeddingDist(nn.Module):
             self._sent_lengths = self._cold = None
             return self._fallback(local_embs, sharding_ctx)
         if self._sent_lengths is None or self._cold is None:
-            raise RuntimeError("CompactPooledEmbeddingDist: prepare() must run before forward")
+            raise UnsupportedError(
+                "CompactPooledEmbeddingDist: prepare() must give the batch's lengths before "
+                "forward (the sharded module does, in compute_and_output_dist)"
+            )
         sent, (keys, cold) = self._sent_lengths, self._cold
         self._sent_lengths = self._cold = None
         world = dist.get_world_size(self._pg)
