@@ -241,15 +241,16 @@ def shard_terms(
         loads = table_access(table).loads(global_ids, slots, model) / rows_split
     staging_bytes = 2 * loads * row_bytes
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
-    sent = workload.batch_size_per_rank * dim * dtype * _sent_bags(table, sharding, hot_mass)
-    lookup = (ids, unique, rows, dim * element, row_bytes, sharded, cached, topology)
+    sent = workload.batch_size_per_rank * dim * dtype * _output_share(table, sharding, hot_mass)
+    dim_bytes, bags = dim * element, ids / pooling
+    lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, cached, topology)
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,
         row_bytes=row_bytes,
         ids_per_step=ids,
         unique_rows_per_step=unique,
-        lookup_s=_lookup_s(*lookup, bags=ids / pooling),
+        lookup_s=lookup_s,
         cache_rows=cache_rows,
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
@@ -272,7 +273,7 @@ def shard_terms(
     )
 
 
-def _sent_bags(table: TableStats, sharding: str, hot_mass: float) -> float:
+def _output_share(table: TableStats, sharding: str, hot_mass: float) -> float:
     """The share of a shard's bags whose pooled output is sent: with hot rows, table- and
     column-wise outputs skip the bags whose ids were all hot (`sharding.compact_dist`), about
     hot_mass ** pooling of them (each of a bag's ids hot with probability hot_mass); the other
@@ -313,6 +314,7 @@ def _hot_terms(
 
 def _lookup_s(
     ids: float,
+    bags: float,
     unique: float,
     rows: int,
     dim_bytes: int,
@@ -320,8 +322,6 @@ def _lookup_s(
     sharded: bool,
     cached: bool,
     topology: Topology,
-    *,
-    bags: float,
 ) -> float:
     """A shard's lookups with what comes with them: a sharded table routes the `bags` it
     serves (`Topology.id_overhead_s` each); a data-parallel one updates every row densely

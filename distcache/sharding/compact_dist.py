@@ -85,6 +85,7 @@ class CompactPooledEmbeddingDist(nn.Module):
         self._dims = dims_per_rank
         self._fallback = fallback
         self._callbacks = list(callbacks or [])
+        self._orders: dict[tuple[str, ...], torch.Tensor] = {}  # by the batch's keys
         self._sent_lengths: torch.Tensor | None = None
         self._cold: tuple[list[str], torch.Tensor] | None = None
         # Pooled output elements, cumulative, forward: this rank sent (to itself too), of which
@@ -118,23 +119,11 @@ class CompactPooledEmbeddingDist(nn.Module):
         # Bags this rank sends, peer-major: [W, F_r, B]; bags it receives, (peer, feature)
         # in the peers' column order: [sum F_s, B].
         sends = (sent.view(len(mine), world, batch) > 0).transpose(0, 1)
-        index = {k: i for i, k in enumerate(keys)}
-        order = [index[f] for features in self._features for f in features]
-        gets = cold.view(len(keys), batch).index_select(0, self._tensor(order, cold.device)) > 0
+        gets = cold.view(len(keys), batch).index_select(0, self._order(keys, cold.device)) > 0
         counts = torch.cat([sends.sum(2).reshape(-1), gets.sum(1)]).tolist()  # the one read
         sent_counts, got_counts = counts[: world * len(mine)], counts[world * len(mine) :]
-        in_splits = [
-            sum(c * d for c, d in zip(sent_counts[s * len(mine) : (s + 1) * len(mine)],
-                                      self._dims[self._rank], strict=True))
-            for s in range(world)
-        ]  # fmt: skip
-        out_splits, k = [], 0
-        for s in range(world):
-            n = len(self._features[s])
-            out_splits.append(
-                sum(c * d for c, d in zip(got_counts[k : k + n], self._dims[s], strict=True))
-            )
-            k += n
+        in_splits = _volumes(sent_counts, [self._dims[self._rank]] * world)
+        out_splits = _volumes(got_counts, self._dims)
         # One gather of the outputs sent and one scatter of those received: the same autograd
         # graph on every rank (as TorchRec's dist), so every rank runs the backward
         # all-to-alls of a collection's shardings in the same order.
@@ -172,16 +161,21 @@ class CompactPooledEmbeddingDist(nn.Module):
         at = self._elements(bags, sum(counts), sum(splits), dims, sum(dims), batch)
         return recv.new_zeros(batch * sum(dims)).index_copy(0, at, recv).view(batch, -1)
 
+    def _order(self, keys: list[str], device: torch.device) -> torch.Tensor:
+        """Where each peer's features (in the peers' column order) sit among the batch's
+        `keys`: the same every batch, built once per key order."""
+        order = self._orders.get(tuple(keys))
+        if order is None:
+            index = {k: i for i, k in enumerate(keys)}
+            at = [index[f] for features in self._features for f in features]
+            order = self._orders[tuple(keys)] = torch.tensor(at, dtype=torch.long, device=device)
+        return order
+
     @staticmethod
     def _rows(bags: torch.Tensor, entries: int, features: int, batch: int) -> torch.Tensor:
         """As `_elements` for one width: the row `(p * batch + b) * F + f` of each bag set."""
-        k = torch.nonzero_static(bags, size=entries).squeeze(1)
-        bag, sample = k // batch, k % batch
-        return ((bag // features) * batch + sample) * features + bag % features
-
-    @staticmethod
-    def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
+        row, feature = _bag_rows(bags, entries, features, batch)
+        return row * features + feature
 
     def _elements(
         self, bags: torch.Tensor, entries: int, total: int, dims: list[int], width: int, batch: int
@@ -192,12 +186,9 @@ class CompactPooledEmbeddingDist(nn.Module):
         `p * batch + b` of `width` columns where feature f starts at column sum(dims[:f]):
         `local_embs` (one block per peer) and the output (one block: every peer's features)."""
         device = bags.device
-        dim = self._tensor(dims, device)
+        dim = torch.tensor(dims, dtype=torch.long, device=device)
         first = torch.cumsum(dim, 0) - dim  # [F] each feature's first column
-        k = torch.nonzero_static(bags, size=entries).squeeze(1)  # [entries]
-        bag, sample = k // batch, k % batch
-        feature = bag % len(dims)
-        row = (bag // len(dims)) * batch + sample
+        row, feature = _bag_rows(bags, entries, len(dims), batch)  # [entries] each
         length = dim.index_select(0, feature)  # [entries] columns of each bag
         base = row * width + first.index_select(0, feature)
         start = torch.cumsum(length, 0) - length  # each bag's first element in the result
@@ -205,3 +196,23 @@ class CompactPooledEmbeddingDist(nn.Module):
             start, length, output_size=total
         )
         return torch.repeat_interleave(base, length, output_size=total) + column
+
+
+def _bag_rows(
+    bags: torch.Tensor, entries: int, features: int, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the `entries` bags set in `bags` (bool `[blocks * features * batch]`: block
+    p, feature f, sample b), in order: its row `p * batch + b` and its feature f."""
+    k = torch.nonzero_static(bags, size=entries).squeeze(1)
+    bag, sample = k // batch, k % batch
+    return (bag // features) * batch + sample, bag % features
+
+
+def _volumes(counts: list[int], dims_per_block: list[list[int]]) -> list[int]:
+    """Elements per block: the bags counted per (block, feature), `counts` in that order,
+    times each feature's width."""
+    volumes, k = [], 0
+    for dims in dims_per_block:
+        volumes.append(sum(c * d for c, d in zip(counts[k : k + len(dims)], dims, strict=True)))
+        k += len(dims)
+    return volumes

@@ -154,7 +154,6 @@ class HotRows:
         # Per table with a shard on this rank: the learning rate its kernel applies in this
         # backward (a host float). A table no rank reports keeps its configured rate.
         self.lr_sources: dict[str, Callable[[], float]] = {}
-        self._names = list(self.tables)
 
     # ------------------------------------------------------------ the batch
     def split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HotInput]:
@@ -284,7 +283,7 @@ class HotRows:
         # The rate of each table's shards, -1 where this rank holds none: the maximum over
         # the ranks is their rate (they agree), exact in float64, read on the host.
         lrs = torch.tensor(
-            [self.lr_sources[n]() if n in self.lr_sources else -1.0 for n in self._names],
+            [self.lr_sources[n]() if n in self.lr_sources else -1.0 for n in self.tables],
             dtype=torch.float64,
         )
         works = []
@@ -308,8 +307,7 @@ class HotRows:
         grad, counts = both[:size].div_(world), both[size:]
         flat = self.flat.detach()
         with torch.no_grad():
-            for name, lr in zip(self._names, lrs.tolist(), strict=True):  # a host tensor
-                table = self.tables[name]
+            for table, lr in zip(self.tables.values(), lrs.tolist(), strict=True):  # host values
                 if lr >= 0:
                     table.optimizer.lr = lr
                 count = table.ids.numel()
