@@ -223,7 +223,6 @@ class HotRows:
             self.reader(self)
         out: dict[str, torch.Tensor] = {}
         touched = []
-        stride = part.stride
         for width, ids in zip(self.widths, part.widths, strict=True):
             sums = _PooledRows.apply(
                 width.view(self.flat), ids.rows, ids.offsets, ids.weights, ids.bags
@@ -231,10 +230,13 @@ class HotRows:
             if torch.is_grad_enabled():
                 used = torch.zeros(width.rows, dtype=torch.bool, device=self.device)
                 touched.append(used.index_fill_(0, ids.rows, True))
-            for k, key in enumerate(part.keys):
+            # One split, not a slice per feature: a slice's backward fills a zero gradient of
+            # all of `sums` and adds into it (8 MB a feature at B = 2048, dim = 128); the
+            # split's concatenates the features' gradients once.
+            for key, bags in zip(part.keys, sums.split(part.stride), strict=True):
                 name = self.feature_tables.get(key)
                 if name is not None and self.tables[name].dim == width.dim:
-                    out[key] = sums[k * stride : (k + 1) * stride]
+                    out[key] = bags
         if touched:
             self._touched = torch.cat(touched)
         return out
@@ -243,12 +245,13 @@ class HotRows:
         self, kt: KeyedTensor, part: HotInput, pooled: dict[str, torch.Tensor]
     ) -> KeyedTensor:
         """The collection's output with the hot rows' part added, feature by feature."""
-        values, columns, start = kt.values(), [], 0
+        values, columns = kt.values(), []
         stride = part.stride
         key_index = {k: i for i, k in enumerate(part.keys)}
-        for key, width in zip(kt.keys(), kt.length_per_key(), strict=True):
-            cold = values[:, start : start + width]
-            start += width
+        # Split once (a column slice per feature would fill a zero gradient of the whole
+        # output per feature in backward).
+        parts = values.split(kt.length_per_key(), dim=1)
+        for key, cold in zip(kt.keys(), parts, strict=True):
             if key not in pooled:
                 columns.append(cold)
                 continue
