@@ -156,10 +156,10 @@ class CompactPooledEmbeddingDist(nn.Module):
         dims = [d for per_rank in self._dims for d in per_rank]
         if len(set(dims)) == 1:
             rows = self._rows(bags, sum(counts), len(dims), batch)
-            out = recv.new_zeros(batch * len(dims), dims[0])
-            return out.index_copy(0, rows, recv.view(-1, dims[0])).view(batch, -1)
+            out = recv.new_zeros(batch * len(dims), dims[0])  # in place: no second copy
+            return out.index_copy_(0, rows, recv.view(-1, dims[0])).view(batch, -1)
         at = self._elements(bags, sum(counts), sum(splits), dims, sum(dims), batch)
-        return recv.new_zeros(batch * sum(dims)).index_copy(0, at, recv).view(batch, -1)
+        return recv.new_zeros(batch * sum(dims)).index_copy_(0, at, recv).view(batch, -1)
 
     def _order(self, keys: list[str], device: torch.device) -> torch.Tensor:
         """Where each peer's features (in the peers' column order) sit among the batch's

@@ -244,31 +244,27 @@ class HotRows:
     def combine(
         self, kt: KeyedTensor, part: HotInput, pooled: dict[str, torch.Tensor]
     ) -> KeyedTensor:
-        """The collection's output with the hot rows' part added, feature by feature."""
-        values, columns = kt.values(), []
-        stride = part.stride
+        """The collection's output with the hot rows' part added, feature by feature, in place
+        (the output is the output dist's fresh tensor, read by nothing else)."""
+        values, stride = kt.values(), part.stride
         key_index = {k: i for i, k in enumerate(part.keys)}
-        # Split once (a column slice per feature would fill a zero gradient of the whole
-        # output per feature in backward).
-        parts = values.split(kt.length_per_key(), dim=1)
-        for key, cold in zip(kt.keys(), parts, strict=True):
-            if key not in pooled:
-                columns.append(cold)
-                continue
-            hot = pooled[key]
-            if key in self.mean_features:
-                k = key_index[key]
-                bags = slice(k * stride, (k + 1) * stride)
-                total = part.lengths[bags].to(values.dtype)
-                cold_ids = total - part.hot_per_bag[bags].to(values.dtype)
-                cold = (cold * cold_ids.unsqueeze(1) + hot) / total.clamp(min=1).unsqueeze(1)
-            else:
-                cold = cold + hot
-            columns.append(cold)
+        spans, means, hots, start = [], [], [], 0
+        for key, width in zip(kt.keys(), kt.length_per_key(), strict=True):
+            if key in pooled:
+                spans.append((start, width))
+                hots.append(pooled[key])
+                mean = None
+                if key in self.mean_features:
+                    bags = slice(key_index[key] * stride, (key_index[key] + 1) * stride)
+                    total = part.lengths[bags].to(values.dtype)
+                    cold_ids = total - part.hot_per_bag[bags].to(values.dtype)
+                    mean = (cold_ids.unsqueeze(1), total.clamp(min=1).unsqueeze(1))
+                means.append(mean)
+            start += width
         return KeyedTensor(
             keys=kt.keys(),
             length_per_key=kt.length_per_key(),
-            values=torch.cat(columns, dim=1),
+            values=_AddColumns.apply(values, spans, means, *hots),
             key_dim=1,
         )
 
@@ -438,6 +434,46 @@ class _PooledRows(torch.autograd.Function):
         shape = (ctx.num_rows, grad.shape[1])
         grad_rows = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
         return grad_rows.index_add_(0, rows, per_id), None, None, None, None
+
+
+class _AddColumns(torch.autograd.Function):
+    """Adds each hot feature's pooled rows into its columns of the collection's output, in
+    place: a sum bag takes `cold + hot`, a mean bag `(cold * cold_ids + hot) / ids` (as pooling
+    all its ids would). One pass over the hot columns, no new output, and a backward that hands
+    each feature its columns of the gradient (column slices and a concatenation, under
+    autograd, would fill a zero gradient of the whole output per feature)."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        values: torch.Tensor,
+        spans: list[tuple[int, int]],
+        means: list[tuple[torch.Tensor, torch.Tensor] | None],
+        *hots: torch.Tensor,
+    ):
+        for (start, width), mean, hot in zip(spans, means, hots, strict=True):
+            columns = values[:, start : start + width]
+            if mean is None:
+                columns.add_(hot)
+            else:
+                cold_ids, total = mean
+                columns.copy_((columns * cold_ids + hot) / total)
+        ctx.mark_dirty(values)
+        ctx.spans, ctx.means = spans, means
+        return values
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        grad_values = grad.clone() if any(m is not None for m in ctx.means) else grad
+        grad_hots = []
+        for (start, width), mean in zip(ctx.spans, ctx.means, strict=True):
+            columns = grad[:, start : start + width]
+            if mean is not None:
+                cold_ids, total = mean
+                columns = columns / total
+                grad_values[:, start : start + width] = columns * cold_ids
+            grad_hots.append(columns)
+        return grad_values, None, None, *grad_hots
 
 
 def _running_sum(mask: torch.Tensor) -> torch.Tensor:
