@@ -33,11 +33,13 @@ class FrameworkCosts:
     step_overhead_s: float
     sharding_overhead_s: float
     id_overhead_s: float
+    hot_id_overhead_s: float
     dense_update_bytes_per_s: float | None
     """None when the big table's update was lost in the noise (the model's default stands)."""
 
 
 ROUNDS = 3  # the first plan's runs at either batch, in turns (`measure_framework_costs`)
+HOT_ROWS = 64  # t1's rows replicated in the hot-row run (about 40 % of its lookups)
 
 
 def measure_framework_costs(
@@ -61,7 +63,10 @@ def measure_framework_costs(
     - sharding overhead: the mean of what a second sharding type adds (row-wise, data parallel);
     - step overhead: what remains of the first plan once its one sharding type is paid;
     - id overhead: what the bigger batch adds, per id routed (sent and served); the two runs
-      of the first plan are repeated in turns (`ROUNDS`), their medians kept.
+      of the first plan are repeated in turns (`ROUNDS`), their medians kept;
+    - hot-row overhead: at `big_batch`, the first plan with `HOT_ROWS` of t1's rows
+      replicated (`sharding.hot_rows`), step by step beside it: what it costs beyond its
+      priced terms, per id of t1.
 
     Args:
         topology: the calibrated rates (lookups, dense compute); its world size is ignored.
@@ -79,26 +84,26 @@ def measure_framework_costs(
         n: statistics.median(s)
         for n, s in time_plans_here(plans, workload, options=options).items()
     }
-    tw = {"tw": plans["tw"]}
-    # The per-id cost is a small difference of two steps: time the pair in turns, ROUNDS
-    # times, and keep each one's median (one slow moment of this machine moved it 10 x).
-    small_runs, big_runs = [measured["tw"]], []
-    for i in range(ROUNDS):
-        big_runs.append(statistics.median(time_plans_here(tw, bigger, options=options)["tw"]))
-        if i + 1 < ROUNDS:
-            small_runs.append(
-                statistics.median(time_plans_here(tw, workload, options=options)["tw"])
-            )
-    small_s, big_s = statistics.median(small_runs), statistics.median(big_runs)
+    hot = dataclasses.replace(
+        plans["tw"],
+        name="tw+hot",
+        tables=(
+            plans["tw"].tables[0],
+            dataclasses.replace(plans["tw"].tables[1], hot_rows=HOT_ROWS),
+        ),
+    )
+    small_s, big_s, hot_s = _in_turns(plans["tw"], hot, workload, bigger, measured["tw"], options)
     extra_bytes = (big_rows - 1000) * workload.row_bytes(workload.tables[0])
     update_s = measured["tw+dp"] - measured["dp+tw"]
     update_rate = extra_bytes / update_s if update_s > 0 else None
     free = dataclasses.replace(  # the framework's costs left out of the price
         topology, world_size=1, ranks_per_node=1, step_overhead_s=0.0,
-        sharding_overhead_s=0.0, id_overhead_s=0.0, dense_update_bytes_per_s=update_rate,
+        sharding_overhead_s=0.0, id_overhead_s=0.0, hot_id_overhead_s=0.0,
+        dense_update_bytes_per_s=update_rate,
     )  # fmt: skip
     excess = {n: measured[n] - plan_cost(p, workload, free).step_s for n, p in plans.items()}
     big_excess = big_s - plan_cost(plans["tw"], bigger, free).step_s
+    hot_excess = hot_s - plan_cost(hot, bigger, free).step_s
     small_excess = small_s - plan_cost(plans["tw"], workload, free).step_s
     routed = 2 * 2 * (big_batch - workload.batch_size_per_rank)  # 2 tables, sent and served
     per_type = 0.5 * (excess["tw+rw"] + excess["dp+tw"]) - excess["tw"]
@@ -107,8 +112,33 @@ def measure_framework_costs(
         step_overhead_s=max(0.0, excess["tw"] - sharding),
         sharding_overhead_s=sharding,
         id_overhead_s=max(0.0, (big_excess - small_excess) / routed),
+        hot_id_overhead_s=max(0.0, (hot_excess - big_excess) / big_batch),
         dense_update_bytes_per_s=update_rate,
     )
+
+
+def _in_turns(
+    tw: Plan,
+    hot: Plan,
+    workload: Workload,
+    bigger: Workload,
+    first: float,
+    options: MeasureOptions | None,
+) -> tuple[float, float, float]:
+    """Median steps of `tw` at either batch and of `hot` at the bigger one. The per-id costs
+    are small differences of steps: the pairs are timed in turns, `ROUNDS` times, and each
+    one's median kept (one slow moment of this machine moved them 10 x); `first`: a run of
+    `tw` at the small batch already made."""
+    pair = {"tw": tw, "tw+hot": hot}
+    small_runs, big_runs, hot_runs = [first], [], []
+    for i in range(ROUNDS):
+        both = time_plans_here(pair, bigger, options=options)
+        big_runs.append(statistics.median(both["tw"]))
+        hot_runs.append(statistics.median(both["tw+hot"]))
+        if i + 1 < ROUNDS:
+            small = time_plans_here({"tw": tw}, workload, options=options)["tw"]
+            small_runs.append(statistics.median(small))
+    return tuple(statistics.median(r) for r in (small_runs, big_runs, hot_runs))
 
 
 def _framework_plans(big_rows: int) -> tuple[Workload, dict[str, Plan]]:
