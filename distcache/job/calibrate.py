@@ -141,7 +141,7 @@ class Measurements:
     step_overhead_s: float = 0.0
     sharding_overhead_s: float = 0.0
     id_overhead_s: float = 0.0
-    hot_id_overhead_s: float = 0.0
+    hot_bag_overhead_s: float = 0.0
     dense_update_bytes_per_s: float | None = None
     """CPU only (`measure_framework_costs`); the GPU defaults elsewhere."""
     seconds: float = field(default=0.0, compare=False)
@@ -366,7 +366,7 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
         step_overhead_s=m.step_overhead_s,
         sharding_overhead_s=m.sharding_overhead_s,
         id_overhead_s=m.id_overhead_s,
-        hot_id_overhead_s=m.hot_id_overhead_s,
+        hot_bag_overhead_s=m.hot_bag_overhead_s,
         sync_latency_s=None if m.sync_latency_s is None else max(latency, m.sync_latency_s),
     )
 
@@ -402,7 +402,7 @@ def _summary(m: Measurements) -> str:
             f"  framework          {ms(1e3 * m.step_overhead_s)} per step, "
             f"{ms(1e3 * m.sharding_overhead_s)} per sharding type, "
             f"{1e9 * m.id_overhead_s:.0f} ns per id routed, "
-            f"{1e9 * m.hot_id_overhead_s:.0f} ns per id of a table with hot rows",
+            f"{1e9 * m.hot_bag_overhead_s:.0f} ns per bag of a table with hot rows",
             link("gloo all-to-all", m.all_to_all),
             link("gloo all-reduce", m.all_reduce),
             "  collective between compute bursts: "

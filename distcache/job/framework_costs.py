@@ -33,7 +33,7 @@ class FrameworkCosts:
     step_overhead_s: float
     sharding_overhead_s: float
     id_overhead_s: float
-    hot_id_overhead_s: float
+    hot_bag_overhead_s: float
     dense_update_bytes_per_s: float | None
     """None when the big table's update was lost in the noise (the model's default stands)."""
 
@@ -66,7 +66,7 @@ def measure_framework_costs(
       of the first plan are repeated in turns (`ROUNDS`), their medians kept;
     - hot-row overhead: at `big_batch`, the first plan with `HOT_ROWS` of t1's rows
       replicated (`sharding.hot_rows`), step by step beside it: what it costs beyond its
-      priced terms, per id of t1.
+      priced terms, per bag of t1 (one id each).
 
     Args:
         topology: the calibrated rates (lookups, dense compute); its world size is ignored.
@@ -98,7 +98,7 @@ def measure_framework_costs(
     update_rate = extra_bytes / update_s if update_s > 0 else None
     free = dataclasses.replace(  # the framework's costs left out of the price
         topology, world_size=1, ranks_per_node=1, step_overhead_s=0.0,
-        sharding_overhead_s=0.0, id_overhead_s=0.0, hot_id_overhead_s=0.0,
+        sharding_overhead_s=0.0, id_overhead_s=0.0, hot_bag_overhead_s=0.0,
         dense_update_bytes_per_s=update_rate,
     )  # fmt: skip
     excess = {n: measured[n] - plan_cost(p, workload, free).step_s for n, p in plans.items()}
@@ -112,7 +112,7 @@ def measure_framework_costs(
         step_overhead_s=max(0.0, excess["tw"] - sharding),
         sharding_overhead_s=sharding,
         id_overhead_s=max(0.0, (big_excess - small_excess) / routed),
-        hot_id_overhead_s=max(0.0, (hot_excess - big_excess) / big_batch),
+        hot_bag_overhead_s=max(0.0, (hot_excess - big_excess) / big_batch),
         dense_update_bytes_per_s=update_rate,
     )
 

@@ -292,7 +292,7 @@ def _hot_terms(
     update's rate; the all-reduce sends the gradient and a touched count per row. Before that,
     `HotRows.split` reads every id of the table's features: a binary search among the hot rows
     and a compaction, priced as two accesses of the id's bytes per id (read, written); the
-    framework's own cost of that path, per id, is `Topology.hot_id_overhead_s` (calibrated)."""
+    framework's own cost of that path, per bag, is `Topology.hot_bag_overhead_s` (calibrated)."""
     if not hot_rows:
         return {}
     state = OPTIMIZER_STATE[workload.optimizer](table.dim) * FP32_BYTES
@@ -308,7 +308,7 @@ def _hot_terms(
         "hot_rows": hot_rows,
         "hot_fraction": hot_mass,
         "hot_lookup_s": lookup
-        + topology.hot_id_overhead_s * ids
+        + topology.hot_bag_overhead_s * workload.batch_size_per_rank
         + dense_update_time_s(hot_rows * full, topology),
         "hot_reduce_bytes": hot_rows * (row + FP32_BYTES),
         "hot_device_bytes": hot_rows * (full + row),

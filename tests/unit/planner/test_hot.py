@@ -160,17 +160,17 @@ def test_no_hot_rows_where_the_all_reduce_costs_more() -> None:
 
 
 def test_the_hot_path_cost_is_per_id_and_can_rule_replicas_out() -> None:
-    """`Topology.hot_id_overhead_s` (calibrated on CPU: the split, the replica's pooling and
-    its addition into the output) is paid per id of the table's batch, on every rank; where it
+    """`Topology.hot_bag_overhead_s` (calibrated on CPU: the split, the replica's pooling and
+    its addition into the output) is paid per bag of the table's batch, on every rank; where it
     exceeds what the replica saves, the solver keeps none (measured on 2 CPU ranks: a plan
     with replicas the model chose 0.89 x the same plan without, before this cost was priced)."""
-    costly = dataclasses.replace(TOPOLOGY, hot_id_overhead_s=1e-6)
+    costly = dataclasses.replace(TOPOLOGY, hot_bag_overhead_s=1e-6)
     free, paid = (
         shard_terms(TABLE, WORKLOAD, t, sharding=TABLE_WISE, shards=1, hot_rows=10)
         for t in (TOPOLOGY, costly)
     )
-    ids = WORKLOAD.batch_size_per_rank * TABLE.pooling_factor
-    assert paid.hot_lookup_s == pytest.approx(free.hot_lookup_s + 1e-6 * ids)
+    bags = WORKLOAD.batch_size_per_rank  # TABLE has 2 ids a bag: paid per bag, not per id
+    assert paid.hot_lookup_s == pytest.approx(free.hot_lookup_s + 1e-6 * bags)
     plain = shard_terms(TABLE, WORKLOAD, costly, sharding=TABLE_WISE, shards=1)
     assert (
         plain.lookup_s
@@ -178,7 +178,7 @@ def test_the_hot_path_cost_is_per_id_and_can_rule_replicas_out() -> None:
     )
     workload, topology = _routing_bound()
     assert any(t.hot_rows for t in solve(workload, topology).tables)
-    expensive = dataclasses.replace(topology, hot_id_overhead_s=4 * topology.id_overhead_s)
+    expensive = dataclasses.replace(topology, hot_bag_overhead_s=4 * topology.id_overhead_s)
     plan = solve(workload, expensive)
     assert not any(t.hot_rows for t in plan.tables), plan
 
