@@ -25,8 +25,8 @@ and re-used on its own (one rank's compute in `distcache.job.microbench`, the ne
   `time = latency + bytes / bandwidth` over several message sizes; `measure_sync_latency`:
   what a collective costs between compute bursts, when peers compete for the cores.
 - `distcache.job.framework_costs.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
-  giving the framework's fixed costs per step and per sharding type and the bytes/s of a
-  data-parallel table's dense update.
+  giving the framework's fixed costs per step, per sharding type, per bag routed and per bag
+  of a table with hot rows, and the bytes/s of a data-parallel table's dense update.
 
 `calibrate` runs them all and `topology_from` turns the results into a `Topology`. On CPU the
 compute measurements run in every rank at once (each with its share of the cores), as the

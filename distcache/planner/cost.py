@@ -69,8 +69,9 @@ U_table(n) otherwise, from `stats.expected_unique`.
   (P ids a bag, each hot with probability h; row-wise shards reduce partial sums of every
   bag); each such sharding type reads its split sizes from the device once a step (one
   host-to-device latency). Every rank adds the
-  lookups of its own h·B·P hot ids, a masked update streaming all H replica rows with
-  their state (at the dense update's rate) and device memory H·(2·D·4 + state) (fp32 rows
+  lookups of its own h·B·P hot ids, the host path's B·`Topology.hot_bag_overhead_s` (split,
+  pooling, addition; calibrated on CPU, 0 on GPUs), a masked update streaming all H replica
+  rows with their state (at the dense update's rate) and device memory H·(2·D·4 + state) (fp32 rows
   and gradient); the all-reduce adds H·(D + 1)·4 bytes (its gradient and which rows some
   rank touched), and a plan with replicas two sync latencies (one all-reduce of them all, one
   of their learning rates).
