@@ -23,7 +23,8 @@ One batch through it (rank r, world W, B samples per rank)::
 The one gather and one scatter give every rank the same autograd graph, whatever its features,
 so the ranks run the backward all-to-alls of a collection's shardings in the same order (a
 graph shaped by each rank's features did not, and deadlocked); each dist has a process group
-of its own. The all-to-all runs when the dist is called (TorchRec's is waited for later).
+of its own. The all-to-all starts when the dist is called and is waited for, and its outputs
+scattered, when the awaitable is (as TorchRec's: the dense work between overlaps it).
 
 Used for the table- and column-wise shardings of a collection with hot rows
 (`CachedShardedModule.setup_hot_rows`); a variable batch per feature, or batches of different
@@ -44,18 +45,21 @@ from torchrec.distributed.types import Awaitable
 from distcache.errors import UnsupportedError
 
 
-class _Ready(Awaitable[torch.Tensor]):
-    """An awaitable of a tensor already computed (the all-to-all ran synchronously)."""
+class _Later(Awaitable[torch.Tensor]):
+    """The output, made on wait: `finish` waits for the all-to-all (at the first use of what it
+    received) and scatters it."""
 
     def __init__(
-        self, tensor: torch.Tensor, callbacks: list[Callable[[torch.Tensor], torch.Tensor]]
+        self,
+        finish: Callable[[], torch.Tensor],
+        callbacks: list[Callable[[torch.Tensor], torch.Tensor]],
     ):
         super().__init__()
-        self._tensor = tensor
+        self._finish = finish
         self.callbacks.extend(callbacks)
 
     def _wait_impl(self) -> torch.Tensor:
-        return self._tensor
+        return self._finish()
 
 
 class CompactPooledEmbeddingDist(nn.Module):
@@ -137,8 +141,10 @@ class CompactPooledEmbeddingDist(nn.Module):
         self.elements_kept += in_splits[self._rank]
         self.elements_received += recv.numel()
         self.elements_full += local_embs.numel()
-        out = self._scatter(recv, gets.reshape(-1), got_counts, out_splits, batch)
-        return _Ready(out, self._callbacks)
+        got = gets.reshape(-1)
+        return _Later(
+            lambda: self._scatter(recv, got, got_counts, out_splits, batch), self._callbacks
+        )
 
     def _gather(self, embs, bags, counts, splits, batch):  # noqa: ANN001, ANN202
         """The outputs of the set `bags` (peer, feature, sample) of `embs` `[W * B, dims]`,
