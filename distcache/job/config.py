@@ -171,6 +171,11 @@ class PlanConfig:
     or a topology JSON (`python -m distcache calibrate`), resized to the job's ranks. Unset:
     the 'cpu' preset for 'distcache', TorchRec's default topology for 'torchrec'. The other
     planners place tables without one, and refuse it."""
+    sample_batches: int = 64
+    """Criteo data: rank 0's first training batches whose ids are counted to give the
+    'distcache' planner each table's access profile and hottest rows (which a plan may
+    replicate, `hot_rows`; a plan file's too). 0: no sample: a power law of exponent 1.05 and
+    no hot rows. Synthetic data knows its tables' popularity and needs none."""
 
     def __post_init__(self) -> None:
         _require(
@@ -186,6 +191,13 @@ class PlanConfig:
             "topology",
             self.topology,
             f"no topology with planner = {self.planner!r} (only {TOPOLOGY_PLANNERS} plan for one)",
+        )
+        _require(
+            type(self.sample_batches) is int and self.sample_batches >= 0,
+            "plan",
+            "sample_batches",
+            self.sample_batches,
+            "an integer >= 0",
         )
 
 

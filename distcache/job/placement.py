@@ -8,18 +8,21 @@ sharder, placed by `job_sharding_plan`: the `[plan]` section as a TorchRec `Shar
 - `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in, on the
   `[plan] topology` (`torchrec_job_topology`);
 - `distcache`: the throughput planner (`distcache.planner.solve`) on the `[plan] topology`,
-  for the job's tables and access profiles; rank 0 plans and sends the plan to the others, so
-  every rank shards alike;
+  for the job's tables and access profiles (Criteo: counted on a sample of rank 0's batches,
+  `[plan] sample_batches`); rank 0 plans and sends the plan, and the rows it replicates, to
+  the others, so every rank shards alike;
 - a `.json` file written by `python -m distcache plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -28,11 +31,13 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRMTrain
 
 from distcache.cache.config import CacheConfig
+from distcache.data.sample import id_counts
 from distcache.data.sources import JobData
 from distcache.errors import DistcacheConfigError
 from distcache.job import dlrm
 from distcache.job.config import JobConfig, job_topology, plan_topology
 from distcache.planner.solver import SolverOptions, solve
+from distcache.planner.stats import fitted_alpha
 from distcache.planner.torchrec.export import to_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_topology
 from distcache.planner.types import Plan, TableStats, Workload
@@ -100,19 +105,11 @@ def job_sharding_plan(
         torchrec_planner = CachedShardingPlanner(topology, config.data.batch_size)
         return torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
     workload = job_workload(config, data)
-    box: list[Plan | None] = [None]
+    box: list[tuple[Plan, dict[str, list[int]]] | None] = [None]
     if dist.get_rank() == 0:
-        if planner == "distcache":
-            topology = plan_topology(config, world_size) or job_topology("cpu", world_size)
-            # Hot rows only where the data can name its hottest rows (synthetic data).
-            known = data.hottest_rows(0, 1) is not None
-            options = SolverOptions() if known else SolverOptions(hot_row_shares=())
-            box[0] = solve(workload, topology, options=options)
-        else:
-            box[0] = Plan.load(Path(planner))
-        for table, why in box[0].explanations.items():
-            log.info("plan: %s: %s", table, why)
+        box[0] = plan_on_rank_zero(config, data, workload, world_size)
     dist.broadcast_object_list(box, src=0)
+    plan, hot = box[0]
     # The plan sizes each table's cache (capacity, L, K); the rest of [cache] applies to all.
     planned = CacheConfig()
     base = dataclasses.replace(
@@ -121,25 +118,87 @@ def job_sharding_plan(
         lookahead=planned.lookahead,
         prefetch_depth=planned.prefetch_depth,
     )
-    index = {t.name: i for i, t in enumerate(workload.tables)}
     return to_sharding_plan(
-        box[0],
+        plan,
         workload,
         module_path=dlrm.EBC_PATH,
         world_size=world_size,
         device=device.type,
         base_config=base,
-        hot_row_ids=lambda table, count: _hot_rows(data, index[table.name], table.name, count),
+        hot_row_ids=lambda table, count: hot[table.name][:count],
     )
 
 
-def _hot_rows(data: JobData, index: int, name: str, count: int) -> list[int]:
-    """The job data's `count` hottest rows of table `index`, for a plan that replicates them."""
+def plan_on_rank_zero(
+    config: JobConfig, data: JobData, workload: Workload, world_size: int
+) -> tuple[Plan, dict[str, list[int]]]:
+    """The 'distcache' planner's plan, or the plan file's, and the rows each table with
+    `hot_rows` replicates (by name), which the other ranks receive rather than choose."""
+    sampled, counts = sampled_workload(config, data, workload) or (None, None)
+    if config.plan.planner == "distcache":
+        topology = plan_topology(config, world_size) or job_topology("cpu", world_size)
+        # Hot rows only where the data can name its hottest rows (synthetic data, a sample).
+        known = sampled is not None or data.hottest_rows(0, 1) is not None
+        options = SolverOptions() if known else SolverOptions(hot_row_shares=())
+        plan = solve(sampled or workload, topology, options=options)
+    else:
+        plan = Plan.load(Path(config.plan.planner))
+    for table, why in plan.explanations.items():
+        log.info("plan: %s: %s", table, why)
+    index = {t.name: i for i, t in enumerate(workload.tables)}
+    hot = {
+        t.table: _hot_rows(data, counts, index[t.table], t.table, t.hot_rows)
+        for t in plan.tables
+        if t.hot_rows
+    }
+    for name, rows in hot.items():
+        log.info("plan: %s replicates %d hot rows on every rank", name, len(rows))
+    return plan, hot
+
+
+def sampled_workload(
+    config: JobConfig, data: JobData, workload: Workload
+) -> tuple[Workload, list[np.ndarray]] | None:
+    """For Criteo data, the ids of the first `[plan] sample_batches` training batches of this
+    rank counted per table (`distcache.data.sample`), and `workload` with each table's power
+    law fitted to them (`fitted_alpha`); None for synthetic data (which knows its popularity)
+    or without a sample."""
+    batches = config.plan.sample_batches
+    if config.data.source == "synthetic" or not batches:
+        return None
+    counts = id_counts(itertools.islice(data.train_batches(), batches), data.table_sizes)
+    tables = tuple(
+        dataclasses.replace(t, alpha=fitted_alpha(c))
+        for t, c in zip(workload.tables, counts, strict=True)
+    )
+    log.info(
+        "plan: tables' power laws fitted to %d batches of rank 0: %s",
+        batches,
+        ", ".join(f"{t.name} {t.alpha:.2f}" for t in tables),
+    )
+    return dataclasses.replace(workload, tables=tables), counts
+
+
+def _hot_rows(
+    data: JobData, counts: list[np.ndarray] | None, index: int, name: str, count: int
+) -> list[int]:
+    """The `count` hottest rows of table `index`, for a plan that replicates them: the
+    synthetic data's own, or the sample's most counted (ties by row)."""
     rows = data.hottest_rows(index, count)
+    if rows is None and counts is not None:
+        seen = int((counts[index] > 0).sum())
+        if count > seen:
+            raise DistcacheConfigError(
+                f"the plan replicates {count} hot rows of table {name!r}, but the id sample "
+                f"([plan] sample_batches) saw {seen} of its rows; sample more batches or "
+                "replicate fewer rows"
+            )
+        rows = sorted(np.argsort(-counts[index], kind="stable")[:count].tolist())
     if rows is None:
         raise DistcacheConfigError(
             f"the plan replicates {count} hot rows of table {name!r}, but {data.config.source} "
-            "data cannot name its hottest rows; use a plan without hot_rows (or synthetic data)"
+            "data cannot name its hottest rows without a sample ([plan] sample_batches = 0); "
+            "use a plan without hot_rows, or sample"
         )
     return rows
 

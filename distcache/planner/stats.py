@@ -87,6 +87,30 @@ class AccessProfile:
         return cls.from_counts(np.bincount(np.asarray(ids, dtype=np.int64), minlength=rows))
 
 
+def fitted_alpha(counts: np.ndarray, *, steps: int = 14) -> float:
+    """The power law's exponent over the table's rows (`AccessProfile.power_law`) under which a
+    sample of as many lookups as `counts` holds would see as many distinct rows as it did (a
+    bisection over [0, 3]: the expected distinct rows fall as the exponent grows). A sample
+    that saw every row fits 0 (uniform); one that saw one row, 3.
+
+    Args:
+        counts: `[rows]` the sample's count of each row (`id_counts`).
+        steps: bisection steps (each evaluates the power law over every row).
+    """
+    counts = np.asarray(counts)
+    lookups, seen = float(counts.sum()), int((counts > 0).sum())
+    if lookups <= 0:
+        raise DistcacheConfigError("a table's id sample has no lookup")
+    low, high = 0.0, 3.0
+    for _ in range(steps):
+        mid = 0.5 * (low + high)
+        if expected_unique(AccessProfile.power_law(counts.size, mid), lookups) > seen:
+            low = mid  # too flat: it would see more rows than the sample did
+        else:
+            high = mid
+    return 0.5 * (low + high)
+
+
 def _touch(p: np.ndarray, n: float) -> np.ndarray:
     """q_r = 1 - (1 - p_r)^n, the chance that a batch of n lookups touches row r."""
     return -np.expm1(n * np.log1p(-np.minimum(p, 1 - 1e-16)))

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distcache.job.config import load_job_config
-from distcache.planner.types import HOST_CACHED, TABLE_WISE, TablePlan
+from distcache.planner.types import HOST_CACHED, TABLE_WISE, Plan, TablePlan
 
 ROOT = Path(__file__).resolve().parents[2]
 CRITEO_TINY = ROOT.parent / "shared" / "data" / "criteo_tiny" / "train.tiny.tsv"
@@ -122,11 +122,27 @@ def test_torchx_component_runs_the_job(tmp_path):
     assert [r["step"] for r in _records(tmp_path, "train")] == [10]
 
 
+def _criteo_hot_plan(tmp_path: Path) -> str:
+    """Every Criteo table table-wise, the first three replicating 4 hot rows each."""
+    tables = tuple(
+        TablePlan(table=f"t{i}", sharding=TABLE_WISE, ranks=(i % 2,), hot_rows=4 * (i < 3))
+        for i in range(26)
+    )
+    path = tmp_path / "hot_plan.json"
+    Plan(name="criteo hot rows", tables=tables).save(path)
+    return f"--plan.planner={path}"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not CRITEO_TINY.is_file(), reason=f"Criteo sample absent: {CRITEO_TINY}")
-def test_trains_on_criteo_tsv(tmp_path):
+@pytest.mark.parametrize("hot", [False, True], ids=["table_wise", "sampled_hot_rows"])
+def test_trains_on_criteo_tsv(tmp_path, hot):
+    """Raw Criteo, and (hot) a plan replicating rows that rank 0's id sample names and sends
+    to rank 1."""
+    extra = [_criteo_hot_plan(tmp_path), "--plan.sample_batches=8"] if hot else []
     done = _torchrun(
-        tmp_path,
+        tmp_path / "run",
+        *extra,
         "--data.source=criteo_tsv",
         f'--data.paths=["{CRITEO_TINY}"]',
         f'--data.eval_paths=["{CRITEO_TINY}"]',
@@ -136,8 +152,8 @@ def test_trains_on_criteo_tsv(tmp_path):
         "--cache.capacity=0.05",
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _records(tmp_path, "train")[-1]["critical_misses"] == 0
-    assert 0 <= _records(tmp_path, "eval")[-1]["eval_auc"] <= 1
+    assert _records(tmp_path / "run", "train")[-1]["critical_misses"] == 0
+    assert 0 <= _records(tmp_path / "run", "eval")[-1]["eval_auc"] <= 1
 
 
 @pytest.mark.timeout(60)

@@ -63,9 +63,83 @@ def test_the_job_names_hot_rows_only_where_its_data_knows_them():
     synthetic = JobData(load_job_config(None, []).data, steps=1, rank=0, world_size=1)
     log_rows = synthetic._log.rows_of_ranks(1, range(4)).tolist()
     assert synthetic.hottest_rows(1, 4) == log_rows
-    assert _hot_rows(synthetic, 1, "t1", 4) == log_rows
+    assert _hot_rows(synthetic, None, 1, "t1", 4) == log_rows
     criteo = load_job_config(None, ["--data.source=criteo_tsv", '--data.paths=["day_0.tsv"]'])
     data = JobData(criteo.data, steps=1, rank=0, world_size=1)
     assert data.hottest_rows(0, 4) is None
-    with pytest.raises(DistcacheConfigError, match="criteo_tsv data cannot name its hottest"):
-        _hot_rows(data, 0, "t0", 4)
+    with pytest.raises(DistcacheConfigError, match="cannot name its hottest rows without a"):
+        _hot_rows(data, None, 0, "t0", 4)
+
+
+def _criteo_job(tmp_path, *overrides):
+    """A Criteo TSV job whose table t0 reads category 'aa' in half its lines, 'bb' in a
+    quarter, and a fresh one in the rest; every other table one category."""
+    from distcache.data.sources import JobData
+
+    lines = []
+    for i in range(64):
+        first = "aa" if i % 2 == 0 else "bb" if i % 4 == 1 else f"c{i:x}"
+        cats = [first] + ["1a"] * 25
+        lines.append("\t".join(["1", *[str(i)] * 13, *cats]) + "\n")
+    path = tmp_path / "day_0.tsv"
+    path.write_text("".join(lines))
+    config = load_job_config(
+        None,
+        [
+            "--data.source=criteo_tsv",
+            f'--data.paths=["{path}"]',
+            "--data.table_sizes=[" + ",".join(["1000"] * 26) + "]",
+            "--data.batch_size=8",
+            *overrides,
+        ],
+    )
+    return config, JobData(config.data, steps=8, rank=0, world_size=1)
+
+
+def _plan_file(tmp_path, hot_rows):
+    from distcache.planner.types import TABLE_WISE, Plan, TablePlan
+
+    tables = tuple(
+        TablePlan(table=f"t{i}", sharding=TABLE_WISE, ranks=(0,), hot_rows=hot_rows * (i == 0))
+        for i in range(26)
+    )
+    path = tmp_path / "plan.json"
+    Plan(name="file", tables=tables).save(path)
+    return str(path)
+
+
+def test_a_criteo_job_replicates_the_rows_its_sample_counts_most(tmp_path):
+    """Rank 0 counts the first `[plan] sample_batches` batches: the plan's hot rows of t0 are
+    the two categories most read there (the reader's own rows, counted here as reference);
+    too few sampled rows, or no sample, is a clear error."""
+    from collections import Counter
+
+    from distcache.job.placement import job_workload, plan_on_rank_zero
+
+    plan = _plan_file(tmp_path, 2)
+    config, data = _criteo_job(tmp_path, f"--plan.planner={plan}", "--plan.sample_batches=4")
+    first = [b.sparse_features["f0"].values().tolist() for b in list(data.train_batches())[:4]]
+    counted = Counter(r for rows in first for r in rows).most_common(3)
+    assert counted[1][1] > counted[2][1]  # 'aa' and 'bb' lead
+    _, hot = plan_on_rank_zero(config, data, job_workload(config, data), 1)
+    assert hot == {"t0": sorted([counted[0][0], counted[1][0]])}
+    config, data = _criteo_job(tmp_path, f"--plan.planner={_plan_file(tmp_path, 40)}")
+    with pytest.raises(DistcacheConfigError, match="saw 18 of its rows; sample more"):
+        plan_on_rank_zero(config, data, job_workload(config, data), 1)
+    config, data = _criteo_job(tmp_path, f"--plan.planner={plan}", "--plan.sample_batches=0")
+    with pytest.raises(DistcacheConfigError, match="without a sample"):
+        plan_on_rank_zero(config, data, job_workload(config, data), 1)
+
+
+def test_the_distcache_planner_prices_a_criteo_job_from_its_sample(tmp_path):
+    """The tables' power laws are fitted to the sample: t0 (a long tail of categories) flatter
+    than a table that read one category; no sample: the default exponent for every table."""
+    from distcache.job.placement import job_workload, sampled_workload
+
+    config, data = _criteo_job(tmp_path, "--plan.planner=distcache", "--plan.sample_batches=8")
+    workload, counts = sampled_workload(config, data, job_workload(config, data))
+    assert [int(c.sum()) for c in counts] == [64] * 26
+    alphas = [t.alpha for t in workload.tables]
+    assert alphas[0] < 2.0 < alphas[1] and len(set(alphas[1:])) == 1
+    none, _ = _criteo_job(tmp_path, "--plan.sample_batches=0")
+    assert sampled_workload(none, data, job_workload(none, data)) is None

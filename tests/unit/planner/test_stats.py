@@ -55,3 +55,33 @@ def test_profiles_and_edges():
         expected_loads(profile, 10, 2, "fifo")
     with pytest.raises(ValueError, match="at least one lookup"):
         AccessProfile.from_counts([0, 0])
+
+
+@pytest.mark.parametrize(("rows", "alpha"), [(200_000, 1.05), (1_000_000, 0.9), (50_000, 1.3)])
+def test_a_power_law_fitted_to_a_sample_prices_a_cache_as_the_truth(rows, alpha):
+    """`fitted_alpha` against the distribution the sample is drawn from: the exponent, and
+    the loads of a 5 % cache it implies; the sample's raw counts, as a profile, promise a
+    quarter to all of the loads fewer (the rows they never saw never miss)."""
+    from distcache.planner.stats import fitted_alpha
+
+    truth = AccessProfile.power_law(rows, alpha)
+    sample = np.random.default_rng(0).choice(rows, size=65_536, p=truth.probabilities)
+    counts = np.bincount(sample, minlength=rows)
+    fitted = fitted_alpha(counts)
+    assert fitted == pytest.approx(alpha, abs=0.02)
+    batch, capacity = 2048, rows // 20
+    true_loads = expected_loads(truth, batch, capacity)
+    ours = expected_loads(AccessProfile.power_law(rows, fitted), batch, capacity)
+    raw = expected_loads(AccessProfile.from_counts(counts), batch, capacity)
+    assert ours == pytest.approx(true_loads, rel=0.1)
+    assert raw < 0.8 * true_loads
+
+
+def test_fitted_alpha_edges():
+    from distcache.errors import DistcacheConfigError
+    from distcache.planner.stats import fitted_alpha
+
+    assert fitted_alpha(np.full(100, 50)) < 0.05  # every row seen, evenly: uniform
+    assert fitted_alpha(np.array([1000] + [0] * 999)) > 2.9  # one row seen
+    with pytest.raises(DistcacheConfigError, match="no lookup"):
+        fitted_alpha(np.zeros(5))
