@@ -13,12 +13,15 @@ the ones it replicates.
 Example::
 
     counts = id_counts(itertools.islice(data.train_batches(), 64), data.table_sizes)
-    stats = TableStats(name="t0", rows=rows, dim=64, alpha=fitted_alpha(counts[0]))
+    t0 = counts[0]
+    alpha = fitted_alpha(t0.rows, t0.lookups, t0.seen)  # distcache.planner.stats
+    hot = t0.hottest(100)  # the rows a plan replicates
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from torchrec.datasets.utils import Batch
@@ -26,16 +29,37 @@ from torchrec.datasets.utils import Batch
 from distcache.errors import DistcacheConfigError
 
 
-def id_counts(batches: Iterable[Batch], table_sizes: Sequence[int]) -> list[np.ndarray]:
-    """Per table (feature i reads table i, as in the job's DLRM), `[rows]` int64: how many of
-    the batches' ids read each row.
+@dataclass(frozen=True)
+class TableSample:
+    """One table's ids in a sample: the distinct rows read and how often (memory of the
+    sample's size, not the table's)."""
+
+    rows: int  # the table's rows
+    ids: np.ndarray  # [seen] int64 the distinct rows read, increasing
+    counts: np.ndarray  # [seen] int64 how many lookups read each
+
+    @property
+    def lookups(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def seen(self) -> int:
+        return int(self.ids.size)
+
+    def hottest(self, count: int) -> list[int]:
+        """The `count` most read rows (ties: the lower row first), in increasing order."""
+        order = np.argsort(-self.counts, kind="stable")[:count]
+        return sorted(self.ids[order].tolist())
+
+
+def id_counts(batches: Iterable[Batch], table_sizes: Sequence[int]) -> list[TableSample]:
+    """Per table (feature i reads table i, as in the job's DLRM), the batches' ids counted.
 
     Raises:
         DistcacheConfigError: an id outside its table, a batch with another number of
             features, or no batch at all.
     """
-    counts = [np.zeros(rows, dtype=np.int64) for rows in table_sizes]
-    seen = 0
+    parts: list[list[np.ndarray]] = [[] for _ in table_sizes]
     for batch in batches:
         features = batch.sparse_features
         ends = features.offset_per_key()
@@ -51,8 +75,11 @@ def id_counts(batches: Iterable[Batch], table_sizes: Sequence[int]) -> list[np.n
                 raise DistcacheConfigError(
                     f"a sampled batch has ids of table {table} outside [0, {rows})"
                 )
-            counts[table] += np.bincount(ids, minlength=rows)
-        seen += 1
-    if not seen:
+            parts[table].append(ids.astype(np.int64))
+    if not parts or not parts[0]:
         raise DistcacheConfigError("the id sample has no batch: the data yielded none")
-    return counts
+    samples = []
+    for rows, ids in zip(table_sizes, parts, strict=True):
+        distinct, counts = np.unique(np.concatenate(ids), return_counts=True)
+        samples.append(TableSample(rows=rows, ids=distinct, counts=counts))
+    return samples

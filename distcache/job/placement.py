@@ -22,7 +22,6 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -31,7 +30,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRMTrain
 
 from distcache.cache.config import CacheConfig
-from distcache.data.sample import id_counts
+from distcache.data.sample import TableSample, id_counts
 from distcache.data.sources import JobData
 from distcache.errors import DistcacheConfigError
 from distcache.job import dlrm
@@ -158,7 +157,7 @@ def plan_on_rank_zero(
 
 def sampled_workload(
     config: JobConfig, data: JobData, workload: Workload
-) -> tuple[Workload, list[np.ndarray]] | None:
+) -> tuple[Workload, list[TableSample]] | None:
     """For Criteo data, the ids of the first `[plan] sample_batches` training batches of this
     rank counted per table (`distcache.data.sample`), and `workload` with each table's power
     law fitted to them (`fitted_alpha`); None for synthetic data (which knows its popularity)
@@ -168,7 +167,7 @@ def sampled_workload(
         return None
     counts = id_counts(itertools.islice(data.train_batches(), batches), data.table_sizes)
     tables = tuple(
-        dataclasses.replace(t, alpha=fitted_alpha(c))
+        dataclasses.replace(t, alpha=fitted_alpha(c.rows, c.lookups, c.seen))
         for t, c in zip(workload.tables, counts, strict=True)
     )
     log.info(
@@ -180,20 +179,20 @@ def sampled_workload(
 
 
 def _hot_rows(
-    data: JobData, counts: list[np.ndarray] | None, index: int, name: str, count: int
+    data: JobData, counts: list[TableSample] | None, index: int, name: str, count: int
 ) -> list[int]:
     """The `count` hottest rows of table `index`, for a plan that replicates them: the
     synthetic data's own, or the sample's most counted (ties by row)."""
     rows = data.hottest_rows(index, count)
     if rows is None and counts is not None:
-        seen = int((counts[index] > 0).sum())
+        seen = counts[index].seen
         if count > seen:
             raise DistcacheConfigError(
                 f"the plan replicates {count} hot rows of table {name!r}, but the id sample "
                 f"([plan] sample_batches) saw {seen} of its rows; sample more batches or "
                 "replicate fewer rows"
             )
-        rows = sorted(np.argsort(-counts[index], kind="stable")[:count].tolist())
+        rows = counts[index].hottest(count)
     if rows is None:
         raise DistcacheConfigError(
             f"the plan replicates {count} hot rows of table {name!r}, but {data.config.source} "

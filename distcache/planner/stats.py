@@ -87,24 +87,28 @@ class AccessProfile:
         return cls.from_counts(np.bincount(np.asarray(ids, dtype=np.int64), minlength=rows))
 
 
-def fitted_alpha(counts: np.ndarray, *, steps: int = 14) -> float:
-    """The power law's exponent over the table's rows (`AccessProfile.power_law`) under which a
-    sample of as many lookups as `counts` holds would see as many distinct rows as it did (a
-    bisection over [0, 3]: the expected distinct rows fall as the exponent grows). A sample
-    that saw every row fits 0 (uniform); one that saw one row, 3.
+def fitted_alpha(rows: int, lookups: float, seen: int, *, steps: int = 14) -> float:
+    """The power law's exponent over a table's `rows` (`AccessProfile.power_law`) under which
+    a sample of `lookups` lookups would see `seen` distinct rows, as a sample did (a bisection
+    over [0, 3]: the expected distinct rows fall as the exponent grows). A sample that saw
+    every row fits 0 (uniform); one that saw one row, 3.
 
     Args:
-        counts: `[rows]` the sample's count of each row (`id_counts`).
-        steps: bisection steps (each evaluates the power law over every row).
+        rows: the table's rows.
+        lookups: the sample's lookups of the table.
+        seen: the distinct rows they read.
+        steps: bisection steps (each evaluates the power law over every row: about a second
+            for 40 M rows).
     """
-    counts = np.asarray(counts)
-    lookups, seen = float(counts.sum()), int((counts > 0).sum())
-    if lookups <= 0:
-        raise DistcacheConfigError("a table's id sample has no lookup")
+    if lookups <= 0 or not 1 <= seen <= min(rows, lookups):
+        raise DistcacheConfigError(
+            f"a table's id sample must have lookups and 1 <= seen rows <= min(rows, lookups), "
+            f"got {lookups=}, {seen=}, {rows=}"
+        )
     low, high = 0.0, 3.0
     for _ in range(steps):
         mid = 0.5 * (low + high)
-        if expected_unique(AccessProfile.power_law(counts.size, mid), lookups) > seen:
+        if expected_unique(AccessProfile.power_law(rows, mid), lookups) > seen:
             low = mid  # too flat: it would see more rows than the sample did
         else:
             high = mid

@@ -26,8 +26,11 @@ def _batch(*per_table: list[int]) -> Batch:
 def test_ids_are_counted_per_table():
     batches = [_batch([0, 2, 2], [1, 1, 1]), _batch([2, 3, 0], [0, 1, 4])]
     first, second = id_counts(batches, (4, 5))
-    assert first.tolist() == [2, 0, 3, 1]
-    assert second.tolist() == [1, 4, 0, 0, 1]
+    assert (first.rows, first.ids.tolist(), first.counts.tolist()) == (4, [0, 2, 3], [2, 3, 1])
+    assert (second.ids.tolist(), second.counts.tolist()) == ([0, 1, 4], [1, 4, 1])
+    assert (first.lookups, first.seen) == (6, 3)
+    assert first.hottest(2) == [0, 2]  # 2 (3 reads), then 0 (2)
+    assert second.hottest(2) == [0, 1]  # 1 (4 reads), then 0 and 4 tied: the lower row
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def test_a_power_law_fitted_to_a_sample_prices_a_cache_as_the_truth(rows, alpha)
     truth = AccessProfile.power_law(rows, alpha)
     sample = np.random.default_rng(0).choice(rows, size=65_536, p=truth.probabilities)
     counts = np.bincount(sample, minlength=rows)
-    fitted = fitted_alpha(counts)
+    fitted = fitted_alpha(rows, counts.sum(), int((counts > 0).sum()))
     assert fitted == pytest.approx(alpha, abs=0.02)
     batch, capacity = 2048, rows // 20
     true_loads = expected_loads(truth, batch, capacity)
@@ -81,7 +81,8 @@ def test_fitted_alpha_edges():
     from distcache.errors import DistcacheConfigError
     from distcache.planner.stats import fitted_alpha
 
-    assert fitted_alpha(np.full(100, 50)) < 0.05  # every row seen, evenly: uniform
-    assert fitted_alpha(np.array([1000] + [0] * 999)) > 2.9  # one row seen
-    with pytest.raises(DistcacheConfigError, match="no lookup"):
-        fitted_alpha(np.zeros(5))
+    assert fitted_alpha(100, 5000, 100) < 0.05  # every row seen: uniform
+    assert fitted_alpha(1000, 1000, 1) > 2.9  # one row seen
+    for bad in ((5, 0, 0), (5, 10, 6), (5, 3, 4)):
+        with pytest.raises(DistcacheConfigError, match="seen rows <= min"):
+            fitted_alpha(*bad)
