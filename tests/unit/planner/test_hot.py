@@ -159,7 +159,7 @@ def test_no_hot_rows_where_the_all_reduce_costs_more() -> None:
     assert "no hot rows; tried" in plan.explanations["t0"]
 
 
-def test_the_hot_path_cost_is_per_id_and_can_rule_replicas_out() -> None:
+def test_the_hot_path_cost_is_per_bag_and_can_rule_replicas_out() -> None:
     """`Topology.hot_bag_overhead_s` (calibrated on CPU: the split, the replica's pooling and
     its addition into the output) is paid per bag of the table's batch, on every rank; where it
     exceeds what the replica saves, the solver keeps none (measured on 2 CPU ranks: a plan
