@@ -32,7 +32,7 @@ from torchrec.models.dlrm import DLRMTrain
 from distcache.cache.config import CacheConfig
 from distcache.data.sample import TableSample, id_counts
 from distcache.data.sources import JobData
-from distcache.errors import DistcacheConfigError
+from distcache.errors import DistcacheConfigError, DistcacheError
 from distcache.job import dlrm
 from distcache.job.config import JobConfig, job_topology, plan_topology
 from distcache.planner.solver import SolverOptions, solve
@@ -104,10 +104,15 @@ def job_sharding_plan(
         torchrec_planner = CachedShardingPlanner(topology, config.data.batch_size)
         return torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
     workload = job_workload(config, data)
-    box: list[tuple[Plan, dict[str, list[int]]] | None] = [None]
+    box: list[tuple[Plan, dict[str, list[int]]] | DistcacheError | None] = [None]
     if dist.get_rank() == 0:
-        box[0] = plan_on_rank_zero(config, data, workload, world_size)
+        try:
+            box[0] = plan_on_rank_zero(config, data, workload, world_size)
+        except DistcacheError as error:  # every rank fails with it, none waits for a plan
+            box[0] = error
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], DistcacheError):
+        raise box[0]
     plan, hot = box[0]
     # The plan sizes each table's cache (capacity, L, K); the rest of [cache] applies to all.
     planned = CacheConfig()
@@ -133,8 +138,9 @@ def plan_on_rank_zero(
 ) -> tuple[Plan, dict[str, list[int]]]:
     """The 'distcache' planner's plan, or the plan file's, and the rows each table with
     `hot_rows` replicates (by name), which the other ranks receive rather than choose."""
-    sampled, counts = sampled_workload(config, data, workload) or (None, None)
+    sampled = counts = None
     if config.plan.planner == "distcache":
+        sampled, counts = sampled_workload(config, data, workload) or (None, None)
         topology = plan_topology(config, world_size) or job_topology("cpu", world_size)
         # Hot rows only where the data can name its hottest rows (synthetic data, a sample).
         known = sampled is not None or data.hottest_rows(0, 1) is not None
@@ -142,9 +148,17 @@ def plan_on_rank_zero(
         plan = solve(sampled or workload, topology, options=options)
     else:
         plan = Plan.load(Path(config.plan.planner))
+        if any(t.hot_rows for t in plan.tables):  # their rows are named by the sample
+            _, counts = sampled_workload(config, data, workload) or (None, None)
     for table, why in plan.explanations.items():
         log.info("plan: %s: %s", table, why)
     index = {t.name: i for i, t in enumerate(workload.tables)}
+    unknown = sorted(t.table for t in plan.tables if t.table not in index)
+    if unknown:
+        raise DistcacheConfigError(
+            f"the plan places tables {unknown} that the job does not have (its tables: "
+            f"t0 .. t{len(index) - 1})"
+        )
     hot = {
         t.table: _hot_rows(data, counts, index[t.table], t.table, t.hot_rows)
         for t in plan.tables
