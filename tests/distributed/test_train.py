@@ -156,6 +156,32 @@ def test_trains_on_criteo_tsv(tmp_path, hot):
     assert 0 <= _records(tmp_path / "run", "eval")[-1]["eval_auc"] <= 1
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not CRITEO_TINY.is_file(), reason=f"Criteo sample absent: {CRITEO_TINY}")
+def test_a_planning_error_on_rank_zero_fails_every_rank(tmp_path):
+    """Rank 0 plans alone; when it cannot (the plan replicates more rows than one sampled
+    batch saw), the other rank raises the same error instead of waiting for a plan."""
+    plan = tmp_path / "plan.json"
+    tables = tuple(
+        TablePlan(table=f"t{i}", sharding=TABLE_WISE, ranks=(0,), hot_rows=500 * (i == 0))
+        for i in range(26)
+    )
+    Plan(name="too hot", tables=tables).save(plan)
+    done = _torchrun(
+        tmp_path / "run",
+        f"--plan.planner={plan}",
+        "--plan.sample_batches=1",
+        "--data.source=criteo_tsv",
+        f'--data.paths=["{CRITEO_TINY}"]',
+        "--data.table_sizes=[" + ",".join(["1000"] * 26) + "]",
+        timeout=100,
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("sample more batches or replicate fewer rows") >= 2, done.stderr[
+        -3000:
+    ]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("override", "match"),

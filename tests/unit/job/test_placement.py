@@ -1,5 +1,7 @@
 """Where a job's tables go: the planners' topology (`distcache.job.placement`)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -128,6 +130,16 @@ def test_a_criteo_job_replicates_the_rows_its_sample_counts_most(tmp_path):
         plan_on_rank_zero(config, data, job_workload(config, data), 1)
     config, data = _criteo_job(tmp_path, f"--plan.planner={plan}", "--plan.sample_batches=0")
     with pytest.raises(DistcacheConfigError, match="without a sample"):
+        plan_on_rank_zero(config, data, job_workload(config, data), 1)
+    from distcache.planner.types import Plan
+
+    extra = Plan.load(plan)
+    extra = Plan(
+        name="extra", tables=(*extra.tables, dataclasses.replace(extra.tables[1], table="t26"))
+    )
+    extra.save(tmp_path / "extra.json")
+    config, data = _criteo_job(tmp_path, f"--plan.planner={tmp_path / 'extra.json'}")
+    with pytest.raises(DistcacheConfigError, match="tables \\['t26'\\] that the job does not"):
         plan_on_rank_zero(config, data, job_workload(config, data), 1)
 
 
