@@ -72,9 +72,9 @@ U_table(n) otherwise, from `stats.expected_unique`.
   lookups of its own h·B·P hot ids, the host path's B·`Topology.hot_bag_overhead_s` (split,
   pooling, addition; calibrated on CPU, 0 on GPUs), a masked update streaming all H replica
   rows with their state (at the dense update's rate) and device memory H·(2·D·4 + state) (fp32 rows
-  and gradient); the all-reduce adds H·(D + 1)·4 + 16 bytes (its gradient, which rows some
-  rank touched, its learning rate's parts), and a plan with replicas one sync latency (one
-  all-reduce of them all).
+  and gradient); the all-reduce adds H·(D + 1)·4 bytes (its gradient and which rows some
+  rank touched), and a plan with replicas two sync latencies (one all-reduce of them all, one
+  of their learning rates).
 
 The model is written in four files, each a stage of it: `binned.py` (access statistics),
 `shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
@@ -156,8 +156,8 @@ from distcache.planner.types import (
 
 INPUT_COLLECTIVES = 3  # per sharding type: TorchRec's splits, lengths and values all-to-alls
 OUTPUT_COLLECTIVES = 2  # per sharding type: pooled embeddings forward, gradients backward
-HOT_COLLECTIVES = 1  # a plan with hot rows: one all-reduce of the replicas' gradients, touched
-# rows and learning rates
+HOT_COLLECTIVES = 2  # a plan with hot rows: all-reduces of the replicas' gradients + rows, and
+# of their learning rates
 
 __all__ = [
     "all_to_all_sent_bytes",

@@ -289,8 +289,7 @@ def _hot_terms(
     """The replica's terms on every rank (`ShardTerms.hot_*`): fp32 rows of the whole dim, as
     `sharding.hot_rows` keeps them. The lookups of the rank's own batch, then the update:
     every replica row and its state read and written once (a masked update), at the dense
-    update's rate; the all-reduce sends the gradient and a touched count per row, and the
-    learning rate as four floats. Before that,
+    update's rate; the all-reduce sends the gradient and a touched count per row. Before that,
     `HotRows.split` reads every id of the table's features: a binary search among the hot rows
     and a compaction, priced as two accesses of the id's bytes per id (read, written); the
     framework's own cost of that path, per bag, is `Topology.hot_bag_overhead_s` (calibrated)."""
@@ -311,7 +310,7 @@ def _hot_terms(
         "hot_lookup_s": lookup
         + topology.hot_bag_overhead_s * workload.batch_size_per_rank
         + dense_update_time_s(hot_rows * full, topology),
-        "hot_reduce_bytes": hot_rows * (row + FP32_BYTES) + 4 * FP32_BYTES,  # + the rate
+        "hot_reduce_bytes": hot_rows * (row + FP32_BYTES),
         "hot_device_bytes": hot_rows * (full + row),
     }
 

@@ -19,10 +19,9 @@ local replica. One batch's ids flow so:
                  table's row optimizer to the rows some rank touched; untouched rows (and
                  their optimizer state) are left as they are, as for every row of a sharded
                  table. The learning rate is the one the table's shards used in that
-                 backward (which LR schedulers change), reported by one rank that holds a
-                 shard (`lr_sources`) in the same all-reduce (a float64 rate as three
-                 float32 parts, exact: the other ranks add zeros), so every rank's replica
-                 takes the same step, a rank without a shard of the table too
+                 backward (which LR schedulers change), taken from the ranks that hold a
+                 shard (`lr_sources`) by a small all-reduce beside the gradient's, so every
+                 rank's replica takes the same step, a rank without a shard of the table too
 
 The table stays one table for its users: a flush (before any state dict) writes the replica's
 rows and optimizer state into the shards that own those rows, and after a load the replica is
@@ -39,7 +38,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -47,7 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.optimizers import RowOptimizer, make_optimizer
-from distcache.errors import DistcacheConfigError, UnsupportedError
+from distcache.errors import DistcacheConfigError
 
 
 @dataclass
@@ -149,13 +147,12 @@ class HotRows:
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.stale = True  # the replicas must be read from the tables' shards
         self._touched: torch.Tensor | None = None  # [rows] bool: rows this rank used in the step
-        # The last backward's all-reduce, still in flight: (works, gradient + counts + the
-        # tables' learning rates, the gradient's size).
-        self._pending: tuple[list[dist.Work], torch.Tensor, int] | None = None
+        # The last backward's all-reduces, still in flight: (works, gradient + counts, size,
+        # the tables' learning rates).
+        self._pending: tuple[list[dist.Work], torch.Tensor, int, torch.Tensor] | None = None
         self.reader: Callable[[HotRows], None] | None = None
-        # Per table this rank reports (one rank holding a shard of it, the same every step):
-        # the learning rate its kernel applies in this backward (a host float). A table no
-        # rank reports keeps its configured rate.
+        # Per table with a shard on this rank: the learning rate its kernel applies in this
+        # backward (a host float). A table no rank reports keeps its configured rate.
         self.lr_sources: dict[str, Callable[[], float]] = {}
 
     # ------------------------------------------------------------ the batch
@@ -281,41 +278,37 @@ class HotRows:
         if touched is None:
             touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.device)
         self._touched = None
-        # Each table's rate from the rank that reports it, zeros from the others: (three
-        # float32 parts of the float64 rate, 1) sums to itself, exactly.
-        lrs = [
-            [*_lr_parts(self.lr_sources[n]()), 1.0] if n in self.lr_sources else [0.0] * 4
-            for n in self.tables
-        ]
-        lrs_t = torch.tensor(lrs, dtype=grad.dtype, device=grad.device).view(-1)
-        both = torch.cat([grad, touched.to(grad.dtype), lrs_t])
+        both = torch.cat([grad, touched.to(grad.dtype)])
+        # The rate of each table's shards, -1 where this rank holds none: the maximum over
+        # the ranks is their rate (they agree), exact in float64, read on the host.
+        lrs = torch.tensor(
+            [self.lr_sources[n]() if n in self.lr_sources else -1.0 for n in self.tables],
+            dtype=torch.float64,
+        )
         works = []
         if self._group is not None:
             works.append(dist.all_reduce(both, group=self._group, async_op=True))
-        self._pending = (works, both, grad.numel())
+            works.append(
+                dist.all_reduce(lrs, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            )
+        self._pending = (works, both, grad.numel(), lrs)
 
     def finish_step(self) -> None:
         """Apply the reduced gradient of the last backward, if any: each table's row optimizer
         updates the rows some rank touched (the others, and their state, stay as they are)."""
         if self._pending is None:
             return
-        works, both, size = self._pending
+        works, both, size, lrs = self._pending
         self._pending = None
         for work in works:
             work.wait()
         world = dist.get_world_size(self._group) if self._group is not None else 1
-        rates = both[size + self.num_rows :].view(-1, 4).tolist()  # host values
-        grad, counts = both[:size].div_(world), both[size : size + self.num_rows]
+        grad, counts = both[:size].div_(world), both[size:]
         flat = self.flat.detach()
         with torch.no_grad():
-            for table, (high, mid, low, reporters) in zip(self.tables.values(), rates, strict=True):
-                if reporters == 1.0:
-                    table.optimizer.lr = high + mid + low  # float64, exact (`_lr_parts`)
-                elif reporters:
-                    raise UnsupportedError(
-                        f"hot rows of table {table.name!r}: {reporters:g} ranks report its "
-                        "learning rate; one must"
-                    )
+            for table, lr in zip(self.tables.values(), lrs.tolist(), strict=True):  # host values
+                if lr >= 0:
+                    table.optimizer.lr = lr
                 count = table.ids.numel()
                 used = (counts[table.row : table.row + count] > 0).unsqueeze(1)
                 weight = table.rows_of(flat)
@@ -404,20 +397,6 @@ class HotRows:
         inside = (table.ids >= row0) & (table.ids < row0 + count)
         mine = torch.arange(table.ids.numel(), device=self.device)[inside]  # host-side setup
         return table.ids[inside] - row0, mine
-
-
-def _lr_parts(lr: float) -> tuple[float, float, float]:
-    """Three float32 values whose float64 sum is `lr` exactly (24 + 24 + 24 bits cover a
-    double's 53): sent in the float32 all-reduce, where the other ranks add zeros."""
-    high = float(np.float32(lr))
-    mid = float(np.float32(lr - high))
-    low = float(np.float32(lr - high - mid))
-    if high + mid + low != lr:
-        raise UnsupportedError(
-            f"hot rows: learning rate {lr!r} cannot be sent exactly as float32 parts (rates "
-            "from 1e-24 to 1e38 can)"
-        )
-    return high, mid, low
 
 
 def _state_rows(state: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:

@@ -146,12 +146,7 @@ class CachedShardedModule:
             self._device or torch.device("cpu"),
         )
         self._hot.reader = self._read_hot_rows
-        # One rank reports each table's rate: the lowest that holds a shard of it.
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        reporter = {n: min(self.module_sharding_plan[n].ranks or [0]) for n in hot}
-        self._hot.lr_sources = {
-            n: lr for n, lr in self._hot_learning_rates() if reporter[n] == rank
-        }
+        self._hot.lr_sources = dict(self._hot_learning_rates())
         self._compact_output_dists()
         for kernel in self.cached_kernels():
             kernel.flush_hooks.append(lambda k=kernel: self._write_hot_rows(self._hot_shards(k)))

@@ -74,18 +74,18 @@ def test_hot_rows_priced_by_hand() -> None:
         shard_terms(TABLE, WORKLOAD, TOPOLOGY, **row_wise, hot_rows=H).embedding_bytes_per_peer
         == shard_terms(TABLE, WORKLOAD, TOPOLOGY, **row_wise).embedding_bytes_per_peer
     )
-    assert hot.hot_reduce_bytes == H * (D + 1) * 4 + 16  # and the rate's parts
+    assert hot.hot_reduce_bytes == H * (D + 1) * 4
     assert hot.hot_device_bytes == H * (2 * D * 4)  # sgd: rows and gradient, no state
     assert hot.lookup_s < plain.lookup_s
-    # Every rank holds the replica; the all-reduce adds its bytes (and the rate's 4 floats)
-    # and one latency.
+    # Every rank holds the replica; the all-reduces add its bytes and two latencies (the
+    # replicas, their learning rates).
     with_hot, without = (
         plan_cost(_plan(H), WORKLOAD, TOPOLOGY),
         plan_cost(_plan(0), WORKLOAD, TOPOLOGY),
     )
     added = np.subtract(with_hot.device_memory_bytes, without.device_memory_bytes)
     assert list(added) == [H * 2 * D * 4] * W
-    expected = global_terms(WORKLOAD, TOPOLOGY, 0.0, {TABLE_WISE}, 0.0, H * (D + 1) * 4 + 16, 1)
+    expected = global_terms(WORKLOAD, TOPOLOGY, 0.0, {TABLE_WISE}, 0.0, H * (D + 1) * 4, 1)
     assert with_hot.per_rank[1].all_reduce_s == pytest.approx(expected.all_reduce_s)
     assert with_hot.per_rank[1].all_reduce_s > without.per_rank[1].all_reduce_s
     assert with_hot.per_rank[1].input_all_to_all_s < without.per_rank[1].input_all_to_all_s
