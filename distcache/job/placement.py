@@ -138,18 +138,17 @@ def plan_on_rank_zero(
 ) -> tuple[Plan, dict[str, list[int]]]:
     """The 'distcache' planner's plan, or the plan file's, and the rows each table with
     `hot_rows` replicates (by name), which the other ranks receive rather than choose."""
-    sampled = counts = None
-    if config.plan.planner == "distcache":
-        sampled, counts = sampled_workload(config, data, workload) or (None, None)
+    planner = config.plan.planner
+    plan = None if planner == "distcache" else Plan.load(Path(planner))
+    # The sample prices the planner's tables and names a plan's hot rows: taken for either.
+    wanted = plan is None or any(t.hot_rows for t in plan.tables)
+    sampled, counts = (wanted and sampled_workload(config, data, workload)) or (None, None)
+    if plan is None:
         topology = plan_topology(config, world_size) or job_topology("cpu", world_size)
         # Hot rows only where the data can name its hottest rows (synthetic data, a sample).
         known = sampled is not None or data.hottest_rows(0, 1) is not None
         options = SolverOptions() if known else SolverOptions(hot_row_shares=())
         plan = solve(sampled or workload, topology, options=options)
-    else:
-        plan = Plan.load(Path(config.plan.planner))
-        if any(t.hot_rows for t in plan.tables):  # their rows are named by the sample
-            _, counts = sampled_workload(config, data, workload) or (None, None)
     for table, why in plan.explanations.items():
         log.info("plan: %s: %s", table, why)
     index = {t.name: i for i, t in enumerate(workload.tables)}

@@ -68,13 +68,13 @@ U_table(n) otherwise, from `stats.expected_unique`.
   column-wise shards send the pooled outputs of the bags with cold ids only, 1 - h^P of them
   (P ids a bag, each hot with probability h; row-wise shards reduce partial sums of every
   bag); each such sharding type reads its split sizes from the device once a step (one
-  host-to-device latency). Every rank adds the
-  lookups of its own h·B·P hot ids, the host path's B·`Topology.hot_bag_overhead_s` (split,
-  pooling, addition; calibrated on CPU, 0 on GPUs), a masked update streaming all H replica
-  rows with their state (at the dense update's rate) and device memory H·(2·D·4 + state) (fp32 rows
-  and gradient); the all-reduce adds H·(D + 1)·4 bytes (its gradient and which rows some
-  rank touched), and a plan with replicas two sync latencies (one all-reduce of them all, one
-  of their learning rates).
+  host-to-device latency). Every rank adds the lookups of its own h·B·P hot ids, the host
+  path's B·`Topology.hot_bag_overhead_s` (split, pooling, addition; calibrated on CPU, 0 on
+  GPUs), a masked update streaming all H replica rows with their state (at the dense
+  update's rate) and device memory H·(2·D·4 + state) (fp32 rows and gradient); the
+  all-reduce adds H·(D + 1)·4 bytes (its gradient and which rows some rank touched), and a
+  plan with replicas two sync latencies (one all-reduce of them all, one of their learning
+  rates).
 
 The model is written in four files, each a stage of it: `binned.py` (access statistics),
 `shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
