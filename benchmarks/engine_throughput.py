@@ -5,7 +5,8 @@
    2 % cache and big power-law batches, at L = 8, 64, 256 (its cost must not grow with L), and
    the reactive LRU engine.
 2. Forward + backward: steps/s of `CachedEmbeddingBags` (look-ahead window, fused SGD) at 100,
-   5 and 1 % of the rows, with fp16 rows at 5 % (bytes staged per row: half), and reactive LRU
+   5 and 1 % of the rows, with fp16 rows at 5 % (bytes staged per row: half), with direct
+   staging at 5 % (`staging="direct"`: copies on the training thread here), and reactive LRU
    at 5 %, next to `torch.nn.EmbeddingBag` with sparse gradients + `torch.optim.SGD` on the
    same batches and sizes; host ms per step spent scheduling (enqueue + prefetch) and waiting
    for rows.
@@ -173,7 +174,13 @@ class Cached:
     """`CachedEmbeddingBags` driven as the pipeline drives it (L ahead, K = 1 staged)."""
 
     def __init__(
-        self, args, batches, capacity: float, policy: str, dtype: torch.dtype = torch.float32
+        self,
+        args,
+        batches,
+        capacity: float,
+        policy: str,
+        dtype: torch.dtype = torch.float32,
+        staging: str = "worker",
     ):
         self.config = CacheConfig(
             capacity=capacity,
@@ -181,6 +188,7 @@ class Cached:
             prefetch_depth=1 if policy == "lookahead" else 0,
             policy=policy,
             learning_rate=0.01,
+            staging=staging,
         )
         table = TableSpec(name="t", num_embeddings=args.rows, embedding_dim=args.dim, dtype=dtype)
         self.bags = CachedEmbeddingBags([table], self.config)
@@ -211,6 +219,7 @@ def bench_forward_backward(args) -> list[dict]:
     for cap in (float(c) for c in args.capacities.split(",")):
         variants[f"distcache {cap:g}"] = Cached(args, batches, cap, "lookahead")
     variants["distcache 0.05 fp16"] = Cached(args, batches, 0.05, "lookahead", torch.float16)
+    variants["distcache 0.05 direct"] = Cached(args, batches, 0.05, "lookahead", staging="direct")
     variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
     warmup = args.warmup + args.lookahead  # the first step fills the window
     times = interleave({n: v.step for n, v in variants.items()}, args.rounds, args.steps, warmup)
@@ -235,6 +244,7 @@ def bench_forward_backward(args) -> list[dict]:
             row |= {
                 "capacity_frac": v.config.capacity,
                 "row_dtype": str(v.bags.tables[0].dtype).removeprefix("torch."),
+                "staging": v.config.staging,
                 "bytes_staged_per_row": stats.bytes_loaded / stats.loads if stats.loads else 0,
                 "hit_rate": stats.hit_rate,
                 "critical_misses": stats.critical_misses,

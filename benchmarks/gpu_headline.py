@@ -10,6 +10,8 @@ Variants, one after another (each freed before the next: one full-size copy of t
 time), all from the same initial weights and batches:
 - distcache: `CachedEmbeddingBags` at each --capacities, look-ahead L (--lookahead batches
   enqueued ahead), rows staged K (--prefetch-depth) batches ahead, again while a batch trains;
+- distcache_direct (only if named in --variants): distcache with `staging="direct"` (the
+  staging stream copies rows to and from the pinned host rows itself; no worker thread);
 - lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
 - device: every row in device memory (`nn.EmbeddingBag`, sparse SGD), if it fits;
 - cpu_embeddings (CUDA only): those bags in host memory, pooled embeddings sent to the device.
@@ -73,7 +75,9 @@ TABLE_ROWS = {"terabyte": CRITEO_TERABYTE_ROWS, "kaggle": CRITEO_KAGGLE_ROWS}
 DENSE_FEATURES = 13
 BOTTOM = (512, 256)  # bottom MLP hidden widths, then the embedding dim
 TOP = (512, 256)  # top MLP hidden widths, then 1 logit
-VARIANTS = ("distcache", "lru", "device", "cpu_embeddings")
+VARIANTS = ("distcache", "lru", "device", "cpu_embeddings", "distcache_direct")
+CACHED = ("distcache", "distcache_direct", "lru")
+DEFAULT_VARIANTS = VARIANTS[:4]  # distcache_direct on request (--variants)
 _BLOCK = 1 << 22  # floats in the random block tiled over the rows
 _GIB = 1 << 30
 _DEVICE_SLACK = 4 * _GIB  # bytes/device left for activations, maps and the allocator
@@ -111,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--lookahead", type=int, default=DEFAULT_LOOKAHEAD, help="L: batches enqueued ahead"
     )
     ap.add_argument("--prefetch-depth", type=int, default=1, help="K: batches staged ahead")
-    ap.add_argument("--variants", type=_variants, default=list(VARIANTS))
+    ap.add_argument("--variants", type=_variants, default=list(DEFAULT_VARIANTS))
     ap.add_argument("--lr", type=float, default=0.05, help="SGD, embeddings and dense part")
     ap.add_argument(
         "--max-warmup", type=int, default=1000, help="most steps a cached variant trains to fill"
@@ -318,13 +322,14 @@ def _phase(name: str):
 
 
 def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
-    lookahead = name == "distcache"
+    lookahead = name != "lru"
     config = CacheConfig(
         capacity=capacity,
         lookahead=args.lookahead if lookahead else 0,
         prefetch_depth=args.prefetch_depth if lookahead else 0,
         policy="lookahead" if lookahead else "lru",
         learning_rate=args.lr,
+        staging="direct" if name == "distcache_direct" else "worker",
     )
     bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
     dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)
@@ -435,10 +440,10 @@ def skip_reason(name, capacity, tables, data, args, device) -> str | None:
     table_bytes = sum(t.num_embeddings for t in tables) * args.dim * 4
     host = _host_available()
     cuda = device.type == "cuda"
-    if name in ("distcache", "lru"):
+    if name in CACHED:
         rows = [t.num_embeddings for t in tables]
         cache = sum(CacheConfig(capacity=capacity).capacity_rows(r) for r in rows)
-        window = args.prefetch_depth + 1 if name == "distcache" else 1
+        window = args.prefetch_depth + 1 if name != "lru" else 1
         need = in_flight_rows(data, rows, window)
         if cache < need:
             return (
@@ -582,7 +587,7 @@ def run_variant(name, capacity, tables, data, args, device: torch.device) -> dic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    if name in ("distcache", "lru"):
+    if name in CACHED:
         run = cached_run(name, capacity, tables, data, dense_model, args, device)
     else:
         run = plain_run(name, tables, data, dense_model, args, device)
@@ -595,8 +600,9 @@ def run_variant(name, capacity, tables, data, args, device: torch.device) -> dic
 
 def _plan(args) -> list[tuple[str, float | None]]:
     out: list[tuple[str, float | None]] = []
-    if "distcache" in args.variants:
-        out += [("distcache", c) for c in args.capacities]
+    for name in ("distcache", "distcache_direct"):
+        if name in args.variants:
+            out += [(name, c) for c in args.capacities]
     if "lru" in args.variants:
         out += [("lru", c) for c in args.lru_capacities]
     out += [(v, None) for v in ("device", "cpu_embeddings") if v in args.variants]
@@ -687,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             result["skipped"] = f"failed: {type(err).__name__}: {str(err)[:200]}"
             failed = True
         _release(device)
-        if result.get("critical_misses") and name == "distcache":
+        if result.get("critical_misses") and name != "lru":
             failed = True
         if "samples_per_s" in result:
             print(

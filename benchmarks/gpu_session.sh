@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU (issues 11 and 12): the CUDA tests and the measurements, in three device commands of under
-# ten minutes each (the device budget is 30 minutes, machine start included).
+# One GPU (issues 11 and 12): the CUDA tests and the measurements, in device commands of under ten
+# minutes each (the device budget is 30 minutes, machine start included: tests, then headline,
+# then direct or kaggle, whichever the issue at hand needs).
 #
 # Before, on a machine that reaches the package registry, at the project root: fill .whl/ with
 # TorchRec for the GPU machine (torchrec 1.6.1 + fbgemm-gpu-cpu 1.6.0, ~9 MB, git-ignored):
@@ -9,6 +10,7 @@
 #     run(command="bash benchmarks/gpu_session.sh tests",    carry=[".whl"], timeout_s=600)
 #     run(command="bash benchmarks/gpu_session.sh headline",                 timeout_s=600)
 #     run(command="bash benchmarks/gpu_session.sh kaggle",   carry=[".whl"], timeout_s=600)
+#     run(command="bash benchmarks/gpu_session.sh direct",                   timeout_s=600)
 # Each stage writes its logs and JSON under $OUT (the device tool's output folder; ./gpu_out
 # elsewhere) and exits non-zero if a step failed, after running the others. Commit the JSON
 # under benchmarks/results/ with the device named (the files record the command and machine).
@@ -21,6 +23,9 @@
 #   kaggle    throughput.py --device cuda (TorchRec DMP; see its notes below), and the same
 #             comparison without TorchRec: gpu_headline.py --tables kaggle at 100/5/2/1 % + lru
 #             at 5/2 % + device + cpu_embeddings                                        ~6 min
+#   direct    the two staging designs (issue 11) at Criteo Terabyte size, 2 %: the worker
+#             thread (distcache) and the staging stream addressing pinned host rows
+#             (distcache_direct, staging="direct"); then the same at Kaggle size, dim 16 ~7 min
 #
 # throughput.py on this machine: its 'torchrec' variant needs FBGEMM's CUDA kernels (absent:
 # fbgemm-gpu-cpu only), and its batches move their KeyedJaggedTensors to the GPU, where
@@ -95,12 +100,23 @@ stage_kaggle() {
         --json "$OUT/gpu_headline_kaggle.json"
 }
 
+stage_direct() {
+    environment
+    step direct_terabyte 330 $PY benchmarks/gpu_headline.py --device cuda \
+        --variants distcache,distcache_direct --capacities 0.02 \
+        --json "$OUT/gpu_headline_terabyte_direct.json"
+    step direct_kaggle 200 $PY benchmarks/gpu_headline.py --device cuda --tables kaggle \
+        --dim 16 --variants distcache,distcache_direct --capacities 0.05,0.02 --max-warmup 400 \
+        --json "$OUT/gpu_headline_kaggle_direct.json"
+}
+
 case "${1:-}" in
     tests) stage_tests ;;
+    direct) stage_direct ;;
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 tests|headline|kaggle (see the top of this file)" >&2
+        echo "usage: $0 tests|headline|kaggle|direct (see the top of this file)" >&2
         exit 2
         ;;
 esac

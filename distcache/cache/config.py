@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from distcache.errors import DistcacheConfigError
 
 POLICIES = ("lookahead", "lru", "lfu")
+STAGING = ("worker", "direct")
 # The smallest L within 1.10 x of Belady's optimum on MovieLens-100K (20 %, 30 % of distinct
 # rows) and zipf traces (5 %, 10 %), batches of 64-256 (benchmarks/results/lookahead_sweep_*).
 DEFAULT_LOOKAHEAD = 64
@@ -47,6 +48,13 @@ class CacheConfig:
     """Adam's first-moment decay."""
     beta2: float = 0.999
     """Adam's second-moment decay."""
+    staging: str = "worker"
+    """How rows move between the host store and the cache, off the training thread: 'worker'
+    (a thread waits for each plan's counts, gathers the missed rows into a host buffer and
+    copies them over) or 'direct' (the staging stream copies rows between the cache and the
+    page-locked host rows, which it addresses directly, each copy bounded by a count on the
+    device: no thread waits; `distcache.cache.transfer`). On CPU both run, 'direct' on the
+    training thread."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
@@ -85,6 +93,8 @@ class CacheConfig:
             )
         if self.policy not in POLICIES:
             _fail("policy", self.policy, f"one of {POLICIES}")
+        if self.staging not in STAGING:
+            _fail("staging", self.staging, f"one of {STAGING}")
         if self.optimizer not in OPTIMIZERS:
             _fail("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
         for name in ("learning_rate", "eps"):

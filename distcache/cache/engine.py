@@ -106,11 +106,12 @@ class CacheEngine:
             num_rows, dim, state_dim, dtype=dtype, pin_memory=device.type == "cuda"
         )
         capacity = config.capacity_rows(num_rows) if capacity is None else capacity
-        # One more row for the sentinel slot: padding and invalid ids read its zeros.
+        # Two more rows: the sentinel slot (padding and invalid ids read its zeros) and the
+        # trash slot (direct staging's padding lands there; nothing reads it).
         self.weights = torch.zeros(
-            capacity + 1, dim, dtype=dtype, device=device
-        )  # [capacity + 1, dim]
-        self.state = torch.zeros(capacity + 1, state_dim, device=device)
+            capacity + 2, dim, dtype=dtype, device=device
+        )  # [capacity + 2, dim]
+        self.state = torch.zeros(capacity + 2, state_dim, device=device)
         self.scheduler = Scheduler(
             num_rows,
             capacity,
@@ -119,7 +120,9 @@ class CacheEngine:
             device=device,
             name=name,
         )
-        self.stager = Stager(self.store, self.weights, self.state, self.streams)
+        self.stager = Stager(
+            self.store, self.weights, self.state, self.streams, direct=config.staging == "direct"
+        )
         self._checks: dict[int, torch.Tensor] = {}  # seq -> caller's check words, until staged
         self._ahead: deque[StagePlan] = deque()  # staged, not yet looked up
         self._active: deque[StagePlan] = deque()  # looked up, not yet released

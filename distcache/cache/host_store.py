@@ -6,6 +6,8 @@ import weakref
 
 import torch
 
+from distcache.cache.transfer import device_view
+
 
 class HostStore:
     """Rows `[rows, dim]` and optimizer state `[rows, state_dim]` of a shard in host memory.
@@ -23,9 +25,10 @@ class HostStore:
         dim: embedding dimension.
         state_dim: optimizer-state columns per row (0 for SGD).
         dtype: the rows' dtype (float32, float16 or bfloat16); the state is float32.
-        pin_memory: page-lock the rows, for asynchronous copies to and from a CUDA device. The
-            memory is allocated as usual and registered (`cudaHostRegister`), so it takes what
-            it holds: torch's pinned allocator would round 96 GB up to 128 GiB.
+        pin_memory: page-lock the rows, for asynchronous copies to and from a CUDA device and
+            for kernels that address them directly (`device_rows`). The memory is allocated as
+            usual and registered (`cudaHostRegister`), so it takes what it holds: torch's
+            pinned allocator would round 96 GB up to 128 GiB.
     """
 
     def __init__(
@@ -40,11 +43,19 @@ class HostStore:
         self.num_rows = num_rows
         self.dim = dim
         self.state_dim = state_dim
-        self.weights = torch.zeros(num_rows, dim, dtype=dtype)  # [rows, dim]
-        self.state = torch.zeros(num_rows, state_dim)  # [rows, state_dim] float32
+        # One more row, the *trash* row `num_rows`: direct staging's padding (`transfer`) goes
+        # there. The rows proper are a view of the rest.
+        self._padded = (
+            torch.zeros(num_rows + 1, dim, dtype=dtype),
+            torch.zeros(num_rows + 1, state_dim),  # float32
+        )
+        self.weights = self._padded[0][:num_rows]  # [rows, dim]
+        self.state = self._padded[1][:num_rows]  # [rows, state_dim]
+        self.trash_row = num_rows
         if pin_memory:
-            for tensor in (self.weights, self.state):
+            for tensor in self._padded:
                 _register(tensor)
+        self._views: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rows_read = 0
         self.rows_written = 0
 
@@ -52,6 +63,13 @@ class HostStore:
     def row_bytes(self) -> int:
         """Bytes of a row as it moves: its weights and its optimizer state."""
         return self.dim * self.weights.element_size() + self.state_dim * self.state.element_size()
+
+    def device_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights `[rows + 1, dim]` and state `[rows + 1, state_dim]`, the trash row last,
+        as `device` addresses them (`transfer.device_view`: on CUDA the rows must be pinned)."""
+        if device not in self._views:
+            self._views[device] = tuple(device_view(t, device) for t in self._padded)
+        return self._views[device]
 
     def gather(
         self, rows: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -79,5 +97,6 @@ def _register(tensor: torch.Tensor) -> None:
     if nbytes == 0:
         return
     cudart = torch.cuda.cudart()
-    torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0))
+    # Portable (1) | mapped (2): every device may address it (`transfer.device_view`).
+    torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 3))
     weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())

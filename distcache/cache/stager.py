@@ -17,6 +17,13 @@ that event (its job is to wait), reads how many rows move, and:
 `wait(plan)` (training thread, at the batch's lookup) waits for the worker to have queued that,
 which it usually did K batches ago, and makes the compute stream wait for the ready event on the
 device. On CPU the same code runs: no streams or events, host copies in the worker thread.
+
+With `direct=True` (`CacheConfig.staging="direct"`) there is no worker: `submit` queues both
+steps on the staging stream itself, as row copies between the cache and the host store's rows
+addressed from the device (`transfer.copy_rows`, bounded by the plan's counts on the device), so
+nothing waits for the counts; they reach the host by an asynchronous copy that `wait` reads at
+the batch's lookup, K batches after it was queued. On CPU those copies run in `submit`, on the
+calling thread.
 """
 
 from __future__ import annotations
@@ -29,14 +36,15 @@ import torch
 from distcache.cache.host_store import HostStore
 from distcache.cache.scheduler import LOADS, NUM_COUNTS, WRITEBACKS, StagePlan
 from distcache.cache.streams import Streams
+from distcache.cache.transfer import copy_rows
 
 
 @dataclass(eq=False)
 class _Job:
     plan: StagePlan
     counts: torch.Tensor  # [NUM_COUNTS] host copy of plan.counts
-    load_rows: torch.Tensor  # [size] host copy of plan.load_rows
-    writeback_rows: torch.Tensor  # [size] host copy of plan.writeback_rows
+    load_rows: torch.Tensor | None  # [size] host copy of plan.load_rows (worker only)
+    writeback_rows: torch.Tensor | None  # [size] host copy of plan.writeback_rows (worker only)
     check: torch.Tensor | None  # host copy of the caller's check words, if any
     mirrored: torch.cuda.Event | None  # the host copies above are complete
     victims_free: torch.cuda.Event | None  # the last backward before the plan was made
@@ -48,16 +56,26 @@ class Stager:
 
     Args:
         store: the host store (authoritative for non-resident rows).
-        weights: the cache's weights `[capacity + 1, dim]` on the device (the last row is the
-            sentinel slot's).
-        state: the cache's optimizer state `[capacity + 1, state_dim]` on the device.
+        weights: the cache's weights `[capacity + 2, dim]` on the device (the last two rows
+            are the sentinel slot's and the trash slot's).
+        state: the cache's optimizer state `[capacity + 2, state_dim]` on the device.
         streams: the cache's streams.
+        direct: stage on the staging stream alone, addressing the host rows from the device
+            (no worker thread).
     """
 
     def __init__(
-        self, store: HostStore, weights: torch.Tensor, state: torch.Tensor, streams: Streams
+        self,
+        store: HostStore,
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        streams: Streams,
+        *,
+        direct: bool = False,
     ):
         self.store = store
+        self.direct = direct
+        self.trash_slot = weights.shape[0] - 1
         self.weights = weights
         self.state = state
         self.streams = streams
@@ -73,21 +91,27 @@ class Stager:
         """
         s = self.streams
         size = plan.load_rows.numel()
+        rows = not self.direct  # the worker needs the row lists on the host
         job = _Job(
             plan=plan,
             counts=s.host_buffer((NUM_COUNTS,), torch.int64),
-            load_rows=s.host_buffer((size,), torch.int64),
-            writeback_rows=s.host_buffer((size,), torch.int64),
+            load_rows=s.host_buffer((size,), torch.int64) if rows else None,
+            writeback_rows=s.host_buffer((size,), torch.int64) if rows else None,
             check=None if check is None else s.host_buffer(tuple(check.shape), torch.int64),
             mirrored=None,
             victims_free=self.victims_free,
         )
         job.counts.copy_(plan.counts, non_blocking=True)
-        job.load_rows.copy_(plan.load_rows, non_blocking=True)
-        job.writeback_rows.copy_(plan.writeback_rows, non_blocking=True)
+        if rows:
+            job.load_rows.copy_(plan.load_rows, non_blocking=True)
+            job.writeback_rows.copy_(plan.writeback_rows, non_blocking=True)
         if check is not None:
             job.check.copy_(check, non_blocking=True)
         job.mirrored = s.record()
+        if self.direct:
+            self._stage_direct(job)
+            self._jobs[plan.seq] = (job, None)
+            return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="distcache-stager")
         self._jobs[plan.seq] = (job, self._executor.submit(self._execute, job))
@@ -97,16 +121,24 @@ class Stager:
         them (device). Returns the plan's counts (`scheduler.UNIQUE`, ...) and check words, now
         on the host (the worker waited for their copies)."""
         job, future = self._jobs.pop(plan.seq)
-        future.result()  # re-raises what the worker raised
+        if future is not None:
+            future.result()  # re-raises what the worker raised
+        else:  # direct: the counts' copy, queued when the plan was made (K batches ago)
+            self.streams.host_wait(job.mirrored)
         self.streams.wait(job.ready)
         check = None if job.check is None else job.check.numpy().tolist()
-        return job.counts.numpy().tolist(), check
+        counts = job.counts.numpy().tolist()
+        if future is None:
+            self.store.rows_read += counts[LOADS]
+            self.store.rows_written += counts[WRITEBACKS]
+        return counts, check
 
     def drain(self) -> None:
         """Wait for every submitted plan (host); their rows are in place once the device gets
         there (the current stream waits for them)."""
         for job, future in list(self._jobs.values()):
-            future.result()
+            if future is not None:
+                future.result()
             self.streams.wait(job.ready)
 
     def write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -151,4 +183,30 @@ class Stager:
                 slots = plan.load_slots[:loads]
                 for cache, buffer in zip((self.weights, self.state), host, strict=True):
                     cache.index_copy_(0, slots, buffer.to(self.device, non_blocking=True))
+            job.ready = s.record(s.staging)
+
+    # ------------------------------------------------------------ direct
+    def _stage_direct(self, job: _Job) -> None:
+        """Queue `job`'s write-back, then its loads, on the staging stream: row copies between
+        the cache and the host rows as the device addresses them, bounded by the plan's counts
+        on the device (the padding goes from and to the trash row and slot)."""
+        s, plan = self.streams, job.plan
+        host = self.store.device_rows(self.device)
+        cache = (self.weights, self.state)
+        trash_row, trash_slot = self.store.trash_row, self.trash_slot
+        with s.on(s.staging):
+            s.wait(job.mirrored, s.staging)  # the plan is made
+            s.wait(job.victims_free, s.staging)  # the victims' last update is done
+            for tensor in (plan.counts, plan.load_rows, plan.load_slots):
+                s.keep_for(tensor, s.staging)
+            for tensor in (plan.writeback_rows, plan.writeback_slots):
+                s.keep_for(tensor, s.staging)
+            writebacks = plan.counts[WRITEBACKS : WRITEBACKS + 1]
+            for src, dst in zip(cache, host, strict=True):
+                copy_rows(src, plan.writeback_slots, dst, plan.writeback_rows, writebacks,
+                          src_trash=trash_slot, dst_trash=trash_row)  # fmt: skip
+            loads = plan.counts[LOADS : LOADS + 1]
+            for src, dst in zip(host, cache, strict=True):
+                copy_rows(src, plan.load_rows, dst, plan.load_slots, loads,
+                          src_trash=trash_row, dst_trash=trash_slot)  # fmt: skip
             job.ready = s.record(s.staging)

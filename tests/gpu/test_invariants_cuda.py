@@ -49,11 +49,15 @@ def _reference_step(ref, opt, batch) -> torch.Tensor:
     return out.detach()
 
 
+@pytest.mark.parametrize("staging", ["worker", "direct"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_one_authoritative_copy_and_no_lost_update_while_staging_ahead(depth):
+def test_one_authoritative_copy_and_no_lost_update_while_staging_ahead(depth, staging):
     """Invariants 1-2: with rows staged up to `depth` batches ahead, also while a batch trains,
-    every resident row's slot holds its latest value and the host store every other row's."""
-    tables, config, cached, ref, opt = _setup(capacity=12, depth=depth, device=DEVICE)
+    every resident row's slot holds its latest value and the host store every other row's
+    (`staging="direct"`: the staging stream reads and writes the pinned host rows itself)."""
+    tables, config, cached, ref, opt = _setup(
+        capacity=12, depth=depth, device=DEVICE, staging=staging
+    )
     (engine,) = cached.engines
     batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=1)
     res = engine.scheduler.residency

@@ -2,8 +2,9 @@
 
 The path (route and enqueue a future batch, stage K ahead, look the training batch up, backward
 with the fused optimizer, release) runs under `SyncAudit` in steady state: the cache full,
-evicting, writing dirty rows back. The stager's worker thread is audited too. The scheduler also
-runs under `FakeTensorMode` on a (fake) CUDA device, which refuses any data-dependent op.
+evicting, writing dirty rows back. The stager's worker thread is audited too, and so is direct
+staging (its copies are queued by the training thread). The scheduler also runs under
+`FakeTensorMode` on a (fake) CUDA device, which refuses any data-dependent op.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ TABLES = make_tables([8, 8, 4], [4000, 3000, 2000], ["sum", "mean", "sum"])
         ("lru", "rowwise_adagrad", 0, "plain"),
         ("lookahead", "sgd", 1, "weighted fp16"),  # per-id weights, half rows
         ("lookahead", "rowwise_adagrad", 1, "sequence"),  # per-id rows (EmbeddingCollection)
+        ("lookahead", "adam", 2, "direct"),  # staging="direct": copies bounded on the device
+        ("lru", "sgd", 0, "direct"),
     ],
 )
 def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant):
@@ -47,6 +50,7 @@ def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant):
         policy=policy,
         optimizer=optimizer,
         learning_rate=0.1,
+        staging="direct" if variant == "direct" else "worker",
     )
     cached = module(tables, config)
     batches = make_batches(tables, batch_size=8, num_batches=60, max_len=2, seed=0)

@@ -47,18 +47,21 @@ def _on(batch, device):
     return values.to(device), offsets.to(device)
 
 
-def _setup(capacity=10, depth=1, device="cpu"):
+def _setup(capacity=10, depth=1, device="cpu", staging="worker"):
     tables = make_tables([4], [40])
     weights = integer_weights(tables, 0)
-    config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=depth, learning_rate=1.0)
+    config = CacheConfig(
+        capacity=capacity, lookahead=3, prefetch_depth=depth, learning_rate=1.0, staging=staging
+    )
     cached = CachedEmbeddingBags(tables, config, device=device)
     cached.load_table_weight("t0", weights[0])
     ref = ReferenceBags(tables, weights)
     return tables, config, cached, ref, reference_optimizer(config, ref.parameters())
 
 
-def test_one_authoritative_copy_and_no_lost_update_without_flush():
-    tables, config, cached, ref, opt = _setup()
+@pytest.mark.parametrize("staging", ["worker", "direct"])
+def test_one_authoritative_copy_and_no_lost_update_without_flush(staging):
+    tables, config, cached, ref, opt = _setup(staging=staging)
     (engine,) = cached.engines
     batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=1)
     res = engine.scheduler.residency
