@@ -10,7 +10,10 @@ local replica. One batch's ids flow so:
                  `[B, dim]` per feature, each id scaled by its weight for weighted features:
                  one embedding bag per embedding dim over every feature's bags
     output       `HotRows.combine`: added to the sharded (cold) part of the output; a mean bag
-                 becomes (cold mean * cold ids + hot sum) / all ids, as pooling all its ids
+                 becomes (cold mean * cold ids + hot sum) / all ids, as pooling all its ids.
+                 Per-id outputs (`EmbeddingCollection`, `sequence=True`): `HotRows.rows` are
+                 the hot ids' replica rows, and `HotRows.combine_sequence` puts them back
+                 among the sharded ids' rows, each id in its place
     backward     the replicas' gradient (every hot table's, one flat tensor) is summed over
                  the ranks (divided by the world size, TorchRec's convention for embedding
                  gradients) in one all-reduce per collection with a count of the ranks that
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.optimizers import RowOptimizer, make_optimizer
@@ -87,6 +90,7 @@ class _HotIds:
     weights: torch.Tensor | None  # [h] the id's weight (weighted features), fp32
     offsets: torch.Tensor  # [F * B + 1] where each bag's hot ids begin, and the end
     bags: torch.Tensor  # [h] the id's bag, k * B + b for feature k, sample b
+    positions: torch.Tensor | None  # [h] the id's index in the batch's values (sequence only)
 
 
 @dataclass
@@ -98,6 +102,8 @@ class HotInput:
     hot_per_bag: torch.Tensor  # [F * B] hot ids per bag
     lengths: torch.Tensor  # [F * B] all ids per bag
     stride: int
+    key_ends: list[int]  # where each feature's ids end in the batch's values, after a 0
+    cold_positions: torch.Tensor | None  # [n - hot] each cold id's index (sequence only)
 
 
 class HotRows:
@@ -108,6 +114,8 @@ class HotRows:
         feature_tables: the collection's features, in order, and the table each reads.
         mean_features: features pooled by mean.
         device: where the replicas live.
+        sequence: per-id outputs (`EmbeddingCollection`): `rows` and `combine_sequence`
+            instead of `pooled` and `combine`.
     """
 
     def __init__(
@@ -116,7 +124,10 @@ class HotRows:
         feature_tables: dict[str, str],
         mean_features: set[str],
         device: torch.device,
+        *,
+        sequence: bool = False,
     ):
+        self.sequence = sequence
         self.tables: dict[str, _HotTable] = {}
         self.widths: list[_Width] = []
         start = row = 0
@@ -167,16 +178,19 @@ class HotRows:
         values, lengths = features.values(), features.lengths()
         weights = features.weights_or_none()
         n, device = values.numel(), values.device
-        ends = features.offset_per_key()  # host ints, as TorchRec's own routing reads them
+        key_ends = features.offset_per_key()  # host ints, as TorchRec's own routing reads them
+        # Each id's index, compacted beside it where outputs are per id.
+        index = torch.arange(n, device=device) if self.sequence else None
         row = torch.full((n,), -1, dtype=torch.int64, device=device)  # replica row, -1: cold
         for k, key in enumerate(keys):
             name = self.feature_tables.get(key)
             if name is None:
                 continue
-            table, ids = self.tables[name], values[ends[k] : ends[k + 1]]
+            start, end = key_ends[k], key_ends[k + 1]
+            table, ids = self.tables[name], values[start:end]
             pos = torch.searchsorted(table.ids, ids).clamp_(max=table.ids.numel() - 1)
             found = table.ids.index_select(0, pos) == ids
-            row[ends[k] : ends[k + 1]] = torch.where(found, pos + table.row, -1)
+            row[start:end] = torch.where(found, pos + table.row, -1)
         hot = row >= 0
         bag_ends = features.offsets()  # [F * B + 1]
         hot_before = _running_sum(hot)  # [n + 1]
@@ -192,13 +206,15 @@ class HotRows:
         for width, mine, count in zip(self.widths, masks, counts, strict=True):
             before = hot_before if mine is hot else _running_sum(mine)
             local = row - width.row if width.row else row
-            rows, kept = _compact(mine, before, count, local, weights)
+            rows, kept, at = _compact(mine, before, count, local, weights, index)
             ends = before.index_select(0, bag_ends)
             bags = torch.repeat_interleave(every_bag, ends.diff(), output_size=count)
             kept = None if kept is None else kept.float()
-            widths.append(_HotIds(rows=rows, weights=kept, offsets=ends, bags=bags))
+            widths.append(_HotIds(rows=rows, weights=kept, offsets=ends, bags=bags, positions=at))
         cold_before = torch.arange(n + 1, device=device) - hot_before  # cold ids before each
-        values_cold, weights_cold = _compact(~hot, cold_before, n - sum(counts), values, weights)
+        values_cold, weights_cold, cold_at = _compact(
+            ~hot, cold_before, n - sum(counts), values, weights, index
+        )
         rest = KeyedJaggedTensor(
             keys=keys,
             values=values_cold,
@@ -212,24 +228,20 @@ class HotRows:
             hot_per_bag=hot_per_bag,
             lengths=lengths,
             stride=features.stride(),
+            key_ends=list(key_ends),
+            cold_positions=cold_at,
         )
         return rest, part
 
     def pooled(self, part: HotInput) -> dict[str, torch.Tensor]:
         """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted): one
         embedding bag per width over the replica's rows, every feature's bags at once."""
-        self.finish_step()
-        if self.stale and self.reader is not None:
-            self.reader(self)
+        self._ready(part)
         out: dict[str, torch.Tensor] = {}
-        touched = []
         for width, ids in zip(self.widths, part.widths, strict=True):
             sums = _PooledRows.apply(
                 width.view(self.flat), ids.rows, ids.offsets, ids.weights, ids.bags
             )  # [F * B, dim]
-            if torch.is_grad_enabled():
-                used = torch.zeros(width.rows, dtype=torch.bool, device=self.device)
-                touched.append(used.index_fill_(0, ids.rows, True))
             # One split, not a slice per feature: a slice's backward fills a zero gradient of
             # all of `sums` and adds into it (8 MB a feature at B = 2048, dim = 128); the
             # split's concatenates the features' gradients once.
@@ -237,9 +249,48 @@ class HotRows:
                 name = self.feature_tables.get(key)
                 if name is not None and self.tables[name].dim == width.dim:
                     out[key] = bags
-        if touched:
-            self._touched = torch.cat(touched)
         return out
+
+    def rows(self, part: HotInput) -> list[torch.Tensor]:
+        """Per width, the replica row of each of its hot ids `[h, dim]`, in the batch's order
+        (per-id outputs)."""
+        self._ready(part)
+        out = []
+        for width, ids in zip(self.widths, part.widths, strict=True):
+            each = torch.arange(ids.rows.numel() + 1, device=self.device)  # a bag per id
+            out.append(_PooledRows.apply(width.view(self.flat), ids.rows, each, None, each[:-1]))
+        return out
+
+    def combine_sequence(
+        self, out: dict[str, JaggedTensor], part: HotInput, rows: list[torch.Tensor]
+    ) -> dict[str, JaggedTensor]:
+        """The collection's per-id output (`{feature: JaggedTensor}`, the sharded ids' rows)
+        with the hot ids' `rows` put back in their places, every feature's lengths whole."""
+        cold = torch.cat([out[key].values() for key in part.keys])  # [n - hot, dim]
+        merged = cold.new_zeros(part.key_ends[-1], cold.shape[1])
+        merged = merged.index_copy(0, part.cold_positions, cold)
+        for ids, hot in zip(part.widths, rows, strict=True):
+            merged = merged.index_copy(0, ids.positions, hot.to(merged.dtype))
+        sizes = [b - a for a, b in zip(part.key_ends, part.key_ends[1:], strict=False)]
+        stride, whole = part.stride, {}
+        for k, (key, values) in enumerate(zip(part.keys, merged.split(sizes), strict=True)):
+            whole[key] = JaggedTensor(
+                values=values, lengths=part.lengths[k * stride : (k + 1) * stride]
+            )
+        return {key: whole.get(key, jt) for key, jt in out.items()}
+
+    def _ready(self, part: HotInput) -> None:
+        """Before a batch reads the replica: the last step applied, the replica read from the
+        shards if stale, and (training) the rows the batch touches noted for the update."""
+        self.finish_step()
+        if self.stale and self.reader is not None:
+            self.reader(self)
+        if torch.is_grad_enabled() and part.widths:
+            touched = []
+            for width, ids in zip(self.widths, part.widths, strict=True):
+                used = torch.zeros(width.rows, dtype=torch.bool, device=self.device)
+                touched.append(used.index_fill_(0, ids.rows, True))
+            self._touched = torch.cat(touched)
 
     def combine(
         self, kt: KeyedTensor, part: HotInput, pooled: dict[str, torch.Tensor]

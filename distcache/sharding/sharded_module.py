@@ -96,15 +96,22 @@ class CachedShardedModule:
                 output_dist.prepare(input[i].lengths(), *cold)
         out = super().compute_and_output_dist(ctx, input)  # type: ignore[misc]
         part = getattr(ctx, "distcache_hot", None)
-        if part is not None:
+        if part is not None and self._hot.sequence:  # per-id outputs
+            hot = self._hot
+            rows = hot.rows(part)
+            out.callbacks.append(lambda per_key: hot.combine_sequence(per_key, part, rows))
+        elif part is not None:
             hot = self._hot
             pooled = hot.pooled(part)
             out.callbacks.append(lambda kt: hot.combine(kt, part, pooled))
         return out
 
-    def setup_hot_rows(self) -> None:
+    def setup_hot_rows(self, sharding_infos: dict | None = None) -> None:
         """Replicate the hot rows of the tables whose `CacheConfig.hot_rows` name some
-        (`distcache.sharding.hot_rows`); all ranks call it (it creates a process group)."""
+        (`distcache.sharding.hot_rows`); all ranks call it (it creates a process group).
+
+        `sharding_infos`: TorchRec's sharding infos by sharding type (every table's, with its
+        fused params), where the module does not keep them (`EmbeddingCollection`)."""
         planned = {
             name: sharding.cache_config.hot_rows
             for name, sharding in self.module_sharding_plan.items()
@@ -114,11 +121,18 @@ class CachedShardedModule:
         }
         if not planned:
             return
-        if self._collection != "EmbeddingBagCollection":
+        sequence = self._collection == "EmbeddingCollection"
+        fused = sorted(
+            name
+            for name in planned
+            if self.module_sharding_plan[name].compute_kernel != CACHED_KERNEL
+        )
+        if sequence and fused:
             raise UnsupportedError(
-                f"hot_rows are supported for EmbeddingBagCollection tables, not yet for "
-                f"{self._collection} tables {sorted(planned)}"
+                f"hot_rows of EmbeddingCollection tables need distcache's kernel "
+                f"({CACHED_KERNEL!r}); tables {fused} are on TorchRec's"
             )
+        infos = sharding_infos or self.sharding_type_to_sharding_infos
         # Each table's full settings, its optimizer from TorchRec's fused params included (as
         # its kernel gets them), on every rank: a rank may hold no shard of the table.
         hot = {
@@ -126,8 +140,8 @@ class CachedShardedModule:
                 cache_config_from_fused_params(info.fused_params),
                 hot_rows=planned[info.embedding_config.name],
             )
-            for infos in self.sharding_type_to_sharding_infos.values()
-            for info in infos
+            for per_type in infos.values()
+            for info in per_type
             if info.embedding_config.name in planned
         }
         configs = {c.name: c for c in self._table_configs()}
@@ -140,14 +154,16 @@ class CachedShardedModule:
             {
                 f
                 for c in self._table_configs()
-                if c.pooling == PoolingType.MEAN
+                if getattr(c, "pooling", None) == PoolingType.MEAN
                 for f in c.feature_names
             },
             self._device or torch.device("cpu"),
+            sequence=sequence,
         )
         self._hot.reader = self._read_hot_rows
         self._hot.lr_sources = dict(self._hot_learning_rates())
-        self._compact_output_dists()
+        if not sequence:  # per-id outputs send only the cold ids already
+            self._compact_output_dists()
         for kernel in self.cached_kernels():
             kernel.flush_hooks.append(lambda k=kernel: self._write_hot_rows(self._hot_shards(k)))
             kernel.purge_hooks.append(self._hot_rows_stale)
@@ -199,7 +215,7 @@ class CachedShardedModule:
         kernel applies in backward (distcache's: synced from its optimizer's param group each
         forward; FBGEMM's: set from TorchRec's param group at each optimizer step)."""
         for kernel in self._lookup_modules():
-            if isinstance(kernel, CachedEmbeddingBagKernel):
+            if isinstance(kernel, CachedEmbeddingBagKernel | CachedEmbeddingKernel):
                 engines = kernel.bags.engines
                 source = lambda e=engines[0]: e.optimizer.lr  # noqa: E731
             elif isinstance(kernel, BaseBatchedEmbeddingBag) and hasattr(

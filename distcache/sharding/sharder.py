@@ -141,9 +141,10 @@ class CachedEmbeddingCollectionSharder(_CachedSharder, EmbeddingCollectionSharde
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedCachedEmbeddingCollection:
+        params = self._with_configs(params)
         sharded = ShardedCachedEmbeddingCollection(
             module,
-            self._with_configs(params),
+            params,
             env,
             self.fused_params,
             device,
@@ -151,7 +152,11 @@ class CachedEmbeddingCollectionSharder(_CachedSharder, EmbeddingCollectionSharde
             module_fqn=module_fqn,
         )
         sharded.check_ids = self.cache_config.check_ids
-        sharded.setup_hot_rows()
+        # TorchRec's sharded EC keeps no sharding infos (the tables' fused params): rebuilt.
+        infos = ShardedCachedEmbeddingCollection.create_grouped_sharding_infos(
+            module, params, self.fused_params
+        )
+        sharded.setup_hot_rows(infos)
         return sharded
 
     @property

@@ -21,6 +21,7 @@ HOT = {
     "a": {"t0": (0, 1, 2, 3), "t1": (0, 1, 2), "t3": (0, 1)},
     "b": {"t0": (5, 6), "t1": (0,), "t2": (0, 1, 2)},
 }
+HOT_EC = {"a": {"s0": (0, 1, 2), "s2": (0, 1)}, "b": {"s1": (0, 1), "s2": (3,)}}
 
 
 def _model(
@@ -39,8 +40,11 @@ def _model(
     if module == "ec":
         ec = make_ec(data_type=data_type)
         apply_optimizer_in_backward(opt_cls, ec.embeddings.parameters(), {"lr": 0.1, "eps": 1e-6})
+        config = dataclasses.replace(config, capacity=20)
         big = {"s2": CacheConfig(capacity=40)}  # two features of sequences: a larger cache
-        return shard_ec(ec, "", ec, kind, dataclasses.replace(config, capacity=20), big)
+        for table, rows in HOT_EC.get(hot or "", {}).items():
+            big[table] = dataclasses.replace(big.get(table, config), hot_rows=rows)
+        return shard_ec(ec, "", ec, kind, config, big)
     ebc = make_ebc(data_type=data_type, weighted=weighted)
     apply_optimizer_in_backward(opt_cls, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6})
     # t3 serves two features: a larger cache of its own.

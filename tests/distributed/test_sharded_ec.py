@@ -7,6 +7,7 @@ import torch
 from distcache.sharding import CACHED_KERNEL
 from tests.distributed.ec_case import (
     bags_and_sequences_pipelined_vs_plain,
+    ec_hot_rows_on_torchrecs_kernel,
     ec_with_bad_id,
     planner_plans_bags_and_sequences,
     train_ec_and_compare,
@@ -21,9 +22,42 @@ def test_sharded_cached_ec_sgd_equals_unsharded_bitwise(kind):
     assert any(s["evictions"] > 0 for stats in results for s in stats.values()), results
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("kind", "optimizer"),
+    [("table_wise", "sgd"), ("row_wise", "sgd"), ("column_wise", "sgd"), ("mixed", "adam")],
+)
+def test_ec_hot_rows_equal_unsharded(kind, optimizer):
+    """Hot rows of sequence features: each hot id's row from the replica, put back in its
+    place among the sharded ids' rows; bitwise for SGD on integers, lazy Adam within float
+    tolerance; the hot ids never reach the caches (fewer routed ids)."""
+    kwargs = {"optimizer": optimizer}
+    hot = run_ranks(train_ec_and_compare, 2, args=(kind,), kwargs=kwargs | {"hot": True},
+                    timeout_s=150)  # fmt: skip
+    plain = run_ranks(train_ec_and_compare, 2, args=(kind,), kwargs=kwargs, timeout_s=150)
+    routed = [sum(s["ids"] for stats in r for s in stats.values()) for r in (hot, plain)]
+    assert routed[0] < 0.8 * routed[1], routed
+
+
+@pytest.mark.timeout(120)
+def test_ec_hot_rows_on_torchrecs_own_kernel_are_refused():
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(ec_hot_rows_on_torchrecs_kernel, 1, timeout_s=90)
+    message = str(failure.value)
+    assert (
+        "UnsupportedError: hot_rows of EmbeddingCollection tables need distcache's kernel"
+        in (message)
+        and "tables ['s0'] are on TorchRec's" in message
+    ), message[-2000:]
+
+
 @pytest.mark.timeout(180)
-def test_ebc_and_ec_in_one_model_pipelined_equal_plain_without_critical_misses():
-    for runs in run_ranks(bags_and_sequences_pipelined_vs_plain, 2, timeout_s=150):
+@pytest.mark.parametrize("hot", [False, True])
+def test_ebc_and_ec_in_one_model_pipelined_equal_plain_without_critical_misses(hot):
+    runs_per_rank = run_ranks(
+        bags_and_sequences_pipelined_vs_plain, 2, kwargs={"hot": hot}, timeout_s=150
+    )
+    for runs in runs_per_rank:
         plain, piped = runs["plain"], runs["pipeline"]
         assert runs["critical"] == 0 and runs["evictions"] > 0, runs
         assert len(piped["outputs"]) == len(plain["outputs"]) > 0
