@@ -26,9 +26,9 @@ import torch
 
 from distcache.errors import DistcacheConfigError
 
-# The rows' dtypes: wrapped as integers of their size and retyped (the array interface has no
-# code for bfloat16).
-_AS_INT = (torch.float32, torch.float16, torch.bfloat16)
+# The rows' dtypes; a view wraps them as integers of their size and retypes them (the array
+# interface has no code for bfloat16).
+_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def device_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -38,9 +38,9 @@ def device_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         return tensor
     if tensor.numel() == 0:  # (no memory to address: the optimizer state of SGD)
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-    if not tensor.is_contiguous() or tensor.dtype not in _AS_INT:
+    if not tensor.is_contiguous() or tensor.dtype not in _ROW_DTYPES:
         raise DistcacheConfigError(
-            f"a device view needs a contiguous host tensor of {sorted(map(str, _AS_INT))}, "
+            f"a device view needs a contiguous host tensor of {sorted(map(str, _ROW_DTYPES))}, "
             f"got {tensor.dtype}, contiguous={tensor.is_contiguous()}"
         )
 
@@ -49,6 +49,7 @@ def device_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
             "shape": tuple(tensor.shape),
             "typestr": f"<i{tensor.element_size()}",
             "data": (tensor.data_ptr(), False),
+            "strides": None,  # C-contiguous
             "version": 3,
         }
 
