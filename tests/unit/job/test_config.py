@@ -52,6 +52,7 @@ def test_ints_are_accepted_as_floats():
         ("--train.steps=true", r"expected an integer"),
         ("--cache.prefetch_depth=65", r"prefetch_depth = 65 is invalid: expected at most"),
         ("--cache.policy=fifo", r"policy = 'fifo' is invalid: expected one of"),
+        ("--cache.staging=gpu", r"staging = 'gpu' is invalid: expected one of \('worker'"),
         ("--model.bottom_mlp=[64,8]", r"ending with embedding_dim = 16"),
         ("--data.source=criteo_tsv", r"\[data\] paths = \[\] is invalid"),
         ("--plan.planner=greedy", r"one of .* or a plan .json file"),
