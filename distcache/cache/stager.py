@@ -197,10 +197,9 @@ class Stager:
         with s.on(s.staging):
             s.wait(job.mirrored, s.staging)  # the plan is made
             s.wait(job.victims_free, s.staging)  # the victims' last update is done
-            for tensor in (plan.counts, plan.load_rows, plan.load_slots):
-                s.keep_for(tensor, s.staging)
-            for tensor in (plan.writeback_rows, plan.writeback_slots):
-                s.keep_for(tensor, s.staging)
+            for tensor in (plan.counts, plan.load_rows, plan.load_slots, plan.writeback_rows,
+                           plan.writeback_slots):  # fmt: skip
+                s.keep_for(tensor, s.staging)  # (made on the schedule stream)
             writebacks = plan.counts[WRITEBACKS : WRITEBACKS + 1]
             for src, dst in zip(cache, host, strict=True):
                 copy_rows(src, plan.writeback_slots, dst, plan.writeback_rows, writebacks,
