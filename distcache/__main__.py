@@ -8,6 +8,8 @@ errors (`DistcacheError`) print one line, `distcache COMMAND: ErrorType: message
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 
 from distcache.errors import DistcacheError
@@ -52,5 +54,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _exit(status: int) -> None:
+    """End the process without finalizing the interpreter, once everything is written.
+
+    torch keeps the default gloo group alive past `destroy_process_group` once `torch._dynamo`
+    is imported (an optimizer's construction imports it): its worker threads outlive the job,
+    and one still releasing a finished collective's tensors while the interpreter finalizes
+    needs the GIL and aborts the process ("terminate called without an active exception"),
+    seen about once in 20 two-rank jobs on a loaded machine, after a successful run (a gdb
+    backtrace of the core: `ProcessGroupGloo::runLoop` -> `~AsyncAllgatherWork` ->
+    `TensorImpl::decref_pyobject` -> `take_gil` during `Py_FinalizeEx`). distcache's files
+    are closed by then (metrics lines, checkpoints); logs and stdio are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _exit(main())
