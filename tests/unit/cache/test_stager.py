@@ -1,0 +1,82 @@
+"""The stager's worker thread: its thread settings and its reused host rows (CPU).
+
+Correctness of what it moves (write-backs before loads, nothing lost) is checked against
+uncached references in `test_invariants.py` and `test_module.py`.
+"""
+
+import threading
+
+import torch
+
+from distcache import CacheConfig, CachedEmbeddingBags
+from tests.unit.cache.reference import make_batches, make_tables
+
+
+def _train(cached, batches, lookahead):
+    """Drive `cached` as the pipeline does: L batches enqueued ahead, K staged, forward and
+    backward, each step ending when the worker is idle."""
+    enqueued = 0
+    for t, batch in enumerate(batches):
+        while enqueued < len(batches) and enqueued <= t + lookahead:
+            cached.enqueue(*batches[enqueued])
+            enqueued += 1
+        cached.prefetch()
+        cached(*batch).sum().backward()
+        for engine in cached.engines:
+            engine.stager.drain()
+        yield t
+
+
+def _cached(capacity=12):
+    tables = make_tables([4], [200])
+    config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=1, learning_rate=0.1)
+    cached = CachedEmbeddingBags(tables, config)
+    batches = make_batches(tables, batch_size=4, num_batches=30, max_len=3, seed=3)
+    return cached, batches, config
+
+
+def _threads_of_new_thread() -> int:
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_worker_copies_on_one_thread_and_leaves_other_threads_counts():
+    """On CPU the worker's ATen ops run single-threaded (no second OpenMP team beside the
+    training thread's), even after its copies ran; the training thread's count, and the count
+    threads started later begin with, stay what they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cached, batches, config = _cached()
+        for _ in _train(cached, batches, config.lookahead):
+            pass
+        (engine,) = cached.engines
+        assert engine.stats().loads > 0 and engine.stats().writebacks > 0  # the worker copied
+        worker = engine.stager._executor
+        assert worker.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2
+        assert _threads_of_new_thread() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_worker_reuses_its_host_rows_and_grows_them_when_a_plan_moves_more():
+    cached, batches, config = _cached(capacity=12)
+    (engine,) = cached.engines
+    stager = engine.stager
+    assert stager._rows is None
+    buffers, moved = [None], []  # the buffer after each step (kept alive: no id is reused)
+    loads = 0
+    for _ in _train(cached, batches, config.lookahead):
+        stats = engine.stats()
+        moved.append(stats.loads - loads)
+        loads = stats.loads
+        buffers.append(None if stager._rows is None else stager._rows[0])
+    assert stager._rows[0].shape[0] >= max(moved)
+    # A new buffer only when a plan moved more rows than the buffer held (growth doubles).
+    new = sum(1 for a, b in zip(buffers, buffers[1:], strict=False) if a is not b)
+    assert 1 <= new <= 1 + max(moved).bit_length()
+    assert all(b is buffers[-1] for b in buffers[-10:])
