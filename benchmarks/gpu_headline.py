@@ -28,8 +28,8 @@ ones (the device synchronized at both ends). Reported: samples/s; for the caches
 critical-path misses, the time training waited on staging as a fraction of the step (gpu: the
 compute stream's stall at the staging events, CUDA events around `Stager.wait`; host:
 `CacheStats.wait_s`, lookups staging on the critical path), and the planning time per batch
-(host time in the scheduler's prepare, commit, stage_next and release; on CUDA it includes the
-host's waits for the device at the scheduler's synchronizations). Then --profile-steps steps
+(host time in the scheduler's enqueue, stage_next and release: the host launching the
+scheduler's work, which reads nothing back), and the stager's submit. Then --profile-steps steps
 run under `torch.profiler`: top ops by self CPU and device time and the `## headline:* ##`
 phases go to the JSON. `loss_max_diff`: largest difference of a variant's per-step losses from
 the first variant's (same batches, same weights).
