@@ -53,8 +53,9 @@ class CacheConfig:
     (a thread waits for each plan's counts, gathers the missed rows into a host buffer and
     copies them over) or 'direct' (the staging stream copies rows between the cache and the
     page-locked host rows, which it addresses directly, each copy bounded by a count on the
-    device: no thread waits; `distcache.cache.transfer`). On CPU both run, 'direct' on the
-    training thread."""
+    device: no thread waits; `distcache.cache.transfer`). On CPU both run on the training
+    thread ('worker' copies the rows that move, 'direct' every padded entry): there is no device
+    to wait for, and a second thread would compete for the cores of its OpenMP team."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""

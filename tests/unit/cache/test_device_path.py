@@ -2,8 +2,9 @@
 
 The path (route and enqueue a future batch, stage K ahead, look the training batch up, backward
 with the fused optimizer, release) runs under `SyncAudit` in steady state: the cache full,
-evicting, writing dirty rows back. The stager's worker thread is audited too, and so is direct
-staging (its copies are queued by the training thread). The scheduler also runs under
+evicting, writing dirty rows back. The stager's worker thread (CUDA's; on CPU plans run when
+submitted, and a variant runs the thread) is audited too, and so is direct staging (its copies
+are queued by the training thread). The scheduler also runs under
 `FakeTensorMode` on a (fake) CUDA device, which refuses any data-dependent op.
 """
 
@@ -28,6 +29,7 @@ TABLES = make_tables([8, 8, 4], [4000, 3000, 2000], ["sum", "mean", "sum"])
     ("policy", "optimizer", "depth", "variant"),
     [
         ("lookahead", "sgd", 1, "plain"),
+        ("lookahead", "sgd", 1, "threaded"),  # the stager's worker thread, as on CUDA
         ("lookahead", "adam", 3, "plain"),
         ("lru", "rowwise_adagrad", 0, "plain"),
         ("lookahead", "sgd", 1, "weighted fp16"),  # per-id weights, half rows
@@ -57,6 +59,7 @@ def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant):
     id_weights = [torch.rand(values.numel()) if half else None for values, _ in batches]
     audit = SyncAudit()
     for engine in cached.engines:
+        engine.stager.threaded = variant == "threaded"
         engine.stager._execute = audit.wrap(engine.stager._execute)
     enqueued = 0
     for t, batch in enumerate(batches):

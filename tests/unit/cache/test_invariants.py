@@ -47,21 +47,27 @@ def _on(batch, device):
     return values.to(device), offsets.to(device)
 
 
-def _setup(capacity=10, depth=1, device="cpu", staging="worker"):
+def _setup(capacity=10, depth=1, device="cpu", staging="worker", threaded=None):
+    """`threaded`: the stager's worker thread (the default on CUDA) or not (on CPU)."""
     tables = make_tables([4], [40])
     weights = integer_weights(tables, 0)
     config = CacheConfig(
         capacity=capacity, lookahead=3, prefetch_depth=depth, learning_rate=1.0, staging=staging
     )
     cached = CachedEmbeddingBags(tables, config, device=device)
+    if threaded is not None:
+        for engine in cached.engines:
+            engine.stager.threaded = threaded
     cached.load_table_weight("t0", weights[0])
     ref = ReferenceBags(tables, weights)
     return tables, config, cached, ref, reference_optimizer(config, ref.parameters())
 
 
-@pytest.mark.parametrize("staging", ["worker", "direct"])
-def test_one_authoritative_copy_and_no_lost_update_without_flush(staging):
-    tables, config, cached, ref, opt = _setup(staging=staging)
+@pytest.mark.parametrize(
+    ("staging", "threaded"), [("worker", None), ("worker", True), ("direct", None)]
+)
+def test_one_authoritative_copy_and_no_lost_update_without_flush(staging, threaded):
+    tables, config, cached, ref, opt = _setup(staging=staging, threaded=threaded)
     (engine,) = cached.engines
     batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=1)
     res = engine.scheduler.residency
@@ -98,7 +104,7 @@ def test_clean_rows_never_written_back_and_writes_precede_loads(device):
     updated = set()  # rows updated since they were last loaded
     original_execute = engine.stager._execute
 
-    def checked_execute(job):  # runs on the stager's worker thread, one plan at a time
+    def checked_execute(job):  # one plan at a time (on CUDA, on the stager's worker thread)
         start = len(spy.log)
         original_execute(job)
         ops = [op for op, _ in spy.log[start:]]

@@ -1,4 +1,5 @@
-"""The stager's worker thread: its thread settings and its reused host rows (CPU).
+"""The stager on CPU: plans run when submitted, or on its worker thread (CUDA's), whose ATen ops
+are single-threaded; its host rows are reused.
 
 Correctness of what it moves (write-backs before loads, nothing lost) is checked against
 uncached references in `test_invariants.py` and `test_module.py`.
@@ -27,10 +28,13 @@ def _train(cached, batches, lookahead):
         yield t
 
 
-def _cached(capacity=12):
+def _cached(capacity=12, threaded=None):
     tables = make_tables([4], [200])
     config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=1, learning_rate=0.1)
     cached = CachedEmbeddingBags(tables, config)
+    if threaded is not None:
+        for engine in cached.engines:
+            engine.stager.threaded = threaded
     batches = make_batches(tables, batch_size=4, num_batches=30, max_len=3, seed=3)
     return cached, batches, config
 
@@ -43,6 +47,15 @@ def _threads_of_new_thread() -> int:
     return seen[0]
 
 
+def test_plans_run_when_submitted_on_cpu():
+    cached, batches, config = _cached()
+    (engine,) = cached.engines
+    assert not engine.stager.threaded
+    for _ in _train(cached, batches, config.lookahead):
+        pass
+    assert engine.stats().loads > 0 and engine.stager._executor is None  # no thread started
+
+
 def test_worker_copies_on_one_thread_and_leaves_other_threads_counts():
     """On CPU the worker's ATen ops run single-threaded (no second OpenMP team beside the
     training thread's), even after its copies ran; the training thread's count, and the count
@@ -50,7 +63,7 @@ def test_worker_copies_on_one_thread_and_leaves_other_threads_counts():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        cached, batches, config = _cached()
+        cached, batches, config = _cached(threaded=True)
         for _ in _train(cached, batches, config.lookahead):
             pass
         (engine,) = cached.engines
@@ -63,7 +76,7 @@ def test_worker_copies_on_one_thread_and_leaves_other_threads_counts():
         torch.set_num_threads(before)
 
 
-def test_worker_reuses_its_host_rows_and_grows_them_when_a_plan_moves_more():
+def test_staging_reuses_its_host_rows_and_grows_them_when_a_plan_moves_more():
     cached, batches, config = _cached(capacity=12)
     (engine,) = cached.engines
     stager = engine.stager
