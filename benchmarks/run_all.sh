@@ -15,9 +15,9 @@ $PY benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=0.9,batch=8192,batc
 $PY benchmarks/engine_throughput.py --json $out/engine_throughput.json
 $PY benchmarks/planner_stats.py --json $out/planner_stats.json
 $PY benchmarks/throughput.py --ranks 1 --threads 1 --warmup 30 --steps 60 \
-    --json $out/throughput_cpu_1rank.json
+    --sync-capacities 0.05 --hook-capacities 0.05 --json $out/throughput_cpu_1rank.json
 $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 \
-    --sync-capacities 0.05 --hook-capacities 0.05 --json $out/throughput_cpu_2ranks.json
+    --json $out/throughput_cpu_2ranks.json
 $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 --small-tables resident \
     --json $out/throughput_cpu_2ranks_resident.json
 $PY benchmarks/planner.py --threads 1 --json $out/planner_cpu.json
