@@ -70,8 +70,8 @@ class Stager:
             machine (`CachedEmbeddingBags`, 5M rows x 64, a 5 % cache, L = 64, forward and
             backward of 65k ids, separate processes alternated 3 times): 18.7 ms a step with
             the worker thread, 16.3 ms without, 14.0 ms with no copies at all; at 100 %
-            11.0-18.8 ms with it (the worker's wake-ups and its share of the GIL stall the
-            training thread's team in some runs), 11.0-11.7 ms without.
+            11.0-18.8 ms with it (in some runs the idle worker still slowed the training
+            thread's team; the cause was not isolated), 11.0-11.7 ms without.
     """
 
     def __init__(
