@@ -12,6 +12,10 @@
    for rows.
 3. Device bytes per table row of each policy, measured (engines of two sizes, same cache) and
    applied to Criteo Terabyte's 26 tables.
+4. Ops per step: the ops that launch work (not views, allocations or Python-number wrappers),
+   counted in steady state under a `TorchDispatchMode`, for the forward + backward variants at
+   100 and 5 % and `nn.EmbeddingBag` + SGD: on CUDA each is a kernel launch on the training
+   thread, so this is the host's launch work per batch.
 
 Variants run step by step in turn, in an order rotated every step, so that this shared
 machine's drift touches them alike; each of --rounds rounds gives one steps/s (ids/s) per
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -255,6 +260,42 @@ def bench_forward_backward(args) -> list[dict]:
     return results
 
 
+class _LaunchCount(TorchDispatchMode):
+    """Counts dispatched ops that launch work: not views, allocations, or the 0-dim host
+    tensors that wrap Python numbers."""
+
+    SKIP = ("aten::empty", "aten::empty_strided", "aten::detach", "aten::lift_fresh",
+            "aten::scalar_tensor")  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if not func.is_view and func._schema.name not in self.SKIP:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def bench_ops(args) -> list[dict]:
+    """Ops per steady-state step of the forward + backward variants (section 4)."""
+    batches = _batches(args)
+    variants: dict[str, Baseline | Cached] = {"nn.EmbeddingBag": Baseline(args, batches)}
+    for cap in (1.0, 0.05):
+        variants[f"distcache {cap:g}"] = Cached(args, batches, cap, "lookahead")
+    variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
+    results = []
+    for name, variant in variants.items():
+        for _ in range(args.warmup + args.lookahead):  # the window and the cache full
+            variant.step()
+        count = _LaunchCount()
+        with count:
+            for _ in range(args.steps):
+                variant.step()
+        results.append({"bench": "ops", "variant": name, "ops_per_step": count.ops / args.steps})
+    return results
+
+
 def bench_device_bytes(args) -> list[dict]:
     """Device bytes per table row: engines of two sizes with the same cache, the difference
     of their device tensors (maps, window, policy state) divided by the difference of rows."""
@@ -312,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--capacities", default="1.0,0.05,0.01")
-    ap.add_argument("--skip", default="", help="sections to skip: scheduler,fwd,bytes")
+    ap.add_argument("--skip", default="", help="sections to skip: scheduler,fwd,bytes,ops")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -365,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
         results += fwd
+    if "ops" not in skip:
+        ops = bench_ops(args)
+        print(f"\nops that launch work, per steady-state step ({args.steps} steps counted):")
+        print_table(ops, [("variant", "variant"), ("ops_per_step", "ops/step")])
+        results += ops
     if "bytes" not in skip:
         sizes = bench_device_bytes(args)
         print("\ndevice memory per table row (maps, window, policy; measured):")
