@@ -8,10 +8,10 @@ The per-batch path (`enqueue`, `prefetch`, `lookup_plan`, `apply_gradients`, `re
 reads the device back on the training thread: the scheduler runs on its own stream with
 fixed-shape buffers, the stager's worker thread moves rows and is the only one that waits (on
 CUDA; on CPU a plan's copies run when it is submitted), and a lookup waits for its rows on the
-device (an event). What the device alone knows (a cache too
-small for the batches in flight, invalid ids flagged by the caller) reaches the host with the
-plan's counts, which the worker has already waited for; the error is raised at the batch's
-lookup, before it reads a row, after every evicted dirty row has been written back.
+device (an event). What the device alone knows (a cache too small for the batches in flight,
+invalid ids flagged by the caller) reaches the host with the plan's counts, which the worker
+has already waited for; the error is raised at the batch's lookup, before it reads a row, after
+every evicted dirty row has been written back.
 """
 
 from __future__ import annotations

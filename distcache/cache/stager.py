@@ -174,11 +174,11 @@ class Stager:
     def _host_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host buffers for `count` rows: weights (the rows' dtype) and state (float32).
 
-        Views of two buffers that the worker reuses, one plan at a time (grown when a plan
-        moves more rows): fresh host memory would be page-faulted in on every batch (about
-        550 faults a batch at 5 k rows of 256 bytes each way, most of the worker's time on
-        this project's CPU machine). Before its rows are overwritten, the worker waits for the
-        copy that last read them (the previous load's, to the device)."""
+        Views of two buffers reused by one plan at a time (grown when a plan moves more rows):
+        fresh host memory would be page-faulted in on every batch (about 550 faults a batch
+        at 5 k rows of 256 bytes each way, most of the worker's time on this project's CPU
+        machine). Before their rows are overwritten, the worker waits for the copy that last
+        read them (the previous load's, to the device)."""
         s = self.streams
         held = 0 if self._rows is None else self._rows[0].shape[0]
         if count > held:
@@ -191,7 +191,7 @@ class Stager:
             s.host_wait(self._rows_read)
         return self._rows[0][:count], self._rows[1][:count]
 
-    # ------------------------------------------------------------ worker thread
+    # ------------------------------------------------------------ worker (a thread on CUDA)
     def _execute(self, job: _Job) -> None:
         s = self.streams
         s.host_wait(job.mirrored)  # the worker, not the training thread, waits for the plan
