@@ -71,7 +71,11 @@ class Stager:
             backward of 65k ids, separate processes alternated 3 times): 18.7 ms a step with
             the worker thread, 16.3 ms without, 14.0 ms with no copies at all; at 100 %
             11.0-18.8 ms with it (in some runs the idle worker still slowed the training
-            thread's team; the cause was not isolated), 11.0-11.7 ms without.
+            thread's team; the cause was not isolated), 11.0-11.7 ms without. On CPU the
+            thread's copies use torch's intra-op threads: a second OpenMP team beside the
+            training thread's, which slows every parallel op of the process (986cc73 ran them
+            single-threaded: 17.5 -> 11.5 ms a step at 100 %; superseded by running them on the
+            training thread).
     """
 
     def __init__(
@@ -132,7 +136,7 @@ class Stager:
             self._jobs[plan.seq] = (job, _run_now(self._execute, job))
             return
         if self._executor is None:
-            self._executor = _start_worker(single_threaded=not self.streams.cuda)
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="distcache-stager")
         self._jobs[plan.seq] = (job, self._executor.submit(self._execute, job))
 
     def wait(self, plan: StagePlan) -> tuple[list[int], list[int] | None]:
@@ -252,36 +256,3 @@ def _run_now(fn, *args) -> Future[None]:  # noqa: ANN001, ANN002
     except Exception as err:  # re-raised by `wait`, as from the worker
         future.set_exception(err)
     return future
-
-
-def _start_worker(*, single_threaded: bool) -> ThreadPoolExecutor:
-    """The stager's worker thread; with `single_threaded`, its ATen ops use one thread.
-
-    On CPU the worker copies a few thousand rows a batch within host memory. With torch's
-    intra-op threads it would start an OpenMP team of its own beside the training thread's, and
-    libgomp, managing more threads than there are CPUs, then lets idle threads sleep instead of
-    spinning: each parallel op of the training thread waits for its team to wake. Measured on
-    this project's 2-core machine (`CachedEmbeddingBags`, 5M rows x 64, L = 64, forward and
-    backward of 65k ids, separate processes alternated): a step took 17.5 ms with every row
-    cached and 23.4 ms at 5 % with such a worker, 11.5 and 19.0 ms with a single-threaded one.
-    On CUDA the worker's host gather and scatter of rows are most of its work, and keep
-    torch's threads.
-    """
-    if not single_threaded:
-        return ThreadPoolExecutor(1, thread_name_prefix="distcache-stager")
-    executor = ThreadPoolExecutor(
-        1, thread_name_prefix="distcache-stager", initializer=_use_one_thread
-    )
-    executor.submit(int).result()  # the thread has started and run its initializer (once)
-    # `set_num_threads` also set the count that threads started later begin with: put back
-    # this thread's own (unchanged by the worker's call).
-    torch.set_num_threads(torch.get_num_threads())
-    return executor
-
-
-def _use_one_thread() -> None:
-    """Make this thread's ATen ops single-threaded, whatever other threads set later."""
-    # A thread takes the process-wide count at its first ATen query or parallel op: take it
-    # now, or the worker's first copy would replace 1 with the count put back above.
-    torch.get_num_threads()
-    torch.set_num_threads(1)

@@ -1,13 +1,8 @@
-"""The stager on CPU: plans run when submitted, or on its worker thread (CUDA's), whose ATen ops
-are single-threaded; its host rows are reused.
+"""The stager on CPU: plans run when submitted (the worker thread is CUDA's); host rows reused.
 
 Correctness of what it moves (write-backs before loads, nothing lost) is checked against
 uncached references in `test_invariants.py` and `test_module.py`.
 """
-
-import threading
-
-import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags
 from tests.unit.cache.reference import make_batches, make_tables
@@ -28,23 +23,12 @@ def _train(cached, batches, lookahead):
         yield t
 
 
-def _cached(capacity=12, threaded=None):
+def _cached(capacity=12):
     tables = make_tables([4], [200])
     config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=1, learning_rate=0.1)
     cached = CachedEmbeddingBags(tables, config)
-    if threaded is not None:
-        for engine in cached.engines:
-            engine.stager.threaded = threaded
     batches = make_batches(tables, batch_size=4, num_batches=30, max_len=3, seed=3)
     return cached, batches, config
-
-
-def _threads_of_new_thread() -> int:
-    seen = []
-    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    return seen[0]
 
 
 def test_plans_run_when_submitted_on_cpu():
@@ -54,26 +38,6 @@ def test_plans_run_when_submitted_on_cpu():
     for _ in _train(cached, batches, config.lookahead):
         pass
     assert engine.stats().loads > 0 and engine.stager._executor is None  # no thread started
-
-
-def test_worker_copies_on_one_thread_and_leaves_other_threads_counts():
-    """On CPU the worker's ATen ops run single-threaded (no second OpenMP team beside the
-    training thread's), even after its copies ran; the training thread's count, and the count
-    threads started later begin with, stay what they were."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        cached, batches, config = _cached(threaded=True)
-        for _ in _train(cached, batches, config.lookahead):
-            pass
-        (engine,) = cached.engines
-        assert engine.stats().loads > 0 and engine.stats().writebacks > 0  # the worker copied
-        worker = engine.stager._executor
-        assert worker.submit(torch.get_num_threads).result() == 1
-        assert torch.get_num_threads() == 2
-        assert _threads_of_new_thread() == 2
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_staging_reuses_its_host_rows_and_grows_them_when_a_plan_moves_more():
