@@ -4,8 +4,8 @@ The path (route and enqueue a future batch, stage K ahead, look the training bat
 with the fused optimizer, release) runs under `SyncAudit` in steady state: the cache full,
 evicting, writing dirty rows back. The stager's worker thread (CUDA's; on CPU plans run when
 submitted, and a variant runs the thread) is audited too, and so is direct staging (its copies
-are queued by the training thread). The scheduler also runs under
-`FakeTensorMode` on a (fake) CUDA device, which refuses any data-dependent op.
+are queued by the training thread). The scheduler also runs under `FakeTensorMode` on a (fake)
+CUDA device, which refuses any data-dependent op.
 """
 
 from __future__ import annotations
