@@ -92,6 +92,22 @@ def test_duplicates_and_the_inverse():
     assert torch.equal(s.residency.row_of[plan.id_slots], ids)
 
 
+@pytest.mark.parametrize("n", [8_191, 8_192, 20_000, 32_767, 32_768])
+def test_dedup_at_every_sort_size(n):
+    """Batches the window pads for torch's radix sort (`Window._sort`) dedup as `unique`,
+    padding ids (the sentinel row) included."""
+    gen = torch.Generator().manual_seed(n)
+    s = Scheduler(5_000, 5_000, make_policy("lookahead"), lookahead=1)
+    ids = torch.randint(0, 5_001, (n,), generator=gen)  # 5_000: the sentinel row
+    s.enqueue(ids)
+    plan = s.stage_next()
+    unique = torch.unique(ids[ids != 5_000])
+    assert torch.equal(plan.batch.rows[: unique.numel()], unique)
+    assert bool((plan.batch.rows[unique.numel() :] == 5_000).all())
+    assert torch.equal(plan.batch.ids, ids)
+    assert torch.equal(s.residency.row_of[plan.id_slots[ids != 5_000]], ids[ids != 5_000])
+
+
 def test_pinned_rows_are_never_evicted():
     s = Scheduler(50, 7, make_policy("lru"), lookahead=3)
     for batch in ([0, 1, 2], [3, 4], [5, 6], [7, 8, 9]):
