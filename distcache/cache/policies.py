@@ -96,6 +96,7 @@ class LookaheadPolicy(EvictionPolicy):
         slots, device = residency.capacity + 2, residency.row_of.device
         self.next_use = torch.full((slots,), NO_USE, dtype=torch.int32, device=device)
         self.uses = torch.zeros(slots, dtype=torch.int32, device=device)
+        self._one = torch.ones(1, dtype=torch.int32, device=device)  # counted with, expanded
         self.far = lookahead + 1  # distance class of a row the window does not use
         # At least one bit of uses: a free slot (0 uses, no next use) is alone in the top class.
         self.use_bits = max(1, _class_bits(residency.capacity) - _bits(self.far + 1))
@@ -107,7 +108,7 @@ class LookaheadPolicy(EvictionPolicy):
     def on_stage(self, seq, rows, slots, loaded, next_use) -> None:  # noqa: ANN001
         self.next_use.index_copy_(0, slots, next_use)
         self.uses.index_fill_(0, torch.where(loaded, slots, self.trash), 0)
-        self.uses.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        self.uses.index_add_(0, slots, self._one.expand(slots.numel()))
 
     def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
         c = self.residency.capacity

@@ -83,7 +83,8 @@ class SchedulerCounters:
     critical_misses: int = 0
 
 
-_DEVICE_COUNTERS = ("ids", "unique", "hits", "loads", "writebacks", "evictions", "critical_misses")
+# `Scheduler._totals`: ids, critical misses, then the plans' `counts` summed (one add a plan).
+_IDS, _CRITICAL, _PLANS = 0, 1, 2
 
 
 class Scheduler:
@@ -120,7 +121,10 @@ class Scheduler:
         self.device = device
         self.residency = Residency(num_rows, capacity, device)
         self.window = Window(num_rows, device)
-        self._totals = torch.zeros(len(_DEVICE_COUNTERS), dtype=torch.int64, device=device)
+        self._totals = torch.zeros(_PLANS + NUM_COUNTS, dtype=torch.int64, device=device)
+        # Ones and minus ones to count with (`index_add_` of a stride-0 view: no fill per batch).
+        self._one = torch.ones(1, dtype=torch.int32, device=device)
+        self._minus_one = torch.full((1,), -1, dtype=torch.int32, device=device)
         self._unstaged: deque[WindowBatch] = deque()
         self._staged: deque[StagePlan] = deque()
         self._batches = 0
@@ -160,7 +164,7 @@ class Scheduler:
         self.policy.on_enqueue(seq, batch.rows, fresh)
         self._unstaged.append(batch)
         self._batches += 1
-        self._totals[0] += (ids != self.residency.sentinel_row).sum()
+        self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
         return seq
 
     # ---------------------------------------------------------------- staging
@@ -176,7 +180,7 @@ class Scheduler:
         miss = batch.valid & (slot < 0)
         want = miss.sum()
         hit_slots = torch.where(batch.valid & (slot >= 0), slot, res.sentinel_slot)
-        res.pin.index_add_(0, hit_slots, torch.ones_like(hit_slots, dtype=torch.int32))
+        res.pin.index_add_(0, hit_slots, self._one.expand(n))
         victims, taken, candidates = self._victims(batch.seq, want, n, size)  # [size + 1]
         rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
         got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
@@ -191,7 +195,7 @@ class Scheduler:
         res.row_of.index_copy_(0, torch.where(got, slot, res.trash_slot), batch.rows)
         res.dirty.index_fill_(0, victims, False)
         loaded_slots = torch.where(got, slot, res.sentinel_slot)
-        res.pin.index_add_(0, loaded_slots, torch.ones_like(loaded_slots, dtype=torch.int32))
+        res.pin.index_add_(0, loaded_slots, self._one.expand(n))
         slot = torch.where(batch.valid & (slot >= 0), slot, res.sentinel_slot)
         self.policy.on_stage(batch.seq, batch.rows, slot, got, next_use)
 
@@ -199,10 +203,9 @@ class Scheduler:
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
         wb_at = torch.nonzero_static(writeback, size=size, fill_value=size).squeeze(1)
         counts = torch.stack([unique, want, taken, writeback.sum(), evicted.sum(), candidates])
-        critical_misses = want if critical else torch.zeros_like(want)
-        self._totals[1:] += torch.stack(
-            [unique, unique - want, taken, counts[WRITEBACKS], counts[EVICTIONS], critical_misses]
-        )
+        self._totals[_PLANS:].add_(counts)
+        if critical:
+            self._totals.select(0, _CRITICAL).add_(want)
         plan = StagePlan(
             seq=batch.seq,
             batch=batch,
@@ -228,7 +231,7 @@ class Scheduler:
             )
         self._staged.popleft()
         res = self.residency
-        res.pin.index_add_(0, plan.slots, torch.full_like(plan.slots, -1, dtype=torch.int32))
+        res.pin.index_add_(0, plan.slots, self._minus_one.expand(plan.slots.numel()))
         if updated:
             res.dirty.index_fill_(0, plan.slots, True)
 
@@ -277,8 +280,18 @@ class Scheduler:
     @property
     def counters(self) -> SchedulerCounters:
         """The counters since the scheduler was built (reads the device: not per batch)."""
-        values = dict(zip(_DEVICE_COUNTERS, self._totals.tolist(), strict=True))
-        return SchedulerCounters(batches=self._batches, **values)
+        totals = self._totals.tolist()
+        plans = totals[_PLANS:]
+        return SchedulerCounters(
+            batches=self._batches,
+            ids=totals[_IDS],
+            unique=plans[UNIQUE],
+            hits=plans[UNIQUE] - plans[MISSES],
+            loads=plans[LOADS],
+            writebacks=plans[WRITEBACKS],
+            evictions=plans[EVICTIONS],
+            critical_misses=totals[_CRITICAL],
+        )
 
     # ---------------------------------------------------------------- victims
     def _victims(

@@ -38,7 +38,7 @@ def select_largest(
     """
     m = keys.numel()
     hist = torch.zeros(num_classes + 1, dtype=keys.dtype, device=keys.device)
-    hist.index_add_(0, keys + 1, torch.ones_like(keys))  # bin 0: keys of -1
+    hist.index_add_(0, keys + 1, keys.new_ones(1).expand(m))  # bin 0: keys of -1
     below = hist[1:].cumsum(0, dtype=hist.dtype)  # [c] keys in [0, c] (an int cumsum is int64 else)
     candidates = below[-1:].long()  # [1] keys >= 0
     # The boundary class: the largest c with at least `want` keys >= c, that is with at most
