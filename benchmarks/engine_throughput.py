@@ -16,6 +16,9 @@
    counted in steady state under a `TorchDispatchMode`, for the forward + backward variants at
    100 and 5 % and `nn.EmbeddingBag` + SGD: on CUDA each is a kernel launch on the training
    thread, so this is the host's launch work per batch.
+5. Host time per step: the forward + backward variants of section 4 at a size where compute is
+   negligible (--host-rows x 16, --host-batch bags of one id, one torch thread), interleaved
+   step by step: what the host spends dispatching a step, which on CUDA it must spend too.
 
 Variants run step by step in turn, in an order rotated every step, so that this shared
 machine's drift touches them alike; each of --rounds rounds gives one steps/s (ids/s) per
@@ -296,6 +299,40 @@ def bench_ops(args) -> list[dict]:
     return results
 
 
+def bench_host(args) -> list[dict]:
+    """Host ms per step at negligible compute (section 5)."""
+    small = argparse.Namespace(**vars(args))
+    small.rows, small.dim, small.batch_size, small.pooling = args.host_rows, 16, args.host_batch, 1
+    batches = _batches(small)
+    variants: dict[str, Baseline | Cached] = {"nn.EmbeddingBag": Baseline(small, batches)}
+    for cap in (1.0, 0.05):
+        variants[f"distcache {cap:g}"] = Cached(small, batches, cap, "lookahead")
+    variants["lru 0.05"] = Cached(small, batches, 0.05, "lru")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        warmup = args.warmup + args.lookahead
+        steps = {n: v.step for n, v in variants.items()}
+        times = interleave(steps, args.rounds, 20 * args.steps, warmup)
+    finally:
+        torch.set_num_threads(threads)
+    results = []
+    for name in variants:
+        rate = summary(times[name], 1.0)  # steps/s
+        results.append(
+            {
+                "bench": "host",
+                "variant": name,
+                "rows": small.rows,
+                "batch_ids": small.batch_size,
+                "ms_per_step": 1e3 / rate["median"],
+                "ms_per_step_low": 1e3 / rate["high"],
+                "ms_per_step_high": 1e3 / rate["low"],
+            }
+        )
+    return results
+
+
 def bench_device_bytes(args) -> list[dict]:
     """Device bytes per table row: engines of two sizes with the same cache, the difference
     of their device tensors (maps, window, policy state) divided by the difference of rows."""
@@ -353,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--capacities", default="1.0,0.05,0.01")
-    ap.add_argument("--skip", default="", help="sections to skip: scheduler,fwd,bytes,ops")
+    ap.add_argument("--host-rows", type=int, default=200_000, help="section 5's table rows")
+    ap.add_argument("--host-batch", type=int, default=64, help="section 5's ids per batch")
+    ap.add_argument("--skip", default="", help="sections to skip: scheduler,fwd,bytes,ops,host")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -411,6 +450,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nops that launch work, per steady-state step ({args.steps} steps counted):")
         print_table(ops, [("variant", "variant"), ("ops_per_step", "ops/step")])
         results += ops
+    if "host" not in skip:
+        host = bench_host(args)
+        print(
+            f"\nhost ms per step at negligible compute ({args.host_rows:,} rows x 16, "
+            f"{args.host_batch} ids a batch, 1 thread), median [range] of {args.rounds} rounds:"
+        )
+        print_table(
+            host,
+            [
+                ("variant", "variant"),
+                ("ms_per_step", "ms/step"),
+                ("ms_per_step_low", "low"),
+                ("ms_per_step_high", "high"),
+            ],
+        )
+        results += host
     if "bytes" not in skip:
         sizes = bench_device_bytes(args)
         print("\ndevice memory per table row (maps, window, policy; measured):")

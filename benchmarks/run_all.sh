@@ -12,7 +12,7 @@ $PY benchmarks/cache_policies.py --trace zipf:rows=1e5,alpha=1.05,batch=256,batc
     --capacity 0.05,0.1 $sweep --json $out/lookahead_sweep_zipf1e5_a1.05.json
 $PY benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=0.9,batch=8192,batches=200 \
     --capacity 0.05,0.1 $sweep --json $out/lookahead_sweep_zipf1e6_a0.9.json
-$PY benchmarks/engine_throughput.py --skip ops --json $out/engine_throughput.json
+$PY benchmarks/engine_throughput.py --skip ops,host --json $out/engine_throughput.json
 $PY benchmarks/engine_throughput.py --skip scheduler,fwd,bytes --json $out/engine_ops_cpu.json
 $PY benchmarks/planner_stats.py --json $out/planner_stats.json
 $PY benchmarks/throughput.py --ranks 1 --threads 1 --warmup 30 --steps 60 \

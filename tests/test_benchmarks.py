@@ -79,3 +79,6 @@ def test_engine_throughput_smoke(tmp_path):
     per_row = {r["variant"]: r["bytes_per_row"] for r in payload["results"]
                if r["bench"] == "device bytes"}  # fmt: skip
     assert per_row == {"lookahead": 8.0, "lru": 8.0, "lfu": 12.0}
+    host = {r["variant"]: r["ms_per_step"] for r in payload["results"] if r["bench"] == "host"}
+    assert set(host) == {"nn.EmbeddingBag", "distcache 1", "distcache 0.05", "lru 0.05"}
+    assert all(ms > 0 for ms in host.values())
