@@ -30,6 +30,11 @@ Usage::
 
     python benchmarks/engine_throughput.py --json benchmarks/results/engine_throughput.json
     python benchmarks/engine_throughput.py --quick      # small sizes, a smoke run
+    python benchmarks/engine_throughput.py --device cuda --skip bytes   # on a GPU
+
+With --device cuda the caches, the baseline and the batches live on the GPU (host stores in
+page-locked host memory) and every timed step ends with the device synchronized, so a step's
+time is its host and device time; the scheduler section replays its trace there too.
 """
 
 from __future__ import annotations
@@ -87,17 +92,22 @@ class Replay:
     """One engine replaying a cyclic trace as the pipeline drives it: L batches enqueued ahead,
     K staged ahead, then look-up and release (zero-width rows: no bytes move)."""
 
-    def __init__(self, trace, rows: int, capacity: int, policy: str, lookahead: int):
+    def __init__(
+        self, trace, rows: int, capacity: int, policy: str, lookahead: int, device: str = "cpu"
+    ):
         config = CacheConfig(
             capacity=capacity,
             lookahead=lookahead,
             prefetch_depth=1 if policy == "lookahead" else 0,
             policy=policy,
         )
-        self.engine = CacheEngine(num_rows=rows, dim=0, config=config, capacity=capacity)
-        self.trace, self.lookahead = trace, lookahead
+        self.engine = CacheEngine(
+            num_rows=rows, dim=0, config=config, capacity=capacity, device=device
+        )
+        self.trace, self.lookahead = [ids.to(device) for ids in trace], lookahead
         self.t = self.enqueued = 0
-        self.no_grad = torch.zeros(1, 0)
+        self.no_grad = torch.zeros(1, 0, device=device)
+        self.sync = _synchronizer(device)
         self.host_s = 0.0
 
     def step(self) -> None:
@@ -110,6 +120,7 @@ class Replay:
         engine.prefetch()
         engine.apply_gradients(plan, self.no_grad, torch.zeros_like(plan.batch.ids))
         engine.stager.drain()
+        self.sync()
         self.t += 1
 
 
@@ -127,7 +138,7 @@ def bench_scheduler(args) -> list[dict]:
     variants = {f"lookahead L={la}": ("lookahead", la) for la in (8, 64, 256)}
     variants["lru"] = ("lru", 64)
     replays = {
-        name: Replay(trace, args.sched_rows, capacity, policy, la)
+        name: Replay(trace, args.sched_rows, capacity, policy, la, args.device)
         for name, (policy, la) in variants.items()
     }
     # Warm-up fills the windows (L + 1 batches on the first step) and the caches.
@@ -158,8 +169,15 @@ def bench_scheduler(args) -> list[dict]:
 def _batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
     n = args.batch_size * args.pooling
     trace = zipf_trace(rows=args.rows, alpha=args.alpha, batch=n, batches=args.pool, seed=1)
-    offsets = torch.arange(0, n + 1, args.pooling)
-    return [(ids, offsets) for ids in trace]
+    offsets = torch.arange(0, n + 1, args.pooling).to(args.device)
+    return [(ids.to(args.device), offsets) for ids in trace]
+
+
+def _synchronizer(device: str) -> Callable[[], None]:
+    """What ends a timed step: the device synchronized on CUDA, nothing on CPU."""
+    if torch.device(device).type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 class Baseline:
@@ -167,14 +185,17 @@ class Baseline:
 
     def __init__(self, args, batches):
         self.bag = torch.nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
+        self.bag.to(args.device)
         self.opt = torch.optim.SGD(self.bag.parameters(), lr=0.01)
         self.batches, self.t = batches, 0
+        self.sync = _synchronizer(args.device)
 
     def step(self) -> None:
         values, offsets = self.batches[self.t % len(self.batches)]
         self.opt.zero_grad()
         self.bag(values, offsets[:-1]).sum().backward()
         self.opt.step()
+        self.sync()
         self.t += 1
 
 
@@ -199,9 +220,10 @@ class Cached:
             staging=staging,
         )
         table = TableSpec(name="t", num_embeddings=args.rows, embedding_dim=args.dim, dtype=dtype)
-        self.bags = CachedEmbeddingBags([table], self.config)
+        self.bags = CachedEmbeddingBags([table], self.config, device=args.device)
         self.batches, self.t, self.enqueued = batches, 0, 0
         self.schedule_s = 0.0
+        self.sync = _synchronizer(args.device)
 
     def step(self) -> None:
         bags, n = self.bags, len(self.batches)
@@ -218,6 +240,7 @@ class Cached:
         out.sum().backward()
         for group in bags._groups:  # the worker's staging, within this step
             group.engine.stager.drain()
+        self.sync()
         self.t += 1
 
 
@@ -373,6 +396,7 @@ def _device_bytes(engine: CacheEngine) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--alpha", type=float, default=1.05)
     ap.add_argument("--sched-rows", type=int, default=40_000_000)
     ap.add_argument("--sched-capacity", type=float, default=0.02)
@@ -396,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
     if args.quick:
         args.sched_rows, args.sched_batch, args.sched_batches = 200_000, 1_000, 10
         args.sched_warmup, args.sched_steps = 3, 2

@@ -11,6 +11,8 @@
 #     run(command="bash benchmarks/gpu_session.sh headline",                 timeout_s=600)
 #     run(command="bash benchmarks/gpu_session.sh kaggle",   carry=[".whl"], timeout_s=600)
 #     run(command="bash benchmarks/gpu_session.sh direct",                   timeout_s=600)
+# and, where device time is left (the engine on the GPU alone, beside nn.EmbeddingBag there):
+#     run(command="bash benchmarks/gpu_session.sh engine",                   timeout_s=600)
 # Each stage writes its logs and JSON under $OUT (the device tool's output folder; ./gpu_out
 # elsewhere) and exits non-zero if a step failed, after running the others. Commit the JSON
 # under benchmarks/results/ with the device named (the files record the command and machine).
@@ -26,6 +28,10 @@
 #   direct    the two staging designs (issue 11) at Criteo Terabyte size, 2 %: the worker
 #             thread (distcache) and the staging stream addressing pinned host rows
 #             (distcache_direct, staging="direct"); then the same at Kaggle size, dim 16 ~7 min
+#   engine    engine_throughput.py --device cuda: one 5M x 64 table, forward + backward at
+#             100/5/1 % (fp16, direct staging, LRU) against nn.EmbeddingBag on the GPU
+#             (issue 11's 5 % against 100 % target), ops and host ms per step, the
+#             scheduler's ids/s at L = 8/64/256                                       ~3 min
 #
 # throughput.py on this machine: its 'torchrec' variant needs FBGEMM's CUDA kernels (absent:
 # fbgemm-gpu-cpu only), and its batches move their KeyedJaggedTensors to the GPU, where
@@ -110,13 +116,20 @@ stage_direct() {
         --json "$OUT/gpu_headline_kaggle_direct.json"
 }
 
+stage_engine() {
+    environment
+    step engine_cuda 420 $PY benchmarks/engine_throughput.py --device cuda --skip bytes \
+        --rounds 3 --json "$OUT/engine_throughput_cuda.json"
+}
+
 case "${1:-}" in
     tests) stage_tests ;;
+    engine) stage_engine ;;
     direct) stage_direct ;;
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 tests|headline|kaggle|direct (see the top of this file)" >&2
+        echo "usage: $0 tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac
