@@ -176,10 +176,12 @@ class Scheduler:
         res, cap, n = self.residency, self.capacity, batch.size
         size = min(n, cap)
         next_use = self.window.leave(batch)  # [n] next use of each occurrence after this batch
-        slot = res.slot_of.index_select(0, batch.rows).long()  # [n] -1: not resident
-        miss = batch.valid & (slot < 0)
+        # [n] -1: not resident. The sentinel row (padding) always sits in the sentinel slot
+        # (`Residency`), so it is never a miss, and pinning it is harmless.
+        slot = res.slot_of.index_select(0, batch.rows).long()
+        miss = slot < 0
         want = miss.sum()
-        hit_slots = torch.where(batch.valid & (slot >= 0), slot, res.sentinel_slot)
+        hit_slots = torch.where(miss, res.sentinel_slot, slot)
         res.pin.index_add_(0, hit_slots, self._one.expand(n))
         victims, taken, candidates = self._victims(batch.seq, want, n, size)  # [size + 1]
         rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
@@ -196,7 +198,7 @@ class Scheduler:
         res.dirty.index_fill_(0, victims, False)
         loaded_slots = torch.where(got, slot, res.sentinel_slot)
         res.pin.index_add_(0, loaded_slots, self._one.expand(n))
-        slot = torch.where(batch.valid & (slot >= 0), slot, res.sentinel_slot)
+        slot = torch.where(slot >= 0, slot, res.sentinel_slot)  # misses without a slot too
         self.policy.on_stage(batch.seq, batch.rows, slot, got, next_use)
 
         unique = batch.valid.sum()

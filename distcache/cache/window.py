@@ -98,8 +98,9 @@ class Window:
         valid = rows != self.sentinel_row
         prev = self.latest.index_select(0, rows)  # [n] latest live position, or -1
         fresh = valid & (prev < 0)
-        # The previous occurrence learns that this batch uses its row next.
-        linked = torch.where(valid & (prev >= 0), prev.long(), self.ring_size)
+        # The previous occurrence learns that this batch uses its row next. (The sentinel
+        # row's `latest` stays -1: it is never written, below.)
+        linked = torch.where(prev >= 0, prev.long(), self.ring_size)
         self.next_use.index_fill_(0, linked, seq)
         self.next_use[base : base + n] = NO_USE
         # Row k of the batch sits at position base + k from now on.
@@ -130,7 +131,7 @@ class Window:
         n = batch.size
         next_use = self.next_use[batch.base : batch.base + n].clone()
         pos = torch.arange(batch.base, batch.base + n, dtype=torch.int32, device=self.device)
-        last_here = batch.valid & (self.latest.index_select(0, batch.rows) == pos)  # none later
+        last_here = self.latest.index_select(0, batch.rows) == pos  # none later (sentinel: -1)
         self.latest.index_fill_(0, torch.where(last_here, batch.rows, self.trash_row), -1)
         if not self._live:
             self._tail = 0
