@@ -247,7 +247,8 @@ class CacheEngine:
             self.state.index_copy_(0, plan.slots, state)
         sentinel = self.scheduler.residency.sentinel_slot
         self.weights[sentinel].zero_()
-        self.state[sentinel].zero_()
+        if self.state.shape[1]:
+            self.state[sentinel].zero_()
         self.optimizer.step()
         self.release(plan, updated=True)
 

@@ -308,9 +308,9 @@ class Scheduler:
         class).
         """
         cap, res = self.capacity, self.residency
-        index = torch.arange(size + 1, device=self.device)
         if cap >= self.num_rows or self._fill_bound + n <= cap:
             self._fill_bound = min(self.num_rows, self._fill_bound + n)
+            index = torch.arange(size + 1, device=self.device)
             victims = torch.where(index < want, self._fill + index, res.sentinel_slot)
             free = cap - self._fill
             self._fill = self._fill + want
@@ -318,6 +318,7 @@ class Scheduler:
         self._fill_bound = self.num_rows
         keys, classes = self.policy.victim_keys(seq)
         keys = torch.where(res.pin[:cap] > 0, -1, keys)  # pinned slots never
-        picked, taken, candidates = select_largest(keys, classes, want, size)
-        victims = torch.cat([picked, picked.new_full((1,), res.sentinel_slot)])
+        # At most `size` are chosen, so the last of `size + 1` entries is padding: the index
+        # one past the keys, `cap`, which is the sentinel slot.
+        victims, taken, candidates = select_largest(keys, classes, want, size + 1)
         return victims, taken, candidates

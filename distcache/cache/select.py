@@ -60,7 +60,8 @@ def pack(
     keep: torch.Tensor, rank: torch.Tensor, values: torch.Tensor, size: int, pad: int
 ) -> torch.Tensor:
     """`[size]`: the `values` whose `keep` is set, each at its `rank` (its index among the kept
-    ones), then `pad`. The compaction `values[keep]` with a shape the host knows."""
+    ones), then `pad`. The compaction `values[keep]` with a shape the host knows; every kept
+    rank must be below `size` (the callers' ranks are a running count of what they keep)."""
     out = torch.full((size + 1,), pad, dtype=values.dtype, device=values.device)
-    out.scatter_(0, torch.where(keep, rank.clamp(max=size), size), values)
+    out.scatter_(0, torch.where(keep, rank, size), values)
     return out[:size]
