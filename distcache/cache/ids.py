@@ -35,8 +35,7 @@ def find_invalid(
     bad = (values < 0) | (values >= rows.index_select(0, feature_of_id))
     if n == 0:
         return bad, torch.zeros(RECORD_SIZE, dtype=torch.int64, device=values.device)
-    position = torch.arange(n, device=values.device)
-    first = torch.where(bad, position, n).amin().clamp_(max=n - 1).view(1)  # [1]
+    first = bad.to(torch.uint8).argmax().view(1)  # [1] the first invalid id (argmax: the first)
     record = torch.cat(
         [
             bad.sum().view(1),
