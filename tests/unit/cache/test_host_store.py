@@ -42,7 +42,10 @@ def test_large_stores_ask_for_huge_pages():
     rows = _HUGE_PAGE_MIN_BYTES // (16 * 4) + 1000
     store = HostStore(rows, 16, 2)
     middle = store.weights.data_ptr() + rows * 16 * 2  # inside the advised whole pages
-    assert _mapping_fields(middle)["THPeligible"] == "1"
+    fields = _mapping_fields(middle)
+    if "THPeligible" not in fields:
+        pytest.skip("this kernel's /proc/self/smaps has no THPeligible field")
+    assert fields["THPeligible"] == "1"
     small = HostStore(1000, 16, 0)  # below the bound: left to the allocator
     assert not bool(small.weights.any()) and not bool(store.state.any())
 
