@@ -111,11 +111,11 @@ def _host_zeros(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.empty(shape, dtype=dtype)
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes >= _HUGE_PAGE_MIN_BYTES:
-        advise_huge_pages(tensor.data_ptr(), nbytes)
+        _advise_huge_pages(tensor.data_ptr(), nbytes)
     return tensor.zero_()
 
 
-def advise_huge_pages(address: int, nbytes: int) -> bool:
+def _advise_huge_pages(address: int, nbytes: int) -> bool:
     """`madvise(MADV_HUGEPAGE)` over the whole pages of [address, address + nbytes); whether
     the kernel took the advice (False off Linux, or where THP is not built in)."""
     libc = _libc()
