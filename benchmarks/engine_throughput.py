@@ -303,13 +303,20 @@ class _LaunchCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def bench_ops(args) -> list[dict]:
-    """Ops per steady-state step of the forward + backward variants (section 4)."""
+def _launch_variants(args) -> dict[str, Baseline | Cached]:
+    """The variants of sections 4 and 5: nn.EmbeddingBag + SGD, distcache at 100 and 5 %, LRU
+    at 5 %, on the batches `args` describes."""
     batches = _batches(args)
     variants: dict[str, Baseline | Cached] = {"nn.EmbeddingBag": Baseline(args, batches)}
     for cap in (1.0, 0.05):
         variants[f"distcache {cap:g}"] = Cached(args, batches, cap, "lookahead")
     variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
+    return variants
+
+
+def bench_ops(args) -> list[dict]:
+    """Ops per steady-state step of the forward + backward variants (section 4)."""
+    variants = _launch_variants(args)
     results = []
     for name, variant in variants.items():
         for _ in range(args.warmup + args.lookahead):  # the window and the cache full
@@ -326,11 +333,7 @@ def bench_host(args) -> list[dict]:
     """Host ms per step at negligible compute (section 5)."""
     small = argparse.Namespace(**vars(args))
     small.rows, small.dim, small.batch_size, small.pooling = args.host_rows, 16, args.host_batch, 1
-    batches = _batches(small)
-    variants: dict[str, Baseline | Cached] = {"nn.EmbeddingBag": Baseline(small, batches)}
-    for cap in (1.0, 0.05):
-        variants[f"distcache {cap:g}"] = Cached(small, batches, cap, "lookahead")
-    variants["lru 0.05"] = Cached(small, batches, 0.05, "lru")
+    variants = _launch_variants(small)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
