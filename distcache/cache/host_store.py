@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 import weakref
 
@@ -126,18 +127,17 @@ def _advise_huge_pages(address: int, nbytes: int) -> bool:
     return length > 0 and libc.madvise(start, length, _MADV_HUGEPAGE) == 0
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
-    global _LIBC
-    if _LIBC is None and sys.platform.startswith("linux"):
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _LIBC = False
-    return _LIBC or None
-
-
-_LIBC: ctypes.CDLL | bool | None = None
+    """The C library with `madvise` declared (loaded once), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _register(tensor: torch.Tensor) -> None:
