@@ -18,6 +18,9 @@ and re-used on its own (one rank's compute in `distcache.job.microbench`, the ne
   (forward, backward, SGD update): the dispatch cost of a layer.
 - `measure_activation_bandwidth`: bytes/s of the memory-bound activation traffic of a narrow,
   deep MLP on a large batch, once its flops and layer overheads are taken out.
+- `measure_interaction_costs`: DLRM's dot interaction forward + backward at several (vectors,
+  dims) shapes, fitted per sample as seconds per element of its vectors plus per entry of
+  their products (small batched matmuls, far below the MLP's FLOP/s on a CPU).
 - `measure_staging_costs`: what a partial cache's misses add to a step, fitted as bytes
   moved (loads and write-backs, with the scheduler's work: the host-to-device rate on CPU)
   plus the slots it scores once per batch to pick victims.
@@ -75,6 +78,7 @@ from distcache.job.microbench import (
     measure_dense_flops,
     measure_dense_layer_overhead,
     measure_host_to_device_bandwidth,
+    measure_interaction_costs,
     measure_lookup_costs,
     measure_staging_costs,
 )
@@ -105,6 +109,7 @@ __all__ = [
     "measure_dense_flops",
     "measure_dense_layer_overhead",
     "measure_host_to_device_bandwidth",
+    "measure_interaction_costs",
     "measure_lookup_costs",
     "measure_staging_costs",
     "measure_sync_latency",
@@ -131,6 +136,8 @@ class Measurements:
     dense_flops_per_s: float
     dense_layer_overhead_s: float
     dense_activation_bytes_per_s: float | None
+    interaction_s_per_element: float | None = None
+    interaction_s_per_pair: float = 0.0
     all_to_all: LinkFit | None
     """None on one rank (no network)."""
     all_reduce: LinkFit | None
@@ -188,6 +195,11 @@ def _compute(device: str, s: CalibrationSizes) -> dict[str, float | None]:
         batch=s.mlp_batch, widths=s.mlp_widths, repeats=repeats, device=device
     )
     out |= {"dense_flops_per_s": flops, "dense_layer_overhead_s": 0.0}
+    interaction = measure_interaction_costs(
+        batch=s.interaction_batch, shapes=s.interaction_shapes, repeats=repeats, device=device
+    )
+    out["interaction_s_per_element"] = interaction.s_per_element
+    out["interaction_s_per_pair"] = interaction.s_per_pair
     out["host_to_device_latency_s"] = measure_copy_latency(device=device)
     if device == "cuda":  # the stager's copies are DMA; the achieved flops cover the rest
         out["host_to_device_bw_bytes_per_s"] = measure_host_to_device_bandwidth(
@@ -362,6 +374,8 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
         cache_scan_rows_per_s=m.cache_scan_rows_per_s,
         dense_update_bytes_per_s=m.dense_update_bytes_per_s,
         dense_activation_bytes_per_s=m.dense_activation_bytes_per_s,
+        interaction_s_per_element=m.interaction_s_per_element,
+        interaction_s_per_pair=m.interaction_s_per_pair,
         dense_layer_overhead_s=m.dense_layer_overhead_s,
         step_overhead_s=m.step_overhead_s,
         sharding_overhead_s=m.sharding_overhead_s,
@@ -384,6 +398,10 @@ def _summary(m: Measurements) -> str:
         return f"  {name}: latency {fit.latency_s * 1e6:.1f} us, {si(fit.bw_bytes_per_s, 'B/s')}"
 
     ms = "{:.3f} ms".format
+
+    def ns(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e9:.2f} ns"
+
     return "\n".join(
         [
             f"calibrated {m.device}, {m.ranks} ranks, {m.threads_per_rank} threads/rank, "
@@ -398,6 +416,8 @@ def _summary(m: Measurements) -> str:
             f"  dense compute      {si(m.dense_flops_per_s, 'FLOP/s')}, "
             f"{ms(1e3 * m.dense_layer_overhead_s)} per layer, activations "
             f"{si(m.dense_activation_bytes_per_s, 'B/s')}",
+            f"  interaction        {ns(m.interaction_s_per_element)} per sample and element of "
+            f"its vectors + {ns(m.interaction_s_per_pair)} per entry of their products",
             f"  dense update (DP)  {si(m.dense_update_bytes_per_s, 'B/s')}",
             f"  framework          {ms(1e3 * m.step_overhead_s)} per step, "
             f"{ms(1e3 * m.sharding_overhead_s)} per sharding type, "

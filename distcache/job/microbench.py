@@ -8,7 +8,9 @@ and re-used on its own (`distcache.job.calibrate` describes them all and runs th
   `seconds = fixed + row accesses / rows_per_s + bytes / bytes_per_s`;
 - `measure_staging_costs`: what a partial cache's misses add to a step;
 - `measure_dense_flops`, `measure_dense_layer_overhead`, `measure_activation_bandwidth`: an
-  MLP's achieved FLOP/s, the dispatch cost of a layer, its activation traffic.
+  MLP's achieved FLOP/s, the dispatch cost of a layer, its activation traffic;
+- `measure_interaction_costs`: DLRM's dot interaction, per element of its vectors and per
+  entry of their products.
 
 `CalibrationSizes` holds their problem sizes: `FULL` for a real calibration, `QUICK` for tests.
 """
@@ -58,6 +60,14 @@ class CalibrationSizes:
     activation_batch: int = 4096
     activation_widths: tuple[int, ...] = (8, 1024, 8, 1024, 8)
     """A narrow, deep MLP whose time is mostly activation traffic."""
+    interaction_batch: int = 2048
+    interaction_shapes: tuple[tuple[int, int], ...] = (
+        (5, 16), (9, 128), (17, 32), (27, 16), (27, 64),
+    )  # fmt: skip
+    """(F vectors, D dims) DLRM's interaction is timed at (>= 2 shapes, F >= 2). Its cost is
+    an irregular function of the shape (the matmul library's kernel for each size): fitted at
+    these five, the model came within +-25 % of 14 of 16 shapes of a grid F in 5-27, D in
+    16-128 here (0.81-1.29 x)."""
     message_bytes: tuple[int, ...] = tuple(4096 << (2 * i) for i in range(8))  # 4 KiB .. 64 MiB
     repeats: int = 5
     """Timed repetitions of each compute measurement (the median is kept)."""
@@ -75,6 +85,13 @@ class CalibrationSizes:
             _check_positive(name, getattr(self, name))
         for name in ("activation_batch", "framework_steps", "framework_rows", "framework_batch"):
             _check_positive(name, getattr(self, name))
+        _check_positive("interaction_batch", self.interaction_batch)
+        shapes = self.interaction_shapes
+        if len(set(shapes)) < 2 or any(len(s) != 2 or s[0] < 2 or s[1] < 1 for s in shapes):
+            raise DistcacheConfigError(
+                "interaction_shapes must hold >= 2 distinct (F >= 2 vectors, D >= 1 dims) "
+                f"pairs, got {shapes}"
+            )
         for name in ("lookup_dims", "lookup_bags"):
             values = getattr(self, name)
             if len(set(values)) < 2 or min(values) < 1:
@@ -100,6 +117,8 @@ QUICK = CalibrationSizes(
     mlp_widths=(128, 256, 128),
     activation_batch=512,
     activation_widths=(8, 256, 8),
+    interaction_batch=256,
+    interaction_shapes=((3, 8), (3, 32), (9, 8)),
     message_bytes=(1024, 16 * 1024, 256 * 1024),
     repeats=3,
     framework_rows=50_000,
@@ -505,6 +524,85 @@ def measure_activation_bandwidth(
     seconds -= len(pairs) * layer_overhead_s
     elements = sum(ACTIVATION_IN_PASSES * i + ACTIVATION_OUT_PASSES * o for i, o in pairs)
     return batch * elements * 4 / seconds if seconds > 0 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class InteractionCosts:
+    """DLRM's dot interaction of F vectors of D dims, forward + backward, per sample:
+    `F·D·s_per_element + F²·s_per_pair` seconds."""
+
+    s_per_element: float
+    s_per_pair: float
+
+
+def fit_interaction_costs(
+    shapes: Sequence[tuple[int, int]], batch: int, seconds: Sequence[float]
+) -> InteractionCosts:
+    """Fit `seconds = batch·(F·D·a + F²·b)` to the interaction's times at (F, D) `shapes`,
+    minimizing the relative error; a non-positive b (noise, or products that cost only by
+    their elements) refits with a alone, so a > 0 and b >= 0.
+
+    Args:
+        shapes: (F, D) per measurement.
+        batch: Samples per step.
+        seconds: Measured seconds per step at each shape.
+    """
+    t = np.asarray(seconds, dtype=np.float64)
+    if len(shapes) != t.size or t.size < 2 or (t <= 0).any():
+        raise DistcacheConfigError(
+            f"need >= 2 ((F, D), seconds > 0) pairs, got {list(shapes)}, {list(t)}"
+        )
+    f = np.array([s[0] for s in shapes], dtype=np.float64)
+    d = np.array([s[1] for s in shapes], dtype=np.float64)
+    design = np.stack([batch * f * d, batch * f * f], axis=1) / t[:, None]  # rows: model / t = 1
+    (a, b), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if a <= 0 or b <= 0:
+        (a,), *_ = np.linalg.lstsq(design[:, :1], np.ones_like(t), rcond=None)
+        b = 0.0
+    return InteractionCosts(s_per_element=float(a), s_per_pair=float(b))
+
+
+def measure_interaction_costs(
+    *,
+    batch: int = FULL.interaction_batch,
+    shapes: Sequence[tuple[int, int]] = FULL.interaction_shapes,
+    repeats: int = 5,
+    device: str = "cpu",
+) -> InteractionCosts:
+    """DLRM's dot interaction (TorchRec's `InteractionArch`: the F vectors of a sample stacked,
+    their products by a batched matmul, the upper triangle's pairs gathered beside the dense
+    vector) forward + backward, timed at each (F, D) of `shapes`, fitted by
+    `fit_interaction_costs`. Its products are small matrices, which a CPU multiplies far below
+    an MLP's rate (here 6-20 GFLOP/s against 94); their cost follows the vectors' elements.
+
+    Args:
+        batch: Samples per step.
+        shapes: (F vectors, D dims) to time.
+        repeats: Timed steps per shape; the median is kept.
+        device: 'cpu' or 'cuda'.
+    """
+    dev = torch.device(device)
+    seconds = []
+    for features, dim in shapes:
+        dense = torch.randn(batch, dim, device=dev, requires_grad=True)  # [batch, D]
+        sparse = torch.randn(batch, features - 1, dim, device=dev, requires_grad=True)
+
+        def step(dense=dense, sparse=sparse) -> None:
+            dot_interaction(dense, sparse).sum().backward()
+
+        seconds.append(median_seconds(step, dev, repeats))
+    return fit_interaction_costs(shapes, batch, seconds)
+
+
+def dot_interaction(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    """DLRM's dot interaction as TorchRec's `InteractionArch` computes it (without TorchRec,
+    which a GPU machine may lack): `dense` [B, D] and `sparse` [B, F - 1, D] give
+    [B, D + F(F-1)/2], the dense vector beside the upper triangle of the F vectors' products."""
+    vectors = torch.cat((dense.unsqueeze(1), sparse), dim=1)  # [B, F, D]
+    features = vectors.shape[1]
+    rows, cols = torch.triu_indices(features, features, offset=1, device=dense.device)
+    products = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, F, F]
+    return torch.cat((dense, products[:, rows, cols]), dim=1)
 
 
 def _mlp_step_seconds(batch: int, widths: Sequence[int], repeats: int, device: str) -> float:

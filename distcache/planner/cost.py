@@ -47,7 +47,11 @@ U_table(n) otherwise, from `stats.expected_unique`.
   `dense_layer_overhead_s` for each layer (MLP layers and the interaction) and, when
   `dense_activation_bytes_per_s` is measured, the layers' activation traffic (per layer of
   i inputs and o outputs, B·dtype·(3·i + 7·o) bytes: the forward product and bias + ReLU, the
-  ReLU's gradient, both backward products) at that rate.
+  ReLU's gradient, both backward products) at that rate. Where `interaction_s_per_element`
+  is measured (`calibrate`), DLRM's dot interaction of F = tables + 1 vectors of D dims
+  leaves those terms and costs B·(F·D·interaction_s_per_element + F²·interaction_s_per_pair)
+  plus one layer's overhead: its products are small batched matmuls, which a CPU runs far
+  below an MLP's FLOP/s (measured here: 6-20 GFLOP/s against 94).
 - overhead = step_overhead_s + sharding_overhead_s per sharding type the plan uses +
   id_overhead_s per bag the rank sends (B per table; column-wise: to each of its S shards):
   host time a CPU spends in the framework; the shard serving a bag pays id_overhead_s too,

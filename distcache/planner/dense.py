@@ -28,11 +28,17 @@ def _mlp(in_features: int, layers: tuple[int, ...]) -> tuple[float, float]:
     return flops, params
 
 
+def _interaction_shape(workload: Workload) -> tuple[int, int]:
+    """(F, D): the interaction's vectors (the bottom MLP's output and one per table) and
+    their width."""
+    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
+    return len(workload.tables) + 1, width
+
+
 def dense_flops_per_sample(workload: Workload) -> float:
     """Forward flops of DLRM's dense part per sample: bottom MLP, dot interaction of the
     F = tables + 1 vectors, top MLP over the dense vector and the F(F-1)/2 dot products."""
-    features = len(workload.tables) + 1
-    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
+    features, width = _interaction_shape(workload)
     bottom, _ = _mlp(workload.dense_in_features, workload.bottom_mlp)
     top, _ = _mlp(width + features * (features - 1) // 2, workload.top_mlp)
     return bottom + 2.0 * features * features * width + top
@@ -40,17 +46,16 @@ def dense_flops_per_sample(workload: Workload) -> float:
 
 def dense_parameter_bytes(workload: Workload) -> float:
     """Bytes of the MLPs' parameters (= their gradient, all-reduced every step)."""
-    features = len(workload.tables) + 1
-    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
+    features, width = _interaction_shape(workload)
     _, bottom = _mlp(workload.dense_in_features, workload.bottom_mlp)
     _, top = _mlp(width + features * (features - 1) // 2, workload.top_mlp)
     return (bottom + top) * workload.dtype_bytes
 
 
 def dense_layers(workload: Workload) -> list[tuple[int, int]]:
-    """(inputs, outputs) per sample of each dense layer: the MLPs' and the interaction's."""
-    features = len(workload.tables) + 1
-    width = workload.bottom_mlp[-1] if workload.bottom_mlp else workload.dense_in_features
+    """(inputs, outputs) per sample of each dense layer: the bottom MLP's, the interaction's
+    (its index is `len(workload.bottom_mlp)`), the top MLP's."""
+    features, width = _interaction_shape(workload)
     layers, inputs = [], workload.dense_in_features
     for out in workload.bottom_mlp:
         layers.append((inputs, out))
@@ -64,13 +69,35 @@ def dense_layers(workload: Workload) -> list[tuple[int, int]]:
     return layers
 
 
+def interaction_s(workload: Workload, topology: Topology) -> float | None:
+    """DLRM's dot interaction, forward + backward over the rank's batch, at the topology's
+    measured costs: B·(F·D·`interaction_s_per_element` + F²·`interaction_s_per_pair`) for
+    the F = tables + 1 vectors of D dims; None where the topology measures none (it is then
+    priced as a dense layer)."""
+    if topology.interaction_s_per_element is None:
+        return None
+    features, width = _interaction_shape(workload)
+    per_sample = (
+        features * width * topology.interaction_s_per_element
+        + features * features * topology.interaction_s_per_pair
+    )
+    return workload.batch_size_per_rank * per_sample
+
+
 def dense_compute_s(workload: Workload, topology: Topology) -> float:
     """Forward + backward (3x forward) of the dense part over the rank's batch, with the
-    layers' fixed cost and activation traffic where the topology measures them."""
+    layers' fixed cost and activation traffic where the topology measures them, and the
+    interaction at its own measured cost where the topology has one (`interaction_s`)."""
     batch = workload.batch_size_per_rank
-    seconds = 3 * dense_flops_per_sample(workload) * batch / topology.dense_flops_per_s
     layers = dense_layers(workload)
-    seconds += len(layers) * topology.dense_layer_overhead_s
+    flops = dense_flops_per_sample(workload)
+    interaction = interaction_s(workload, topology)
+    if interaction is not None:  # its flops and activations are in its own measured cost
+        features, width = _interaction_shape(workload)
+        flops -= 2.0 * features * features * width
+        del layers[len(workload.bottom_mlp)]
+    seconds = 3 * flops * batch / topology.dense_flops_per_s + (interaction or 0.0)
+    seconds += (len(layers) + (interaction is not None)) * topology.dense_layer_overhead_s
     if topology.dense_activation_bytes_per_s:
         elements = sum(ACTIVATION_IN_PASSES * i + ACTIVATION_OUT_PASSES * o for i, o in layers)
         seconds += batch * elements * workload.dtype_bytes / topology.dense_activation_bytes_per_s

@@ -177,6 +177,15 @@ class Topology:
     dense_activation_bytes_per_s: float | None = None
     """Rate of the dense layers' memory-bound activation traffic (bias, ReLU, their gradients);
     None: not priced apart (the GPU presets' achieved `dense_flops_per_s` covers it)."""
+    interaction_s_per_element: float | None = None
+    """Seconds per sample, per element of the F vectors of D dims (F·D of them), of DLRM's dot
+    interaction forward + backward (batched products of F x D matrices, the pairs' gather and
+    their gradients): on a CPU these small products run far below the MLPs' rate and their
+    cost follows the vectors' elements more than the flops; None: the interaction is priced
+    as a dense layer (flops at `dense_flops_per_s`, activations at
+    `dense_activation_bytes_per_s`; the GPU presets)."""
+    interaction_s_per_pair: float = 0.0
+    """With `interaction_s_per_element`: seconds per sample per entry of the F x F product."""
     dense_layer_overhead_s: float = 0.0
     """Host time per dense layer per step (dispatch of its forward, backward and update);
     0 on GPUs, where launches are asynchronous and hide behind the device's work."""
@@ -230,11 +239,13 @@ class Topology:
             "cache_scan_rows_per_s",
             "dense_update_bytes_per_s",
             "dense_activation_bytes_per_s",
+            "interaction_s_per_element",
             "sync_latency_s",
         ):
             value = getattr(self, name)
             _check(value is None or value > 0, f"{name} must be > 0 or None, got {value}")
         for name in (
+            "interaction_s_per_pair",
             "dense_layer_overhead_s",
             "step_overhead_s",
             "sharding_overhead_s",

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from distcache.errors import DistcacheConfigError
 from distcache.job.calibrate import (
@@ -15,11 +16,13 @@ from distcache.job.calibrate import (
     measure_copy_bandwidth,
     measure_dense_flops,
     measure_dense_layer_overhead,
+    measure_interaction_costs,
     measure_lookup_costs,
     measure_staging_costs,
     measure_sync_latency,
 )
 from distcache.job.distributed import run_ranks
+from distcache.job.microbench import dot_interaction, fit_interaction_costs
 from distcache.planner.types import Topology
 
 
@@ -37,6 +40,7 @@ def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
     assert topology.lookup_rows_per_s and topology.dense_update_bytes_per_s
     assert topology.device_lookup_rows_per_s  # TorchRec's fused kernel, measured too
     assert topology.dense_layer_overhead_s > 0 and topology.step_overhead_s > 0
+    assert topology.interaction_s_per_element and topology.interaction_s_per_pair >= 0
     printed = capsys.readouterr().err
     assert "embedding lookup" in printed and "per sharding type" in printed
     assert "not measured (one rank)" in printed  # the CPU preset's network figures stand in
@@ -83,6 +87,29 @@ def test_compute_rates_positive():
         batch=256, widths=(8, 64, 8), flops_per_s=flops, layer_overhead_s=0.0, repeats=2
     )
     assert activations is None or activations > 0
+    interaction = measure_interaction_costs(batch=64, shapes=((3, 8), (5, 16)), repeats=2)
+    assert 0 < interaction.s_per_element < 1e-3 and interaction.s_per_pair >= 0
+
+
+def test_timed_interaction_is_torchrecs():
+    """The interaction `calibrate` times computes what TorchRec's DLRM does."""
+    from torchrec.models.dlrm import InteractionArch
+
+    dense, sparse = torch.randn(6, 4), torch.randn(6, 3, 4)
+    expected = InteractionArch(num_sparse_features=3)(dense, sparse)
+    assert torch.equal(dot_interaction(dense, sparse), expected)
+
+
+def test_interaction_fit_recovers_its_costs():
+    shapes = [(5, 16), (9, 128), (17, 32), (27, 16)]
+    exact = [1024 * (f * d * 7e-9 + f * f * 3e-9) for f, d in shapes]
+    fit = fit_interaction_costs(shapes, 1024, exact)
+    assert fit.s_per_element == pytest.approx(7e-9) and fit.s_per_pair == pytest.approx(3e-9)
+    # Products that cost nothing of their own (noise would give a negative b): elements alone.
+    flat = fit_interaction_costs([(3, 8), (9, 8)], 10, [10 * 3 * 8 * 1e-8, 10 * 9 * 8 * 0.9e-8])
+    assert flat.s_per_pair == 0 and 0.9e-8 < flat.s_per_element < 1e-8
+    with pytest.raises(DistcacheConfigError, match="need >= 2"):
+        fit_interaction_costs([(3, 8)], 10, [1e-3])
 
 
 def test_fit_recovers_latency_and_bandwidth():

@@ -304,6 +304,24 @@ def test_fixed_costs_per_step_sharding_type_and_layer():
     assert only_tw.overhead_s == pytest.approx(1e-3 + 2e-4)
 
 
+def test_measured_interaction_replaces_its_layer_by_hand():
+    """With the interaction's costs measured, its flops and activations leave the dense
+    layers and it costs B·(F·D·a + F²·b); the MLPs are priced as before."""
+    layers = dataclasses.replace(
+        TOPOLOGY, dense_layer_overhead_s=1e-5, dense_activation_bytes_per_s=1e9
+    )
+    measured = dataclasses.replace(
+        layers, interaction_s_per_element=3e-9, interaction_s_per_pair=5e-10
+    )
+    plain = plan_cost(PLAN, WORKLOAD, layers).per_rank[0].dense_compute_s
+    rank = plan_cost(PLAN, WORKLOAD, measured).per_rank[0].dense_compute_s
+    # F = 3 vectors of D = 4 (2 tables + the bottom MLP's output), B = 100: the interaction's
+    # layer had 2·F·F·D flops forward (x3 with backward) and 3·12 + 7·3 activation elements.
+    as_layer = 3 * 2 * 3 * 3 * 4 * 100 / 1e12 + 100 * (3 * 12 + 7 * 3) * 4 / 1e9
+    own = 100 * (3 * 4 * 3e-9 + 3 * 3 * 5e-10)
+    assert rank == pytest.approx(plain - as_layer + own)  # one layer overhead either way
+
+
 def test_latencies_per_routed_sharding_type():
     """Each sharding type routes ids with 3 collectives and embeddings with 2; data-parallel
     tables route nothing but add an all-reduce of their own."""
