@@ -57,9 +57,12 @@ class CalibrationSizes:
     mlp_batch: int = 2048
     mlp_widths: tuple[int, ...] = (512, 1024, 1024, 512, 256)
     """Layer widths, input first: an MLP of len - 1 linear layers."""
-    activation_batch: int = 4096
-    activation_widths: tuple[int, ...] = (8, 1024, 8, 1024, 8)
-    """A narrow, deep MLP whose time is mostly activation traffic."""
+    activation_batch: int = 2048
+    activation_widths: tuple[int, ...] = (8, 256, 8, 256, 8)
+    """A narrow, deep MLP whose time is mostly activation traffic, its layers' outputs (2 MB)
+    the size of a CPU DLRM's (B = 512-2048, widths 16-512). The rate depends on that size
+    (here 11-14 GB/s up to 2 MB a layer, 4 at 16 MB, 2.7 at 32 MB: the caches), so one
+    measured far larger overprices such MLPs 2-3.5 x."""
     interaction_batch: int = 2048
     interaction_shapes: tuple[tuple[int, int], ...] = (
         (5, 16), (9, 128), (17, 32), (27, 16), (27, 64),
