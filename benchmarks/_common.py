@@ -30,7 +30,7 @@ def machine() -> dict[str, object]:
 
 def commit() -> str:
     """The commit measured, with "+dirty" when the tree has uncommitted changes (other than
-    under benchmarks/results/)."""
+    under benchmarks/results/ and to Markdown files, which measure nothing)."""
     root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
@@ -39,8 +39,8 @@ def commit() -> str:
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
     # Results written by an earlier benchmark of the same run are outputs, not changes to code.
-    outputs = ":!benchmarks/results"
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", outputs)
+    outputs, docs = ":!benchmarks/results", ":!*.md"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", outputs, docs)
     return head + ("+dirty" if changed else "")
 
 
