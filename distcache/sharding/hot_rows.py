@@ -138,6 +138,11 @@ class HotRows:
                 raise DistcacheConfigError(
                     f"table {name!r}: hot_rows {bad[:8]} are outside its {rows} rows [0, {rows})"
                 )
+            if rows >= _TABLE_SPAN:
+                raise DistcacheConfigError(
+                    f"table {name!r} has {rows} rows; hot rows are kept for tables of fewer "
+                    f"than {_TABLE_SPAN} rows"
+                )
             ids = torch.tensor(sorted(config.hot_rows), dtype=torch.int64, device=device)
             optimizer = make_optimizer(config)
             state = torch.zeros(len(ids), optimizer.state_dim(dim), device=device)
@@ -148,6 +153,17 @@ class HotRows:
             start += len(ids) * dim
             row += len(ids)
         self.num_rows = row
+        # Every hot row as one key, table t's row r at t·_TABLE_SPAN + r: sorted, and each
+        # key's index is its replica row (tables are numbered in the replica's order), so one
+        # binary search finds every feature's hot ids at once.
+        self._keys = (
+            torch.cat([t.ids + i * _TABLE_SPAN for i, t in enumerate(self.tables.values())])
+            if self.tables
+            else torch.zeros(0, dtype=torch.int64, device=device)
+        )  # [rows]
+        self._span = {name: i * _TABLE_SPAN for i, name in enumerate(self.tables)}
+        self._no_table = len(self.tables) * _TABLE_SPAN  # features of tables without hot rows
+        self._feature_spans: dict[tuple[str, ...], torch.Tensor] = {}
         # Every table's replica in one fp32 leaf (not a Parameter): one gradient, reduced in one
         # all-reduce per step for the whole collection.
         self.flat = torch.zeros(start, device=device, requires_grad=True)
@@ -170,10 +186,11 @@ class HotRows:
     def split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HotInput]:
         """The features without their hot ids, and the hot ids, compacted per width.
 
-        Each feature of a hot table looks its ids up among the table's sorted hot rows (one
-        binary search per id, on the feature's own slice of the values); per-bag counts come
-        from a running sum read at the bags' offsets. Only the compactions have a
-        data-dependent size: one host read per width, and one for the cold ids."""
+        Every id is looked up among every table's sorted hot rows at once: one binary search
+        of its key (its table's span + the id; `__init__`), whose index is the replica row;
+        per-bag counts come from a running sum read at the bags' offsets. Only the
+        compactions have a data-dependent size: one host read per width, and one for the cold
+        ids."""
         keys = features.keys()
         values, lengths = features.values(), features.lengths()
         weights = features.weights_or_none()
@@ -181,16 +198,21 @@ class HotRows:
         key_ends = features.offset_per_key()  # host ints, as TorchRec's own routing reads them
         # Each id's index, compacted beside it where outputs are per id.
         index = torch.arange(n, device=device) if self.sequence else None
-        row = torch.full((n,), -1, dtype=torch.int64, device=device)  # replica row, -1: cold
-        for k, key in enumerate(keys):
-            name = self.feature_tables.get(key)
-            if name is None:
-                continue
-            start, end = key_ends[k], key_ends[k + 1]
-            table, ids = self.tables[name], values[start:end]
-            pos = torch.searchsorted(table.ids, ids).clamp_(max=table.ids.numel() - 1)
-            found = table.ids.index_select(0, pos) == ids
-            row[start:end] = torch.where(found, pos + table.row, -1)
+        # Each id's key: its table's span (per bag, then per id by the bags' lengths) + id.
+        # Ids outside [0, _TABLE_SPAN) (invalid ones, which the shards report) match no row.
+        span = self._spans(keys, device)  # [F]
+        if features.variable_stride_per_key():
+            bags = torch.tensor(features.stride_per_key(), device=device)
+            span = span.repeat_interleave(bags, output_size=lengths.numel())  # [bags]
+        else:
+            span = span.repeat_interleave(features.stride())  # [F * B]
+        queries = values.to(torch.int64).clamp(-1, _TABLE_SPAN - 1)
+        queries += span.repeat_interleave(lengths, output_size=n)
+        if self.num_rows:
+            pos = torch.searchsorted(self._keys, queries).clamp_(max=self.num_rows - 1)
+            row = torch.where(self._keys.index_select(0, pos) == queries, pos, -1)
+        else:
+            row = torch.full_like(queries, -1)  # [n] replica row, -1: cold
         hot = row >= 0
         bag_ends = features.offsets()  # [F * B + 1]
         hot_before = _running_sum(hot)  # [n + 1]
@@ -232,6 +254,17 @@ class HotRows:
             cold_positions=cold_at,
         )
         return rest, part
+
+    def _spans(self, keys: list[str], device: torch.device) -> torch.Tensor:
+        """`[F]` each feature's span in the keys of `_keys` (beyond them for a feature of a
+        table without hot rows), kept per order of the features."""
+        order = tuple(keys)
+        spans = self._feature_spans.get(order)
+        if spans is None:
+            tables = [self.feature_tables.get(key) for key in keys]
+            spans = torch.tensor([self._span.get(t, self._no_table) for t in tables], device=device)
+            self._feature_spans[order] = spans
+        return spans
 
     def pooled(self, part: HotInput) -> dict[str, torch.Tensor]:
         """Per hot feature, the sum of its hot ids' rows per bag `[B, dim]` (weighted): one
@@ -525,6 +558,10 @@ class _AddColumns(torch.autograd.Function):
                 grad_values[:, start : start + width] = columns * cold_ids
             grad_hots.append(columns)
         return grad_values, None, None, *grad_hots
+
+
+_TABLE_SPAN = 1 << 40
+"""Keys of one table's hot rows in `HotRows`' lookup: rows of a table with hot rows are below."""
 
 
 def _running_sum(mask: torch.Tensor) -> torch.Tensor:
