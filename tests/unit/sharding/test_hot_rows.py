@@ -1,0 +1,56 @@
+"""`HotRows.split` against a plain-Python reference: which ids are hot, where they go."""
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from distcache.cache.config import CacheConfig
+from distcache.errors import DistcacheConfigError
+from distcache.sharding.hot_rows import HotRows
+
+HOT = {"a": (3, 7, 40), "b": (0, 7), "c": (5,)}  # table -> its hot rows
+DIMS = {"a": 4, "b": 4, "c": 8}  # two widths
+
+
+def _hot_rows() -> HotRows:
+    tables = {t: (50, DIMS[t], CacheConfig(hot_rows=rows)) for t, rows in HOT.items()}
+    features = {"fa": "a", "fb": "b", "fb2": "b", "fc": "c", "fz": "z"}  # z: no hot rows
+    return HotRows(tables, features, set(), torch.device("cpu"))
+
+
+def test_split_matches_a_reference():
+    keys = ["fz", "fa", "fb", "fb2", "fc"]
+    table = {"fa": "a", "fb": "b", "fb2": "b", "fc": "c"}
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 4, (len(keys) * 3,), generator=g)  # B = 3
+    values = torch.randint(0, 12, (int(lengths.sum()),), generator=g)
+    values[::5] = 7  # hot in a and b, not in c; in fz's table none is hot
+    values[1] = -1  # invalid ids (the shards report them) are never hot
+    values[2] = (1 << 40) + 7
+    kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+    rest, part = _hot_rows().split(kjt)
+    expected_cold, expected_hot = [], []
+    ends = kjt.offset_per_key()
+    for k, key in enumerate(keys):
+        for v in values[ends[k] : ends[k + 1]].tolist():
+            is_hot = key in table and v in HOT[table[key]]
+            (expected_hot if is_hot else expected_cold).append((key, v))
+    assert rest.values().tolist() == [v for _, v in expected_cold]
+    assert int(part.hot_per_bag.sum()) == len(expected_hot)
+    assert (rest.lengths() + part.hot_per_bag).tolist() == lengths.tolist()
+    # Each hot id found at its row of its table's replica (the widths: a and b, then c).
+    found = []
+    hot = _hot_rows()
+    for width, ids in zip(hot.widths, part.widths, strict=True):
+        tables = [t for t in hot.tables.values() if t.dim == width.dim]
+        for r in ids.rows.tolist():
+            owner = next(
+                t for t in tables if t.row - width.row <= r < t.row - width.row + len(t.ids)
+            )
+            found.append((owner.name, owner.ids[r - (owner.row - width.row)].item()))
+    assert sorted(found) == sorted((table[k], v) for k, v in expected_hot)
+
+
+def test_tables_of_2_to_the_40_rows_are_refused():
+    with pytest.raises(DistcacheConfigError, match="fewer than 1099511627776 rows"):
+        HotRows({"t": (1 << 40, 4, CacheConfig(hot_rows=(1,)))}, {"f": "t"}, set(), "cpu")
