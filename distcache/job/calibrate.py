@@ -1,8 +1,8 @@
 """`python -m distcache calibrate`: measure this machine and write a `Topology` JSON.
 
 Each measurement is a small function returning one number (or one fit), so each can be tested
-and re-used on its own (one rank's compute in `distcache.job.microbench`, the network in
-`distcache.job.network`; all re-exported here):
+and re-used on its own (one rank's compute in `distcache.job.microbench` and, for the dense part,
+`distcache.job.densebench`; the network in `distcache.job.network`; all re-exported here):
 
 - `measure_copy_bandwidth`: bytes/s of a large tensor copy on the compute device.
 - `measure_host_to_device_bandwidth`: bytes/s from pinned host memory to the GPU (CUDA only).
@@ -63,6 +63,12 @@ import torch
 import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
+from distcache.job.densebench import (
+    measure_activation_bandwidth,
+    measure_dense_flops,
+    measure_dense_layer_overhead,
+    measure_interaction_costs,
+)
 from distcache.job.distributed import run_ranks, single_rank_group
 from distcache.job.framework_costs import measure_framework_costs
 from distcache.job.measure import MeasureOptions
@@ -72,13 +78,9 @@ from distcache.job.microbench import (
     CalibrationSizes,
     LookupCosts,
     StagingCosts,
-    measure_activation_bandwidth,
     measure_copy_bandwidth,
     measure_copy_latency,
-    measure_dense_flops,
-    measure_dense_layer_overhead,
     measure_host_to_device_bandwidth,
-    measure_interaction_costs,
     measure_lookup_costs,
     measure_staging_costs,
 )

@@ -21,8 +21,8 @@ from distcache.job.calibrate import (
     measure_staging_costs,
     measure_sync_latency,
 )
+from distcache.job.densebench import dot_interaction, fit_interaction_costs
 from distcache.job.distributed import run_ranks
-from distcache.job.microbench import dot_interaction, fit_interaction_costs
 from distcache.planner.types import Topology
 
 
