@@ -24,8 +24,9 @@ and re-used on its own (one rank's compute in `distcache.job.microbench` and, fo
 - `measure_staging_costs`: what a partial cache's misses add to a step, fitted as bytes
   moved (loads and write-backs, with the scheduler's work: the host-to-device rate on CPU)
   plus the slots it scores once per batch to pick victims.
-- `measure_collectives`: gloo all-to-all and all-reduce between the local ranks, fitted as
-  `time = latency + bytes / bandwidth` over several message sizes; `measure_sync_latency`:
+- `measure_collectives`: gloo all-to-all, all-reduce, reduce-scatter and all-gather between
+  the local ranks, fitted as `time = latency + bytes / bandwidth` over several message sizes
+  (the last two are what TorchRec's row-wise outputs take); `measure_sync_latency`:
   what a collective costs between compute bursts, when peers compete for the cores.
 - `distcache.job.framework_costs.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
   giving the framework's fixed costs per step, per sharding type, per bag routed and per bag
@@ -143,6 +144,10 @@ class Measurements:
     all_to_all: LinkFit | None
     """None on one rank (no network)."""
     all_reduce: LinkFit | None
+    reduce_scatter: LinkFit | None = None
+    """What row-wise outputs take forward (None on one rank), ..."""
+    all_gather: LinkFit | None = None
+    """... and backward."""
     sync_latency_s: float | None = None
     """`measure_sync_latency`; None on one rank."""
     device_memory_bytes: int
@@ -232,7 +237,7 @@ class _RankResult:
     figures: dict[str, float | None]
     """`Measurements` fields."""
     links: dict[str, LinkFit]
-    """'all_to_all', 'all_reduce' (none on one rank)."""
+    """'all_to_all', 'all_reduce', 'reduce_scatter', 'all_gather' (none on one rank)."""
 
 
 def _calibration_worker(
@@ -287,6 +292,8 @@ def _measurements(
         threads_per_rank=threads,
         all_to_all=links.get("all_to_all"),
         all_reduce=links.get("all_reduce"),
+        reduce_scatter=links.get("reduce_scatter"),
+        all_gather=links.get("all_gather"),
         device_memory_bytes=device_memory,
         host_memory_bytes=host_memory,
         seconds=seconds,
@@ -355,6 +362,13 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
     else:
         cpu = preset("cpu", world_size=1)
         bw, latency = cpu.intra_node_bw_bytes_per_s, cpu.network_latency_s
+    row_wise_slowdown, row_wise_latency = 1.0, 0.0
+    if m.reduce_scatter is not None and m.all_gather is not None:  # forward, backward
+        seconds_per_byte = 1 / m.reduce_scatter.bw_bytes_per_s + 1 / m.all_gather.bw_bytes_per_s
+        row_wise_slowdown = seconds_per_byte * bw / 2  # against the all-to-all's 2 / bw
+        row_wise_latency = max(
+            0.0, m.reduce_scatter.latency_s + m.all_gather.latency_s - 2 * latency
+        )
     return Topology(
         name=name,
         world_size=m.ranks,
@@ -383,6 +397,8 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
         sharding_overhead_s=m.sharding_overhead_s,
         id_overhead_s=m.id_overhead_s,
         hot_bag_overhead_s=m.hot_bag_overhead_s,
+        row_wise_output_slowdown=row_wise_slowdown,
+        row_wise_output_latency_s=row_wise_latency,
         sync_latency_s=None if m.sync_latency_s is None else max(latency, m.sync_latency_s),
     )
 
@@ -427,6 +443,8 @@ def _summary(m: Measurements) -> str:
             f"{1e9 * m.hot_bag_overhead_s:.0f} ns per bag of a table with hot rows",
             link("gloo all-to-all", m.all_to_all),
             link("gloo all-reduce", m.all_reduce),
+            link("gloo reduce-scatter", m.reduce_scatter),
+            link("gloo all-gather", m.all_gather),
             "  collective between compute bursts: "
             + ("-" if m.sync_latency_s is None else ms(1e3 * m.sync_latency_s)),
             f"  memory per rank    device {si(m.device_memory_bytes, 'B')}, "

@@ -1,8 +1,8 @@
-"""The network between local ranks, for `python -m distcache calibrate`: gloo all-to-all and
-all-reduce fitted as `time = latency + bytes / bandwidth` over several message sizes
-(`measure_collectives`), and what a collective costs between compute bursts, when peers
-compete for the cores (`measure_sync_latency`). Each runs on every rank of the current
-process group.
+"""The network between local ranks, for `python -m distcache calibrate`: gloo all-to-all,
+all-reduce, reduce-scatter and all-gather fitted as `time = latency + bytes / bandwidth` over
+several message sizes (`measure_collectives`), and what a collective costs between compute
+bursts, when peers compete for the cores (`measure_sync_latency`). Each runs on every rank of
+the current process group.
 """
 
 from __future__ import annotations
@@ -58,36 +58,50 @@ def _collective_seconds(
 ) -> float:
     """Median seconds of `op(out, inp)` on this rank, after a warm-up and a barrier."""
     inp, out = torch.ones(numel), torch.empty(numel)  # [numel] float32 each
-    op(out, inp)
+    return _median_after_barrier(lambda: op(out, inp), repeats)
+
+
+def _median_after_barrier(run: Callable[[], object], repeats: int) -> float:
+    run()
     times = []
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        op(out, inp)
+        run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def measure_collectives(sizes: Sequence[int] = FULL.message_bytes) -> dict[str, LinkFit]:
-    """Fit gloo all-to-all and all-reduce on every rank of the current process group (>= 2
-    ranks), one buffer size after another, each timed as the slowest rank's median.
+    """Fit gloo all-to-all, all-reduce, reduce-scatter and all-gather on every rank of the
+    current process group (>= 2 ranks), one buffer size after another, each timed as the
+    slowest rank's median. The last two are what TorchRec's row-wise outputs take (their
+    partial sums reduce-scattered forward, the gradients all-gathered backward).
 
     The bytes of each fit are those a rank sends: `(ranks - 1) / ranks` of its buffer for an
-    all-to-all, twice that for a ring all-reduce (the NCCL-tests "bus bandwidth" convention).
+    all-to-all, a reduce-scatter (of its input) and an all-gather (of its output), twice that
+    for a ring all-reduce (the NCCL-tests "bus bandwidth" convention).
 
     Args:
         sizes: Buffer bytes per rank, one measurement each.
 
     Returns:
-        {'all_to_all': LinkFit, 'all_reduce': LinkFit}, the same on every rank.
+        {'all_to_all', 'all_reduce', 'reduce_scatter', 'all_gather': LinkFit}, the same on
+        every rank.
     """
     world = dist.get_world_size()
     ops = {
         "all_to_all": lambda out, inp: dist.all_to_all_single(out, inp),
         "all_reduce": lambda out, inp: dist.all_reduce(inp),
+        "reduce_scatter": lambda out, inp: dist.reduce_scatter_tensor(
+            out[: inp.numel() // world], inp
+        ),
+        "all_gather": lambda out, inp: dist.all_gather_into_tensor(
+            out, inp[: out.numel() // world]
+        ),
     }
     share = (world - 1) / world
-    sent = {"all_to_all": share, "all_reduce": 2 * share}
+    sent = {name: 2 * share if name == "all_reduce" else share for name in ops}
     fits = {}
     for name, op in ops.items():
         seconds = []

@@ -28,18 +28,21 @@ U_table(n) otherwise, from `stats.expected_unique`.
   (LRU's score is one subtraction per slot, not priced).
 - all-to-all: each consumer rank sends B·P·8 bytes of ids to each shard (row-wise: /S) and each
   shard sends B·D_shard·dtype bytes of pooled embeddings (row-wise: partial sums, D) to each
-  consumer; backward sends the gradients back the same way. Table-row-wise (TorchRec's TWRW
-  and grid: rows split over the k ranks of a node, columns over nodes) instead reduce-scatters
-  the node's partial sums over NVLink ((k-1)/k·W·B·D_shard·dtype each way per owner), then each
-  owner sends B·D_shard·dtype to the rank of its local index on every other node, and every
-  rank receives that much from each owner node but its own; it adds a second output
-  collective each way. A rank's time per collective is
-  max(max(sent, received) over NVLink / intra bandwidth, same over the NIC / inter bandwidth):
-  links are full duplex and both kinds run at once. Latencies: each sharding type a plan uses
-  (data parallel aside) routes its ids with 3 collectives (TorchRec's splits, lengths and
-  values all-to-alls), back to back as a step starts, each one network latency, and its
-  embeddings with 2 (forward, backward), each entered from the rank's own computation: a
-  `sync_latency_s`, which on cores shared by ranks holds the wait for a descheduled peer.
+  consumer; backward sends the gradients back the same way. Table-row-wise (TorchRec's TWRW and
+  grid: rows split over the k ranks of a node, columns over nodes) instead reduce-scatters the
+  node's partial sums over NVLink ((k-1)/k·W·B·D_shard·dtype each way per owner), then each owner
+  sends B·D_shard·dtype to the rank of its local index on every other node, and every rank receives
+  that much from each owner node but its own; it adds a second output collective each way. A rank's
+  time per collective is max(max(sent, received) over NVLink / intra bandwidth, same over the NIC /
+  inter bandwidth): links are full duplex and both kinds run at once. Row-wise outputs are
+  TorchRec's reduce-scatter (forward) and all-gather (backward): where calibrated (gloo runs them
+  slower than its all-to-all), each of their bytes counts `row_wise_output_slowdown` bytes
+  (`shards.output_rate_factor`), and a plan with row-wise tables adds `row_wise_output_latency_s`
+  a step. Latencies: each sharding type a plan uses (data parallel aside) routes its ids with 3
+  collectives (TorchRec's splits, lengths and values all-to-alls), back to back as a step starts,
+  each one network latency, and its embeddings with 2 (forward, backward), each entered from the
+  rank's own computation: a `sync_latency_s`, which on cores shared by ranks holds the wait for a
+  descheduled peer.
 - all-reduce (dense MLP parameters + data-parallel tables' gradients, X bytes), hierarchical:
   2·(k-1)/k·X / intra + 2·(N-1)/N·X/k / inter for N nodes of k ranks, plus a sync latency
   (two with data-parallel tables: TorchRec all-reduces their gradients apart from the MLPs').
@@ -97,6 +100,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Collection
@@ -148,6 +152,7 @@ from distcache.planner.shards import (
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
+    ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
@@ -320,7 +325,8 @@ def global_terms(
         output_latency_s=OUTPUT_COLLECTIVES
         * sync_latency_s(topology)
         * (routed + (TABLE_ROW_WISE in kinds and topology.world_size > 1))
-        + compact_reads * topology.host_to_device_latency_s,
+        + compact_reads * topology.host_to_device_latency_s
+        + topology.row_wise_output_latency_s * (ROW_WISE in kinds and topology.world_size > 1),
         overhead_s=topology.step_overhead_s
         + topology.sharding_overhead_s * len(kinds)
         + topology.id_overhead_s * sent_bags,
@@ -381,9 +387,10 @@ def all_to_all_sent_bytes(plan: Plan, workload: Workload, topology: Topology) ->
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}
     load = RankTerms.zeros(topology.world_size)
+    wire = dataclasses.replace(topology, row_wise_output_slowdown=1.0)  # bytes, not their price
     for tp in plan.tables:
-        terms = table_plan_terms(tp, tables[tp.table], workload, topology)
-        load += shard_contribution(terms, tp.ranks, topology)
+        terms = table_plan_terms(tp, tables[tp.table], workload, wire)
+        load += shard_contribution(terms, tp.ranks, wire)
     ids, emb = load.ids, load.emb
     return ids.sent_intra + ids.sent_inter + 2 * (emb.sent_intra + emb.sent_inter)
 

@@ -67,7 +67,8 @@ class ShardTerms:
     ids_bytes_per_peer: float
     """Input all-to-all: bytes each consumer rank sends this shard."""
     embedding_bytes_per_peer: float
-    """Output all-to-all: bytes this shard sends each consumer rank (forward; backward same)."""
+    """Output all-to-all: bytes this shard sends each consumer rank (forward; backward same),
+    as priced: row-wise outputs' bytes weighted by `output_rate_factor`."""
     all_reduce_bytes: float
     """Gradient bytes all-reduced each step (data parallel only)."""
     reduced_in_node: bool = False
@@ -156,6 +157,14 @@ def staging_time_s(staging_bytes: float, topology: Topology, cache_rows: int = 0
     )
 
 
+def output_rate_factor(sharding: str, topology: Topology) -> float:
+    """How many all-to-all bytes a byte of `sharding`'s output costs:
+    `Topology.row_wise_output_slowdown` for a row-wise table, else 1. The output terms
+    (`ShardTerms.embedding_bytes_per_peer`) are priced bytes: `cost.all_to_all_sent_bytes`
+    gives the bytes sent."""
+    return topology.row_wise_output_slowdown if sharding == ROW_WISE else 1.0
+
+
 def splits(sharding: str, shards: int, topology: Topology) -> tuple[int, int]:
     """(row splits, column splits) of a table of `shards` shards: row-wise splits rows over
     every shard, column-wise columns; table-row-wise splits rows over a node's ranks and
@@ -242,6 +251,7 @@ def shard_terms(
     staging_bytes = 2 * loads * row_bytes
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
     sent = workload.batch_size_per_rank * dim * dtype * _output_share(table, sharding, hot_mass)
+    sent *= output_rate_factor(sharding, topology)
     dim_bytes, bags = dim * element, ids / pooling
     lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, cached, topology)
     return ShardTerms(

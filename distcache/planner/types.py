@@ -207,6 +207,14 @@ class Topology:
     priced at the lookup rates (calibrated at one id a bag; measured, the cost follows bags
     more than ids: at four ids a bag it is about half what per id would give); 0 on GPUs (as
     above)."""
+    row_wise_output_slowdown: float = 1.0
+    """How much longer a byte of a row-wise table's outputs takes than an all-to-all's on the
+    same link: TorchRec's reduce-scatter of the partial sums (forward) and all-gather of their
+    gradients (backward), against the link's rate, calibrated on one node (gloo runs them
+    slower than its all-to-all); 1 on the GPU presets (NCCL runs them alike)."""
+    row_wise_output_latency_s: float = 0.0
+    """Their latency per step beyond the two sync latencies every routed sharding type's
+    outputs are priced with, for a plan with row-wise tables."""
     sync_latency_s: float | None = None
     """What a collective costs when the ranks arrive from their own computation, the wait for
     a peer the OS descheduled included (CPU ranks sharing cores); None: `network_latency_s`
@@ -230,6 +238,7 @@ class Topology:
             "intra_node_bw_bytes_per_s",
             "inter_node_bw_bytes_per_s",
             "dense_flops_per_s",
+            "row_wise_output_slowdown",
         ):
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
@@ -246,6 +255,7 @@ class Topology:
             _check(value is None or value > 0, f"{name} must be > 0 or None, got {value}")
         for name in (
             "interaction_s_per_pair",
+            "row_wise_output_latency_s",
             "dense_layer_overhead_s",
             "step_overhead_s",
             "sharding_overhead_s",

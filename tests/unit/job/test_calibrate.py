@@ -9,6 +9,8 @@ import torch
 from distcache.errors import DistcacheConfigError
 from distcache.job.calibrate import (
     QUICK,
+    LinkFit,
+    Measurements,
     fit_latency_bandwidth,
     main,
     measure_activation_bandwidth,
@@ -20,6 +22,7 @@ from distcache.job.calibrate import (
     measure_lookup_costs,
     measure_staging_costs,
     measure_sync_latency,
+    topology_from,
 )
 from distcache.job.densebench import dot_interaction, fit_interaction_costs
 from distcache.job.distributed import run_ranks
@@ -33,9 +36,13 @@ def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
     topology = Topology.from_dict(json.loads(out.read_text()))
     assert topology.world_size == topology.ranks_per_node == 1
     assert topology.compute_device == "cpu"
+    # Zero allowed: host overheads a machine may not show, the interaction's cost per pair
+    # (its fit keeps it >= 0), the row-wise outputs' extra latency (no network on one rank).
+    zero_allowed = ("interaction_s_per_pair", "row_wise_output_latency_s")
     for name, value in topology.to_dict().items():
         if isinstance(value, float | int) and not isinstance(value, bool):
-            assert value > 0 or name.endswith("overhead_s") and value == 0, name
+            may_be_zero = name.endswith("overhead_s") or name in zero_allowed
+            assert value > 0 or may_be_zero and value == 0, name
     # The CPU-only figures are measured (their GPU defaults are None / 0).
     assert topology.lookup_rows_per_s and topology.dense_update_bytes_per_s
     assert topology.device_lookup_rows_per_s  # TorchRec's fused kernel, measured too
@@ -57,10 +64,33 @@ def _network_rank(rank: int, world: int, out: str) -> None:
 def test_network_figures_on_two_ranks(tmp_path):
     run_ranks(_network_rank, 2, args=(str(tmp_path),), timeout_s=120)
     net = json.loads((tmp_path / "net.json").read_text())
-    for name in ("all_to_all", "all_reduce"):
+    for name in ("all_to_all", "all_reduce", "reduce_scatter", "all_gather"):
         latency, bandwidth = net[name]
         assert latency > 0 and bandwidth > 0, name
     assert net["sync"] >= 0
+
+
+def test_row_wise_outputs_priced_against_the_all_to_all():
+    """The topology prices a row-wise output's byte (reduce-scatter forward, all-gather
+    backward) against the link's all-to-all rate, and its latency beyond two sync latencies."""
+    links = {
+        "all_to_all": LinkFit(latency_s=1e-4, bw_bytes_per_s=2e9),
+        "all_reduce": LinkFit(latency_s=2e-4, bw_bytes_per_s=4e9),  # the link: 2e9, 2e-4 s
+        "reduce_scatter": LinkFit(latency_s=3e-3, bw_bytes_per_s=5e8),
+        "all_gather": LinkFit(latency_s=1e-3, bw_bytes_per_s=1e9),
+    }
+    measured = Measurements(
+        device="cpu", ranks=2, threads_per_rank=1, copy_bw_bytes_per_s=1e10,
+        host_to_device_bw_bytes_per_s=1e9, host_to_device_latency_s=1e-6,
+        lookup_rows_per_s=1e7, lookup_bytes_per_s=None, dense_flops_per_s=1e11,
+        dense_layer_overhead_s=5e-5, dense_activation_bytes_per_s=1e10,
+        device_memory_bytes=1 << 30, host_memory_bytes=1 << 30, **links,
+    )  # fmt: skip
+    topology = topology_from(measured, name="t")
+    assert topology.intra_node_bw_bytes_per_s == 2e9 and topology.network_latency_s == 2e-4
+    # A byte: 1/5e8 + 1/1e9 s through both, against 2/2e9 s for two all-to-alls.
+    assert topology.row_wise_output_slowdown == pytest.approx((1 / 5e8 + 1 / 1e9) / (2 / 2e9))
+    assert topology.row_wise_output_latency_s == pytest.approx(3e-3 + 1e-3 - 2 * 2e-4)
 
 
 def test_copy_bandwidth_in_sane_range():

@@ -10,6 +10,7 @@ from distcache.planner.cost import (
     CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
     CACHE_SLOT_BYTES,
     DENSE_UPDATE_PASSES,
+    all_to_all_sent_bytes,
     dense_flops_per_sample,
     dense_parameter_bytes,
     global_terms,
@@ -173,6 +174,34 @@ def test_sharding_semantics():
     assert cw.embedding_bytes_per_peer == tw.embedding_bytes_per_peer / 2
     assert (dp.ids_bytes_per_peer, dp.embedding_bytes_per_peer) == (0.0, 0.0)
     assert dp.all_reduce_bytes == 1000 * 16 * 4
+
+
+def test_row_wise_outputs_at_their_calibrated_rate_by_hand():
+    """Each byte of a row-wise output (TorchRec's reduce-scatter and all-gather) priced as
+    `row_wise_output_slowdown` all-to-all bytes, with `row_wise_output_latency_s` a step; the
+    bytes sent stay the bytes; other shardings' outputs are untouched."""
+    row_wise = Plan(
+        name="rw",
+        tables=(
+            TablePlan(table="a", sharding=ROW_WISE, ranks=(0, 1)),
+            TablePlan(table="b", sharding=TABLE_WISE, ranks=(1,)),
+        ),
+    )
+    slow = dataclasses.replace(
+        TOPOLOGY, row_wise_output_slowdown=4.0, row_wise_output_latency_s=3e-4
+    )
+    plain, priced = plan_cost(row_wise, WORKLOAD, TOPOLOGY), plan_cost(row_wise, WORKLOAD, slow)
+    # Each rank sends the other its partial sums of a (B·D·4 = 100·16·4 bytes) over the NIC
+    # (two nodes), forward and backward; rank 1 also sends b's outputs (100·8·4) to rank 0:
+    # each rank's busier direction carries both, as priced bytes a·4 + b.
+    a, b = 100 * 16 * 4, 100 * 8 * 4
+    for rank, (was, now) in enumerate(zip(plain.per_rank, priced.per_rank, strict=True)):
+        assert now.output_all_to_all_s - was.output_all_to_all_s == pytest.approx(
+            2 * (4 * a + b) / 1e10 - 2 * (a + b) / 1e10 + 3e-4
+        ), rank
+    wire = all_to_all_sent_bytes(row_wise, WORKLOAD, slow)
+    assert wire.tolist() == all_to_all_sent_bytes(row_wise, WORKLOAD, TOPOLOGY).tolist()
+    assert plan_cost(PLAN, WORKLOAD, slow).step_s == plan_cost(PLAN, WORKLOAD, TOPOLOGY).step_s
 
 
 def test_violations():
