@@ -141,11 +141,15 @@ def measure_interaction_costs(
     repeats: int = 5,
     device: str = "cpu",
 ) -> InteractionCosts:
-    """DLRM's dot interaction (TorchRec's `InteractionArch`: the F vectors of a sample stacked,
-    their products by a batched matmul, the upper triangle's pairs gathered beside the dense
-    vector) forward + backward, timed at each (F, D) of `shapes`, fitted by
-    `fit_interaction_costs`. Its products are small matrices, which a CPU multiplies far below
-    an MLP's rate (here 6-20 GFLOP/s against 94); their cost follows the vectors' elements.
+    """DLRM's dot interaction forward + backward with the assembly of its input, timed at each
+    (F, D) of `shapes`, fitted by `fit_interaction_costs`: the collection's pooled output,
+    one `[B, (F-1)·D]` tensor, split per feature and concatenated into `[B, F-1, D]`
+    (`sparse_vectors`, as TorchRec's `SparseArch` does with the KeyedTensor), then
+    `dot_interaction` (TorchRec's `InteractionArch`: the F vectors of a sample stacked, their
+    products by a batched matmul, the upper triangle's pairs gathered beside the dense
+    vector). Its products are small matrices, which a CPU multiplies far below an MLP's rate
+    (here 6-20 GFLOP/s against 94); the step's cost follows the vectors' elements (the
+    assembly adds 10-16 % here).
 
     Args:
         batch: Samples per step.
@@ -157,13 +161,20 @@ def measure_interaction_costs(
     seconds = []
     for features, dim in shapes:
         dense = torch.randn(batch, dim, device=dev, requires_grad=True)  # [batch, D]
-        sparse = torch.randn(batch, features - 1, dim, device=dev, requires_grad=True)
+        pooled = torch.randn(batch, (features - 1) * dim, device=dev, requires_grad=True)
 
-        def step(dense=dense, sparse=sparse) -> None:
+        def step(dense=dense, pooled=pooled, features=features, dim=dim) -> None:
+            sparse = sparse_vectors(pooled, features - 1, dim)
             dot_interaction(dense, sparse).sum().backward()
 
         seconds.append(median_seconds(step, dev, repeats))
     return fit_interaction_costs(shapes, batch, seconds)
+
+
+def sparse_vectors(pooled: torch.Tensor, features: int, dim: int) -> torch.Tensor:
+    """`[B, features, dim]` from a collection's pooled output `[B, features·dim]`, as TorchRec's
+    `SparseArch` builds it: the KeyedTensor's per-feature column views, concatenated."""
+    return torch.cat(pooled.split(dim, dim=1), dim=1).reshape(-1, features, dim)
 
 
 def dot_interaction(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:

@@ -179,11 +179,11 @@ class Topology:
     None: not priced apart (the GPU presets' achieved `dense_flops_per_s` covers it)."""
     interaction_s_per_element: float | None = None
     """Seconds per sample, per element of the F vectors of D dims (F·D of them), of DLRM's dot
-    interaction forward + backward (batched products of F x D matrices, the pairs' gather and
-    their gradients): on a CPU these small products run far below the MLPs' rate and their
-    cost follows the vectors' elements more than the flops; None: the interaction is priced
-    as a dense layer (flops at `dense_flops_per_s`, activations at
-    `dense_activation_bytes_per_s`; the GPU presets)."""
+    interaction forward + backward (its input assembled from the collection's pooled output,
+    batched products of F x D matrices, the pairs' gather and their gradients): on a CPU these
+    small products run far below the MLPs' rate and their cost follows the vectors' elements
+    more than the flops; None: the interaction is priced as a dense layer (flops at
+    `dense_flops_per_s`, activations at `dense_activation_bytes_per_s`; the GPU presets)."""
     interaction_s_per_pair: float = 0.0
     """With `interaction_s_per_element`: seconds per sample per entry of the F x F product."""
     dense_layer_overhead_s: float = 0.0

@@ -24,7 +24,7 @@ from distcache.job.calibrate import (
     measure_sync_latency,
     topology_from,
 )
-from distcache.job.densebench import dot_interaction, fit_interaction_costs
+from distcache.job.densebench import dot_interaction, fit_interaction_costs, sparse_vectors
 from distcache.job.distributed import run_ranks
 from distcache.planner.types import Topology
 
@@ -122,10 +122,16 @@ def test_compute_rates_positive():
 
 
 def test_timed_interaction_is_torchrecs():
-    """The interaction `calibrate` times computes what TorchRec's DLRM does."""
+    """The interaction `calibrate` times computes what TorchRec's DLRM does: its input built
+    from the pooled output as `SparseArch` builds it, the products as `InteractionArch`."""
     from torchrec.models.dlrm import InteractionArch
+    from torchrec.sparse.jagged_tensor import KeyedTensor
 
-    dense, sparse = torch.randn(6, 4), torch.randn(6, 3, 4)
+    dense, pooled = torch.randn(6, 4), torch.randn(6, 12)
+    kt = KeyedTensor(keys=["a", "b", "c"], length_per_key=[4, 4, 4], values=pooled)
+    per_feature = kt.to_dict()
+    sparse = torch.cat([per_feature[k] for k in "abc"], dim=1).reshape(-1, 3, 4)
+    assert torch.equal(sparse_vectors(pooled, 3, 4), sparse)
     expected = InteractionArch(num_sparse_features=3)(dense, sparse)
     assert torch.equal(dot_interaction(dense, sparse), expected)
 
