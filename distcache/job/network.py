@@ -58,16 +58,12 @@ def _collective_seconds(
 ) -> float:
     """Median seconds of `op(out, inp)` on this rank, after a warm-up and a barrier."""
     inp, out = torch.ones(numel), torch.empty(numel)  # [numel] float32 each
-    return _median_after_barrier(lambda: op(out, inp), repeats)
-
-
-def _median_after_barrier(run: Callable[[], object], repeats: int) -> float:
-    run()
+    op(out, inp)
     times = []
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        run()
+        op(out, inp)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

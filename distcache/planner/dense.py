@@ -35,13 +35,19 @@ def _interaction_shape(workload: Workload) -> tuple[int, int]:
     return len(workload.tables) + 1, width
 
 
+def _interaction_flops_per_sample(workload: Workload) -> float:
+    """Forward flops of the dot interaction of the F vectors of D dims: 2·F²·D."""
+    features, width = _interaction_shape(workload)
+    return 2.0 * features * features * width
+
+
 def dense_flops_per_sample(workload: Workload) -> float:
     """Forward flops of DLRM's dense part per sample: bottom MLP, dot interaction of the
     F = tables + 1 vectors, top MLP over the dense vector and the F(F-1)/2 dot products."""
     features, width = _interaction_shape(workload)
     bottom, _ = _mlp(workload.dense_in_features, workload.bottom_mlp)
     top, _ = _mlp(width + features * (features - 1) // 2, workload.top_mlp)
-    return bottom + 2.0 * features * features * width + top
+    return bottom + _interaction_flops_per_sample(workload) + top
 
 
 def dense_parameter_bytes(workload: Workload) -> float:
@@ -89,17 +95,17 @@ def dense_compute_s(workload: Workload, topology: Topology) -> float:
     layers' fixed cost and activation traffic where the topology measures them, and the
     interaction at its own measured cost where the topology has one (`interaction_s`)."""
     batch = workload.batch_size_per_rank
-    layers = dense_layers(workload)
+    layers = dense_layers(workload)  # each one's overhead is priced, the interaction's too
+    streamed = layers  # the layers whose flops and activations are priced at the rates
     flops = dense_flops_per_sample(workload)
     interaction = interaction_s(workload, topology)
     if interaction is not None:  # its flops and activations are in its own measured cost
-        features, width = _interaction_shape(workload)
-        flops -= 2.0 * features * features * width
-        del layers[len(workload.bottom_mlp)]
+        flops -= _interaction_flops_per_sample(workload)
+        streamed = [layer for i, layer in enumerate(layers) if i != len(workload.bottom_mlp)]
     seconds = 3 * flops * batch / topology.dense_flops_per_s + (interaction or 0.0)
-    seconds += (len(layers) + (interaction is not None)) * topology.dense_layer_overhead_s
+    seconds += len(layers) * topology.dense_layer_overhead_s
     if topology.dense_activation_bytes_per_s:
-        elements = sum(ACTIVATION_IN_PASSES * i + ACTIVATION_OUT_PASSES * o for i, o in layers)
+        elements = sum(ACTIVATION_IN_PASSES * i + ACTIVATION_OUT_PASSES * o for i, o in streamed)
         seconds += batch * elements * workload.dtype_bytes / topology.dense_activation_bytes_per_s
     return seconds
 
