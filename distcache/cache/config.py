@@ -9,6 +9,7 @@ from distcache.errors import DistcacheConfigError
 
 POLICIES = ("lookahead", "lru", "lfu")
 STAGING = ("worker", "direct")
+HOT_REDUCE = ("all", "touched")
 # The smallest L within 1.10 x of Belady's optimum on MovieLens-100K (20 %, 30 % of distinct
 # rows) and zipf traces (5 %, 10 %), batches of 64-256 (benchmarks/results/lookahead_sweep_*).
 DEFAULT_LOOKAHEAD = 64
@@ -64,6 +65,11 @@ class CacheConfig:
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
     across ranks and applied with the same row optimizer. Only for distcache-sharded tables
     (`distcache.sharding.hot_rows`); () for none."""
+    hot_reduce: str = "all"
+    """How the hot rows' gradients are summed across ranks each step: 'all' (one all-reduce of
+    every hot row's gradient) or 'touched' (an all-gather of only the rows each rank touched:
+    cheaper when a rank's batch touches few of the hot rows). The planner chooses it by its
+    cost model (`TablePlan.hot_reduce`); the update is the same either way."""
 
     def __post_init__(self) -> None:
         hot = self.hot_rows
@@ -94,6 +100,8 @@ class CacheConfig:
             )
         if self.policy not in POLICIES:
             _fail("policy", self.policy, f"one of {POLICIES}")
+        if self.hot_reduce not in HOT_REDUCE:
+            _fail("hot_reduce", self.hot_reduce, f"one of {HOT_REDUCE}")
         if self.staging not in STAGING:
             _fail("staging", self.staging, f"one of {STAGING}")
         if self.optimizer not in OPTIMIZERS:

@@ -16,15 +16,16 @@ local replica. One batch's ids flow so:
                  among the sharded ids' rows, each id in its place
     backward     the replicas' gradient (every hot table's, one flat tensor) is summed over
                  the ranks (divided by the world size, TorchRec's convention for embedding
-                 gradients) in one all-reduce per collection with a count of the ranks that
-                 touched each row, started when the gradient is ready and waited for when
-                 the replica is next read (the next forward, a flush), then applied by each
-                 table's row optimizer to the rows some rank touched; untouched rows (and
-                 their optimizer state) are left as they are, as for every row of a sharded
-                 table. The learning rate is the one the table's shards used in that
-                 backward (which LR schedulers change), taken from the ranks that hold a
-                 shard (`lr_sources`) by a small all-reduce beside the gradient's, so every
-                 rank's replica takes the same step, a rank without a shard of the table too
+                 gradients), whole or only the rows each rank touched, per table's
+                 `CacheConfig.hot_reduce` (`sharding.hot_reduce`), started when the gradient
+                 is ready and waited for when the replica is next read (the next forward, a
+                 flush), then applied by each table's row optimizer to the rows some rank
+                 touched; untouched rows (and their optimizer state) are left as they are, as
+                 for every row of a sharded table. The learning rate is the one the table's
+                 shards used in that backward (which LR schedulers change), taken from the
+                 ranks that hold a shard (`lr_sources`) by a small all-reduce beside the
+                 gradient's, so every rank's replica takes the same step, a rank without a
+                 shard of the table too
 
 The table stays one table for its users: a flush (before any state dict) writes the replica's
 rows and optimizer state into the shards that own those rows, and after a load the replica is
@@ -32,8 +33,9 @@ read back from them (one all-reduce, at the next forward). So checkpoints hold p
 and a checkpoint loads with any set of hot rows.
 
 Splitting a batch compacts its hot ids and its cold ids: on CUDA that reads their counts back
-(one read for the batch), and the features' offsets are read as host ints (both as TorchRec's
-own input distribution does for its splits); everything else is fixed-shape.
+(one read for the batch, which also counts the rows each 'touched' table's hot ids touch), and
+the features' offsets are read as host ints (both as TorchRec's own input distribution does for
+its splits); everything else is fixed-shape.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 from distcache.cache.config import CacheConfig
 from distcache.cache.optimizers import RowOptimizer, make_optimizer
 from distcache.errors import DistcacheConfigError
+from distcache.sharding.hot_reduce import Pending, Reduction, Span
 
 
 @dataclass
@@ -104,6 +107,8 @@ class HotInput:
     stride: int
     key_ends: list[int]  # where each feature's ids end in the batch's values, after a 0
     cold_positions: torch.Tensor | None  # [n - hot] each cold id's index (sequence only)
+    touched: torch.Tensor  # [rows] bool: the replica rows the batch uses
+    touched_counts: list[int]  # how many of them per 'touched' table (`Reduction.gathered`)
 
 
 class HotRows:
@@ -172,11 +177,17 @@ class HotRows:
         self.mean_features = set(mean_features)
         self.device = device
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._reduction = Reduction(
+            [
+                Span(t.row, t.ids.numel(), t.start, t.dim, tables[n][2].hot_reduce == "touched")
+                for n, t in self.tables.items()
+            ],
+            self._group,
+        )
         self.stale = True  # the replicas must be read from the tables' shards
         self._touched: torch.Tensor | None = None  # [rows] bool: rows this rank used in the step
-        # The last backward's all-reduces, still in flight: (works, gradient + counts, size,
-        # the tables' learning rates).
-        self._pending: tuple[list[dist.Work], torch.Tensor, int, torch.Tensor] | None = None
+        # The last backward's reduction and learning rates' all-reduce, still in flight.
+        self._pending: tuple[Pending, dist.Work | None, torch.Tensor] | None = None
         self.reader: Callable[[HotRows], None] | None = None
         # Per table with a shard on this rank: the learning rate its kernel applies in this
         # backward (a host float). A table no rank reports keeps its configured rate.
@@ -214,6 +225,8 @@ class HotRows:
         else:
             row = torch.full_like(queries, -1)  # [n] replica row, -1: cold
         hot = row >= 0
+        touched = torch.zeros(self.num_rows + 1, dtype=torch.bool, device=device)
+        touched = touched.index_fill_(0, torch.where(hot, row, self.num_rows), True)[:-1]
         bag_ends = features.offsets()  # [F * B + 1]
         hot_before = _running_sum(hot)  # [n + 1]
         hot_per_bag = hot_before.index_select(0, bag_ends).diff()
@@ -222,8 +235,12 @@ class HotRows:
             hot if len(self.widths) == 1 else (row >= w.row) & (row < w.row + w.rows)
             for w in self.widths
         ]
-        # The compactions' sizes: one read of the device (see the module docstring).
-        counts = torch.stack([m.sum() for m in masks]).tolist() if masks else []
+        # The compactions' sizes and the 'touched' tables' touched rows: one read of the device
+        # (see the module docstring).
+        sums = [m.sum() for m in masks]
+        sums += [touched[s.row : s.row + s.rows].sum() for s in self._reduction.gathered]
+        counts = torch.stack(sums).tolist() if sums else []
+        counts, touched_counts = counts[: len(masks)], counts[len(masks) :]
         widths = []
         for width, mine, count in zip(self.widths, masks, counts, strict=True):
             before = hot_before if mine is hot else _running_sum(mine)
@@ -252,6 +269,8 @@ class HotRows:
             stride=features.stride(),
             key_ends=list(key_ends),
             cold_positions=cold_at,
+            touched=touched,
+            touched_counts=touched_counts,
         )
         return rest, part
 
@@ -319,11 +338,8 @@ class HotRows:
         if self.stale and self.reader is not None:
             self.reader(self)
         if torch.is_grad_enabled() and part.widths:
-            touched = []
-            for width, ids in zip(self.widths, part.widths, strict=True):
-                used = torch.zeros(width.rows, dtype=torch.bool, device=self.device)
-                touched.append(used.index_fill_(0, ids.rows, True))
-            self._touched = torch.cat(touched)
+            self._touched = part.touched
+            self._reduction.expect(part.touched_counts)
 
     def combine(
         self, kt: KeyedTensor, part: HotInput, pooled: dict[str, torch.Tensor]
@@ -354,50 +370,46 @@ class HotRows:
 
     # ------------------------------------------------------------ the update
     def _step(self, flat: torch.Tensor) -> None:
-        """After backward: start reducing the collection's replica gradient and touched rows
-        over the ranks (one all-reduce, not waited for: the rest of the backward and the
-        dense all-reduce overlap it); `finish_step` applies it before the replica is next read."""
+        """After backward: start reducing the collection's replica gradient over the ranks
+        (`Reduction.start`, not waited for: the rest of the backward and the dense all-reduce
+        overlap it); `finish_step` applies it before the replica is next read."""
         grad, flat.grad = flat.grad, None
         touched = self._touched
         if touched is None:
             touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.device)
         self._touched = None
-        both = torch.cat([grad, touched.to(grad.dtype)])
+        reduction = self._reduction.start(grad, touched)
         # The rate of each table's shards, -1 where this rank holds none: the maximum over
         # the ranks is their rate (they agree), exact in float64, read on the host.
         lrs = torch.tensor(
             [self.lr_sources[n]() if n in self.lr_sources else -1.0 for n in self.tables],
             dtype=torch.float64,
         )
-        works = []
+        work = None
         if self._group is not None:
-            works.append(dist.all_reduce(both, group=self._group, async_op=True))
-            works.append(
-                dist.all_reduce(lrs, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-            )
-        self._pending = (works, both, grad.numel(), lrs)
+            work = dist.all_reduce(lrs, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (reduction, work, lrs)
 
     def finish_step(self) -> None:
         """Apply the reduced gradient of the last backward, if any: each table's row optimizer
         updates the rows some rank touched (the others, and their state, stay as they are)."""
         if self._pending is None:
             return
-        works, both, size, lrs = self._pending
+        reduction, work, lrs = self._pending
         self._pending = None
-        for work in works:
+        summed = self._reduction.finish(reduction)
+        if work is not None:
             work.wait()
-        world = dist.get_world_size(self._group) if self._group is not None else 1
-        grad, counts = both[:size].div_(world), both[size:]
         flat = self.flat.detach()
         with torch.no_grad():
-            for table, lr in zip(self.tables.values(), lrs.tolist(), strict=True):  # host values
+            tables = zip(self.tables.values(), lrs.tolist(), summed, strict=True)  # host rates
+            for table, lr, (grad, used) in tables:
                 if lr >= 0:
                     table.optimizer.lr = lr
-                count = table.ids.numel()
-                used = (counts[table.row : table.row + count] > 0).unsqueeze(1)
+                used = used.unsqueeze(1)
                 weight = table.rows_of(flat)
                 rows, state = weight.clone(), table.state.clone()
-                table.optimizer.update(rows, state, table.rows_of(grad))
+                table.optimizer.update(rows, state, grad.div_(reduction.world))
                 weight.copy_(torch.where(used, rows, weight))
                 table.state.copy_(torch.where(used, state, table.state))
                 table.optimizer.step()

@@ -256,9 +256,12 @@ def train_and_compare(
     kernel: str = CACHED_KERNEL,
     lr_halved_at: int | None = None,
     report_output: bool = False,
+    hot_reduce: str = "all",
 ) -> dict:
     """Train sharded+cached and unsharded side by side on the same batches; compare.
     `hot`: t0, t1 and t3 replicate their hottest rows on every rank (`CacheConfig.hot_rows`).
+    `hot_reduce`: how their gradients are summed (`CacheConfig.hot_reduce`); "mixed": t0 and t3
+    all-gather their touched rows, t1 all-reduces all of its.
     `kernel`: the tables' compute kernel ("fused": TorchRec's, with only the hot rows ours).
     `lr_halved_at`: after that step, the learning rate is halved in the model's fused optimizer
     (as an LR scheduler does; its `step()` hands it to FBGEMM's kernels) and the reference's.
@@ -289,10 +292,15 @@ def train_and_compare(
     big = dataclasses.replace(config, capacity=2 * capacity if isinstance(capacity, int) else 1.0)
     tables = {"t3": big}
     if hot:  # the power law's hottest ids are the smallest
+        gather = "all" if hot_reduce == "all" else "touched"
         tables = {
-            "t0": dataclasses.replace(config, hot_rows=(0, 1, 2, 3)),
-            "t1": dataclasses.replace(config, hot_rows=(5, 0, 1, 2, 3, 4)),
-            "t3": dataclasses.replace(big, hot_rows=(0, 2, 1)),
+            "t0": dataclasses.replace(config, hot_rows=(0, 1, 2, 3), hot_reduce=gather),
+            "t1": dataclasses.replace(
+                config,
+                hot_rows=(5, 0, 1, 2, 3, 4),
+                hot_reduce="all" if hot_reduce == "mixed" else gather,
+            ),
+            "t3": dataclasses.replace(big, hot_rows=(0, 2, 1), hot_reduce=gather),
         }
     model = shard(sharded_src, kind, config, tables, kernel)
     copy_global_into(model, reference.state_dict())
@@ -324,6 +332,8 @@ def train_and_compare(
             else:
                 torch.testing.assert_close(mine[key].detach(), expected)
     compare_with_global(model, reference.state_dict(), exact)
+    if hot and hot_reduce != "all":  # the touched rows went through the all-gather
+        assert len(sharded._hot._reduction.gathered) == 3 - (hot_reduce == "mixed")
     if report_output:
         dists = [d for d in sharded._output_dists if isinstance(d, CompactPooledEmbeddingDist)]
         return {

@@ -41,6 +41,21 @@ def test_hot_rows_mean_weighted_and_adagrad(kind, kwargs):
 @pytest.mark.parametrize(
     ("kind", "kwargs"),
     [
+        ("mixed", {"hot_reduce": "touched"}),  # bitwise: SGD on integers
+        ("table_wise", {"hot_reduce": "mixed", "weighted": True}),  # one table all-reduced
+        ("mixed", {"hot_reduce": "touched", "optimizer": "adam"}),  # untouched rows unchanged
+    ],
+)
+def test_hot_rows_reduce_only_the_touched_rows(kind, kwargs):
+    """`CacheConfig.hot_reduce='touched'`: each rank all-gathers only the hot rows its batch
+    touched; the training is the same as all-reducing all of them (as unsharded TorchRec)."""
+    run_ranks(train_and_compare, 2, args=(kind,), kwargs={"hot": True, **kwargs}, timeout_s=150)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("kind", "kwargs"),
+    [
         ("mixed", {}),  # bitwise: SGD on integers; table-, row- and column-wise
         ("row_wise", {"optimizer": "rowwise_adagrad", "pooling": "mean"}),  # within tolerance
     ],
@@ -90,9 +105,8 @@ def test_hot_rows_follow_a_learning_rate_change(kernel):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
 def test_hot_rows_on_three_ranks(kind):
-    run_ranks(
-        train_and_compare, 3, args=(kind,), kwargs={"hot": True, "capacity": 24}, timeout_s=200
-    )
+    kwargs = {"hot": True, "capacity": 24, "hot_reduce": "touched" if kind == "row_wise" else "all"}
+    run_ranks(train_and_compare, 3, args=(kind,), kwargs=kwargs, timeout_s=200)
 
 
 @pytest.mark.timeout(240)

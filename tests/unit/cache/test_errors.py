@@ -27,6 +27,7 @@ from tests.unit.cache.reference import integer_weights, loss_of, make_batches, m
         ({"lookahead": 2, "prefetch_depth": 3}, r"prefetch_depth=3 .*at most lookahead=2"),
         ({"policy": "fifo"}, r"policy='fifo' .*'lookahead', 'lru', 'lfu'"),
         ({"staging": "uva"}, r"staging='uva' .*'worker', 'direct'"),
+        ({"hot_reduce": "some"}, r"hot_reduce='some' .*'all', 'touched'"),
         ({"optimizer": "lamb"}, r"optimizer='lamb' .*'sgd'"),
         ({"learning_rate": -0.1}, r"learning_rate=-0.1"),
         ({"beta1": 1.0}, r"beta1=1.0 .*\[0, 1\)"),
