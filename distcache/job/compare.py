@@ -208,7 +208,11 @@ def compare(
     try:
         ours = solve(workload, topology, options=options)
         rows = [_row("distcache", ours, workload, topology, include_torchrec, start)]
-        hot = [f"{t.table} {t.hot_rows}" for t in ours.tables if t.hot_rows]
+        hot = [
+            f"{t.table} {t.hot_rows}{' (touched rows all-gathered)' * (t.hot_reduce != 'all')}"
+            for t in ours.tables
+            if t.hot_rows
+        ]
         if hot:  # the same placements without their replicas: what the hot rows buy
             rows[0] = _with_note(rows[0], f"hot rows replicated: {', '.join(hot)}")
             stripped = replace(

@@ -299,7 +299,7 @@ def format_plan(plan: Plan, workload: Workload) -> str:
                 cache,
                 str(tp.lookahead),
                 str(tp.prefetch_depth),
-                f"{tp.hot_rows:,}" if tp.hot_rows else "-",
+                f"{tp.hot_rows:,}{' touched' * (tp.hot_reduce != 'all')}" if tp.hot_rows else "-",
             ]
         )
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]

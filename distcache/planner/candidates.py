@@ -29,6 +29,7 @@ from distcache.planner.types import (
     DATA_PARALLEL,
     DEVICE,
     HOST_CACHED,
+    HOT_ALL,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
@@ -56,6 +57,7 @@ class Mode:
     prefetch_depth: int
     terms: ShardTerms
     hot_rows: int = 0
+    hot_reduce: str = HOT_ALL
 
     def describe(self, ranks: tuple[int, ...] = ()) -> str:
         where = {
@@ -68,6 +70,8 @@ class Mode:
             + (f" {list(ranks)}" if ranks else ""),
         }[self.sharding]
         hot = f", {self.hot_rows} hot rows replicated" if self.hot_rows else ""
+        if self.hot_rows and self.hot_reduce != HOT_ALL:
+            hot += " (touched rows all-gathered)"
         if self.storage == DEVICE:
             return f"{where}, device{hot}"
         return (
@@ -84,6 +88,7 @@ class Mode:
             self.lookahead,
             self.prefetch_depth,
             self.hot_rows,
+            self.hot_reduce,
         )
 
     def table_plan(self, table: str, ranks: tuple[int, ...]) -> TablePlan:
@@ -96,6 +101,7 @@ class Mode:
             lookahead=self.lookahead,
             prefetch_depth=self.prefetch_depth,
             hot_rows=self.hot_rows,
+            hot_reduce=self.hot_reduce,
         )
 
 

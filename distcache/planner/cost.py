@@ -78,10 +78,15 @@ U_table(n) otherwise, from `stats.expected_unique`.
   host-to-device latency). Every rank adds the lookups of its own h·B·P hot ids, the host
   path's B·`Topology.hot_bag_overhead_s` (split, pooling, addition; calibrated on CPU, 0 on
   GPUs), a masked update streaming all H replica rows with their state (at the dense
-  update's rate) and device memory H·(2·D·4 + state) (fp32 rows and gradient); the
-  all-reduce adds H·(D + 1)·4 bytes (its gradient and which rows some rank touched), and a
-  plan with replicas two sync latencies (one all-reduce of them all, one of their learning
-  rates).
+  update's rate) and device memory H·(2·D·4 + state) (fp32 rows and gradient). Its gradient
+  is summed over the ranks as `TablePlan.hot_reduce` says: 'all' adds H·(D + 1)·4 bytes to
+  the all-reduce (its gradient and which rows some rank touched); 'touched' all-gathers the
+  U_rank rows the rank's own B·P ids touch among the H, (D + 1)·4 bytes each (gradient and
+  row number): `all_gather_s`, each rank receiving them from the k - 1 others of its node
+  over NVLink and from the W - k of other nodes over its NIC. A plan with replicas pays two
+  sync latencies (one all-reduce of the 'all' replicas, one of their learning rates); with
+  'touched' replicas, the all-gather's and one for the all-reduce of its sizes (and none for
+  the first when no replica is 'all').
 
 The model is written in four files, each a stage of it: `binned.py` (access statistics),
 `shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
@@ -113,6 +118,7 @@ from distcache.planner.binned import BinnedProfile, table_access
 from distcache.planner.dense import (
     ACTIVATION_IN_PASSES,
     ACTIVATION_OUT_PASSES,
+    all_gather_s,
     all_reduce_s,
     dense_compute_s,
     dense_flops_per_sample,
@@ -152,6 +158,7 @@ from distcache.planner.shards import (
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
+    HOT_TOUCHED,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
@@ -166,7 +173,8 @@ from distcache.planner.types import (
 INPUT_COLLECTIVES = 3  # per sharding type: TorchRec's splits, lengths and values all-to-alls
 OUTPUT_COLLECTIVES = 2  # per sharding type: pooled embeddings forward, gradients backward
 HOT_COLLECTIVES = 2  # a plan with hot rows: all-reduces of the replicas' gradients + rows, and
-# of their learning rates
+# of their learning rates; with replicas reducing their touched rows: one all-reduce fewer if
+# none reduces all, and the all-gather and the all-reduce of its sizes
 
 __all__ = [
     "all_to_all_sent_bytes",
@@ -189,6 +197,7 @@ __all__ = [
     "RankTerms",
     "ShardTerms",
     "Traffic",
+    "all_gather_s",
     "all_reduce_s",
     "dense_compute_s",
     "dense_flops_per_sample",
@@ -302,12 +311,17 @@ def global_terms(
     sent_bags: float = 0.0,
     hot_bytes: float = 0.0,
     hot_tables: int = 0,
+    gather_bytes: float = 0.0,
+    gathered_tables: int = 0,
 ) -> GlobalTerms:
     """The shared terms of a plan with `dp_bytes` of data-parallel gradients whose tables use
     the sharding types `shardings` (the set of `TablePlan.sharding`s), each rank sending
     `sent_bags` bags per step (`sent_bags_per_rank`), and `hot_tables` tables with hot-row
-    replicas, whose gradients and touched counts (`hot_bytes` in all) are all-reduced together
-    (one collective for the collection, whatever the number of tables)."""
+    replicas: those that reduce all their rows ('all') all-reduce their gradients and touched
+    counts (`hot_bytes` in all) together, one collective whatever their number; the
+    `gathered_tables` of them that reduce their touched rows all-gather `gather_bytes` from
+    every rank, one collective (and one small all-reduce of its sizes). The all-gather's
+    time is counted in the all-reduce term."""
     kinds = set(shardings)
     routed = len(kinds - {DATA_PARALLEL}) if topology.world_size > 1 else 0
     all_reduce = all_reduce_s(dense_parameter_bytes(workload) + dp_bytes + hot_bytes, topology)
@@ -315,7 +329,10 @@ def global_terms(
         all_reduce += sync_latency_s(topology)  # the data-parallel tables' own all-reduce
     compact_reads = 0
     if hot_tables and topology.world_size > 1:  # one all-reduce of every replica
-        all_reduce += HOT_COLLECTIVES * sync_latency_s(topology)
+        whole = hot_tables > gathered_tables  # some replica all-reduces all its rows
+        all_reduce += (HOT_COLLECTIVES - (not whole)) * sync_latency_s(topology)
+        if gathered_tables:
+            all_reduce += all_gather_s(gather_bytes, topology) + sync_latency_s(topology)
         compact_reads = len(kinds & {TABLE_WISE, COLUMN_WISE})  # their split sizes' reads
     return GlobalTerms(
         all_reduce_s=all_reduce,
@@ -352,12 +369,13 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}
     load = RankTerms.zeros(topology.world_size)
-    dp_bytes, sent, hot_bytes, violations = 0.0, 0.0, 0.0, []
+    dp_bytes, sent, hot_bytes, gather_bytes, violations = 0.0, 0.0, 0.0, 0.0, []
     for tp in plan.tables:
         terms = table_plan_terms(tp, tables[tp.table], workload, topology)
         load += shard_contribution(terms, tp.ranks, topology)
         dp_bytes += terms.all_reduce_bytes
         hot_bytes += terms.hot_reduce_bytes
+        gather_bytes += terms.hot_gather_bytes
         sent += sent_bags_per_rank(terms, len(tp.ranks))
         if not terms.fits_working_set:
             violations.append(
@@ -367,7 +385,10 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
             )
     kinds = {tp.sharding for tp in plan.tables}
     hot_tables = sum(tp.hot_rows > 0 for tp in plan.tables)
-    shared = global_terms(workload, topology, dp_bytes, kinds, sent, hot_bytes, hot_tables)
+    gathered = sum(tp.hot_rows > 0 and tp.hot_reduce == HOT_TOUCHED for tp in plan.tables)
+    shared = global_terms(
+        workload, topology, dp_bytes, kinds, sent, hot_bytes, hot_tables, gather_bytes, gathered
+    )
     dense = dense_compute_s(workload, topology)
     violations += _memory_violations(load, topology)
     return PlanCost(

@@ -121,6 +121,18 @@ def all_reduce_s(num_bytes: float, topology: Topology) -> float:
     return intra + inter + sync_latency_s(topology)
 
 
+def all_gather_s(num_bytes: float, topology: Topology) -> float:
+    """All-gather of `num_bytes` from every rank to every rank (0 on one rank): each rank
+    receives them from the other ranks of its node over NVLink and from every rank of the other
+    nodes over its NIC, as the all-to-all's links are priced."""
+    if topology.world_size == 1 or num_bytes <= 0:
+        return 0.0
+    per_node = min(topology.ranks_per_node, topology.world_size)
+    intra = (per_node - 1) * num_bytes / topology.intra_node_bw_bytes_per_s
+    inter = (topology.world_size - per_node) * num_bytes / topology.inter_node_bw_bytes_per_s
+    return intra + inter + sync_latency_s(topology)
+
+
 def sync_latency_s(topology: Topology) -> float:
     """Latency of a collective the ranks enter from their own computation (outputs,
     all-reduces): `Topology.sync_latency_s`, at least the network's."""

@@ -3,13 +3,15 @@ every rank (`TablePlan.hot_rows`), chosen by the modelled step like every other 
 
 A replica of a table's H likeliest rows takes their share of its lookups off the all-to-all
 and off the shards (and their cache), and costs every rank the replica's memory, its lookups,
-its masked update, and an all-reduce of its gradient (`cost.py`'s docstring prices each).
-Once the placements are chosen, every sharded table first takes the same share of its lookups
-(each of `SolverOptions.hot_row_shares`, or none), the best of these kept: the replicas share
-one all-reduce, whose latency no single table's saving may pay for. Then each table tries
-H = 0 and the H that takes each share, keeping the one with the least step (then work) that
-fits; a second pass runs when the first changed anything, since one table's replica changes
-what the others' would save. Placements, caches and ranks stay as chosen: the replicas are a
+its masked update, and the sum of its gradient over the ranks: an all-reduce of all H rows,
+or an all-gather of the rows each rank touched (`TablePlan.hot_reduce`; `cost.py`'s
+docstring prices each). Once the placements are chosen, every sharded table first takes the
+same share of its lookups (each of `SolverOptions.hot_row_shares`, or none), reduced the same
+way, the best of these kept: the replicas share their collectives, whose latency no single
+table's saving may pay for. Then each table tries H = 0 and the H that takes each share, each
+reduced both ways, keeping the one with the least step (then work) that fits; a second pass
+runs when the first changed anything, since one table's replica changes what the others'
+would save. Placements, caches and ranks stay as chosen: the replicas are a
 refinement, not a search of their own.
 
 Example::
@@ -28,7 +30,7 @@ from distcache.planner.candidates import Mode
 from distcache.planner.pricing import State
 from distcache.planner.search import better_state as _better
 from distcache.planner.shards import shard_terms
-from distcache.planner.types import DATA_PARALLEL
+from distcache.planner.types import DATA_PARALLEL, HOT_ALL, HOT_REDUCE, HOT_TOUCHED
 
 PASSES = 2
 
@@ -53,8 +55,10 @@ def _sharded(state: State) -> list[int]:
     ]
 
 
-def with_hot_rows(state: State, index: int, mode: Mode, hot_rows: int) -> Mode:
-    """`mode` with `hot_rows` replicated, its terms priced again."""
+def with_hot_rows(
+    state: State, index: int, mode: Mode, hot_rows: int, hot_reduce: str = HOT_ALL
+) -> Mode:
+    """`mode` with `hot_rows` replicated, reduced as `hot_reduce`, its terms priced again."""
     p = state.p
     terms = shard_terms(
         p.tables[index],
@@ -67,8 +71,9 @@ def with_hot_rows(state: State, index: int, mode: Mode, hot_rows: int) -> Mode:
         lookahead=mode.lookahead,
         prefetch_depth=mode.prefetch_depth,
         hot_rows=hot_rows,
+        hot_reduce=hot_reduce,
     )
-    return dataclasses.replace(mode, hot_rows=hot_rows, terms=terms)
+    return dataclasses.replace(mode, hot_rows=hot_rows, hot_reduce=hot_reduce, terms=terms)
 
 
 def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
@@ -90,17 +95,17 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
 
 
 def _same_share_everywhere(state: State, shares: Sequence[float]) -> None:
-    """Give every sharded table the replica taking the same share of its lookups: each share
-    tried (and none), the best kept."""
+    """Give every sharded table the replica taking the same share of its lookups, reduced the
+    same way: each share and reduction tried (and none), the best kept."""
     sharded = _sharded(state)
     start = {i: state.placed[i] for i in sharded}
     best_score = state.score() if state.fits() else None
     best = {i: start[i][0] for i in sharded}
-    for share in shares:
+    for share, reduce in ((s, r) for s in shares for r in HOT_REDUCE):
         modes = {}
         for i in sharded:
             mode, ranks = start[i]
-            modes[i] = with_hot_rows(state, i, mode, _replica_rows(state, i, share))
+            modes[i] = with_hot_rows(state, i, mode, _replica_rows(state, i, share), reduce)
             state.remove(i)
             state.add(i, modes[i], ranks)
         score = state.score() if state.fits() else None
@@ -115,14 +120,16 @@ def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str,
     """Try each replica size for table `index`; keep the best. (note, whether it changed)."""
     (mode, ranks), contrib = state.placed[index], state.contrib[index]
     best, best_score = mode, (state.score() if state.fits() else None)
-    tried: list[tuple[int, float | None]] = []
+    tried: list[tuple[int, str, float | None]] = []
     access = table_access(state.p.tables[index])
-    for hot in hot_row_counts(state, index, shares):
-        variant = mode if hot == mode.hot_rows else with_hot_rows(state, index, mode, hot)
+    counts = hot_row_counts(state, index, shares)
+    for hot, reduce in ((h, r) for h in counts for r in (HOT_REDUCE if h else (HOT_ALL,))):
+        same = (hot, reduce) == (mode.hot_rows, mode.hot_reduce)
+        variant = mode if same else with_hot_rows(state, index, mode, hot, reduce)
         state.remove(index)
         state.add(index, variant, ranks)
         score = state.score() if state.fits() else None
-        tried.append((hot, score[0] if score else None))
+        tried.append((hot, reduce, score[0] if score else None))
         if score is not None and (best_score is None or _better(score, best_score)):
             best, best_score = variant, score
         state.remove(index)
@@ -131,15 +138,20 @@ def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str,
         state.remove(index)
         state.add(index, best, ranks)
     others = ", ".join(
-        f"{h} ({100 * access.head(h)[0]:.3g}% of lookups): "
+        f"{h}{_gathered(h, r)} ({100 * access.head(h)[0]:.3g}% of lookups): "
         + (f"{s * 1e3:.4g} ms/step" if s is not None else "does not fit")
-        for h, s in tried
-        if h != best.hot_rows
+        for h, r, s in tried
+        if (h, r) != (best.hot_rows, best.hot_reduce if best.hot_rows else HOT_ALL)
     )
     chosen = (
         f"{best.hot_rows} hot rows replicated ({100 * access.head(best.hot_rows)[0]:.3g}% of "
-        "lookups)"
+        f"lookups){_gathered(best.hot_rows, best.hot_reduce)}"
         if best.hot_rows
         else "no hot rows"
     )
     return f"{chosen}; tried {others}", best is not mode
+
+
+def _gathered(hot_rows: int, hot_reduce: str) -> str:
+    """How a replica's gradient is summed, where it is not all its rows all-reduced."""
+    return " touched rows all-gathered" if hot_rows and hot_reduce == HOT_TOUCHED else ""

@@ -40,6 +40,7 @@ from distcache.planner.shards import ShardTerms, sent_bags_per_rank
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
+    HOT_TOUCHED,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
@@ -66,6 +67,8 @@ class State:
         self.sent_bags = 0.0  # bags each rank sends per step
         self.hot_bytes = 0.0  # hot-row replicas' gradients and flags all-reduced per step
         self.hot_tables = 0
+        self.gather_bytes = 0.0  # replicas' touched rows each rank all-gathers per step
+        self.gathered_tables = 0
         self.link_work_s = 0.0
         self.placed: list[tuple[Mode, tuple[int, ...]] | None] = [None] * len(problem.tables)
         self.contrib: list[RankTerms | None] = [None] * len(problem.tables)
@@ -79,8 +82,18 @@ class State:
         kinds |= {mode.sharding} if mode is not None else set()
         hot_bytes = self.hot_bytes + (mode.terms.hot_reduce_bytes if mode else 0.0)
         hot_tables = self.hot_tables + (mode is not None and mode.hot_rows > 0)
+        gather = self.gather_bytes + (mode.terms.hot_gather_bytes if mode else 0.0)
+        gathered = self.gathered_tables + (mode is not None and _gathers(mode))
         return global_terms(
-            self.p.workload, self.p.topology, dp, kinds, sent, hot_bytes, hot_tables
+            self.p.workload,
+            self.p.topology,
+            dp,
+            kinds,
+            sent,
+            hot_bytes,
+            hot_tables,
+            gather,
+            gathered,
         ).shared_s
 
     def step(self) -> RankStep:
@@ -103,6 +116,8 @@ class State:
         self.sent_bags += sent_bags_per_rank(mode.terms, mode.shards)
         self.hot_bytes += mode.terms.hot_reduce_bytes
         self.hot_tables += mode.hot_rows > 0
+        self.gather_bytes += mode.terms.hot_gather_bytes
+        self.gathered_tables += _gathers(mode)
         self.link_work_s += self._link_work(mode, ranks, contrib)
         self.placed[index], self.contrib[index] = (mode, ranks), contrib
 
@@ -115,6 +130,8 @@ class State:
         self.sent_bags -= sent_bags_per_rank(mode.terms, mode.shards)
         self.hot_bytes -= mode.terms.hot_reduce_bytes
         self.hot_tables -= mode.hot_rows > 0
+        self.gather_bytes -= mode.terms.hot_gather_bytes
+        self.gathered_tables -= _gathers(mode)
         self.link_work_s -= self._link_work(mode, ranks, contrib)
         self.placed[index] = self.contrib[index] = None
         return mode, ranks, contrib
@@ -364,3 +381,8 @@ def _no_room(state: State, mode: Mode) -> Candidate:
             reason = f"needs {gb(need)} {kind} memory per shard, {gb(max(free, 0))} free"
             break
     return Candidate(mode, (), math.inf, math.inf, reason=reason)
+
+
+def _gathers(mode: Mode) -> bool:
+    """Whether `mode` replicates hot rows whose touched rows are all-gathered."""
+    return mode.hot_rows > 0 and mode.hot_reduce == HOT_TOUCHED

@@ -20,6 +20,8 @@ from distcache.planner.types import (
     DATA_PARALLEL,
     DEVICE,
     HOST_CACHED,
+    HOT_ALL,
+    HOT_TOUCHED,
     OPTIMIZER_STATE,
     ROW_WISE,
     TABLE_ROW_WISE,
@@ -83,8 +85,13 @@ class ShardTerms:
     """Share of the table's lookups the replica serves."""
     hot_lookup_s: float = 0.0
     """Every rank: its batch's hot lookups (forward, backward) and the replica's masked update."""
+    hot_reduce: str = HOT_ALL
+    """How the replica's gradient is summed over the ranks (`TablePlan.hot_reduce`)."""
     hot_reduce_bytes: float = 0.0
-    """Every rank: the replica's gradient and touched flags, all-reduced each step."""
+    """Every rank: the replica's gradient and touched flags, all-reduced each step ('all')."""
+    hot_gather_bytes: float = 0.0
+    """Every rank: the rows of the replica its batch touched, with their row numbers, which
+    every other rank receives in an all-gather each step ('touched')."""
     hot_device_bytes: int = 0
     """Every rank: the replica (fp32 rows, optimizer state and gradient)."""
 
@@ -215,6 +222,7 @@ def shard_terms(
     lookahead: int = 0,
     prefetch_depth: int = 0,
     hot_rows: int = 0,
+    hot_reduce: str = HOT_ALL,
 ) -> ShardTerms:
     """The terms of one shard of `table` placed as described (see the module docstring).
 
@@ -224,7 +232,8 @@ def shard_terms(
         topology: rates and world size.
         sharding: one of `types.SHARDING_TYPES`.
         shards: number of shards (ranks) of the table; ignored for data parallel.
-        storage, cache_fraction, lookahead, prefetch_depth, hot_rows: as in `TablePlan`.
+        storage, cache_fraction, lookahead, prefetch_depth, hot_rows, hot_reduce: as in
+            `TablePlan`.
     """
     dtype = workload.dtype_bytes
     per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
@@ -279,7 +288,7 @@ def shard_terms(
         all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
         reduced_in_node=sharding == TABLE_ROW_WISE,
         pooling_factor=pooling,
-        **_hot_terms(table, workload, topology, hot_rows, hot_mass),
+        **_hot_terms(table, workload, topology, hot_rows, hot_mass, hot_reduce),
     )
 
 
@@ -294,12 +303,20 @@ def _output_share(table: TableStats, sharding: str, hot_mass: float) -> float:
 
 
 def _hot_terms(
-    table: TableStats, workload: Workload, topology: Topology, hot_rows: int, hot_mass: float
-) -> dict[str, float | int]:
+    table: TableStats,
+    workload: Workload,
+    topology: Topology,
+    hot_rows: int,
+    hot_mass: float,
+    hot_reduce: str = HOT_ALL,
+) -> dict[str, float | int | str]:
     """The replica's terms on every rank (`ShardTerms.hot_*`): fp32 rows of the whole dim, as
     `sharding.hot_rows` keeps them. The lookups of the rank's own batch, then the update:
     every replica row and its state read and written once (a masked update), at the dense
-    update's rate; the all-reduce sends the gradient and a touched count per row. Before that,
+    update's rate. The gradient is summed by an all-reduce of every row with a touched flag
+    ('all'), or by an all-gather of the rows the rank's batch touched, each with its row
+    number (`sharding.hot_reduce`): their expected number from the access profile (the
+    runtime sends the most any rank touched, which this does not model). Before that,
     `HotRows.split` reads every id of the table's features: a binary search among the hot rows
     and a compaction, priced as two accesses of the id's bytes per id (read, written); the
     framework's own cost of that path, per bag, is `Topology.hot_bag_overhead_s` (calibrated)."""
@@ -320,7 +337,11 @@ def _hot_terms(
         "hot_lookup_s": lookup
         + topology.hot_bag_overhead_s * workload.batch_size_per_rank
         + dense_update_time_s(hot_rows * full, topology),
-        "hot_reduce_bytes": hot_rows * (row + FP32_BYTES),
+        "hot_reduce": hot_reduce,
+        "hot_reduce_bytes": hot_rows * (row + FP32_BYTES) if hot_reduce != HOT_TOUCHED else 0.0,
+        "hot_gather_bytes": table_access(table).head(hot_rows, ids)[1] * (row + FP32_BYTES)
+        if hot_reduce == HOT_TOUCHED
+        else 0.0,
         "hot_device_bytes": hot_rows * (full + row),
     }
 
@@ -378,6 +399,7 @@ def table_plan_terms(
         lookahead=table_plan.lookahead,
         prefetch_depth=table_plan.prefetch_depth,
         hot_rows=table_plan.hot_rows,
+        hot_reduce=table_plan.hot_reduce,
     )
 
 

@@ -36,6 +36,9 @@ planner) may also use `TABLE_ROW_WISE`, which the cost model prices as TorchRec 
 DEVICE = "device"  # every row of the shard in device memory
 HOST_CACHED = "host_cached"  # rows in host memory, a look-ahead cache of some rows on the device
 STORAGES = (DEVICE, HOST_CACHED)
+HOT_ALL = "all"  # a replica's gradient: all of its rows all-reduced every step
+HOT_TOUCHED = "touched"  # only the rows each rank touched, all-gathered
+HOT_REDUCE = (HOT_ALL, HOT_TOUCHED)
 
 # Optimizer state per row, in elements of the row's dtype: f(dim).
 OPTIMIZER_STATE = {
@@ -297,7 +300,11 @@ class TablePlan:
     prefetch_depth: int = 0
     hot_rows: int = 0
     """The table's likeliest rows replicated on every rank (`distcache.sharding.hot_rows`): their
-    lookups stay on the rank, their gradients are all-reduced; 0 for none (data parallel: 0)."""
+    lookups stay on the rank, their gradients are summed over the ranks; 0 for none (data
+    parallel: 0)."""
+    hot_reduce: str = HOT_ALL
+    """How the replica's gradient is summed each step: one of HOT_REDUCE (`CacheConfig.hot_reduce`):
+    all of its rows all-reduced, or only the rows each rank touched, all-gathered."""
 
     def __post_init__(self) -> None:
         t = self.table
@@ -334,6 +341,10 @@ class TablePlan:
             self.sharding != DATA_PARALLEL or self.hot_rows == 0,
             f"table {t!r}: a data-parallel table is replicated whole (hot_rows 0), got "
             f"{self.hot_rows}",
+        )
+        _check(
+            self.hot_reduce in HOT_REDUCE,
+            f"table {t!r}: hot_reduce {self.hot_reduce!r} is not one of {HOT_REDUCE}",
         )
         _check(
             0 <= self.prefetch_depth <= self.lookahead,

@@ -80,6 +80,7 @@ from distcache.planner.types import (
     DATA_PARALLEL,
     DEVICE,
     HOST_CACHED,
+    HOT_ALL,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
@@ -183,14 +184,18 @@ def cache_config_for(
 ) -> CacheConfig:
     """The `CacheConfig` of one non-data-parallel table: `base` (optimizer, learning rate...)
     with the plan's cache size and look-ahead, and `hot_rows` replicated (the rows of its
-    `TablePlan.hot_rows`).
+    `TablePlan.hot_rows`, their gradient summed as its `hot_reduce`).
 
     Device storage is a cache holding every row; it keeps `base`'s look-ahead so that even
     first touches are staged ahead of their batch. A host-cached table without look-ahead (how
     TorchRec's UVM caching is priced) is reactive: `base.policy` if it is ('lru'/'lfu'), else
     'lru'.
     """
-    base = dataclasses.replace(base, hot_rows=tuple(sorted(int(r) for r in hot_rows)))
+    base = dataclasses.replace(
+        base,
+        hot_rows=tuple(sorted(int(r) for r in hot_rows)),
+        hot_reduce=table.hot_reduce if hot_rows else base.hot_reduce,
+    )
     if table.storage != HOST_CACHED:
         return dataclasses.replace(base, capacity=1.0)
     if table.lookahead == 0:  # reactive; its window may still hold the pipeline's batches
@@ -490,6 +495,7 @@ def _table_plan(stats: TableStats, sharding: ParameterSharding, conv: _Conversio
         lookahead=lookahead,
         prefetch_depth=depth,
         hot_rows=len(config.hot_rows) if config is not None else 0,
+        hot_reduce=config.hot_reduce if config is not None and config.hot_rows else HOT_ALL,
     )
 
 

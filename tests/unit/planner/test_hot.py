@@ -91,6 +91,49 @@ def test_hot_rows_priced_by_hand() -> None:
     assert with_hot.per_rank[1].input_all_to_all_s < without.per_rank[1].input_all_to_all_s
 
 
+def test_touched_rows_all_gathered_priced_by_hand() -> None:
+    """hot_reduce='touched': no all-reduce bytes; each rank all-gathers the U rows its B·P ids
+    touch among the H (their expected number), D + 1 floats each, from the W - 1 others."""
+    H, B, P, D, W = 300, 100, 2, 16, 2
+    p = AccessProfile.power_law(TABLE.rows, TABLE.alpha).probabilities
+    touched = float((-np.expm1(B * P * np.log1p(-p[:H]))).sum())  # distinct of the rank's B·P
+    hot = shard_terms(
+        TABLE, WORKLOAD, TOPOLOGY, sharding=TABLE_WISE, shards=1, hot_rows=H, hot_reduce="touched"
+    )
+    assert hot.hot_reduce_bytes == 0.0
+    assert hot.hot_gather_bytes == pytest.approx(touched * (D + 1) * 4, rel=1e-3)
+    assert touched < 0.6 * H  # this profile's batch touches fewer rows than the replica holds
+    gathered, whole = (
+        plan_cost(_plan(H, hot_reduce="touched"), WORKLOAD, TOPOLOGY),
+        plan_cost(_plan(H), WORKLOAD, TOPOLOGY),
+    )
+    latency = TOPOLOGY.network_latency_s
+    dense = global_terms(WORKLOAD, TOPOLOGY, 0.0, {TABLE_WISE}).all_reduce_s
+    # The dense all-reduce, the learning rates' all-reduce, the sizes' all-reduce, and the
+    # all-gather: (W - 1) · bytes over the NIC (one rank per node here) plus its latency.
+    all_gather = (W - 1) * hot.hot_gather_bytes / TOPOLOGY.inter_node_bw_bytes_per_s + latency
+    assert gathered.per_rank[0].all_reduce_s == pytest.approx(dense + 2 * latency + all_gather)
+    same = dataclasses.replace(gathered, per_rank=whole.per_rank)  # everything else is equal
+    assert same == whole
+
+
+def test_the_solver_all_gathers_touched_rows_where_that_is_cheaper() -> None:
+    """A replica of 90 % of the lookups (9,168 rows a table) of which a rank's batch touches
+    fewer than 2,048: the solver all-gathers the touched rows, cheaper than all-reducing them
+    all. A replica of 50 % (14 rows, every one touched by every batch): all of it all-reduced,
+    as many bytes and one collective fewer."""
+    workload, topology = _routing_bound()
+    large = solve(workload, topology, options=SolverOptions(hot_row_shares=(0.9,)))
+    assert all(t.hot_rows > 2048 and t.hot_reduce == "touched" for t in large.tables), large
+    assert all("touched rows all-gathered" in large.explanations[t.table] for t in large.tables)
+    whole = dataclasses.replace(
+        large, tables=tuple(dataclasses.replace(t, hot_reduce="all") for t in large.tables)
+    )
+    assert plan_cost(large, workload, topology).step_s < plan_cost(whole, workload, topology).step_s
+    small = solve(workload, topology, options=SolverOptions(hot_row_shares=(0.5,)))
+    assert all(0 < t.hot_rows < 100 and t.hot_reduce == "all" for t in small.tables), small
+
+
 def test_a_replica_frees_cache_slots() -> None:
     """Hot rows take no cache slot: a cache of C rows loads as one of C + H did."""
     cached = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 8, "prefetch_depth": 1}
@@ -107,6 +150,7 @@ def test_a_replica_frees_cache_slots() -> None:
     [
         ({"hot_rows": -1}, "hot_rows must be an int >= 0"),
         ({"hot_rows": 5, "sharding": DATA_PARALLEL, "ranks": (0, 1)}, "replicated whole"),
+        ({"hot_rows": 5, "hot_reduce": "some"}, "hot_reduce 'some' is not one of"),
     ],
 )
 def test_bad_hot_rows_are_refused(kwargs, message) -> None:
@@ -213,6 +257,10 @@ def test_export_names_the_hottest_rows_and_reads_them_back() -> None:
     assert custom.plan[""]["a"].cache_config.hot_rows == (998, 999)
     back = from_sharding_plan(sharding, workload, world_size=2)
     assert back.table("a").hot_rows == 3
+    assert back.table("a").hot_reduce == "all"
+    gathered = to_sharding_plan(_plan(3, hot_reduce="touched"), workload, world_size=2)
+    assert gathered.plan[""]["a"].cache_config.hot_reduce == "touched"
+    assert from_sharding_plan(gathered, workload, world_size=2).table("a").hot_reduce == "touched"
 
 
 def test_the_framework_cost_is_per_bag_routed() -> None:

@@ -2,11 +2,10 @@
 
 `data/solver_golden.json` holds, for every workload preset on every topology preset (plus a
 calibrated CPU topology and a few `SolverOptions` variants), the plan `solve` returns (per
-table: sharding, ranks, storage, cache fraction, L, K, hot rows; and the explanations), its
-`plan_cost` (per rank: every `StepCost` term and the memory) — or the error when no plan
-fits — and the `plan_cost` of the uniform baselines. A refactoring of the planner must leave
-all of it equal
-(floats to a relative 1e-9).
+table: sharding, ranks, storage, cache fraction, L, K, hot rows and their reduction; and the
+explanations), its `plan_cost` (per rank: every `StepCost` term and the memory) — or the
+error when no plan fits — and the `plan_cost` of the uniform baselines. A refactoring of the
+planner must leave all of it equal (floats to a relative 1e-9).
 
 Regenerate only when a change of the plans is intended, and say so in the commit:
 
@@ -127,7 +126,7 @@ def _cost_record(plan: Plan, workload: Workload, topology: Topology) -> dict[str
 def _plan_record(plan: Plan, workload: Workload, topology: Topology) -> dict[str, Any]:
     return {
         "name": plan.name,
-        # table, sharding, ranks, storage, cache fraction, L, K, hot rows
+        # table, sharding, ranks, storage, cache fraction, L, K, hot rows, their reduction
         "tables": [
             [
                 t.table,
@@ -138,6 +137,7 @@ def _plan_record(plan: Plan, workload: Workload, topology: Topology) -> dict[str
                 t.lookahead,
                 t.prefetch_depth,
                 t.hot_rows,
+                t.hot_reduce,
             ]
             for t in plan.tables
         ],
