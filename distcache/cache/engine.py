@@ -153,6 +153,9 @@ class CacheEngine:
             s.keep_for(ids, s.schedule)
             seq = self.scheduler.enqueue(ids)
         if check is not None:
+            # Copied to the host on the schedule stream when the batch is staged: its memory
+            # must not go back to the current stream's pool before that copy has run.
+            s.keep_for(check, s.schedule)
             self._checks[seq] = check
         return seq
 
@@ -319,6 +322,8 @@ class CacheEngine:
 
     def stats(self) -> CacheStats:
         """The counters (reads the device: call it every few batches, not every batch)."""
+        s = self.streams
+        s.wait(s.record(s.schedule))  # the counters are kept on the schedule stream
         c = self.scheduler.counters
         row_bytes = self.store.row_bytes
         return CacheStats(

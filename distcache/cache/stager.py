@@ -127,7 +127,7 @@ class Stager:
             job.writeback_rows.copy_(plan.writeback_rows, non_blocking=True)
         if check is not None:
             job.check.copy_(check, non_blocking=True)
-        job.mirrored = s.record()
+        job.mirrored = s.record(host=True)
         if self.direct:
             self._stage_direct(job)
             self._jobs[plan.seq] = (job, None)
@@ -211,14 +211,14 @@ class Stager:
                     host, self._cached_rows(plan.writeback_slots[:writebacks]), strict=True
                 ):
                     buffer.copy_(values, non_blocking=True)
-                s.host_wait(s.record(s.staging))
+                s.host_wait(s.record(s.staging, host=True))
                 self.store.scatter(job.writeback_rows[:writebacks], *host)
             if loads:
                 host = self.store.gather(job.load_rows[:loads], out=self._host_rows(loads))
                 slots = plan.load_slots[:loads]
                 for cache, buffer in zip((self.weights, self.state), host, strict=True):
                     cache.index_copy_(0, slots, buffer.to(self.device, non_blocking=True))
-                self._rows_read = s.record(s.staging)
+                self._rows_read = s.record(s.staging, host=True)
             job.ready = s.record(s.staging)
 
     # ------------------------------------------------------------ direct

@@ -37,11 +37,14 @@ class Streams:
         with torch.cuda.stream(stream):
             yield
 
-    def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
-        """An event after the work queued so far on `stream` (default: the current stream)."""
+    def record(
+        self, stream: torch.cuda.Stream | None = None, *, host: bool = False
+    ) -> torch.cuda.Event | None:
+        """An event after the work queued so far on `stream` (default: the current stream).
+        `host`: a host thread will wait for it (`host_wait`), sleeping rather than spinning."""
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=host)
         event.record(stream or torch.cuda.current_stream(self.device))
         return event
 
@@ -85,3 +88,23 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self._host.numpy().tolist()
+
+
+class DeviceInts:
+    """Small int64 tensors on a device made from host ints, kept per value: building one with
+    `torch.tensor(ints, device=cuda)` copies from pageable host memory, which makes the host
+    wait for the device, so each distinct value is built once (a batch's per-feature table
+    sizes, strides or dims repeat from batch to batch). At most `limit` values are kept."""
+
+    def __init__(self, limit: int = 256):
+        self.limit = limit
+        self._kept: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, ints: list[int] | tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = (tuple(ints), device)
+        tensor = self._kept.get(key)
+        if tensor is None:
+            if len(self._kept) >= self.limit:
+                self._kept.clear()
+            tensor = self._kept[key] = torch.tensor(key[0], dtype=torch.int64, device=device)
+        return tensor

@@ -55,6 +55,11 @@ def device_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     with torch.cuda.device(device):
         view = torch.as_tensor(_Interface(), device=device)
+    if view.data_ptr() != tensor.data_ptr():  # torch copied it: the driver put it elsewhere
+        raise DistcacheConfigError(
+            f"the page-locked host rows are not addressable from {device} (torch made a copy); "
+            "register them while that device is current, or use staging='worker'"
+        )
     view = view.view(tensor.dtype)
     view._distcache_host = tensor  # the host tensor outlives its view
     return view

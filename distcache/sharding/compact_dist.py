@@ -42,6 +42,7 @@ from torch import nn
 from torchrec.distributed.comm_ops import AllToAllSingle, get_gradient_division, pg_name
 from torchrec.distributed.types import Awaitable
 
+from distcache.cache.streams import DeviceInts
 from distcache.errors import UnsupportedError
 
 
@@ -90,6 +91,7 @@ class CompactPooledEmbeddingDist(nn.Module):
         self._fallback = fallback
         self._callbacks = list(callbacks or [])
         self._orders: dict[tuple[str, ...], torch.Tensor] = {}  # by the batch's keys
+        self._ints = DeviceInts()  # features' dims on the device
         self._sent_lengths: torch.Tensor | None = None
         self._cold: tuple[list[str], torch.Tensor] | None = None
         # Pooled output elements, cumulative, forward: this rank sent (to itself too), of which
@@ -192,7 +194,7 @@ class CompactPooledEmbeddingDist(nn.Module):
         `p * batch + b` of `width` columns where feature f starts at column sum(dims[:f]):
         `local_embs` (one block per peer) and the output (one block: every peer's features)."""
         device = bags.device
-        dim = torch.tensor(dims, dtype=torch.long, device=device)
+        dim = self._ints(dims, device)
         first = torch.cumsum(dim, 0) - dim  # [F] each feature's first column
         row, feature = _bag_rows(bags, entries, len(dims), batch)  # [entries] each
         length = dim.index_select(0, feature)  # [entries] columns of each bag

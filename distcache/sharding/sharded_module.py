@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheStats
 from distcache.cache.ids import find_invalid, raise_if_invalid
-from distcache.cache.streams import HostCopy
+from distcache.cache.streams import DeviceInts, HostCopy
 from distcache.errors import InvalidBatchError, InvalidIdError, UnsupportedError
 from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
 from distcache.sharding.hot_rows import HotRows
@@ -70,6 +71,11 @@ class CachedShardedModule:
         return getattr(self, self._configs_attr)
 
     _hot: HotRows | None = None
+
+    @functools.cached_property
+    def _device_ints(self) -> DeviceInts:
+        """Per-feature host ints on the device, built once per value (no host wait)."""
+        return DeviceInts()
 
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
         if isinstance(features, KeyedJaggedTensor):
@@ -312,11 +318,11 @@ class CachedShardedModule:
         self._checked_keys = keys
         values = features.values()
         device = values.device
-        rows = torch.tensor([self._rows_of_key_name(k) for k in keys], device=device)
+        rows = self._device_ints([self._rows_of_key_name(k) for k in keys], device)
         lengths = features.lengths()
         key_of_bag = torch.repeat_interleave(
             torch.arange(len(keys), device=device),
-            torch.tensor(features.stride_per_key(), device=device),
+            self._device_ints(features.stride_per_key(), device),
             output_size=lengths.numel(),
         )
         key_of_id = torch.repeat_interleave(key_of_bag, lengths, output_size=values.numel())

@@ -4,7 +4,10 @@ Correctness of what it moves (write-backs before loads, nothing lost) is checked
 uncached references in `test_invariants.py` and `test_module.py`.
 """
 
+import torch
+
 from distcache import CacheConfig, CachedEmbeddingBags
+from distcache.cache.streams import DeviceInts
 from tests.unit.cache.reference import make_batches, make_tables
 
 
@@ -57,3 +60,17 @@ def test_staging_reuses_its_host_rows_and_grows_them_when_a_plan_moves_more():
     new = sum(1 for a, b in zip(buffers, buffers[1:], strict=False) if a is not b)
     assert 1 <= new <= 1 + max(moved).bit_length()
     assert all(b is buffers[-1] for b in buffers[-10:])
+
+
+def test_device_ints_are_built_once_per_value():
+    """Host ints for the device are built once per value (on CUDA, building one waits for
+    the device), and the kept ones are bounded."""
+    ints = DeviceInts(limit=2)
+    cpu = torch.device("cpu")
+    first = ints([3, 1, 2], cpu)
+    assert first.tolist() == [3, 1, 2] and first.dtype == torch.int64
+    assert ints((3, 1, 2), cpu) is first  # the same value: the same tensor
+    second = ints([4], cpu)
+    assert second is not first and ints([4], cpu) is second
+    ints([5], cpu)  # a third value: the kept ones are dropped, this one kept
+    assert ints([3, 1, 2], cpu) is not first
