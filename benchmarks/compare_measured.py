@@ -49,12 +49,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", required=True, help="a workload preset")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, help="samples per rank (compare's default)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per plan and run")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plan", action="append", default=[], help="a saved plan (repeatable)")
     args = parser.parse_args()
     plans = [a for path in args.plan for a in ("--plan", str(Path(path).resolve()))]
+    batch = ["--batch-size", str(args.batch_size)] if args.batch_size else []
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         topology = str(Path(tmp) / "topology.json")
@@ -64,7 +66,7 @@ def main() -> None:
             out = _distcache(
                 "compare", "--preset", args.workload, "--topology", topology,
                 "--world-size", str(args.world_size), "--measure",
-                "--measure-steps", str(args.steps), "--json", *plans,
+                "--measure-steps", str(args.steps), "--json", *plans, *batch,
             )  # fmt: skip
             runs.append(json.loads(out))
     ratios = {}

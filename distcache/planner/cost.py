@@ -77,13 +77,15 @@ U_table(n) otherwise, from `stats.expected_unique`.
   bag); each such sharding type reads its split sizes from the device once a step (one
   host-to-device latency). Every rank adds the lookups of its own h·B·P hot ids, the host
   path's B·`Topology.hot_bag_overhead_s` (split, pooling, addition; calibrated on CPU, 0 on
-  GPUs), a masked update streaming all H replica rows with their state (at the dense
-  update's rate) and device memory H·(2·D·4 + state) (fp32 rows and gradient). Its gradient
-  is summed over the ranks as `TablePlan.hot_reduce` says: 'all' adds H·(D + 1)·4 bytes to
-  the all-reduce (its gradient and which rows some rank touched); 'touched' all-gathers the
-  U_rank rows the rank's own B·P ids touch among the H, (D + 1)·4 bytes each (gradient and
-  row number): `all_gather_s`, each rank receiving them from the k - 1 others of its node
-  over NVLink and from the W - k of other nodes over its NIC. A plan with replicas pays two
+  GPUs), and device memory H·(D·4 + state) for the fp32 rows, + H·D·4 for the gradient of
+  a replica reduced 'all' (a 'touched' one makes none of size H). Its gradient is
+  summed over the ranks as `TablePlan.hot_reduce` says: 'all' adds H·(D + 1)·4 bytes to the
+  all-reduce (its gradient and which rows some rank touched) and a masked update streaming
+  all H replica rows with their state (at the dense update's rate); 'touched' all-gathers
+  the U_rank rows the rank's own B·P ids touch among the H, (D + 1)·4 bytes each (gradient
+  and row number): `all_gather_s`, each rank receiving them from the k - 1 others of its
+  node over NVLink and from the W - k of other nodes over its NIC, then updates the U_hot
+  rows the global batch touched (at the same rate). A plan with replicas pays two
   sync latencies (one all-reduce of the 'all' replicas, one of their learning rates); with
   'touched' replicas, the all-gather's and one for the all-reduce of its sizes (and none for
   the first when no replica is 'all').

@@ -316,7 +316,8 @@ def _hot_terms(
     update's rate. The gradient is summed by an all-reduce of every row with a touched flag
     ('all'), or by an all-gather of the rows the rank's batch touched, each with its row
     number (`sharding.hot_reduce`): their expected number from the access profile (the
-    runtime sends the most any rank touched, which this does not model). Before that,
+    runtime sends the most any rank touched, which this does not model); then only the rows
+    some rank touched are updated (the global batch's distinct hot rows). Before that,
     `HotRows.split` reads every id of the table's features: a binary search among the hot rows
     and a compaction, priced as two accesses of the id's bytes per id (read, written); the
     framework's own cost of that path, per bag, is `Topology.hot_bag_overhead_s` (calibrated)."""
@@ -331,18 +332,21 @@ def _hot_terms(
     lookup += lookup_time_s(
         ids=ids, unique_rows=0.0, dim_bytes=ID_BYTES, row_bytes=ID_BYTES, topology=topology
     )  # the split
+    touched = hot_reduce == HOT_TOUCHED
+    access = table_access(table)
+    # The update streams every replica row, or (touched) only the rows some rank touched.
+    updated = access.head(hot_rows, ids * topology.world_size)[1] if touched else hot_rows
     return {
         "hot_rows": hot_rows,
         "hot_fraction": hot_mass,
         "hot_lookup_s": lookup
         + topology.hot_bag_overhead_s * workload.batch_size_per_rank
-        + dense_update_time_s(hot_rows * full, topology),
+        + dense_update_time_s(updated * full, topology),
         "hot_reduce": hot_reduce,
-        "hot_reduce_bytes": hot_rows * (row + FP32_BYTES) if hot_reduce != HOT_TOUCHED else 0.0,
-        "hot_gather_bytes": table_access(table).head(hot_rows, ids)[1] * (row + FP32_BYTES)
-        if hot_reduce == HOT_TOUCHED
-        else 0.0,
-        "hot_device_bytes": hot_rows * (full + row),
+        "hot_reduce_bytes": 0.0 if touched else hot_rows * (row + FP32_BYTES),
+        "hot_gather_bytes": access.head(hot_rows, ids)[1] * (row + FP32_BYTES) if touched else 0.0,
+        # The replica and its state; 'all' makes its [H, dim] gradient too, 'touched' none.
+        "hot_device_bytes": hot_rows * (full + (0 if touched else row)),
     }
 
 

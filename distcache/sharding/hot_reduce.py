@@ -1,31 +1,34 @@
 """Hot rows' gradients, summed over the ranks once a step (the update stage of `HotRows`).
 
-Each table's replica gradient is reduced one of two ways (`CacheConfig.hot_reduce`, which
-the planner's cost model chooses per table):
+The backward hands in each hot id's gradient row, per embedding dim (a width of the replica:
+`HotRows.widths`), as `(width, replica rows [h], gradient rows [h, dim])`. Each table's part
+is reduced one of two ways (`CacheConfig.hot_reduce`, which the planner's cost model chooses
+per table):
 
-    'all'      every row's gradient and a touched flag per row: one all-reduce for all such
-               tables of the collection, H·(dim + 1) floats each, whatever the batch touched.
-    'touched'  only the rows the rank touched in the step: each rank sends, per table, the
-               rows it touched (their gradient, their replica row as an int32 in a float's
-               bits beside it) and receives every rank's, one all-gather for all such tables;
-               the receiver adds them into their rows. An all-gather takes as much from every
-               rank: the most rows any rank touched, a host int per table from a small
-               all-reduce (MAX) of the ranks' counts, started in the forward (`expect`) and
-               waited for in the backward, long done; a rank that touched fewer pads with the
-               sentinel row H, which the sum drops.
+    'all'      added up into every row of the table with a touched flag per row, and
+               all-reduced: one all-reduce for all such tables of the collection, H·(dim + 1)
+               floats each, whatever the batch touched.
+    'touched'  summed per row on the rank (a sort of the rows, a sum per run), then only the
+               rows the rank touched are sent (their sums, their row as an int32 in a float's
+               bits beside them): one all-gather for all such tables; the receiver sums the
+               ranks' rows per row again. An all-gather takes as much from every rank: per
+               table the most rows any rank touched, host ints from a small all-reduce (MAX)
+               of the ranks' counts, started in the forward (`expect`) and waited for in the
+               backward, long done; a rank that touched fewer pads with a sentinel row (the
+               width's row count), which every update drops. Nothing of size H is made.
 
 The counts are host ints that `HotRows.split` reads with the batch's other counts (its one
-read of the device a batch), so the touched rows are chosen by a `nonzero_static` of a size
-known on the host: this stage reads nothing back. Either way, each table ends with its
-gradient summed over the ranks (`[H, dim]`) and the rows some rank touched (`[H]` bool); the
-sums agree to rounding (summed in another order), bitwise for integer-valued gradients.
+read of the device a batch); every other size here is known on the host, so this stage reads
+nothing back. Either way the sums agree to rounding (summed in another order), bitwise for
+integer-valued gradients.
 
 Example::
 
-    reduction = Reduction([Span(row=0, rows=100, start=0, dim=16, touched_only=True)], group)
-    reduction.expect([37])                 # forward: this rank's batch touched 37 of them
-    pending = reduction.start(grad, touched)  # backward: collectives started, not waited for
-    (summed, used), = reduction.finish(pending)
+    reduction = Reduction([Span("t", width=0, row=0, rows=100, dim=16, touched_only=True)],
+                          width_rows=[100], group=group)
+    reduction.expect([37])                               # forward: 37 rows of t touched here
+    pending = reduction.start([(0, rows, grads)])        # backward: collectives started
+    reduced = reduction.finish(pending)                  # reduced.rows[0]: (rows, sums)
 """
 
 from __future__ import annotations
@@ -37,14 +40,18 @@ import torch.distributed as dist
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+Entry = tuple[int, torch.Tensor, torch.Tensor]
+"""(width, replica rows of the width `[h]`, their gradient rows `[h, dim]`)."""
+
 
 @dataclass(frozen=True)
 class Span:
-    """One table's rows in the collection's flat replica."""
+    """One table's rows in the replica."""
 
-    row: int  # its first row among the replica's rows
+    name: str
+    width: int  # the index of its width (`HotRows.widths`)
+    row: int  # its first row among its width's rows
     rows: int  # H
-    start: int  # where its [H, dim] values begin in the flat replica (and its gradient)
     dim: int
     touched_only: bool  # 'touched': all-gather the touched rows; else all-reduce all H
 
@@ -54,26 +61,65 @@ class Pending:
     """One backward's collectives, in flight."""
 
     works: list[dist.Work]
-    whole: torch.Tensor | None  # 'all' tables: their gradients, then their touched flags
+    whole: torch.Tensor | None  # 'all' tables: their rows' sums, then their touched flags
     gathered: torch.Tensor | None  # 'touched' tables: every rank's rows, rank after rank
-    caps: list[int]  # rows each rank sent per 'touched' table
+    caps: dict[int, int]  # rows each rank sent per width of 'touched' tables
     world: int
 
 
-class Reduction:
-    """Sums the replica gradient of a collection's hot tables (`spans`) over `group`'s ranks
-    (None: one process)."""
+@dataclass
+class Reduced:
+    """A step's gradients, summed over the ranks (not divided by their number)."""
 
-    def __init__(self, spans: list[Span], group: dist.ProcessGroup | None):
-        self.spans = spans
-        self.whole = [s for s in spans if not s.touched_only]
-        self.gathered = [s for s in spans if s.touched_only]
+    whole: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """Per 'all' table: its gradient `[H, dim]` and the rows some rank touched `[H]` (bool)."""
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    """Per width of 'touched' tables: rows of the width `[n]` (each once; the sentinel, the
+    width's row count, for none) and their gradients `[n, dim]`."""
+
+
+class Reduction:
+    """Sums the replica gradients of a collection's hot tables (`spans`; `width_rows`: each
+    width's rows) over `group`'s ranks (None: one process); the replica is on `device`."""
+
+    def __init__(
+        self,
+        spans: list[Span],
+        width_rows: list[int],
+        group: dist.ProcessGroup | None,
+        device: torch.device | None = None,
+    ):
+        self.spans = sorted(spans, key=lambda s: (s.width, s.row))
+        self.whole = [s for s in self.spans if not s.touched_only]
+        self.gathered = [s for s in self.spans if s.touched_only]
+        self.width_rows = width_rows
         self.group = group
+        self.device = device or torch.device("cpu")
         self._counts: tuple[dist.Work | None, torch.Tensor] | None = None
+        # Per width: each row's place among its 'all' tables' rows (their count for others),
+        # and its key among the 'touched' tables' rows (itself; the width's rows for others).
+        self._all_row: dict[int, torch.Tensor] = {}
+        self._key: dict[int, torch.Tensor] = {}
+        for width, rows in enumerate(width_rows):
+            mine = [s for s in self.spans if s.width == width]
+            whole = [s for s in mine if not s.touched_only]
+            if whole:
+                place = torch.full((rows,), sum(s.rows for s in whole), dtype=torch.int64)
+                first = 0
+                for s in whole:
+                    place[s.row : s.row + s.rows] = torch.arange(first, first + s.rows)
+                    first += s.rows
+                self._all_row[width] = place.to(self.device)
+            if any(s.touched_only for s in mine):
+                key = torch.full((rows,), rows, dtype=torch.int64)
+                for s in mine:
+                    if s.touched_only:
+                        key[s.row : s.row + s.rows] = torch.arange(s.row, s.row + s.rows)
+                self._key[width] = key.to(self.device)
 
     def expect(self, counts: list[int]) -> None:
-        """Forward: how many rows of each 'touched' table this rank's batch touched (host
-        ints); starts their maximum over the ranks, which `start` waits for."""
+        """Forward: how many rows of each 'touched' table (`gathered`, in order) this rank's
+        batch touched (host ints); starts their maximum over the ranks, which `start` reads."""
         if not self.gathered:
             return
         self._caps()  # a forward without a backward left one in flight
@@ -83,61 +129,87 @@ class Reduction:
             work = dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._counts = (work, most)
 
-    def start(self, grad: torch.Tensor, touched: torch.Tensor) -> Pending:
-        """Backward: start summing `grad` (the flat replica's gradient) over the ranks, with
-        `touched` (`[rows]` bool: the replica rows this rank used in the step)."""
+    def start(self, entries: list[Entry]) -> Pending:
+        """Backward: start summing the step's gradient rows (`entries`) over the ranks."""
         world = dist.get_world_size(self.group) if self.group is not None else 1
+        per_width = self._by_width(entries)
         works: list[dist.Work] = []
         whole = None
         if self.whole:
-            if len(self.whole) == len(self.spans):
-                values, flags = grad, touched
-            else:
-                values = torch.cat([grad[s.start : s.start + s.rows * s.dim] for s in self.whole])
-                flags = torch.cat([touched[s.row : s.row + s.rows] for s in self.whole])
-            whole = torch.cat([values, flags.to(values.dtype)])
+            sums, flags = [], []
+            for width, place in self._all_row.items():
+                rows, grads = per_width[width]
+                at = place.index_select(0, rows)
+                count = sum(s.rows for s in self.whole if s.width == width)
+                buf = grads.new_zeros(count + 1, grads.shape[1]).index_add_(0, at, grads)
+                flag = grads.new_zeros(count + 1).index_fill_(0, at, 1.0)
+                sums.append(buf[:-1].flatten())
+                flags.append(flag[:-1])
+            whole = torch.cat(sums + flags)
             if self.group is not None:
                 works.append(dist.all_reduce(whole, group=self.group, async_op=True))
-        gathered, caps = None, self._caps()
+        gathered, caps = None, self._width_caps()
         if self.gathered:
-            send = torch.cat(
-                [
-                    _touched_rows(grad, touched, s, cap)
-                    for s, cap in zip(self.gathered, caps, strict=True)
-                ]
-            )
-            gathered = send
+            blocks = []
+            for width, key in self._key.items():
+                rows, grads = per_width[width]
+                keys, sums = sum_by_key(key.index_select(0, rows), grads, self.width_rows[width])
+                blocks.append(_packed(keys, sums, caps[width], self.width_rows[width]))
+            gathered = send = torch.cat(blocks)
             if self.group is not None:
                 gathered = send.new_empty(world * send.numel())
                 works.append(_ALL_GATHER(gathered, send, group=self.group, async_op=True))
         return Pending(works, whole, gathered, caps, world)
 
-    def finish(self, pending: Pending) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per span, in order: its gradient summed over the ranks `[H, dim]` and the rows some
-        rank touched `[H]` (bool)."""
+    def finish(self, pending: Pending) -> Reduced:
+        """Wait for `pending` and sum what the ranks sent."""
         for work in pending.works:
             work.wait()
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if pending.whole is not None:
             size = sum(s.rows * s.dim for s in self.whole)
             values, flags = pending.whole[:size], pending.whole[size:]
             first = row = 0
             for s in self.whole:
                 grad = values[first : first + s.rows * s.dim].view(s.rows, s.dim)
-                out[id(s)] = (grad, flags[row : row + s.rows] > 0)
+                whole[s.name] = (grad, flags[row : row + s.rows] > 0)
                 first, row = first + s.rows * s.dim, row + s.rows
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if pending.gathered is not None:
             per_rank = pending.gathered.view(pending.world, -1)
             first = 0
-            for s, cap in zip(self.gathered, pending.caps, strict=True):
-                width = cap * (s.dim + 1)
-                block = per_rank[:, first : first + width].reshape(-1, s.dim + 1)
-                first += width
-                at = block[:, 0].contiguous().view(torch.int32).to(torch.int64)
-                sums = block.new_zeros(s.rows + 1, s.dim).index_add_(0, at, block[:, 1:])
-                used = torch.zeros(s.rows + 1, dtype=torch.bool, device=block.device)
-                out[id(s)] = (sums[:-1], used.index_fill_(0, at, True)[:-1])
-        return [out[id(s)] for s in self.spans]
+            for width in self._key:
+                dim, cap = self._dim(width), pending.caps[width]
+                block = per_rank[:, first : first + cap * (dim + 1)].reshape(-1, dim + 1)
+                first += cap * (dim + 1)
+                keys = block[:, 0].contiguous().view(torch.int32).to(torch.int64)
+                rows[width] = sum_by_key(keys, block[:, 1:], self.width_rows[width])
+        return Reduced(whole, rows)
+
+    def _by_width(self, entries: list[Entry]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per width: its entries' rows and gradient rows, concatenated."""
+        out = []
+        for width in range(len(self.width_rows)):
+            mine = [(rows, grads) for w, rows, grads in entries if w == width]
+            if len(mine) == 1:
+                out.append(mine[0])
+            elif mine:
+                out.append((torch.cat([r for r, _ in mine]), torch.cat([g for _, g in mine])))
+            else:  # no hot id of this width reached the backward
+                empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+                out.append((empty, torch.zeros(0, self._dim(width), device=self.device)))
+        return out
+
+    def _dim(self, width: int) -> int:
+        return next(s.dim for s in self.spans if s.width == width)
+
+    def _width_caps(self) -> dict[int, int]:
+        """Rows each rank sends per width of 'touched' tables: the sum of its tables' most
+        touched rows on any rank (host ints)."""
+        caps = dict.fromkeys(self._key, 0)
+        for span, most in zip(self.gathered, self._caps(), strict=True):
+            caps[span.width] += most
+        return caps
 
     def _caps(self) -> list[int]:
         """The counts `expect` started, reduced (host ints; zeros if none was started)."""
@@ -150,12 +222,29 @@ class Reduction:
         return most.tolist()  # a host tensor: no device read
 
 
-def _touched_rows(grad: torch.Tensor, touched: torch.Tensor, span: Span, cap: int) -> torch.Tensor:
-    """`[cap * (dim + 1)]`: each row of `span` this rank touched (at most `cap`), its replica
-    row's bits as a float, then its gradient; padded with the sentinel row `span.rows`."""
-    mask = touched[span.row : span.row + span.rows]
-    at = torch.nonzero_static(mask, size=cap, fill_value=span.rows).squeeze(1)  # [cap]
-    rows = grad[span.start : span.start + span.rows * span.dim].view(span.rows, span.dim)
-    picked = rows.index_select(0, at.clamp(max=span.rows - 1))  # padding: any row, dropped
-    tag = at.to(torch.int32).view(torch.float32).unsqueeze(1)
-    return torch.cat([tag, picked], 1).flatten()
+def sum_by_key(
+    keys: torch.Tensor, values: torch.Tensor, sentinel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keys` `[n]` (ints <= `sentinel`) and `values` `[n, d]` summed per key: `[n]` the keys,
+    ascending, each once, then `sentinel`; `[n, d]` their sums (zeros after the last). One
+    stable sort and a sum per run of equal keys; every size is `n`."""
+    n = keys.numel()
+    ordered, order = torch.sort(keys, stable=True)
+    first = torch.ones(n, dtype=torch.bool, device=keys.device)
+    first[1:] = ordered[1:] != ordered[:-1]
+    run = torch.cumsum(first, 0) - 1  # each entry's run
+    unique = torch.full_like(keys, sentinel).scatter_(0, run, ordered)
+    sums = values.new_zeros(n, values.shape[1]).index_add_(0, run, values.index_select(0, order))
+    return unique, sums
+
+
+def _packed(keys: torch.Tensor, sums: torch.Tensor, cap: int, sentinel: int) -> torch.Tensor:
+    """`[cap * (dim + 1)]`: the first `cap` keys (as an int32's bits) and sums, padded with
+    the sentinel: a rank's distinct keys are at most `cap` (the most any rank touched), and
+    they come first."""
+    n = keys.numel()
+    if n < cap:
+        keys = torch.cat([keys, keys.new_full((cap - n,), sentinel)])
+        sums = torch.cat([sums, sums.new_zeros(cap - n, sums.shape[1])])
+    tag = keys[:cap].to(torch.int32).view(torch.float32).unsqueeze(1)
+    return torch.cat([tag, sums[:cap]], 1).flatten()

@@ -40,18 +40,20 @@ its splits); everything else is fixed-shape.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.optimizers import RowOptimizer, make_optimizer
+from distcache.cache.streams import DeviceInts
 from distcache.errors import DistcacheConfigError
-from distcache.sharding.hot_reduce import Pending, Reduction, Span
+from distcache.sharding.hot_pool import AddColumns, PooledRows
+from distcache.sharding.hot_reduce import Entry, Pending, Reduced, Reduction, Span
 
 
 @dataclass
@@ -63,8 +65,15 @@ class _HotTable:
     ids: torch.Tensor  # [H] int64 global rows, sorted
     start: int  # where its [H, dim] rows begin in the collection's flat replica
     row: int  # its first row among the replica's rows (every table's, in the flat's order)
-    state: torch.Tensor  # [H, state_dim] float32 optimizer state
+    width: int  # its width's index
+    state_rows: torch.Tensor  # [H + 1, state_dim] float32 optimizer state, and a scratch row
     optimizer: RowOptimizer
+    touched_only: bool  # its gradient reduced as the rows each rank touched (`hot_reduce`)
+
+    @property
+    def state(self) -> torch.Tensor:
+        """[H, state_dim]: its rows' optimizer state (a view)."""
+        return self.state_rows[:-1]
 
     def rows_of(self, flat: torch.Tensor) -> torch.Tensor:
         """Its [H, dim] rows in `flat` (the replica, or its gradient): a view."""
@@ -74,15 +83,17 @@ class _HotTable:
 @dataclass
 class _Width:
     """The hot tables of one embedding dim: their rows side by side in the flat replica, one
-    `[rows, dim]` view that one embedding bag pools from."""
+    `[rows, dim]` view that one embedding bag pools from, then a scratch row (where a sparse
+    update writes what it drops)."""
 
     dim: int
     start: int  # where its rows begin in the flat replica
     row: int  # its first row among the replica's rows
     rows: int
 
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.start : self.start + self.rows * self.dim].view(-1, self.dim)
+    def view(self, flat: torch.Tensor, *, scratch: bool = False) -> torch.Tensor:
+        end = self.start + (self.rows + scratch) * self.dim
+        return flat[self.start : end].view(-1, self.dim)
 
 
 @dataclass
@@ -107,8 +118,7 @@ class HotInput:
     stride: int
     key_ends: list[int]  # where each feature's ids end in the batch's values, after a 0
     cold_positions: torch.Tensor | None  # [n - hot] each cold id's index (sequence only)
-    touched: torch.Tensor  # [rows] bool: the replica rows the batch uses
-    touched_counts: list[int]  # how many of them per 'touched' table (`Reduction.gathered`)
+    touched_counts: list[int]  # rows each 'touched' table's hot ids touch (`Reduction.gathered`)
 
 
 class HotRows:
@@ -150,13 +160,19 @@ class HotRows:
                 )
             ids = torch.tensor(sorted(config.hot_rows), dtype=torch.int64, device=device)
             optimizer = make_optimizer(config)
-            state = torch.zeros(len(ids), optimizer.state_dim(dim), device=device)
-            self.tables[name] = _HotTable(name, dim, ids, start, row, state, optimizer)
+            state = torch.zeros(len(ids) + 1, optimizer.state_dim(dim), device=device)
             if not self.widths or self.widths[-1].dim != dim:
+                if self.widths:
+                    start += self.widths[-1].dim  # the last width's scratch row
                 self.widths.append(_Width(dim, start, row, 0))
+            touched = config.hot_reduce == "touched"
+            self.tables[name] = _HotTable(
+                name, dim, ids, start, row, len(self.widths) - 1, state, optimizer, touched
+            )
             self.widths[-1].rows += len(ids)
             start += len(ids) * dim
             row += len(ids)
+        start += self.widths[-1].dim if self.widths else 0
         self.num_rows = row
         # Every hot row as one key, table t's row r at t·_TABLE_SPAN + r: sorted, and each
         # key's index is its replica row (tables are numbered in the replica's order), so one
@@ -169,23 +185,24 @@ class HotRows:
         self._span = {name: i * _TABLE_SPAN for i, name in enumerate(self.tables)}
         self._no_table = len(self.tables) * _TABLE_SPAN  # features of tables without hot rows
         self._feature_spans: dict[tuple[str, ...], torch.Tensor] = {}
-        # Every table's replica in one fp32 leaf (not a Parameter): one gradient, reduced in one
-        # all-reduce per step for the whole collection.
-        self.flat = torch.zeros(start, device=device, requires_grad=True)
-        self.flat.register_post_accumulate_grad_hook(self._step)
+        self._ints = DeviceInts()  # batches' strides per key, on the device
+        # Every table's replica in one fp32 tensor (not a Parameter, no gradient: the backward
+        # hands its rows' gradients to `_collect`); the trigger's gradient says the backward is
+        # done with it (`hot_pool`).
+        self.flat = torch.zeros(start, device=device)
+        self._trigger = torch.zeros((), device=device, requires_grad=True)
+        self._trigger.register_post_accumulate_grad_hook(self._step)
+        self._grads: list[Entry] = []
         self.feature_tables = {f: t for f, t in feature_tables.items() if t in self.tables}
         self.mean_features = set(mean_features)
         self.device = device
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self._reduction = Reduction(
-            [
-                Span(t.row, t.ids.numel(), t.start, t.dim, tables[n][2].hot_reduce == "touched")
-                for n, t in self.tables.items()
-            ],
-            self._group,
-        )
+        spans = [
+            Span(n, t.width, t.row - self.widths[t.width].row, t.ids.numel(), t.dim, t.touched_only)
+            for n, t in self.tables.items()
+        ]
+        self._reduction = Reduction(spans, [w.rows for w in self.widths], self._group, device)
         self.stale = True  # the replicas must be read from the tables' shards
-        self._touched: torch.Tensor | None = None  # [rows] bool: rows this rank used in the step
         # The last backward's reduction and learning rates' all-reduce, still in flight.
         self._pending: tuple[Pending, dist.Work | None, torch.Tensor] | None = None
         self.reader: Callable[[HotRows], None] | None = None
@@ -213,7 +230,7 @@ class HotRows:
         # Ids outside [0, _TABLE_SPAN) (invalid ones, which the shards report) match no row.
         span = self._spans(keys, device)  # [F]
         if features.variable_stride_per_key():
-            bags = torch.tensor(features.stride_per_key(), device=device)
+            bags = self._ints(features.stride_per_key(), device)
             span = span.repeat_interleave(bags, output_size=lengths.numel())  # [bags]
         else:
             span = span.repeat_interleave(features.stride())  # [F * B]
@@ -225,8 +242,6 @@ class HotRows:
         else:
             row = torch.full_like(queries, -1)  # [n] replica row, -1: cold
         hot = row >= 0
-        touched = torch.zeros(self.num_rows + 1, dtype=torch.bool, device=device)
-        touched = touched.index_fill_(0, torch.where(hot, row, self.num_rows), True)[:-1]
         bag_ends = features.offsets()  # [F * B + 1]
         hot_before = _running_sum(hot)  # [n + 1]
         hot_per_bag = hot_before.index_select(0, bag_ends).diff()
@@ -237,8 +252,7 @@ class HotRows:
         ]
         # The compactions' sizes and the 'touched' tables' touched rows: one read of the device
         # (see the module docstring).
-        sums = [m.sum() for m in masks]
-        sums += [touched[s.row : s.row + s.rows].sum() for s in self._reduction.gathered]
+        sums = [m.sum() for m in masks] + self._touched_rows(row, hot)
         counts = torch.stack(sums).tolist() if sums else []
         counts, touched_counts = counts[: len(masks)], counts[len(masks) :]
         widths = []
@@ -269,10 +283,21 @@ class HotRows:
             stride=features.stride(),
             key_ends=list(key_ends),
             cold_positions=cold_at,
-            touched=touched,
             touched_counts=touched_counts,
         )
         return rest, part
+
+    def _touched_rows(self, row: torch.Tensor, hot: torch.Tensor) -> list[torch.Tensor]:
+        """Per 'touched' table (`Reduction.gathered`): how many of its rows the batch's ids
+        (`row`: each id's replica row, `hot`: whether it has one) touch, on the device."""
+        if not self._reduction.gathered:
+            return []
+        touched = torch.zeros(self.num_rows + 1, dtype=torch.bool, device=row.device)
+        touched.index_fill_(0, torch.where(hot, row, self.num_rows), True)
+        return [
+            touched[self.tables[s.name].row : self.tables[s.name].row + s.rows].sum()
+            for s in self._reduction.gathered
+        ]
 
     def _spans(self, keys: list[str], device: torch.device) -> torch.Tensor:
         """`[F]` each feature's span in the keys of `_keys` (beyond them for a feature of a
@@ -290,9 +315,15 @@ class HotRows:
         embedding bag per width over the replica's rows, every feature's bags at once."""
         self._ready(part)
         out: dict[str, torch.Tensor] = {}
-        for width, ids in zip(self.widths, part.widths, strict=True):
-            sums = _PooledRows.apply(
-                width.view(self.flat), ids.rows, ids.offsets, ids.weights, ids.bags
+        for index, (width, ids) in enumerate(zip(self.widths, part.widths, strict=True)):
+            sums = PooledRows.apply(
+                self._trigger,
+                width.view(self.flat),
+                ids.rows,
+                ids.offsets,
+                ids.weights,
+                ids.bags,
+                functools.partial(self._collect, index, ids.rows),
             )  # [F * B, dim]
             # One split, not a slice per feature: a slice's backward fills a zero gradient of
             # all of `sums` and adds into it (8 MB a feature at B = 2048, dim = 128); the
@@ -308,9 +339,11 @@ class HotRows:
         (per-id outputs)."""
         self._ready(part)
         out = []
-        for width, ids in zip(self.widths, part.widths, strict=True):
+        for index, (width, ids) in enumerate(zip(self.widths, part.widths, strict=True)):
             each = torch.arange(ids.rows.numel() + 1, device=self.device)  # a bag per id
-            out.append(_PooledRows.apply(width.view(self.flat), ids.rows, each, None, each[:-1]))
+            sink = functools.partial(self._collect, index, ids.rows)
+            view = width.view(self.flat)
+            out.append(PooledRows.apply(self._trigger, view, ids.rows, each, None, each[:-1], sink))
         return out
 
     def combine_sequence(
@@ -333,12 +366,11 @@ class HotRows:
 
     def _ready(self, part: HotInput) -> None:
         """Before a batch reads the replica: the last step applied, the replica read from the
-        shards if stale, and (training) the rows the batch touches noted for the update."""
+        shards if stale, and (training) the rows the batch touches counted for the update."""
         self.finish_step()
         if self.stale and self.reader is not None:
             self.reader(self)
         if torch.is_grad_enabled() and part.widths:
-            self._touched = part.touched
             self._reduction.expect(part.touched_counts)
 
     def combine(
@@ -364,21 +396,22 @@ class HotRows:
         return KeyedTensor(
             keys=kt.keys(),
             length_per_key=kt.length_per_key(),
-            values=_AddColumns.apply(values, spans, means, *hots),
+            values=AddColumns.apply(values, spans, means, *hots),
             key_dim=1,
         )
 
     # ------------------------------------------------------------ the update
-    def _step(self, flat: torch.Tensor) -> None:
-        """After backward: start reducing the collection's replica gradient over the ranks
-        (`Reduction.start`, not waited for: the rest of the backward and the dense all-reduce
-        overlap it); `finish_step` applies it before the replica is next read."""
-        grad, flat.grad = flat.grad, None
-        touched = self._touched
-        if touched is None:
-            touched = torch.zeros(self.num_rows, dtype=torch.bool, device=self.device)
-        self._touched = None
-        reduction = self._reduction.start(grad, touched)
+    def _collect(self, width: int, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """Backward: the gradient rows `[h, dim]` of one width's hot ids (`rows` `[h]`)."""
+        self._grads.append((width, rows, grads))
+
+    def _step(self, trigger: torch.Tensor) -> None:
+        """After backward: start reducing the gradient rows the backward handed in over the
+        ranks (`Reduction.start`, not waited for: the rest of the backward and the dense
+        all-reduce overlap it); `finish_step` applies it before the replica is next read."""
+        trigger.grad = None
+        grads, self._grads = self._grads, []
+        reduction = self._reduction.start(grads)
         # The rate of each table's shards, -1 where this rank holds none: the maximum over
         # the ranks is their rate (they agree), exact in float64, read on the host.
         lrs = torch.tensor(
@@ -395,24 +428,43 @@ class HotRows:
         updates the rows some rank touched (the others, and their state, stay as they are)."""
         if self._pending is None:
             return
-        reduction, work, lrs = self._pending
+        pending, work, lrs = self._pending
         self._pending = None
-        summed = self._reduction.finish(reduction)
+        reduced = self._reduction.finish(pending)
         if work is not None:
             work.wait()
-        flat = self.flat.detach()
+        world = pending.world
         with torch.no_grad():
-            tables = zip(self.tables.values(), lrs.tolist(), summed, strict=True)  # host rates
-            for table, lr, (grad, used) in tables:
+            for table, lr in zip(self.tables.values(), lrs.tolist(), strict=True):  # host rates
                 if lr >= 0:
                     table.optimizer.lr = lr
-                used = used.unsqueeze(1)
-                weight = table.rows_of(flat)
-                rows, state = weight.clone(), table.state.clone()
-                table.optimizer.update(rows, state, grad.div_(reduction.world))
-                weight.copy_(torch.where(used, rows, weight))
-                table.state.copy_(torch.where(used, state, table.state))
+                if table.touched_only:
+                    self._update_touched(table, reduced, world)
+                else:
+                    grad, used = reduced.whole[table.name]
+                    used = used.unsqueeze(1)
+                    weight = table.rows_of(self.flat)
+                    rows, state = weight.clone(), table.state.clone()
+                    table.optimizer.update(rows, state, grad.div_(world))
+                    weight.copy_(torch.where(used, rows, weight))
+                    table.state.copy_(torch.where(used, state, table.state))
                 table.optimizer.step()
+
+    def _update_touched(self, table: _HotTable, reduced: Reduced, world: int) -> None:
+        """A 'touched' table's update, of the rows some rank touched only: their rows and
+        state gathered, updated, written back; the width's other rows and the sentinel go to
+        the scratch rows (of the width's view and of the table's state), which nothing reads."""
+        width = self.widths[table.width]
+        keys, sums = reduced.rows[table.width]  # width rows, each once; sentinel: width.rows
+        first, count = table.row - width.row, table.ids.numel()
+        inside = (keys >= first) & (keys < first + count)
+        at = torch.where(inside, keys, width.rows)
+        state_at = torch.where(inside, keys - first, count)
+        view = width.view(self.flat, scratch=True)
+        rows, state = view.index_select(0, at), table.state_rows.index_select(0, state_at)
+        table.optimizer.update(rows, state, sums / world)
+        view.index_copy_(0, at, rows)
+        table.state_rows.index_copy_(0, state_at, state)
 
     # ------------------------------------------------------------ the tables' shards
     def gather(self, shards: list[tuple[str, int, int, torch.Tensor, list[torch.Tensor]]]) -> None:
@@ -499,77 +551,6 @@ def _state_rows(state: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
     """Rows `local` of a shard's optimizer state blocks, side by side: `[n, sum s_i]` fp32."""
     blocks = [block.index_select(0, local).float() for block in state]
     return torch.cat(blocks, 1) if blocks else torch.zeros(local.numel(), 0, device=local.device)
-
-
-class _PooledRows(torch.autograd.Function):
-    """Sum pooling of replica rows `[rows, dim]` into bags: forward by an embedding bag; backward
-    by gathering each id's bag gradient (scaled by its weight) and adding it into its row, which
-    on CPU is cheaper than the embedding bag's own backward (it sorts the ids first)."""
-
-    @staticmethod
-    def forward(  # noqa: ANN205
-        ctx,  # noqa: ANN001
-        weight: torch.Tensor,
-        rows: torch.Tensor,
-        offsets: torch.Tensor,
-        weights: torch.Tensor | None,
-        bags: torch.Tensor,
-    ):
-        ctx.save_for_backward(rows, weights, bags)
-        ctx.num_rows = weight.shape[0]
-        return F.embedding_bag(
-            rows, weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
-        )
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        rows, weights, bags = ctx.saved_tensors
-        per_id = grad.index_select(0, bags)
-        if weights is not None:
-            per_id = per_id * weights.unsqueeze(1)
-        shape = (ctx.num_rows, grad.shape[1])
-        grad_rows = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
-        return grad_rows.index_add_(0, rows, per_id), None, None, None, None
-
-
-class _AddColumns(torch.autograd.Function):
-    """Adds each hot feature's pooled rows into its columns of the collection's output, in
-    place: a sum bag takes `cold + hot`, a mean bag `(cold * cold_ids + hot) / ids` (as pooling
-    all its ids would). One pass over the hot columns, no new output, and a backward that hands
-    each feature its columns of the gradient (column slices and a concatenation, under
-    autograd, would fill a zero gradient of the whole output per feature)."""
-
-    @staticmethod
-    def forward(  # noqa: ANN205
-        ctx,  # noqa: ANN001
-        values: torch.Tensor,
-        spans: list[tuple[int, int]],
-        means: list[tuple[torch.Tensor, torch.Tensor] | None],
-        *hots: torch.Tensor,
-    ):
-        for (start, width), mean, hot in zip(spans, means, hots, strict=True):
-            columns = values[:, start : start + width]
-            if mean is None:
-                columns.add_(hot)
-            else:
-                cold_ids, total = mean
-                columns.copy_((columns * cold_ids + hot) / total)
-        ctx.mark_dirty(values)
-        ctx.spans, ctx.means = spans, means
-        return values
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        grad_values = grad.clone() if any(m is not None for m in ctx.means) else grad
-        grad_hots = []
-        for (start, width), mean in zip(ctx.spans, ctx.means, strict=True):
-            columns = grad[:, start : start + width]
-            if mean is not None:
-                cold_ids, total = mean
-                columns = columns / total
-                grad_values[:, start : start + width] = columns * cold_ids
-            grad_hots.append(columns)
-        return grad_values, None, None, *grad_hots
 
 
 _TABLE_SPAN = 1 << 40

@@ -113,7 +113,14 @@ def test_touched_rows_all_gathered_priced_by_hand() -> None:
     # all-gather: (W - 1) · bytes over the NIC (one rank per node here) plus its latency.
     all_gather = (W - 1) * hot.hot_gather_bytes / TOPOLOGY.inter_node_bw_bytes_per_s + latency
     assert gathered.per_rank[0].all_reduce_s == pytest.approx(dense + 2 * latency + all_gather)
-    same = dataclasses.replace(gathered, per_rank=whole.per_rank)  # everything else is equal
+    # No [H, dim] gradient: H·D·4 bytes less device memory on every rank.
+    saved = np.subtract(whole.device_memory_bytes, gathered.device_memory_bytes)
+    assert list(saved) == [H * D * 4] * W
+    # Everything else equal but the update: of the rows the global batch touched, not all H.
+    assert gathered.per_rank[0].lookup_s < whole.per_rank[0].lookup_s
+    same = dataclasses.replace(
+        gathered, per_rank=whole.per_rank, device_memory_bytes=whole.device_memory_bytes
+    )
     assert same == whole
 
 

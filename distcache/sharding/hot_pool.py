@@ -1,0 +1,91 @@
+"""The replica's compute stage (`HotRows.pooled`, `HotRows.rows`, `HotRows.combine`): autograd
+functions that pool hot ids' rows from the replica and add them into the collection's output.
+
+The replica is not a parameter: `PooledRows`' backward hands each hot id's gradient row to a
+sink (`HotRows` collects them, one entry per embedding dim, and reduces them over the ranks as
+sparse rows), and returns a zero gradient for a scalar trigger instead, whose accumulation
+tells `HotRows` that the backward is done with the replica (one hook, after every width's
+rows are in). No `[H, dim]` gradient is made unless a table's reduction needs it
+(`sharding.hot_reduce`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Sink = Callable[[torch.Tensor], None]
+"""Takes `[h, dim]`: each hot id's gradient row (its bag's gradient, times its weight)."""
+
+
+class PooledRows(torch.autograd.Function):
+    """Sum pooling of replica rows `weight` `[rows, dim]` into bags: forward by an embedding
+    bag; backward gathers each id's bag gradient (scaled by its weight) and hands it to `sink`,
+    and gives `trigger` (a scalar leaf) a zero gradient."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        trigger: torch.Tensor,
+        weight: torch.Tensor,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        bags: torch.Tensor,
+        sink: Sink,
+    ):
+        ctx.save_for_backward(weights, bags)
+        ctx.sink = sink
+        return F.embedding_bag(
+            rows, weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
+        )
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        weights, bags = ctx.saved_tensors
+        per_id = grad.index_select(0, bags)
+        if weights is not None:
+            per_id = per_id * weights.unsqueeze(1)
+        ctx.sink(per_id)
+        return grad.new_zeros(()), None, None, None, None, None, None
+
+
+class AddColumns(torch.autograd.Function):
+    """Adds each hot feature's pooled rows into its columns of the collection's output, in
+    place: a sum bag takes `cold + hot`, a mean bag `(cold * cold_ids + hot) / ids` (as pooling
+    all its ids would). One pass over the hot columns, no new output, and a backward that hands
+    each feature its columns of the gradient (column slices and a concatenation, under
+    autograd, would fill a zero gradient of the whole output per feature)."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        values: torch.Tensor,
+        spans: list[tuple[int, int]],
+        means: list[tuple[torch.Tensor, torch.Tensor] | None],
+        *hots: torch.Tensor,
+    ):
+        for (start, width), mean, hot in zip(spans, means, hots, strict=True):
+            columns = values[:, start : start + width]
+            if mean is None:
+                columns.add_(hot)
+            else:
+                cold_ids, total = mean
+                columns.copy_((columns * cold_ids + hot) / total)
+        ctx.mark_dirty(values)
+        ctx.spans, ctx.means = spans, means
+        return values
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        grad_values = grad.clone() if any(m is not None for m in ctx.means) else grad
+        grad_hots = []
+        for (start, width), mean in zip(ctx.spans, ctx.means, strict=True):
+            columns = grad[:, start : start + width]
+            if mean is not None:
+                cold_ids, total = mean
+                columns = columns / total
+                grad_values[:, start : start + width] = columns * cold_ids
+            grad_hots.append(columns)
+        return grad_values, None, None, *grad_hots
