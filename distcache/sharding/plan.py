@@ -35,11 +35,12 @@ class CachedParameterSharding(ParameterSharding):
 
     def get_additional_fused_params(self) -> dict[str, Any]:
         # Without the hot rows: TorchRec groups tables of equal fused params into one kernel,
-        # and tables replicating different rows should still share one (the sharded module
-        # reads the hot rows from the plan). TorchRec's kernels get none of it.
+        # and tables replicating different rows, or reducing them differently, should still
+        # share one (the sharded module reads both from the plan). TorchRec's kernels get none.
         if self.cache_config is None or self.compute_kernel != CACHED_KERNEL:
             return {}
-        return {CACHE_CONFIG_KEY: dataclasses.replace(self.cache_config, hot_rows=())}
+        plain = dataclasses.replace(self.cache_config, hot_rows=(), hot_reduce="all")
+        return {CACHE_CONFIG_KEY: plain}
 
 
 def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> ParameterSharding:

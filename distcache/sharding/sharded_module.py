@@ -118,8 +118,8 @@ class CachedShardedModule:
 
         `sharding_infos`: TorchRec's sharding infos by sharding type (every table's, with its
         fused params), where the module does not keep them (`EmbeddingCollection`)."""
-        planned = {
-            name: sharding.cache_config.hot_rows
+        planned = {  # the plan's hot rows and how their gradients are reduced
+            name: sharding.cache_config
             for name, sharding in self.module_sharding_plan.items()
             if isinstance(sharding, CachedParameterSharding)
             and sharding.cache_config is not None
@@ -144,7 +144,8 @@ class CachedShardedModule:
         hot = {
             info.embedding_config.name: dataclasses.replace(
                 cache_config_from_fused_params(info.fused_params),
-                hot_rows=planned[info.embedding_config.name],
+                hot_rows=planned[info.embedding_config.name].hot_rows,
+                hot_reduce=planned[info.embedding_config.name].hot_reduce,
             )
             for per_type in infos.values()
             for info in per_type

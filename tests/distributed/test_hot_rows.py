@@ -58,6 +58,7 @@ def test_hot_rows_reduce_only_the_touched_rows(kind, kwargs):
     [
         ("mixed", {}),  # bitwise: SGD on integers; table-, row- and column-wise
         ("row_wise", {"optimizer": "rowwise_adagrad", "pooling": "mean"}),  # within tolerance
+        ("mixed", {"hot_reduce": "mixed"}),  # bitwise; two tables all-gather their touched rows
     ],
 )
 def test_hot_rows_over_torchrecs_fused_kernel(kind, kwargs):
