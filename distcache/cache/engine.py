@@ -281,7 +281,7 @@ class CacheEngine:
     def drop_window(self) -> None:
         """Forget the batches in the window after an error: their queued transfers finish
         (dirty victims reach the host store), resident rows stay, nothing is lost."""
-        self.stager.drain()
+        self.stager.forget()
         self._ahead.clear()
         self._active.clear()
         self._checks.clear()
@@ -306,7 +306,7 @@ class CacheEngine:
 
         Dirty rows are discarded, so call `flush()` first unless the store was just overwritten.
         """
-        self.stager.drain()
+        self.stager.forget()
         self._ahead.clear()
         self._active.clear()
         self._checks.clear()

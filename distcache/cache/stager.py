@@ -164,6 +164,18 @@ class Stager:
                 future.result()
             self.streams.wait(job.ready)
 
+    def forget(self) -> None:
+        """`drain`, then drop every submitted plan (the window they were staged for is gone):
+        their transfers are done, and their rows counted as `wait` counts them."""
+        self.drain()
+        for job, future in self._jobs.values():
+            if future is None:  # direct staging: the worker did not count its rows
+                self.streams.host_wait(job.mirrored)
+                counts = job.counts.numpy().tolist()
+                self.store.rows_read += counts[LOADS]
+                self.store.rows_written += counts[WRITEBACKS]
+        self._jobs.clear()
+
     def write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Copy cache `slots` `[w]` into host `rows` `[w]`, synchronously (flush)."""
         if rows.numel() == 0:

@@ -4,6 +4,7 @@ Correctness of what it moves (write-backs before loads, nothing lost) is checked
 uncached references in `test_invariants.py` and `test_module.py`.
 """
 
+import pytest
 import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags
@@ -74,3 +75,21 @@ def test_device_ints_are_built_once_per_value():
     assert second is not first and ints([4], cpu) is second
     ints([5], cpu)  # a third value: the kept ones are dropped, this one kept
     assert ints([3, 1, 2], cpu) is not first
+
+
+@pytest.mark.parametrize("staging", ["worker", "direct"])
+def test_a_dropped_window_leaves_no_staged_plan_behind(staging):
+    """After an error the window is dropped: the plans staged for it are done and forgotten
+    (their rows counted), not kept until a later plan of the same number replaces them."""
+    tables = make_tables([4], [200])
+    config = CacheConfig(capacity=40, lookahead=3, prefetch_depth=2, staging=staging)
+    cached = CachedEmbeddingBags(tables, config)
+    batches = make_batches(tables, batch_size=4, num_batches=4, max_len=3, seed=3)
+    (engine,) = cached.engines
+    for batch in batches:
+        cached.enqueue(*batch)
+    cached.prefetch()  # two plans staged, neither looked up
+    assert len(engine.stager._jobs) == 2
+    engine.drop_window()
+    assert not engine.stager._jobs
+    assert engine.store.rows_read == engine.stats().loads > 0
