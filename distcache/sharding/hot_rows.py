@@ -66,14 +66,9 @@ class _HotTable:
     start: int  # where its [H, dim] rows begin in the collection's flat replica
     row: int  # its first row among the replica's rows (every table's, in the flat's order)
     width: int  # its width's index
-    state_rows: torch.Tensor  # [H + 1, state_dim] float32 optimizer state, and a scratch row
     optimizer: RowOptimizer
     touched_only: bool  # its gradient reduced as the rows each rank touched (`hot_reduce`)
-
-    @property
-    def state(self) -> torch.Tensor:
-        """[H, state_dim]: its rows' optimizer state (a view)."""
-        return self.state_rows[:-1]
+    state: torch.Tensor | None = None  # [H, state_dim] fp32 optimizer state: a view of its width's
 
     def rows_of(self, flat: torch.Tensor) -> torch.Tensor:
         """Its [H, dim] rows in `flat` (the replica, or its gradient): a view."""
@@ -90,6 +85,9 @@ class _Width:
     start: int  # where its rows begin in the flat replica
     row: int  # its first row among the replica's rows
     rows: int
+    # [rows + 1, columns] its tables' optimizer state (each table's columns first), a scratch
+    # row last
+    state: torch.Tensor | None = None
 
     def view(self, flat: torch.Tensor, *, scratch: bool = False) -> torch.Tensor:
         end = self.start + (self.rows + scratch) * self.dim
@@ -160,20 +158,20 @@ class HotRows:
                 )
             ids = torch.tensor(sorted(config.hot_rows), dtype=torch.int64, device=device)
             optimizer = make_optimizer(config)
-            state = torch.zeros(len(ids) + 1, optimizer.state_dim(dim), device=device)
             if not self.widths or self.widths[-1].dim != dim:
                 if self.widths:
                     start += self.widths[-1].dim  # the last width's scratch row
                 self.widths.append(_Width(dim, start, row, 0))
             touched = config.hot_reduce == "touched"
             self.tables[name] = _HotTable(
-                name, dim, ids, start, row, len(self.widths) - 1, state, optimizer, touched
+                name, dim, ids, start, row, len(self.widths) - 1, optimizer, touched
             )
             self.widths[-1].rows += len(ids)
             start += len(ids) * dim
             row += len(ids)
         start += self.widths[-1].dim if self.widths else 0
         self.num_rows = row
+        self._allocate_states(device)
         # Every hot row as one key, table t's row r at t·_TABLE_SPAN + r: sorted, and each
         # key's index is its replica row (tables are numbered in the replica's order), so one
         # binary search finds every feature's hot ids at once.
@@ -209,6 +207,17 @@ class HotRows:
         # Per table with a shard on this rank: the learning rate its kernel applies in this
         # backward (a host float). A table no rank reports keeps its configured rate.
         self.lr_sources: dict[str, Callable[[], float]] = {}
+
+    def _allocate_states(self, device: torch.device) -> None:
+        """The optimizer state, per width as the rows are: one tensor with a scratch row,
+        each table's state a view of it (its rows, its optimizer's columns)."""
+        for index, width in enumerate(self.widths):
+            mine = [t for t in self.tables.values() if t.width == index]
+            columns = max(t.optimizer.state_dim(t.dim) for t in mine)
+            width.state = torch.zeros(width.rows + 1, columns, device=device)
+            for t in mine:
+                first = t.row - width.row
+                t.state = width.state[first : first + t.ids.numel(), : t.optimizer.state_dim(t.dim)]
 
     # ------------------------------------------------------------ the batch
     def split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HotInput]:
@@ -438,9 +447,7 @@ class HotRows:
             for table, lr in zip(self.tables.values(), lrs.tolist(), strict=True):  # host rates
                 if lr >= 0:
                     table.optimizer.lr = lr
-                if table.touched_only:
-                    self._update_touched(table, reduced, world)
-                else:
+                if not table.touched_only:
                     grad, used = reduced.whole[table.name]
                     used = used.unsqueeze(1)
                     weight = table.rows_of(self.flat)
@@ -448,23 +455,30 @@ class HotRows:
                     table.optimizer.update(rows, state, grad.div_(world))
                     weight.copy_(torch.where(used, rows, weight))
                     table.state.copy_(torch.where(used, state, table.state))
+            self._update_touched(reduced, world)
+            for table in self.tables.values():
                 table.optimizer.step()
 
-    def _update_touched(self, table: _HotTable, reduced: Reduced, world: int) -> None:
-        """A 'touched' table's update, of the rows some rank touched only: their rows and
-        state gathered, updated, written back; the width's other rows and the sentinel go to
-        the scratch rows (of the width's view and of the table's state), which nothing reads."""
-        width = self.widths[table.width]
-        keys, sums = reduced.rows[table.width]  # width rows, each once; sentinel: width.rows
-        first, count = table.row - width.row, table.ids.numel()
-        inside = (keys >= first) & (keys < first + count)
-        at = torch.where(inside, keys, width.rows)
-        state_at = torch.where(inside, keys - first, count)
-        view = width.view(self.flat, scratch=True)
-        rows, state = view.index_select(0, at), table.state_rows.index_select(0, state_at)
-        table.optimizer.update(rows, state, sums / world)
-        view.index_copy_(0, at, rows)
-        table.state_rows.index_copy_(0, state_at, state)
+    def _update_touched(self, reduced: Reduced, world: int) -> None:
+        """The 'touched' tables' update, of the rows some rank touched only: those rows and
+        their state gathered, updated, written back. Per width, one update for all its
+        'touched' tables where their optimizers are alike (the usual case), else one per
+        table; the rows of the width's other tables, and the sentinel, are written to the
+        width's scratch row, which nothing reads."""
+        for index, (keys, sums) in reduced.rows.items():  # width rows, each once, sentinel last
+            width = self.widths[index]
+            tables = [t for t in self.tables.values() if t.width == index and t.touched_only]
+            alike = len({_optimizer_key(t.optimizer) for t in tables}) == 1
+            grad, view = sums / world, width.view(self.flat, scratch=True)
+            for table in tables[:1] if alike else tables:
+                at = keys  # every key is a row of one of `tables` (or the sentinel)
+                if not alike:
+                    first, count = table.row - width.row, table.ids.numel()
+                    at = torch.where((keys >= first) & (keys < first + count), keys, width.rows)
+                rows, state = view.index_select(0, at), width.state.index_select(0, at)
+                table.optimizer.update(rows, state[:, : table.state.shape[1]], grad)
+                view.index_copy_(0, at, rows)
+                width.state.index_copy_(0, at, state)
 
     # ------------------------------------------------------------ the tables' shards
     def gather(self, shards: list[tuple[str, int, int, torch.Tensor, list[torch.Tensor]]]) -> None:
@@ -577,3 +591,8 @@ def _compact(
         else torch.empty(count + 1, dtype=t.dtype, device=t.device).index_copy_(0, place, t)[:count]
         for t in tensors
     ]
+
+
+def _optimizer_key(optimizer: RowOptimizer) -> tuple:
+    """Equal for optimizers that update a row alike (kind, rates, step count)."""
+    return (type(optimizer), tuple(sorted(vars(optimizer).items())))

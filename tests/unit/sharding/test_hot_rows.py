@@ -54,3 +54,39 @@ def test_split_matches_a_reference():
 def test_tables_of_2_to_the_40_rows_are_refused():
     with pytest.raises(DistcacheConfigError, match="fewer than 1099511627776 rows"):
         HotRows({"t": (1 << 40, 4, CacheConfig(hot_rows=(1,)))}, {"f": "t"}, set(), "cpu")
+
+
+@pytest.mark.parametrize("reduce", ["touched", "all"])
+@pytest.mark.parametrize("lrs", [(0.5, 0.5), (0.5, 0.25)])  # alike optimizers, or not
+def test_one_process_step_updates_only_the_touched_rows(reduce, lrs):
+    """One process: a sum of the pooled rows, backward, and the step. Each touched row moves by
+    -lr x (its ids' count), every other row (the other tables' of the width too) and its
+    state stay; per table its own rate, whether the width's tables are updated together
+    (alike optimizers) or one by one."""
+    configs = {
+        t: CacheConfig(hot_rows=HOT[t], hot_reduce=reduce, learning_rate=lr, optimizer="adagrad")
+        for t, lr in zip("ab", lrs, strict=True)
+    }
+    hot = HotRows({t: (50, 4, c) for t, c in configs.items()}, {"fa": "a", "fb": "b"}, set(), "cpu")
+    hot.stale = False
+    start = torch.arange(hot.flat.numel(), dtype=torch.float32)
+    hot.flat.copy_(start)
+    kjt = KeyedJaggedTensor(
+        keys=["fa", "fb"],
+        values=torch.tensor([7, 7, 3, 1, 0, 9]),
+        lengths=torch.tensor([2, 1, 1, 2]),
+    )  # a: 7 twice, 3 once (40 not); b: 0 once (1, 9 cold)
+    _, part = hot.split(kjt)
+    sum(v.sum() for v in hot.pooled(part).values()).backward()
+    hot.finish_step()
+    uses = {"a": {3: 1, 7: 2}, "b": {0: 1}}
+    for name, table in hot.tables.items():
+        lr = configs[name].learning_rate
+        before = table.rows_of(start).clone()
+        for i, row in enumerate(table.ids.tolist()):
+            count = uses[name].get(row, 0)
+            # Adagrad, a gradient of `count` in each column: s = count^2, step lr·count/(count+eps)
+            want = before[i] - (lr * count / (abs(count) + 1e-8) if count else 0.0)
+            assert torch.allclose(table.rows_of(hot.flat)[i], want), (name, row)
+            assert torch.allclose(table.state[i], torch.full((4,), float(count**2))), (name, row)
+    assert hot.widths[0].view(hot.flat, scratch=True).shape[0] == hot.widths[0].rows + 1
