@@ -290,7 +290,7 @@ class CachedEmbeddingBags(nn.Module):
                 f"per_sample_weights holds {weights.numel()} {weights.dtype} values for {n} ids: "
                 "expected one floating-point weight per id"
             )
-        return weights.to(self.device, torch.float32).reshape(-1)
+        return weights.to(self.device, torch.float32, non_blocking=True).reshape(-1)
 
     def _lookup(self, engine: CacheEngine) -> StagePlan:
         """The engine's next plan; after an error, the window is dropped, then it is raised."""
@@ -324,8 +324,10 @@ class CachedEmbeddingBags(nn.Module):
                 f"offsets has {offsets.numel()} entries; expected F * B + 1 with F={num_features} "
                 "features (feature-major bags)"
             )
-        values = values.to(self.device, torch.int64)
-        offsets = offsets.to(self.device, torch.int64)
+        # From host memory without waiting for the device (a pageable source is copied out
+        # before the call returns; a blocking copy would wait for the device's queue).
+        values = values.to(self.device, torch.int64, non_blocking=True)
+        offsets = offsets.to(self.device, torch.int64, non_blocking=True)
         n = values.numel()
         batch_size = num_bags // num_features
         lengths = offsets.diff()  # [F * B]
