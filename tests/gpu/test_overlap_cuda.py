@@ -186,13 +186,28 @@ def test_the_host_runs_k_training_steps_ahead_of_a_busy_device(staging):
 
 
 @pytest.mark.parametrize("staging", ["worker", "direct"])
-def test_per_batch_path_has_no_synchronizing_call(staging):
-    """enqueue, prefetch, forward and backward under `set_sync_debug_mode("error")`."""
+def test_per_batch_path_has_no_synchronizing_call(staging, monkeypatch):
+    """enqueue, prefetch, forward and backward under `set_sync_debug_mode("error")`, which does
+    not see an event's `synchronize`: those are counted apart, on every thread but the
+    stager's worker (the training thread, autograd's). With the worker thread none waits for
+    an event; with direct staging the training thread reads each plan's counts after an event
+    recorded K batches before, which must have completed by then."""
     bags = _bags(capacity=300, depth=2, staging=staging)
     window = _Window(bags, _batches(24))
     for _ in range(8):  # warm up: the cache fills, evictions and write-backs begin
         window.step()
     torch.cuda.synchronize(DEVICE)
+    waits, blocked = [], []
+    synchronize = torch.cuda.Event.synchronize
+
+    def counted(event: torch.cuda.Event) -> None:
+        if not threading.current_thread().name.startswith("distcache-stager"):
+            waits.append(_innermost_distcache_frame(traceback.extract_stack()))
+            if not event.query():
+                blocked.append(waits[-1])
+        synchronize(event)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(10):
@@ -200,6 +215,9 @@ def test_per_batch_path_has_no_synchronizing_call(staging):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert bags.engines[0].stats().writebacks > 0
+    assert not blocked, f"the training thread waited for the device at {Counter(blocked)}"
+    if staging == "worker":
+        assert not waits, f"the training thread waited for events at {Counter(waits)}"
 
 
 def _innermost_distcache_frame(stack: list[traceback.FrameSummary]) -> str:
