@@ -16,7 +16,7 @@ from tests.distributed.sharded_model import global_batches, local_slice, loss_of
 
 Shards = dict[str, list[tuple[list[int], torch.Tensor]]]
 # Two choices of hot rows (`CacheConfig.hot_rows`) per table: a checkpoint saved with one loads
-# with the other, or with none.
+# with the other, or with none. The second reduces its gradients as touched rows.
 HOT = {
     "a": {"t0": (0, 1, 2, 3), "t1": (0, 1, 2), "t3": (0, 1)},
     "b": {"t0": (5, 6), "t1": (0,), "t2": (0, 1, 2)},
@@ -49,8 +49,11 @@ def _model(
     apply_optimizer_in_backward(opt_cls, ebc.embedding_bags.parameters(), {"lr": 0.1, "eps": 1e-6})
     # t3 serves two features: a larger cache of its own.
     tables = {"t3": CacheConfig(capacity=28)}
+    reduce = "touched" if hot == "b" else "all"
     for table, rows in HOT.get(hot or "", {}).items():
-        tables[table] = dataclasses.replace(tables.get(table, config), hot_rows=rows)
+        tables[table] = dataclasses.replace(
+            tables.get(table, config), hot_rows=rows, hot_reduce=reduce
+        )
     return shard(ebc, kind, config, tables, kernel)
 
 
