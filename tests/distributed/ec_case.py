@@ -151,14 +151,15 @@ def train_ec_and_compare(
     *,
     capacity: int = 16,
     steps: int = 10,
-    hot: bool = False,
+    hot: bool | str = False,
     optimizer: str = "sgd",
 ) -> dict:
     """Train a cached, sharded EC and the unsharded EC side by side on the same batches (SGD,
     integer rows and gradients): per-id outputs and final rows must be bitwise equal.
 
     `hot`: s0 and s2 (two features) replicate their hottest rows on every rank
-    (`CacheConfig.hot_rows`). `optimizer="adam"`: lazy Adam (TorchRec's row-wise semantics:
+    (`CacheConfig.hot_rows`); `hot="touched"`: s2 reduces its touched rows, s0 all its rows.
+    `optimizer="adam"`: lazy Adam (TorchRec's row-wise semantics:
     rows no rank touched keep their value and moments), compared within float tolerance."""
     torch.manual_seed(0)
     reference = make_ec()
@@ -178,7 +179,11 @@ def train_ec_and_compare(
     if hot:  # the power law's hottest ids are the smallest
         big = {
             "s0": dataclasses.replace(config, hot_rows=(0, 1, 2)),
-            "s2": dataclasses.replace(big["s2"], hot_rows=(3, 0, 1, 2)),
+            "s2": dataclasses.replace(
+                big["s2"],
+                hot_rows=(3, 0, 1, 2),
+                hot_reduce="touched" if hot == "touched" else "all",
+            ),
         }
     model = shard_ec(src, "", src, kind, config, big)
     copy_global_into(model, reference.state_dict())
@@ -199,6 +204,9 @@ def train_ec_and_compare(
             a, b = mine[f].values().detach(), expected.values().detach()
             assert torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-5), (step, f)
     compare_with_global(model, reference.state_dict(), exact=exact)
+    if hot == "touched":  # s2's touched rows went through the all-gather
+        gathered = model._dmp_wrapped_module._hot._reduction.gathered
+        assert [span.name for span in gathered] == ["s2"], gathered
     return {name: s.as_dict() for name, s in cache_stats(model).items()}
 
 

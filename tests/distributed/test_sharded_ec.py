@@ -23,6 +23,14 @@ def test_sharded_cached_ec_sgd_equals_unsharded_bitwise(kind):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize(("kind", "optimizer"), [("row_wise", "sgd"), ("mixed", "adam")])
+def test_ec_hot_rows_reducing_touched_rows_equal_unsharded(kind, optimizer):
+    """The same with s2's replica reduced as the rows each rank touched (s0's all its rows)."""
+    kwargs = {"optimizer": optimizer, "hot": "touched"}
+    run_ranks(train_ec_and_compare, 2, args=(kind,), kwargs=kwargs, timeout_s=150)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("kind", "optimizer"),
     [("table_wise", "sgd"), ("row_wise", "sgd"), ("column_wise", "sgd"), ("mixed", "adam")],
