@@ -18,8 +18,10 @@ per table):
                width's row count), which every update drops. Nothing of size H is made.
 
 The counts are host ints that `HotRows.split` reads with the batch's other counts (its one
-read of the device a batch); every other size here is known on the host, so this stage reads
-nothing back. Either way the sums agree to rounding (summed in another order), bitwise for
+read of the device a batch); every other size here is known on the host. The collectives run
+on gloo (`HotRows`' group), which all-reduces device tensors (through the host, as its
+synchronization) but all-gathers host tensors only: on CUDA the rows to all-gather are copied
+to the host first, one read of the device a step, in the backward. Either way the sums agree to rounding (summed in another order), bitwise for
 integer-valued gradients.
 
 Example::
@@ -157,6 +159,7 @@ class Reduction:
                 blocks.append(_packed(keys, sums, caps[width], self.width_rows[width]))
             gathered = send = torch.cat(blocks)
             if self.group is not None:
+                send = send.cpu()  # gloo all-gathers host tensors (a no-op on CPU)
                 gathered = send.new_empty(world * send.numel())
                 works.append(_ALL_GATHER(gathered, send, group=self.group, async_op=True))
         return Pending(works, whole, gathered, caps, world)
@@ -176,7 +179,7 @@ class Reduction:
                 first, row = first + s.rows * s.dim, row + s.rows
         rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if pending.gathered is not None:
-            per_rank = pending.gathered.view(pending.world, -1)
+            per_rank = pending.gathered.to(self.device).view(pending.world, -1)
             first = 0
             for width in self._key:
                 dim, cap = self._dim(width), pending.caps[width]
