@@ -27,6 +27,12 @@ class RowOptimizer(abc.ABC):
         self.lr = config.learning_rate
         self.eps = config.eps
 
+    @property
+    def zero_gradient_keeps_rows(self) -> bool:
+        """A row (and its state) updated with a zero gradient stays exactly as it was, so a
+        dense update of rows some of which are untouched needs no mask."""
+        return False
+
     @abc.abstractmethod
     def state_dim(self, dim: int) -> int:
         """Optimizer-state columns per row of width `dim`."""
@@ -53,6 +59,10 @@ class SGD(RowOptimizer):
 
     per_id = True
 
+    @property
+    def zero_gradient_keeps_rows(self) -> bool:
+        return True  # w - lr * 0 == w
+
     def state_dim(self, dim: int) -> int:
         return 0
 
@@ -63,6 +73,10 @@ class SGD(RowOptimizer):
 class Adagrad(RowOptimizer):
     """Element-wise Adagrad (torch.optim.Adagrad with sparse gradients, no decay):
     s += g^2; w -= lr * g / (sqrt(s) + eps)."""
+
+    @property
+    def zero_gradient_keeps_rows(self) -> bool:
+        return self.eps > 0  # s + 0 == s; w - lr * 0 / (sqrt(s) + eps) == w unless 0 / 0
 
     def state_dim(self, dim: int) -> int:
         return dim
@@ -75,6 +89,10 @@ class Adagrad(RowOptimizer):
 class RowWiseAdagrad(RowOptimizer):
     """Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row,
     s += mean(g^2); w -= lr * g / (sqrt(s) + eps)."""
+
+    @property
+    def zero_gradient_keeps_rows(self) -> bool:
+        return self.eps > 0  # as Adagrad
 
     def state_dim(self, dim: int) -> int:
         return 1

@@ -1,4 +1,5 @@
-"""Hot rows' gradients, summed over the ranks once a step (the update stage of `HotRows`).
+"""Hot rows' gradients, summed over the ranks once a step, and applied (the update stage of
+`HotRows`: `Reduction`, then `apply_whole` or `apply_touched` per table).
 
 The backward hands in each hot id's gradient row, per embedding dim (a width of the replica:
 `HotRows.widths`), as `(width, replica rows [h], gradient rows [h, dim])`. Each table's part
@@ -21,8 +22,8 @@ The counts are host ints that `HotRows.split` reads with the batch's other count
 read of the device a batch); every other size here is known on the host. The collectives run
 on gloo (`HotRows`' group), which all-reduces device tensors (through the host, as its
 synchronization) but all-gathers host tensors only: on CUDA the rows to all-gather are copied
-to the host first, one read of the device a step, in the backward. Either way the sums agree to rounding (summed in another order), bitwise for
-integer-valued gradients.
+to the host first, one read of the device a step, in the backward. Either way the sums agree
+to rounding (summed in another order), bitwise for integer-valued gradients.
 
 Example::
 
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from distcache.cache.optimizers import RowOptimizer
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -251,3 +254,56 @@ def _packed(keys: torch.Tensor, sums: torch.Tensor, cap: int, sentinel: int) -> 
         sums = torch.cat([sums, sums.new_zeros(cap - n, sums.shape[1])])
     tag = keys[:cap].to(torch.int32).view(torch.float32).unsqueeze(1)
     return torch.cat([tag, sums[:cap]], 1).flatten()
+
+
+# ---------------------------------------------------------------------------------- the update
+def apply_whole(
+    optimizer: RowOptimizer,
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    grad: torch.Tensor,
+    used: torch.Tensor,
+) -> None:
+    """An 'all' table's update, in place: every row `weight` `[H, dim]` (and `state`) with its
+    gradient `grad` (zero where no rank touched it, `used` `[H]` False), directly where a zero
+    gradient leaves a row as it is (SGD, Adagrad); else (Adam) on a copy, of which only the
+    touched rows are kept."""
+    if optimizer.zero_gradient_keeps_rows:
+        optimizer.update(weight, state, grad)
+        return
+    used = used.unsqueeze(1)
+    rows, new_state = weight.clone(), state.clone()
+    optimizer.update(rows, new_state, grad)
+    weight.copy_(torch.where(used, rows, weight))
+    state.copy_(torch.where(used, new_state, state))
+
+
+def apply_touched(
+    view: torch.Tensor,
+    state: torch.Tensor,
+    keys: torch.Tensor,
+    grad: torch.Tensor,
+    tables: list[tuple[RowOptimizer, int, int, int]],
+) -> None:
+    """One width's 'touched' tables' update, of the rows some rank touched only: those rows
+    (`keys` `[n]` of the width's `view` `[rows + 1, dim]`, each once, the sentinel `rows` for
+    none) and their `state` (`[rows + 1, columns]`) gathered, updated with `grad` `[n, dim]`,
+    written back. `tables`: (optimizer, first row, rows, state columns) of each. One update
+    for all where their optimizers are alike (the usual case), else one per table; the rows of
+    the width's other tables, and the sentinel, go to the scratch row (the last), which
+    nothing reads."""
+    alike = len({_optimizer_key(optimizer) for optimizer, *_ in tables}) == 1
+    scratch = view.shape[0] - 1
+    for optimizer, first, count, columns in tables[:1] if alike else tables:
+        at = keys  # every key is a row of one of `tables` (or the sentinel)
+        if not alike:
+            at = torch.where((keys >= first) & (keys < first + count), keys, scratch)
+        rows, rows_state = view.index_select(0, at), state.index_select(0, at)
+        optimizer.update(rows, rows_state[:, :columns], grad)
+        view.index_copy_(0, at, rows)
+        state.index_copy_(0, at, rows_state)
+
+
+def _optimizer_key(optimizer: RowOptimizer) -> tuple:
+    """Equal for optimizers that update a row alike (kind, rates, step count)."""
+    return (type(optimizer), tuple(sorted(vars(optimizer).items())))

@@ -53,7 +53,15 @@ from distcache.cache.optimizers import RowOptimizer, make_optimizer
 from distcache.cache.streams import DeviceInts
 from distcache.errors import DistcacheConfigError
 from distcache.sharding.hot_pool import AddColumns, PooledRows
-from distcache.sharding.hot_reduce import Entry, Pending, Reduced, Reduction, Span
+from distcache.sharding.hot_reduce import (
+    Entry,
+    Pending,
+    Reduced,
+    Reduction,
+    Span,
+    apply_touched,
+    apply_whole,
+)
 
 
 @dataclass
@@ -449,36 +457,23 @@ class HotRows:
                     table.optimizer.lr = lr
                 if not table.touched_only:
                     grad, used = reduced.whole[table.name]
-                    used = used.unsqueeze(1)
                     weight = table.rows_of(self.flat)
-                    rows, state = weight.clone(), table.state.clone()
-                    table.optimizer.update(rows, state, grad.div_(world))
-                    weight.copy_(torch.where(used, rows, weight))
-                    table.state.copy_(torch.where(used, state, table.state))
+                    apply_whole(table.optimizer, weight, table.state, grad.div_(world), used)
             self._update_touched(reduced, world)
             for table in self.tables.values():
                 table.optimizer.step()
 
     def _update_touched(self, reduced: Reduced, world: int) -> None:
-        """The 'touched' tables' update, of the rows some rank touched only: those rows and
-        their state gathered, updated, written back. Per width, one update for all its
-        'touched' tables where their optimizers are alike (the usual case), else one per
-        table; the rows of the width's other tables, and the sentinel, are written to the
-        width's scratch row, which nothing reads."""
-        for index, (keys, sums) in reduced.rows.items():  # width rows, each once, sentinel last
+        """The 'touched' tables' update, width by width (`hot_reduce.apply_touched`)."""
+        for index, (keys, sums) in reduced.rows.items():
             width = self.widths[index]
-            tables = [t for t in self.tables.values() if t.width == index and t.touched_only]
-            alike = len({_optimizer_key(t.optimizer) for t in tables}) == 1
-            grad, view = sums / world, width.view(self.flat, scratch=True)
-            for table in tables[:1] if alike else tables:
-                at = keys  # every key is a row of one of `tables` (or the sentinel)
-                if not alike:
-                    first, count = table.row - width.row, table.ids.numel()
-                    at = torch.where((keys >= first) & (keys < first + count), keys, width.rows)
-                rows, state = view.index_select(0, at), width.state.index_select(0, at)
-                table.optimizer.update(rows, state[:, : table.state.shape[1]], grad)
-                view.index_copy_(0, at, rows)
-                width.state.index_copy_(0, at, state)
+            tables = [
+                (t.optimizer, t.row - width.row, t.ids.numel(), t.state.shape[1])
+                for t in self.tables.values()
+                if t.width == index and t.touched_only
+            ]
+            view = width.view(self.flat, scratch=True)
+            apply_touched(view, width.state, keys, sums / world, tables)
 
     # ------------------------------------------------------------ the tables' shards
     def gather(self, shards: list[tuple[str, int, int, torch.Tensor, list[torch.Tensor]]]) -> None:
@@ -591,8 +586,3 @@ def _compact(
         else torch.empty(count + 1, dtype=t.dtype, device=t.device).index_copy_(0, place, t)[:count]
         for t in tensors
     ]
-
-
-def _optimizer_key(optimizer: RowOptimizer) -> tuple:
-    """Equal for optimizers that update a row alike (kind, rates, step count)."""
-    return (type(optimizer), tuple(sorted(vars(optimizer).items())))
