@@ -138,14 +138,14 @@ def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str,
         state.remove(index)
         state.add(index, best, ranks)
     others = ", ".join(
-        f"{h}{_gathered(h, r)} ({100 * access.head(h)[0]:.3g}% of lookups): "
+        f"{h} ({100 * access.head(h)[0]:.3g}% of lookups{_gathered(h, r)}): "
         + (f"{s * 1e3:.4g} ms/step" if s is not None else "does not fit")
         for h, r, s in tried
         if (h, r) != (best.hot_rows, best.hot_reduce if best.hot_rows else HOT_ALL)
     )
     chosen = (
         f"{best.hot_rows} hot rows replicated ({100 * access.head(best.hot_rows)[0]:.3g}% of "
-        f"lookups){_gathered(best.hot_rows, best.hot_reduce)}"
+        f"lookups{_gathered(best.hot_rows, best.hot_reduce)})"
         if best.hot_rows
         else "no hot rows"
     )
@@ -154,4 +154,4 @@ def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str,
 
 def _gathered(hot_rows: int, hot_reduce: str) -> str:
     """How a replica's gradient is summed, where it is not all its rows all-reduced."""
-    return " touched rows all-gathered" if hot_rows and hot_reduce == HOT_TOUCHED else ""
+    return "; touched rows all-gathered" if hot_rows and hot_reduce == HOT_TOUCHED else ""
