@@ -9,7 +9,9 @@ from distcache.errors import DistcacheConfigError
 
 POLICIES = ("lookahead", "lru", "lfu")
 STAGING = ("worker", "direct")
-HOT_REDUCE = ("all", "touched")
+HOT_ALL = "all"  # a replica's gradient: all of its rows all-reduced every step
+HOT_TOUCHED = "touched"  # only the rows each rank touched, all-gathered
+HOT_REDUCE = (HOT_ALL, HOT_TOUCHED)
 # The smallest L within 1.10 x of Belady's optimum on MovieLens-100K (20 %, 30 % of distinct
 # rows) and zipf traces (5 %, 10 %), batches of 64-256 (benchmarks/results/lookahead_sweep_*).
 DEFAULT_LOOKAHEAD = 64
@@ -65,7 +67,7 @@ class CacheConfig:
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
     across ranks and applied with the same row optimizer. Only for distcache-sharded tables
     (`distcache.sharding.hot_rows`); () for none."""
-    hot_reduce: str = "all"
+    hot_reduce: str = HOT_ALL
     """How the hot rows' gradients are summed across ranks each step: 'all' (one all-reduce of
     every hot row's gradient) or 'touched' (an all-gather of only the rows each rank touched:
     cheaper when a rank's batch touches few of the hot rows). The planner chooses it by its

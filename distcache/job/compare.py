@@ -44,6 +44,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 
+from distcache.cache.config import HOT_ALL
 from distcache.errors import DistcacheConfigError
 from distcache.job.measure import MeasureOptions, measure_plans, unmeasurable_reason
 from distcache.planner.cost import all_to_all_sent_bytes, plan_cost
@@ -209,7 +210,7 @@ def compare(
         ours = solve(workload, topology, options=options)
         rows = [_row("distcache", ours, workload, topology, include_torchrec, start)]
         hot = [
-            f"{t.table} {t.hot_rows}{' (touched rows all-gathered)' * (t.hot_reduce != 'all')}"
+            f"{t.table} {t.hot_rows}{' (touched rows all-gathered)' * (t.hot_reduce != HOT_ALL)}"
             for t in ours.tables
             if t.hot_rows
         ]

@@ -68,6 +68,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from distcache.cache.config import HOT_ALL
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost, validate_plan
 from distcache.planner.solver import solve
@@ -299,7 +300,7 @@ def format_plan(plan: Plan, workload: Workload) -> str:
                 cache,
                 str(tp.lookahead),
                 str(tp.prefetch_depth),
-                f"{tp.hot_rows:,}{' touched' * (tp.hot_reduce != 'all')}" if tp.hot_rows else "-",
+                f"{tp.hot_rows:,}{' touched' * (tp.hot_reduce != HOT_ALL)}" if tp.hot_rows else "-",
             ]
         )
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]

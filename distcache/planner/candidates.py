@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from distcache.cache.config import HOT_ALL
 from distcache.planner.dense import all_reduce_s, dense_compute_s, dense_parameter_bytes
 from distcache.planner.ranks import expose_staging, node_layout
 from distcache.planner.shards import ShardTerms, shard_access, shard_terms
@@ -29,7 +30,6 @@ from distcache.planner.types import (
     DATA_PARALLEL,
     DEVICE,
     HOST_CACHED,
-    HOT_ALL,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,

@@ -115,6 +115,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distcache.cache.config import HOT_TOUCHED
 from distcache.errors import DistcacheConfigError
 from distcache.planner.binned import BinnedProfile, table_access
 from distcache.planner.dense import (
@@ -160,7 +161,6 @@ from distcache.planner.shards import (
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
-    HOT_TOUCHED,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,

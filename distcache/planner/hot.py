@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from distcache.cache.config import HOT_ALL, HOT_REDUCE, HOT_TOUCHED
 from distcache.planner.binned import table_access
 from distcache.planner.candidates import Mode
 from distcache.planner.pricing import State
 from distcache.planner.search import better_state as _better
 from distcache.planner.shards import shard_terms
-from distcache.planner.types import DATA_PARALLEL, HOT_ALL, HOT_REDUCE, HOT_TOUCHED
+from distcache.planner.types import DATA_PARALLEL
 
 PASSES = 2
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
+from distcache.cache.config import HOT_TOUCHED
 from distcache.planner.candidates import TIE_S, Candidate, Group, Mode, Problem, gb
 from distcache.planner.cost import global_terms
 from distcache.planner.ranks import (
@@ -40,7 +41,6 @@ from distcache.planner.shards import ShardTerms, sent_bags_per_rank
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
-    HOT_TOUCHED,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,

@@ -14,14 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from distcache.cache.config import HOT_ALL, HOT_TOUCHED
 from distcache.planner.binned import table_access
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
     DEVICE,
     HOST_CACHED,
-    HOT_ALL,
-    HOT_TOUCHED,
     OPTIMIZER_STATE,
     ROW_WISE,
     TABLE_ROW_WISE,

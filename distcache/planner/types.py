@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from distcache.cache.config import HOT_ALL, HOT_REDUCE
 from distcache.errors import DistcacheConfigError, UnknownTableError
 from distcache.planner.stats import AccessProfile
 
@@ -36,9 +37,6 @@ planner) may also use `TABLE_ROW_WISE`, which the cost model prices as TorchRec 
 DEVICE = "device"  # every row of the shard in device memory
 HOST_CACHED = "host_cached"  # rows in host memory, a look-ahead cache of some rows on the device
 STORAGES = (DEVICE, HOST_CACHED)
-HOT_ALL = "all"  # a replica's gradient: all of its rows all-reduced every step
-HOT_TOUCHED = "touched"  # only the rows each rank touched, all-gathered
-HOT_REDUCE = (HOT_ALL, HOT_TOUCHED)
 
 # Optimizer state per row, in elements of the row's dtype: f(dim).
 OPTIMIZER_STATE = {

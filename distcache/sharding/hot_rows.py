@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from distcache.cache.config import CacheConfig
+from distcache.cache.config import HOT_TOUCHED, CacheConfig
 from distcache.cache.optimizers import RowOptimizer, make_optimizer
 from distcache.cache.streams import DeviceInts
 from distcache.errors import DistcacheConfigError
@@ -170,7 +170,7 @@ class HotRows:
                 if self.widths:
                     start += self.widths[-1].dim  # the last width's scratch row
                 self.widths.append(_Width(dim, start, row, 0))
-            touched = config.hot_reduce == "touched"
+            touched = config.hot_reduce == HOT_TOUCHED
             self.tables[name] = _HotTable(
                 name, dim, ids, start, row, len(self.widths) - 1, optimizer, touched
             )

@@ -15,7 +15,7 @@ from typing import Any
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
-from distcache.cache.config import CacheConfig
+from distcache.cache.config import HOT_ALL, CacheConfig
 
 #: Key of the table's `CacheConfig` in a customized kernel's fused params.
 CACHE_CONFIG_KEY = "distcache_cache_config"
@@ -39,7 +39,7 @@ class CachedParameterSharding(ParameterSharding):
         # share one (the sharded module reads both from the plan). TorchRec's kernels get none.
         if self.cache_config is None or self.compute_kernel != CACHED_KERNEL:
             return {}
-        plain = dataclasses.replace(self.cache_config, hot_rows=(), hot_reduce="all")
+        plain = dataclasses.replace(self.cache_config, hot_rows=(), hot_reduce=HOT_ALL)
         return {CACHE_CONFIG_KEY: plain}
 
 

@@ -72,7 +72,7 @@ from torchrec.distributed.sharding_plan import (
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import DataType
 
-from distcache.cache.config import CacheConfig
+from distcache.cache.config import HOT_ALL, CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import table_access
 from distcache.planner.types import (
@@ -80,7 +80,6 @@ from distcache.planner.types import (
     DATA_PARALLEL,
     DEVICE,
     HOST_CACHED,
-    HOT_ALL,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
