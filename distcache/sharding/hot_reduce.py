@@ -101,20 +101,23 @@ class Reduction:
         self.group = group
         self.device = device or torch.device("cpu")
         self._counts: tuple[dist.Work | None, torch.Tensor] | None = None
+        self._dims = {s.width: s.dim for s in self.spans}  # each width's embedding dim
         # Per width: each row's place among its 'all' tables' rows (their count for others),
-        # and its key among the 'touched' tables' rows (itself; the width's rows for others).
-        self._all_row: dict[int, torch.Tensor] = {}
+        # with that count, and its key among the 'touched' tables' rows (itself; the width's
+        # rows for others).
+        self._all_row: dict[int, tuple[torch.Tensor, int]] = {}
         self._key: dict[int, torch.Tensor] = {}
         for width, rows in enumerate(width_rows):
             mine = [s for s in self.spans if s.width == width]
             whole = [s for s in mine if not s.touched_only]
             if whole:
-                place = torch.full((rows,), sum(s.rows for s in whole), dtype=torch.int64)
+                count = sum(s.rows for s in whole)
+                place = torch.full((rows,), count, dtype=torch.int64)
                 first = 0
                 for s in whole:
                     place[s.row : s.row + s.rows] = torch.arange(first, first + s.rows)
                     first += s.rows
-                self._all_row[width] = place.to(self.device)
+                self._all_row[width] = (place.to(self.device), count)
             if any(s.touched_only for s in mine):
                 key = torch.full((rows,), rows, dtype=torch.int64)
                 for s in mine:
@@ -142,10 +145,9 @@ class Reduction:
         whole = None
         if self.whole:
             sums, flags = [], []
-            for width, place in self._all_row.items():
+            for width, (place, count) in self._all_row.items():
                 rows, grads = per_width[width]
                 at = place.index_select(0, rows)
-                count = sum(s.rows for s in self.whole if s.width == width)
                 buf = grads.new_zeros(count + 1, grads.shape[1]).index_add_(0, at, grads)
                 flag = grads.new_zeros(count + 1).index_fill_(0, at, 1.0)
                 sums.append(buf[:-1].flatten())
@@ -185,7 +187,7 @@ class Reduction:
             per_rank = pending.gathered.to(self.device).view(pending.world, -1)
             first = 0
             for width in self._key:
-                dim, cap = self._dim(width), pending.caps[width]
+                dim, cap = self._dims[width], pending.caps[width]
                 block = per_rank[:, first : first + cap * (dim + 1)].reshape(-1, dim + 1)
                 first += cap * (dim + 1)
                 keys = block[:, 0].contiguous().view(torch.int32).to(torch.int64)
@@ -203,11 +205,8 @@ class Reduction:
                 out.append((torch.cat([r for r, _ in mine]), torch.cat([g for _, g in mine])))
             else:  # no hot id of this width reached the backward
                 empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-                out.append((empty, torch.zeros(0, self._dim(width), device=self.device)))
+                out.append((empty, torch.zeros(0, self._dims[width], device=self.device)))
         return out
-
-    def _dim(self, width: int) -> int:
-        return next(s.dim for s in self.spans if s.width == width)
 
     def _width_caps(self) -> dict[int, int]:
         """Rows each rank sends per width of 'touched' tables: the sum of its tables' most

@@ -79,7 +79,7 @@ class _HotTable:
     state: torch.Tensor | None = None  # [H, state_dim] fp32 optimizer state: a view of its width's
 
     def rows_of(self, flat: torch.Tensor) -> torch.Tensor:
-        """Its [H, dim] rows in `flat` (the replica, or its gradient): a view."""
+        """Its [H, dim] rows in `flat` (the replica): a view."""
         return flat[self.start : self.start + self.ids.numel() * self.dim].view(-1, self.dim)
 
 
