@@ -130,6 +130,9 @@ def unmeasurable_reason(workload: Workload, topology: Topology) -> str | None:
 
 def workload_unmeasurable_reason(workload: Workload) -> str | None:
     """Why `workload` cannot be built as a DLRM and fed synthetic batches, or None."""
+    sequence = [t.name for t in workload.tables if not t.pooled]
+    if sequence:
+        return f"DLRM pools every table; tables {sequence[:5]} are sequence tables (pooled = false)"
     dims = {t.dim for t in workload.tables}
     if len(dims) > 1:
         return f"DLRM needs one embedding dim; workload {workload.name} has {sorted(dims)}"

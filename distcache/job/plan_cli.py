@@ -15,9 +15,10 @@ Both commands take a workload and a topology:
 ``plan`` prints each table's placement with the solver's reasons and the modelled step, and
 writes ``--out plan.json`` (`Plan.save`; `Plan.load` reads it) and ``--torchrec-out FILE``:
 the plan as a TorchRec `ShardingPlan` for `DistributedModelParallel` with
-`CachedEmbeddingBagCollectionSharder`, written with `torch.save` (it holds distcache and
-TorchRec classes, so load it with ``torch.load(FILE, weights_only=False)``; the EBC's path in
-the model is ``--module-path``, default "" for a bare EBC).
+`CachedEmbeddingBagCollectionSharder` (and `CachedEmbeddingCollectionSharder` for sequence
+tables), written with `torch.save` (it holds distcache and TorchRec classes, so load it with
+``torch.load(FILE, weights_only=False)``; the EBC's path in the model is ``--module-path``,
+default "" for a bare EBC, the `EmbeddingCollection`'s ``--sequence-module-path``).
 
 ``compare`` prints distcache's plan, TorchRec's, the all-table-wise and all-row-wise
 baselines and every ``--plan FILE`` (repeatable) side by side (`compare.format_table`), or
@@ -44,6 +45,8 @@ Config file (strict: an unknown section or key is an error naming the allowed on
     dim = 128                       # required
     pooling_factor = 1.0            # ids per sample (default 1.0)
     row_dtype_bytes = 2             # optional: fp16 rows (default: the model's dtype_bytes)
+    pooled = false                  # optional: an EmbeddingCollection's table, one output per id
+                                    # (default true: an EmbeddingBagCollection's, pooled per bag)
     alpha = 1.05                    # power-law exponent of the id distribution (default 1.05)
 
 Bad flags and values exit with status 2 and a message naming the flag; a workload that no plan
@@ -88,7 +91,7 @@ _MODEL_KEYS = (
     "optimizer",
     "dtype_bytes",
 )
-_TABLE_KEYS = ("name", "rows", "dim", "pooling_factor", "alpha", "row_dtype_bytes")
+_TABLE_KEYS = ("name", "rows", "dim", "pooling_factor", "alpha", "row_dtype_bytes", "pooled")
 _TABLE_REQUIRED = ("name", "rows", "dim")
 
 
@@ -282,8 +285,8 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def format_plan(plan: Plan, workload: Workload) -> str:
-    """One line per table (placement, cache, look-ahead, hot rows), then the solver's
-    reasons."""
+    """One line per table (placement, cache, look-ahead, hot rows; a sequence table's name
+    marked '(seq)'), then the solver's reasons."""
     header = ["table", "rows", "dim", "sharding", "ranks", "storage", "cache", "L", "K", "hot"]
     body = []
     for table in workload.tables:
@@ -291,7 +294,7 @@ def format_plan(plan: Plan, workload: Workload) -> str:
         cache = f"{100 * tp.cache_fraction:.3g}%" if tp.storage != "device" else "-"
         body.append(
             [
-                table.name,
+                table.name + ("" if table.pooled else " (seq)"),
                 f"{table.rows:,}",
                 str(table.dim),
                 tp.sharding,
@@ -351,6 +354,7 @@ def _save_torchrec(
             plan,
             workload,
             module_path=args.module_path,
+            sequence_module_path=args.sequence_module_path,
             world_size=topology.world_size,
             ranks_per_node=topology.ranks_per_node,
             device=topology.compute_device,
@@ -375,6 +379,10 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the plan as JSON")
     parser.add_argument("--torchrec-out", type=Path, help="write a TorchRec ShardingPlan")
     parser.add_argument("--module-path", default="", help="the EBC's path in the model")
+    parser.add_argument(
+        "--sequence-module-path",
+        help="the EmbeddingCollection's path in the model (sequence tables: pooled = false)",
+    )
     return _run(_plan, parser, sys.argv[1:] if argv is None else argv)
 
 

@@ -158,7 +158,8 @@ class Problem:
             layouts.append((TABLE_WISE, 1))
         if ROW_WISE in opts.shardings and self.world > 1:
             layouts.append((ROW_WISE, self.world))
-        if TABLE_ROW_WISE in opts.shardings and self._whole_nodes():
+        # (TorchRec shards an `EmbeddingCollection`'s tables neither table-row-wise nor grid.)
+        if TABLE_ROW_WISE in opts.shardings and self._whole_nodes() and table.pooled:
             layouts.append((TABLE_ROW_WISE, self.topology.ranks_per_node))
         if COLUMN_WISE in opts.shardings:
             layouts += [

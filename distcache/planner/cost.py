@@ -38,7 +38,11 @@ U_table(n) otherwise, from `stats.expected_unique`.
   TorchRec's reduce-scatter (forward) and all-gather (backward): where calibrated (gloo runs them
   slower than its all-to-all), each of their bytes counts `row_wise_output_slowdown` bytes
   (`shards.output_rate_factor`), and a plan with row-wise tables adds `row_wise_output_latency_s`
-  a step. Latencies: each sharding type a plan uses (data parallel aside) routes its ids with 3
+  a step. Sequence tables (`TableStats.pooled` False, an `EmbeddingCollection`'s) send one
+  output row per id instead of per bag: B·P·D_shard·dtype (row-wise: each shard the B·P/S ids
+  it served, through an all-to-all, at no slowdown), and TorchRec has no table-row-wise or grid
+  sharding for them. Latencies: each sharding type a plan uses (data parallel aside; a
+  sequence table's sharding type counts apart from the pooled one's) routes its ids with 3
   collectives (TorchRec's splits, lengths and values all-to-alls), back to back as a step starts,
   each one network latency, and its embeddings with 2 (forward, backward), each entered from the
   rank's own computation: a `sync_latency_s`, which on cores shared by ranks holds the wait for a
@@ -263,6 +267,12 @@ def validate_plan(plan: Plan, workload: Workload, topology: Topology) -> None:
                 f"table {tp.table!r}: hot_rows {tp.hot_rows} exceeds its {known[tp.table].rows} "
                 "rows"
             )
+        if tp.sharding == TABLE_ROW_WISE and not known[tp.table].pooled:
+            raise DistcacheConfigError(
+                f"table {tp.table!r} is a sequence table (pooled = false): TorchRec shards an "
+                "EmbeddingCollection's tables data_parallel, table_wise, column_wise or "
+                "row_wise, not table_row_wise"
+            )
         if tp.sharding == TABLE_ROW_WISE:
             _check_whole_nodes(tp, dim, topology)
         if tp.sharding == COLUMN_WISE and dim % len(tp.ranks):
@@ -317,7 +327,8 @@ def global_terms(
     gathered_tables: int = 0,
 ) -> GlobalTerms:
     """The shared terms of a plan with `dp_bytes` of data-parallel gradients whose tables use
-    the sharding types `shardings` (the set of `TablePlan.sharding`s), each rank sending
+    the collectives `shardings` (the set of their `ShardTerms.collectives`: the sharding types
+    of the pooled tables, 'row_wise/sequence' and the like for sequence tables), each rank sending
     `sent_bags` bags per step (`sent_bags_per_rank`), and `hot_tables` tables with hot-row
     replicas: those that reduce all their rows ('all') all-reduce their gradients and touched
     counts (`hot_bytes` in all) together, one collective whatever their number; the
@@ -372,8 +383,10 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     tables = {t.name: t for t in workload.tables}
     load = RankTerms.zeros(topology.world_size)
     dp_bytes, sent, hot_bytes, gather_bytes, violations = 0.0, 0.0, 0.0, 0.0, []
+    kinds = set()
     for tp in plan.tables:
         terms = table_plan_terms(tp, tables[tp.table], workload, topology)
+        kinds.add(terms.collectives)
         load += shard_contribution(terms, tp.ranks, topology)
         dp_bytes += terms.all_reduce_bytes
         hot_bytes += terms.hot_reduce_bytes
@@ -385,7 +398,6 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
                 f"the {math.ceil(terms.working_set_rows)} rows its {tp.prefetch_depth + 1} "
                 "batches in flight touch"
             )
-    kinds = {tp.sharding for tp in plan.tables}
     hot_tables = sum(tp.hot_rows > 0 for tp in plan.tables)
     gathered = sum(tp.hot_rows > 0 and tp.hot_reduce == HOT_TOUCHED for tp in plan.tables)
     shared = global_terms(
@@ -405,8 +417,9 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
 
 def all_to_all_sent_bytes(plan: Plan, workload: Workload, topology: Topology) -> np.ndarray:
     """[W] bytes each rank sends other ranks per step in the ids' and embeddings' collectives
-    as the model prices them: ids once, embeddings forward and backward (what
-    `job.measure.CollectiveBytes` counts on a real run)."""
+    as the model prices them: ids once, embeddings forward (what its shards send) and backward
+    (the gradients of what it received), what `job.measure.CollectiveBytes` counts on a real
+    run."""
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}
     load = RankTerms.zeros(topology.world_size)
@@ -415,7 +428,8 @@ def all_to_all_sent_bytes(plan: Plan, workload: Workload, topology: Topology) ->
         terms = table_plan_terms(tp, tables[tp.table], workload, wire)
         load += shard_contribution(terms, tp.ranks, wire)
     ids, emb = load.ids, load.emb
-    return ids.sent_intra + ids.sent_inter + 2 * (emb.sent_intra + emb.sent_inter)
+    backward = emb.received_intra + emb.received_inter
+    return ids.sent_intra + ids.sent_inter + emb.sent_intra + emb.sent_inter + backward
 
 
 def _memory_violations(load: RankTerms, topology: Topology) -> list[str]:

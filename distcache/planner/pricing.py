@@ -63,7 +63,7 @@ class State:
         self.p = problem
         self.load = RankTerms.zeros(problem.world)
         self.dp_bytes = 0.0
-        self.kinds: Counter[str] = Counter()  # tables placed per sharding type
+        self.kinds: Counter[str] = Counter()  # tables placed per `ShardTerms.collectives`
         self.sent_bags = 0.0  # bags each rank sends per step
         self.hot_bytes = 0.0  # hot-row replicas' gradients and flags all-reduced per step
         self.hot_tables = 0
@@ -79,7 +79,7 @@ class State:
         dp = self.dp_bytes + (mode.terms.all_reduce_bytes if mode else 0.0)
         sent = self.sent_bags + (sent_bags_per_rank(mode.terms, mode.shards) if mode else 0.0)
         kinds = {k for k, n in self.kinds.items() if n > 0}
-        kinds |= {mode.sharding} if mode is not None else set()
+        kinds |= {mode.terms.collectives} if mode is not None else set()
         hot_bytes = self.hot_bytes + (mode.terms.hot_reduce_bytes if mode else 0.0)
         hot_tables = self.hot_tables + (mode is not None and mode.hot_rows > 0)
         gather = self.gather_bytes + (mode.terms.hot_gather_bytes if mode else 0.0)
@@ -112,7 +112,7 @@ class State:
             contrib = shard_contribution(mode.terms, ranks, self.p.topology)
         self.load += contrib
         self.dp_bytes += mode.terms.all_reduce_bytes
-        self.kinds[mode.sharding] += 1
+        self.kinds[mode.terms.collectives] += 1
         self.sent_bags += sent_bags_per_rank(mode.terms, mode.shards)
         self.hot_bytes += mode.terms.hot_reduce_bytes
         self.hot_tables += mode.hot_rows > 0
@@ -126,7 +126,7 @@ class State:
         (mode, ranks), contrib = self.placed[index], self.contrib[index]
         self.load -= contrib
         self.dp_bytes -= mode.terms.all_reduce_bytes
-        self.kinds[mode.sharding] -= 1
+        self.kinds[mode.terms.collectives] -= 1
         self.sent_bags -= sent_bags_per_rank(mode.terms, mode.shards)
         self.hot_bytes -= mode.terms.hot_reduce_bytes
         self.hot_tables -= mode.hot_rows > 0

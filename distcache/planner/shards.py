@@ -93,6 +93,9 @@ class ShardTerms:
     every other rank receives in an all-gather each step ('touched')."""
     hot_device_bytes: int = 0
     """Every rank: the replica (fp32 rows, optimizer state and gradient)."""
+    collectives: str = ""
+    """Which collectives route the shard's ids and outputs (`collective_kind`): tables of one
+    kind share them (one input and one output dist per kind and step)."""
 
     @property
     def fits_working_set(self) -> bool:
@@ -163,12 +166,25 @@ def staging_time_s(staging_bytes: float, topology: Topology, cache_rows: int = 0
     )
 
 
-def output_rate_factor(sharding: str, topology: Topology) -> float:
+def output_rate_factor(sharding: str, topology: Topology, pooled: bool = True) -> float:
     """How many all-to-all bytes a byte of `sharding`'s output costs:
-    `Topology.row_wise_output_slowdown` for a row-wise table, else 1. The output terms
-    (`ShardTerms.embedding_bytes_per_peer`) are priced bytes: `cost.all_to_all_sent_bytes`
-    gives the bytes sent."""
-    return topology.row_wise_output_slowdown if sharding == ROW_WISE else 1.0
+    `Topology.row_wise_output_slowdown` for a pooled row-wise table (TorchRec reduce-scatters
+    its partial sums), else 1 (a sequence table's row-wise outputs go through an all-to-all).
+    The output terms (`ShardTerms.embedding_bytes_per_peer`) are priced bytes:
+    `cost.all_to_all_sent_bytes` gives the bytes sent."""
+    return topology.row_wise_output_slowdown if sharding == ROW_WISE and pooled else 1.0
+
+
+SEQUENCE = "sequence"  # the collectives of an `EmbeddingCollection`'s sharding
+
+
+def collective_kind(sharding: str, pooled: bool = True) -> str:
+    """The collectives a table of `sharding` goes through: its sharding type, or for a
+    sequence table ('row_wise/sequence'...) the `EmbeddingCollection`'s own, which TorchRec
+    runs apart from the bag collection's. Data-parallel tables route nothing."""
+    if pooled or sharding == DATA_PARALLEL:
+        return sharding
+    return f"{sharding}/{SEQUENCE}"
 
 
 def splits(sharding: str, shards: int, topology: Topology) -> tuple[int, int]:
@@ -258,8 +274,8 @@ def shard_terms(
         loads = table_access(table).loads(global_ids, slots, model) / rows_split
     staging_bytes = 2 * loads * row_bytes
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
-    sent = workload.batch_size_per_rank * dim * dtype * _output_share(table, sharding, hot_mass)
-    sent *= output_rate_factor(sharding, topology)
+    sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
+    sent *= output_rate_factor(sharding, topology, table.pooled)
     dim_bytes, bags = dim * element, ids / pooling
     lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, cached, topology)
     return ShardTerms(
@@ -287,18 +303,28 @@ def shard_terms(
         all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
         reduced_in_node=sharding == TABLE_ROW_WISE,
         pooling_factor=pooling,
+        collectives=collective_kind(sharding, table.pooled),
         **_hot_terms(table, workload, topology, hot_rows, hot_mass, hot_reduce),
     )
 
 
-def _output_share(table: TableStats, sharding: str, hot_mass: float) -> float:
-    """The share of a shard's bags whose pooled output is sent: with hot rows, table- and
-    column-wise outputs skip the bags whose ids were all hot (`sharding.compact_dist`), about
-    hot_mass ** pooling of them (each of a bag's ids hot with probability hot_mass); the other
-    shardings reduce partial sums and send every bag."""
+def _output_rows_per_peer(
+    table: TableStats, workload: Workload, sharding: str, rows_split: int, hot_mass: float
+) -> float:
+    """Output rows a shard sends each consumer rank per step (forward; the backward returns as
+    many gradients).
+
+    Pooled: one a bag, B. With hot rows, table- and column-wise outputs skip the bags whose
+    ids were all hot (`sharding.compact_dist`), about hot_mass ** pooling of them (each of a
+    bag's ids hot with probability hot_mass); the other shardings reduce partial sums and send
+    every bag. Sequence: one an id the shard served, B·P / row splits, the cold ones only
+    (hot ids are looked up in the replica and never routed)."""
+    batch = workload.batch_size_per_rank
+    if not table.pooled:
+        return batch * table.pooling_factor * (1.0 - hot_mass) / rows_split
     if hot_mass <= 0.0 or sharding not in (TABLE_WISE, COLUMN_WISE):
-        return 1.0
-    return 1.0 - hot_mass ** max(1.0, table.pooling_factor)
+        return float(batch)
+    return batch * (1.0 - hot_mass ** max(1.0, table.pooling_factor))
 
 
 def _hot_terms(

@@ -68,6 +68,11 @@ class TableStats:
     row_dtype_bytes: int | None = None
     """Bytes per element of the table's rows (2 for fp16 / bf16 tables); None: the workload's
     `dtype_bytes`. The optimizer state and the pooled embeddings keep the workload's."""
+    pooled: bool = True
+    """True for a table of an `EmbeddingBagCollection` (one pooled row a bag); False for one of
+    an `EmbeddingCollection` (a sequence table: one output row per id, which the output
+    all-to-all sends per id, and which TorchRec shards data-parallel, table-, column- or
+    row-wise only)."""
 
     def __post_init__(self) -> None:
         _check(self.rows >= 1, f"table {self.name!r}: rows must be >= 1, got {self.rows}")
@@ -79,6 +84,10 @@ class TableStats:
         _check(
             self.counts is not None or (self.alpha is not None and self.alpha >= 0),
             f"table {self.name!r}: give alpha >= 0 or counts",
+        )
+        _check(
+            isinstance(self.pooled, bool),
+            f"table {self.name!r}: pooled must be true or false, got {self.pooled!r}",
         )
         _check(
             self.row_dtype_bytes in (None, 1, 2, 4, 8),

@@ -431,3 +431,55 @@ def ec_hot_rows_on_torchrecs_kernel(rank: int, world: int) -> None:
         device_type="cpu", sharder=sharder,
     )  # fmt: skip
     wrap(ec, ShardingPlan({"": module_plan}), sharder, init_data_parallel=False)
+
+
+def sequence_bytes_match_the_model(rank: int, world: int, sharding: str) -> dict:
+    """Two sequence tables (`TableStats.pooled` False) placed by `uniform_plan(sharding)`,
+    exported by `to_sharding_plan` and sharded by TorchRec's own `EmbeddingCollectionSharder`
+    (TorchRec's kernel and dists: the reference): the bytes this rank sends in one step's
+    all-to-alls (`CollectiveBytes`), with the bytes the cost model prices
+    (`all_to_all_sent_bytes`) for every sample holding exactly `POOLING` ids a feature."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+    from distcache.job.measure import CollectiveBytes
+    from distcache.planner.cost import all_to_all_sent_bytes
+    from distcache.planner.solver import uniform_plan
+    from distcache.planner.topology import preset
+    from distcache.planner.torchrec.export import to_sharding_plan, workload_ec
+    from distcache.planner.types import TableStats, Workload
+
+    batch, pooling, dim = 6, 3, 8
+    workload = Workload(
+        name="seq",
+        tables=tuple(
+            TableStats(name=n, rows=r, dim=dim, pooling_factor=pooling, pooled=False)
+            for n, r in (("s0", 40), ("s1", 64))
+        ),
+        batch_size_per_rank=batch,
+    )
+    topology = preset("cpu", world_size=world)
+    plan = uniform_plan(workload, topology, sharding)
+    torch.manual_seed(0)
+    ec = workload_ec(workload, device="cpu")
+    apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": 0.1})
+    model = DistributedModelParallel(
+        ec,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=to_sharding_plan(plan, workload, world_size=world),
+        sharders=[EmbeddingCollectionSharder()],
+    )
+    features = [t.name for t in workload.tables]
+    gen = torch.Generator().manual_seed(rank)
+    sent = []
+    for _ in range(3):  # the first steps set TorchRec's dists up; the last is counted
+        lengths = torch.full((len(features) * batch,), pooling)
+        values = torch.cat([torch.randint(0, t.rows, (batch * pooling,), generator=gen)
+                            for t in workload.tables])  # fmt: skip
+        kjt = KeyedJaggedTensor.from_lengths_sync(features, values, lengths)
+        with CollectiveBytes() as counted:
+            out = model(kjt)
+            sum(out[f].values().sum() for f in features).backward()
+        sent.append(counted.all_to_all)
+    modelled = float(all_to_all_sent_bytes(plan, workload, topology)[rank])
+    return {"measured": sent[-1], "modelled": modelled, "bags": len(features) * batch}

@@ -10,6 +10,7 @@ from tests.distributed.ec_case import (
     ec_hot_rows_on_torchrecs_kernel,
     ec_with_bad_id,
     planner_plans_bags_and_sequences,
+    sequence_bytes_match_the_model,
     train_ec_and_compare,
 )
 from tests.distributed.harness import RankFailed, run_ranks
@@ -97,3 +98,15 @@ def test_a_bad_id_fails_the_job_on_the_rank_that_saw_it():
     message = str(failure.value)
     assert "rank 1 raised" in message and "InvalidIdError" in message
     assert "table 's1' (feature 'q1', rank 1): id 64" in message and "[0, 64)" in message
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_sequence_tables_all_to_all_bytes_match_the_model(sharding):
+    """The cost model's all-to-all bytes of sequence tables (one output row per id, not per
+    bag) against what TorchRec's own EmbeddingCollection sharding sends on 2 ranks: equal, but
+    for TorchRec's lengths and split sizes (at most 8 bytes a bag and 64 a step)."""
+    results = run_ranks(sequence_bytes_match_the_model, 2, args=(sharding,), timeout_s=150)
+    for r in results:
+        assert r["modelled"] <= r["measured"] <= r["modelled"] + 8 * r["bags"] + 64, results
+    assert sum(r["modelled"] for r in results) > 0, results

@@ -8,7 +8,9 @@ kernel (FBGEMM's table-batched embedding: every row is in device memory, there i
 cache, and no lookup of ours beats it); host-cached tables run on distcache's kernel
 (`CACHED_KERNEL`). A table's `CacheConfig` travels in the plan (`CachedParameterSharding`) for
 the cached tables and for the device tables whose hot rows distcache replicates. Pass
-`CachedEmbeddingBagCollectionSharder` to DMP with it.
+`CachedEmbeddingBagCollectionSharder` to DMP with it. A workload's sequence tables
+(`TableStats.pooled` False) are an `EmbeddingCollection`'s (`workload_ec`), planned at their own
+module path for `CachedEmbeddingCollectionSharder`.
 
 `from_sharding_plan` reads a TorchRec plan, e.g. one from TorchRec's own planner, as a distcache
 `Plan`, so that it is priced by the same cost model as distcache's plans. TorchRec's placements
@@ -58,7 +60,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+)
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.sharding_plan import (
     ParameterShardingGenerator,
@@ -89,7 +96,10 @@ from distcache.planner.types import (
     Workload,
 )
 from distcache.sharding.plan import CACHED_KERNEL, FUSED_KERNEL, CachedParameterSharding
-from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
+from distcache.sharding.sharder import (
+    CachedEmbeddingBagCollectionSharder,
+    CachedEmbeddingCollectionSharder,
+)
 
 _K = EmbeddingComputeKernel
 _DEVICE_KERNELS = {_K.DENSE.value, FUSED_KERNEL, _K.QUANT.value, _K.FUSED_TRITON.value}
@@ -109,22 +119,48 @@ _COLUMN_LIKE = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.v
 def workload_ebc(
     workload: Workload, *, device: str | torch.device = "meta"
 ) -> EmbeddingBagCollection:
-    """An `EmbeddingBagCollection` with the workload's tables, named as `torchrec_names` says,
-    one feature per table named like the table, 2-byte rows as FP16 (on the meta device by
-    default: planning needs shapes, not weights)."""
-    names = torchrec_names(workload)
-    data_type = {1: DataType.INT8, 2: DataType.FP16, 4: DataType.FP32}
-    configs = [
-        EmbeddingBagConfig(
-            name=names[t.name],
-            num_embeddings=t.rows,
-            embedding_dim=t.dim,
-            feature_names=[t.name],
-            data_type=data_type.get(workload.element_bytes(t), DataType.FP32),
-        )
-        for t in workload.tables
-    ]
+    """An `EmbeddingBagCollection` with the workload's pooled tables (`TableStats.pooled`),
+    named as `torchrec_names` says, one feature per table named like the table, 2-byte rows as
+    FP16 (on the meta device by default: planning needs shapes, not weights)."""
+    tables = [t for t in workload.tables if t.pooled]
+    if not tables:
+        raise DistcacheConfigError(f"workload {workload.name!r} has no pooled tables")
+    configs = [EmbeddingBagConfig(**_config_fields(workload, t)) for t in tables]
     return EmbeddingBagCollection(tables=configs, device=torch.device(device))
+
+
+def workload_ec(workload: Workload, *, device: str | torch.device = "meta") -> EmbeddingCollection:
+    """An `EmbeddingCollection` with the workload's sequence tables (`TableStats.pooled`
+    False), named and typed as `workload_ebc` does; TorchRec's collection needs them all of one
+    dim."""
+    tables = [t for t in workload.tables if not t.pooled]
+    if not tables:
+        raise DistcacheConfigError(f"workload {workload.name!r} has no sequence tables")
+    dims = sorted({t.dim for t in tables})
+    if len(dims) > 1:
+        raise DistcacheConfigError(
+            f"workload {workload.name!r}: its sequence tables have dims {dims}, but one "
+            "EmbeddingCollection's tables share one dim; plan each dim's tables as a workload "
+            "of its own"
+        )
+    configs = [EmbeddingConfig(**_config_fields(workload, t)) for t in tables]
+    return EmbeddingCollection(tables=configs, device=torch.device(device))
+
+
+def _config_fields(workload: Workload, table: TableStats) -> dict:
+    data_type = {1: DataType.INT8, 2: DataType.FP16, 4: DataType.FP32}
+    return {
+        "name": torchrec_names(workload)[table.name],
+        "num_embeddings": table.rows,
+        "embedding_dim": table.dim,
+        "feature_names": [table.name],
+        "data_type": data_type.get(workload.element_bytes(table), DataType.FP32),
+    }
+
+
+def has_sequence_tables(workload: Workload) -> bool:
+    """Whether some table of `workload` is an `EmbeddingCollection`'s (not pooled)."""
+    return any(not t.pooled for t in workload.tables)
 
 
 def torchrec_names(workload: Workload) -> dict[str, str]:
@@ -218,6 +254,7 @@ def to_sharding_plan(
     workload: Workload,
     *,
     module_path: str = "",
+    sequence_module_path: str | None = None,
     world_size: int,
     ranks_per_node: int | None = None,
     device: str = "cpu",
@@ -226,7 +263,8 @@ def to_sharding_plan(
     device_kernel: str = FUSED_KERNEL,
 ) -> ShardingPlan:
     """A TorchRec `ShardingPlan` placing the EBC at `module_path` as `plan` says (its tables
-    named as in `workload_ebc`: `torchrec_names`).
+    named as in `workload_ebc`: `torchrec_names`), and the workload's sequence tables
+    (`TableStats.pooled` False) in the `EmbeddingCollection` at `sequence_module_path`.
 
     Row-wise tables span every rank (TorchRec's `row_wise`); table-row-wise tables the ranks of
     one node (TorchRec's `table_row_wise`; distcache's kernel has no grid sharding, so a
@@ -239,6 +277,8 @@ def to_sharding_plan(
         plan: a placement of every table of `workload`.
         workload: the tables (names, rows, dims) of the EBC to shard.
         module_path: the EBC's path in the model ("" when the EBC is the model).
+        sequence_module_path: the `EmbeddingCollection`'s path, for a workload with sequence
+            tables (default: `module_path` when every table is a sequence table).
         world_size: ranks of the job.
         ranks_per_node: ranks per node (default: `world_size`), for placements and
             `table_row_wise`.
@@ -261,36 +301,62 @@ def to_sharding_plan(
     _check_covers(plan, workload)
     names = torchrec_names(workload)
     ours = {names[t.name]: t.name for t in workload.tables}  # TorchRec's names -> the workload's
-    per_table = {
-        names[t.name]: _generator(plan.table(t.name), t, world_size, local_size)
-        for t in workload.tables
-    }
-    sharder = CachedEmbeddingBagCollectionSharder(base)
-    module_plan = construct_module_sharding_plan(
-        workload_ebc(workload),
-        per_param_sharding=per_table,
-        sharder=sharder,
-        local_size=local_size,
-        world_size=world_size,
-        device_type=device,
-    )
-    for name, sharding in list(module_plan.items()):
-        if sharding.sharding_type == DATA_PARALLEL:
-            continue
-        table_plan = plan.table(ours[name])
-        # (table_row_wise() takes no kernel argument: every kernel is set here)
-        sharding.compute_kernel = device_kernel if table_plan.storage == DEVICE else CACHED_KERNEL
-        if sharding.compute_kernel != CACHED_KERNEL and not table_plan.hot_rows:
-            continue
-        fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
-        hot = (
-            hot_row_ids(workload.table(ours[name]), table_plan.hot_rows)
-            if table_plan.hot_rows
-            else ()
+    modules = []
+    if any(t.pooled for t in workload.tables):
+        pooled = [t.name for t in workload.tables if t.pooled]
+        modules.append(
+            (module_path, workload_ebc(workload), CachedEmbeddingBagCollectionSharder, pooled)
         )
-        config = cache_config_for(table_plan, base, hot)
-        module_plan[name] = CachedParameterSharding(**fields, cache_config=config)
-    return ShardingPlan({module_path: module_plan})
+    if has_sequence_tables(workload):
+        if sequence_module_path is None and modules:
+            raise DistcacheConfigError(
+                f"workload {workload.name!r} has pooled and sequence tables: give "
+                "sequence_module_path, the EmbeddingCollection's path in the model"
+            )
+        path = module_path if sequence_module_path is None else sequence_module_path
+        if modules and path == module_path:
+            raise DistcacheConfigError(
+                f"sequence_module_path {path!r} is the EmbeddingBagCollection's module_path too"
+            )
+        sequence = [t.name for t in workload.tables if not t.pooled]
+        modules.append((path, workload_ec(workload), CachedEmbeddingCollectionSharder, sequence))
+    out = {}
+    for path, module, sharder_type, tables in modules:
+        per_table = {
+            names[t]: _generator(plan.table(t), workload.table(t), world_size, local_size)
+            for t in tables
+        }
+        module_plan = construct_module_sharding_plan(
+            module,
+            per_param_sharding=per_table,
+            sharder=sharder_type(base),
+            local_size=local_size,
+            world_size=world_size,
+            device_type=device,
+        )
+        for name, sharding in list(module_plan.items()):
+            if sharding.sharding_type == DATA_PARALLEL:
+                continue
+            table_plan, stats = plan.table(ours[name]), workload.table(ours[name])
+            # (table_row_wise() takes no kernel argument: every kernel is set here)
+            kernel = device_kernel if table_plan.storage == DEVICE else CACHED_KERNEL
+            if table_plan.hot_rows and not stats.pooled and kernel != CACHED_KERNEL:
+                raise DistcacheConfigError(
+                    f"table {stats.name!r}: hot rows of a sequence table need distcache's "
+                    f"kernel, and device storage puts it on {kernel!r}: store it host_cached, "
+                    f"or pass device_kernel={CACHED_KERNEL!r}"
+                )
+            sharding.compute_kernel = kernel
+            if kernel != CACHED_KERNEL and not table_plan.hot_rows:
+                continue
+            fields = {
+                f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)
+            }
+            hot = hot_row_ids(stats, table_plan.hot_rows) if table_plan.hot_rows else ()
+            config = cache_config_for(table_plan, base, hot)
+            module_plan[name] = CachedParameterSharding(**fields, cache_config=config)
+        out[path] = module_plan
+    return ShardingPlan(out)
 
 
 def _check_arguments(device: str, world_size: int, device_kernel: str) -> None:

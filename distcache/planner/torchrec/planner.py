@@ -1,8 +1,10 @@
 """TorchRec's own planner on a distcache workload and topology: the baseline plan to beat.
 
-`torchrec_plan` builds the workload's `EmbeddingBagCollection` on the meta device, maps the
-topology onto TorchRec's (`torchrec_topology`), and runs `EmbeddingShardingPlanner.plan`. No
-process group and no GPU are needed: TorchRec plans a CUDA topology on a CPU machine.
+`torchrec_plan` builds the workload's `EmbeddingBagCollection` (and, for its sequence tables,
+an `EmbeddingCollection`: `torchrec_module`) on the meta device, maps the topology onto
+TorchRec's (`torchrec_topology`), and runs `EmbeddingShardingPlanner.plan` with a sharder per
+collection. No process group and no GPU are needed: TorchRec plans a CUDA topology on a CPU
+machine.
 
 What TorchRec is told, per table: its pooling factor (`ParameterConstraints.pooling_factors`);
 per rank: the workload's batch size, the device and host memory of the topology with no extra
@@ -41,6 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -62,7 +65,12 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.planner.torchrec.export import torchrec_names, workload_ebc
+from distcache.planner.torchrec.export import (
+    has_sequence_tables,
+    torchrec_names,
+    workload_ebc,
+    workload_ec,
+)
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -78,7 +86,10 @@ from distcache.planner.types import (
 from distcache.sharding.kernel import EMBEDDING_OPTIMIZERS
 from distcache.sharding.plan import attach_cache_configs
 from distcache.sharding.planning import cached_estimators
-from distcache.sharding.sharder import CachedEmbeddingBagCollectionSharder
+from distcache.sharding.sharder import (
+    CachedEmbeddingBagCollectionSharder,
+    CachedEmbeddingCollectionSharder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +161,42 @@ def torchrec_topology(topology: Topology) -> TorchRecTopology:
     )
 
 
+EBC_CHILD, EC_CHILD = "ebc", "ec"  # `torchrec_module`'s children when it has both
+
+
 def torchrec_module(workload: Workload) -> torch.nn.Module:
-    """The workload's EBC on the meta device, its optimizer attached as TorchRec expects."""
-    ebc = workload_ebc(workload, device="meta")
+    """The workload's tables on the meta device, its optimizer attached as TorchRec expects:
+    its EBC (`workload_ebc`) when every table is pooled, its `EmbeddingCollection`
+    (`workload_ec`) when none is, else a module holding both, as children `ebc` and `ec`."""
+    parts: dict[str, torch.nn.Module] = {}
+    if any(t.pooled for t in workload.tables):
+        parts[EBC_CHILD] = workload_ebc(workload, device="meta")
+    if has_sequence_tables(workload):
+        parts[EC_CHILD] = workload_ec(workload, device="meta")
+    if len(parts) == 1:
+        (module,) = parts.values()
+    else:
+        module = torch.nn.Module()
+        for name, part in parts.items():
+            module.add_module(name, part)
     optimizer = EMBEDDING_OPTIMIZERS[workload.optimizer]  # TorchRec counts its state
-    apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.01})
-    return ebc
+    apply_optimizer_in_backward(optimizer, module.parameters(), {"lr": 0.01})
+    return module
+
+
+def _sharders(workload: Workload, kind: str) -> list[ModuleSharder]:
+    """The sharders of `torchrec_module`'s collections: TorchRec's ("default") or
+    distcache's ("distcache", each table given `CacheConfig()` with the workload's optimizer)."""
+    config = CacheConfig(optimizer=workload.optimizer)
+    bags, sequences = {
+        "default": (EmbeddingBagCollectionSharder, EmbeddingCollectionSharder),
+        "distcache": (
+            lambda: CachedEmbeddingBagCollectionSharder(config),
+            lambda: CachedEmbeddingCollectionSharder(config),
+        ),
+    }[kind]
+    out = [bags()] if any(t.pooled for t in workload.tables) else []
+    return out + ([sequences()] if has_sequence_tables(workload) else [])
 
 
 def torchrec_constraints(workload: Workload) -> dict[str, ParameterConstraints]:
@@ -179,8 +220,9 @@ def torchrec_plan(
     Args:
         workload: the tables and per-rank batch size.
         topology: the hardware; CUDA topologies are planned without a GPU.
-        sharders: "default" (TorchRec's `EmbeddingBagCollectionSharder`: its fused, UVM and
-            UVM-caching kernels) or "distcache" (distcache's sharder, its kernel priced by
+        sharders: "default" (TorchRec's `EmbeddingBagCollectionSharder`, and its
+            `EmbeddingCollectionSharder` for sequence tables: their fused, UVM and UVM-caching
+            kernels) or "distcache" (distcache's sharders, their kernel priced by
             `cached_estimators` as TorchRec's fused kernel; the plan carries `CacheConfig()`).
         timeout_s: stop proposing after this many seconds and return the best plan so far
             (TorchRec checks it between proposals; enumeration is not interrupted).
@@ -200,15 +242,11 @@ def torchrec_plan(
     best: list[list[ShardingOption]] = []
     kwargs = {}
     if sharders == "distcache":
-        sharder: ModuleSharder = CachedEmbeddingBagCollectionSharder(
-            CacheConfig(optimizer=workload.optimizer)
-        )
         estimators = cached_estimators(trec_topology, constraints)
         kwargs["enumerator"] = EmbeddingEnumerator(
             trec_topology, batch_size, constraints=constraints, estimator=estimators
         )
-    else:
-        sharder = EmbeddingBagCollectionSharder()
+    module_sharders = _sharders(workload, sharders)
     planner = EmbeddingShardingPlanner(
         topology=trec_topology,
         batch_size=batch_size,
@@ -224,7 +262,7 @@ def torchrec_plan(
     start = time.perf_counter()
     try:
         with _quiet_torchrec():
-            plan = planner.plan(module, [sharder])
+            plan = planner.plan(module, module_sharders)
     # TorchRec reports "does not fit" as PlannerError, and an empty search space (e.g. a
     # kernel the device does not offer) as RuntimeError/ValueError/AssertionError.
     except (PlannerError, RuntimeError, ValueError, AssertionError) as err:
@@ -236,7 +274,7 @@ def torchrec_plan(
         )
     elapsed = time.perf_counter() - start
     if sharders == "distcache":
-        plan = attach_cache_configs(plan, sharder)
+        plan = attach_cache_configs(plan, module_sharders, module)
     estimate_ms = NoopPerfModel(trec_topology).rate(best[-1]) if best else None
     return TorchRecResult(
         plan=plan,
@@ -274,7 +312,7 @@ def torchrec_estimate(plan: Plan, workload: Workload, topology: Topology) -> flo
     try:
         with _quiet_torchrec():
             module = torchrec_module(workload)
-            options = enumerator.enumerate(module, [EmbeddingBagCollectionSharder()])
+            options = enumerator.enumerate(module, _sharders(workload, "default"))
     except (RuntimeError, ValueError, AssertionError) as err:
         logger.info("TorchRec cannot price plan %r: %s", plan.name, err)
         return None

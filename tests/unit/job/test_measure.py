@@ -96,6 +96,11 @@ def test_what_cannot_run_here_is_refused_with_a_reason() -> None:
     assert "embedding dim" in unmeasurable_reason(wide, preset("cpu", world_size=1))
     with pytest.raises(DistcacheConfigError, match="embedding dim"):
         measure_plans({}, wide, world_size=1)
+    tables = (WORKLOAD.tables[0], dataclasses.replace(WORKLOAD.tables[1], pooled=False))
+    sequence = dataclasses.replace(WORKLOAD, tables=tables)
+    assert "tables ['ads'] are sequence tables" in unmeasurable_reason(
+        sequence, preset("cpu", world_size=1)
+    )
 
 
 def test_compare_measure_runs_every_plan_here(

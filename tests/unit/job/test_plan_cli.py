@@ -191,3 +191,29 @@ def test_the_plan_table_shows_hot_rows() -> None:
     assert lines[0].split()[-1] == "hot"
     row = next(line for line in lines if line.startswith(first.table + " "))
     assert row.split()[-1] == "1,234"
+
+
+def test_sequence_tables_from_a_toml_config_to_a_torchrec_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pooled = false` makes a table an EmbeddingCollection's: marked in the plan, and placed
+    in the TorchRec plan at --sequence-module-path (which a mixed model must give)."""
+    config = tmp_path / "mixed.toml"
+    config.write_text(CONFIG + "pooled = false\n")  # the second table, items
+    workload = load_workload_config(config)
+    assert (workload.table("users").pooled, workload.table("items").pooled) == (True, False)
+    base = ["--config", str(config), "--topology", "cpu", "--world-size", "2"]
+    out = tmp_path / "plan.pt"
+    assert plan_main([*base, "--torchrec-out", str(out)]) == 2
+    assert "give sequence_module_path" in capsys.readouterr().err
+    argv = [*base, "--torchrec-out", str(out), "--module-path", "ebc"]
+    assert plan_main([*argv, "--sequence-module-path", "ec"]) == 0
+    assert "items (seq)" in capsys.readouterr().out
+    sharding_plan = torch.load(out, weights_only=False)
+    assert {p: sorted(m) for p, m in sharding_plan.plan.items()} == {
+        "ebc": ["users"],
+        "ec": ["items_"],  # TorchRec's module dict refuses "items" (`torchrec_names`)
+    }
+    config.write_text(CONFIG + 'pooled = "no"\n')
+    assert plan_main(base) == 2
+    assert "pooled must be true or false, got 'no'" in capsys.readouterr().err

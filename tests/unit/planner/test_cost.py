@@ -464,3 +464,110 @@ def test_table_row_wise_spans_whole_nodes(ranks):
     plan = Plan(name="bad", tables=(TablePlan(table="a", sharding=TABLE_ROW_WISE, ranks=ranks),))
     with pytest.raises(DistcacheConfigError, match="whole nodes"):
         plan_cost(plan, ONE_TABLE, NODES)
+
+
+SEQUENCE = Workload(
+    name="seq",
+    tables=(
+        TableStats(name="a", rows=1000, dim=16, pooling_factor=2, alpha=1.0, pooled=False),
+        TableStats(name="b", rows=500, dim=8, pooling_factor=1, alpha=1.2),
+    ),
+    batch_size_per_rank=100,
+    bottom_mlp=(8, 4),
+    top_mlp=(4, 1),
+)
+
+
+@pytest.mark.parametrize(
+    ("sharding", "ranks", "rows_sent"),
+    [
+        (TABLE_WISE, (0,), 100 * 2),  # every id of rank 1's batch, one row each
+        (ROW_WISE, (0, 1), 100 * 2 / 2),  # the half of them the shard holds
+        (COLUMN_WISE, (0, 1), 100 * 2),  # every id, half the columns
+    ],
+)
+def test_sequence_table_outputs_a_row_per_id_by_hand(sharding, ranks, rows_sent):
+    """A sequence table (an `EmbeddingCollection`'s) sends one output row per id, not per bag:
+    B·P·D_shard·4 bytes to each consumer (row-wise: the B·P/S ids the shard served), through an
+    all-to-all even row-wise (no reduce-scatter, so no row-wise slowdown); with hot rows only
+    the cold ids' rows. A pooled table of the same shape sends B·D_shard·4."""
+    slow = dataclasses.replace(TOPOLOGY, row_wise_output_slowdown=4.0)
+    width = 16 // (2 if sharding == COLUMN_WISE else 1)
+    sequence, pooled = SEQUENCE.tables[0], WORKLOAD.tables[0]
+    terms = shard_terms(sequence, SEQUENCE, slow, sharding=sharding, shards=len(ranks))
+    assert terms.embedding_bytes_per_peer == pytest.approx(rows_sent * width * 4)
+    assert terms.collectives == f"{sharding}/sequence"
+    bags = shard_terms(pooled, WORKLOAD, TOPOLOGY, sharding=sharding, shards=len(ranks))
+    assert bags.embedding_bytes_per_peer == 100 * width * 4
+    assert bags.collectives == sharding
+    hot = shard_terms(sequence, SEQUENCE, slow, sharding=sharding, shards=len(ranks), hot_rows=30)
+    mass = AccessProfile.power_law(1000, 1.0).probabilities[:30].sum()
+    assert hot.embedding_bytes_per_peer == pytest.approx(rows_sent * width * 4 * (1 - mass))
+    plan = Plan(
+        name="seq",
+        tables=(
+            TablePlan(table="a", sharding=sharding, ranks=ranks),
+            TablePlan(table="b", sharding=TABLE_WISE, ranks=(1,)),
+        ),
+    )
+    sent = all_to_all_sent_bytes(plan, SEQUENCE, TOPOLOGY)
+    ids = {TABLE_WISE: 100 * 2 * 8, ROW_WISE: 100 * 2 / 2 * 8, COLUMN_WISE: 100 * 2 * 8}
+    # Rank 0 sends b's ids to rank 1 (b's shard), a's ids to a's shard there (row- and
+    # column-wise), a's rows to rank 1, and in backward the gradients of what it received: b's
+    # outputs, and a's rows from a's shard on rank 1 (row- and column-wise).
+    split = sharding != TABLE_WISE
+    a_rows = rows_sent * width * 4
+    b_grads = 100 * 8 * 4
+    b_ids = 100 * 8
+    assert sent[0] == pytest.approx(b_ids + ids[sharding] * split + a_rows * (1 + split) + b_grads)
+    assert sent[1] == pytest.approx(ids[sharding] + b_grads + a_rows * (1 + split))
+
+
+def test_a_sequence_sharding_type_takes_collectives_of_its_own():
+    """An `EmbeddingCollection`'s sharding runs its own input and output dists beside the bag
+    collection's of the same type: a pooled and a sequence row-wise table pay two types'
+    latencies; the calibrated row-wise output latency is the pooled one's only."""
+    rw = Plan(
+        name="rw",
+        tables=(
+            TablePlan(table="a", sharding=ROW_WISE, ranks=(0, 1)),
+            TablePlan(table="b", sharding=ROW_WISE, ranks=(0, 1)),
+        ),
+    )
+    slow = dataclasses.replace(TOPOLOGY, row_wise_output_latency_s=3e-4)
+    pooled = plan_cost(rw, WORKLOAD, slow).per_rank[0]
+    mixed = plan_cost(rw, SEQUENCE, slow).per_rank[0]
+    # the same ids' bytes, one more type's 3 input collectives
+    assert mixed.input_all_to_all_s - pooled.input_all_to_all_s == pytest.approx(3 * LATENCY)
+    sequence_only = Workload(
+        name="s",
+        tables=tuple(dataclasses.replace(t, pooled=False) for t in WORKLOAD.tables),
+        batch_size_per_rank=100,
+        bottom_mlp=(8, 4),
+        top_mlp=(4, 1),
+    )
+    alone = global_terms(sequence_only, slow, 0.0, {"row_wise/sequence"})
+    both = global_terms(sequence_only, slow, 0.0, {"row_wise/sequence", ROW_WISE})
+    assert alone.input_latency_s == pytest.approx(3 * LATENCY)
+    assert both.input_latency_s == pytest.approx(6 * LATENCY)
+    assert alone.output_latency_s == pytest.approx(2 * LATENCY)  # no row-wise output latency
+    assert both.output_latency_s == pytest.approx(4 * LATENCY + 3e-4)
+
+
+def test_sequence_tables_are_not_table_row_wise():
+    four = dataclasses.replace(TOPOLOGY, world_size=4, ranks_per_node=2)
+    plan = Plan(
+        name="twrw",
+        tables=(
+            TablePlan(table="a", sharding=TABLE_ROW_WISE, ranks=(0, 1)),
+            TablePlan(table="b", sharding=TABLE_WISE, ranks=(1,)),
+        ),
+    )
+    plan_cost(plan, WORKLOAD, four)  # a pooled table may be
+    with pytest.raises(DistcacheConfigError, match="'a' is a sequence table .*not table_row_wise"):
+        plan_cost(plan, SEQUENCE, four)
+
+
+def test_pooled_must_be_a_bool():
+    with pytest.raises(DistcacheConfigError, match="pooled must be true or false, got 'no'"):
+        TableStats(name="a", rows=10, dim=4, pooled="no")

@@ -15,11 +15,14 @@ from distcache.planner.hot import choose_hot_rows
 from distcache.planner.pricing import State
 from distcache.planner.solver import SolverOptions, solve
 from distcache.planner.stats import AccessProfile, expected_unique
+from distcache.planner.topology import preset
 from distcache.planner.torchrec.export import from_sharding_plan, hottest_rows, to_sharding_plan
 from distcache.planner.types import (
     DATA_PARALLEL,
+    DEVICE,
     HOST_CACHED,
     ROW_WISE,
+    TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
     TablePlan,
@@ -27,6 +30,7 @@ from distcache.planner.types import (
     Topology,
     Workload,
 )
+from distcache.planner.workloads import workload_preset
 
 TOPOLOGY = Topology(
     name="toy",
@@ -291,3 +295,29 @@ def test_the_framework_cost_is_per_bag_routed() -> None:
         sent, served = steps[pooling]
         assert sent == pytest.approx(1e-3 * bags_sent), pooling
         assert served == pytest.approx(1e-3 * bags_served), pooling
+
+
+def test_sequence_tables_on_the_device_get_no_replica_and_no_table_row_wise():
+    """Criteo Terabyte's tables as sequence tables on 16 H100s x 16 GB: the solver offers
+    them no table-row-wise layout (TorchRec's EmbeddingCollection has none) and gives the
+    device-stored ones no hot rows (an EC's replica needs distcache's kernel, and a
+    device-stored table runs on TorchRec's), where the pooled tables do get replicas."""
+    pooled = workload_preset("criteo-terabyte")
+    sequence = dataclasses.replace(
+        pooled, tables=tuple(dataclasses.replace(t, pooled=False) for t in pooled.tables)
+    )
+    topology = dataclasses.replace(preset("h100", world_size=16), device_memory_bytes=16 * 10**9)
+    for workload, replicas in ((pooled, True), (sequence, False)):
+        plan = solve(workload, topology)
+        device_hot = [t.table for t in plan.tables if t.storage == DEVICE and t.hot_rows]
+        assert bool(device_hot) == replicas, (workload.tables[0].pooled, plan.tables)
+    layouts = {
+        group.modes[0].sharding
+        for groups in Problem(sequence, topology, SolverOptions()).groups
+        for group in groups
+    }
+    assert TABLE_ROW_WISE not in layouts and ROW_WISE in layouts
+    pooled_layouts = {
+        g.modes[0].sharding for gs in Problem(pooled, topology, SolverOptions()).groups for g in gs
+    }
+    assert TABLE_ROW_WISE in pooled_layouts

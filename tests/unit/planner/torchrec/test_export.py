@@ -391,3 +391,106 @@ def test_a_table_named_items_trains_under_dmp(one_rank_group: dist.ProcessGroup)
     assert set(before) == {"embedding_bags.items_.weight", "embedding_bags.users.weight"}
     for key in before:
         assert not torch.equal(before[key], after[key]), key
+
+
+MIXED = Workload(
+    name="mixed",
+    tables=(
+        TableStats(name="bags", rows=4000, dim=8, pooling_factor=2),
+        TableStats(name="clicks", rows=20000, dim=16, pooling_factor=20, pooled=False),
+        TableStats(name="views", rows=5000, dim=16, pooling_factor=20, pooled=False),
+    ),
+    batch_size_per_rank=64,
+)
+
+
+def _mixed_plan() -> Plan:
+    return Plan(
+        name="mixed",
+        tables=(
+            TablePlan(table="bags", sharding=TABLE_WISE, ranks=(1,)),
+            TablePlan(table="clicks", sharding=ROW_WISE, ranks=(0, 1)),
+            TablePlan(
+                table="views",
+                sharding=COLUMN_WISE,
+                ranks=(0, 1),
+                storage=HOST_CACHED,
+                cache_fraction=0.5,
+                lookahead=4,
+                prefetch_depth=1,
+                hot_rows=10,
+            ),
+        ),
+    )
+
+
+def test_sequence_tables_go_to_the_embedding_collections_plan_and_back():
+    """Pooled tables are planned for the EBC at `module_path`, sequence tables for the
+    `EmbeddingCollection` at `sequence_module_path` (its sharder's kernels and configs), and
+    the TorchRec plan reads back as the same plan."""
+    plan = _mixed_plan()
+    with pytest.raises(DistcacheConfigError, match="give sequence_module_path"):
+        to_sharding_plan(plan, MIXED, world_size=2)
+    with pytest.raises(DistcacheConfigError, match="is the EmbeddingBagCollection's module_path"):
+        to_sharding_plan(plan, MIXED, world_size=2, module_path="m", sequence_module_path="m")
+    sharding = to_sharding_plan(
+        plan, MIXED, world_size=2, module_path="sparse.bags", sequence_module_path="sparse.seq"
+    )
+    assert set(sharding.plan) == {"sparse.bags", "sparse.seq"}
+    assert set(sharding.plan["sparse.bags"]) == {"bags"}
+    seq = sharding.plan["sparse.seq"]
+    assert {n: p.sharding_type for n, p in seq.items()} == {
+        "clicks": ROW_WISE,
+        "views": COLUMN_WISE,
+    }
+    assert seq["clicks"].compute_kernel == "fused"
+    views = seq["views"]
+    assert views.compute_kernel == CACHED_KERNEL and isinstance(views, CachedParameterSharding)
+    assert views.cache_config.hot_rows == tuple(range(10))
+    assert from_sharding_plan(sharding, MIXED, world_size=2).tables == plan.tables
+    only = Workload(name="seq", tables=MIXED.tables[1:], batch_size_per_rank=64)
+    alone = dataclasses.replace(plan, tables=plan.tables[1:])
+    assert set(to_sharding_plan(alone, only, world_size=2, module_path="ec").plan) == {"ec"}
+
+
+def test_hot_rows_of_a_device_stored_sequence_table_need_distcaches_kernel():
+    plan = _mixed_plan()
+    device = dataclasses.replace(plan.tables[1], hot_rows=5)
+    plan = dataclasses.replace(plan, tables=(plan.tables[0], device, plan.tables[2]))
+    paths = {"module_path": "b", "sequence_module_path": "s"}
+    with pytest.raises(DistcacheConfigError, match="'clicks': hot rows of a sequence table need"):
+        to_sharding_plan(plan, MIXED, world_size=2, **paths)
+    sharding = to_sharding_plan(plan, MIXED, world_size=2, device_kernel=CACHED_KERNEL, **paths)
+    assert sharding.plan["s"]["clicks"].cache_config.hot_rows == tuple(range(5))
+
+
+def test_an_embedding_collections_tables_share_one_dim():
+    odd = dataclasses.replace(
+        MIXED, tables=(*MIXED.tables, TableStats(name="x", rows=9, dim=4, pooled=False))
+    )
+    with pytest.raises(DistcacheConfigError, match=r"sequence tables have dims \[4, 16\]"):
+        torchrec_module(odd)
+
+
+def test_torchrec_plans_and_prices_a_model_with_bags_and_sequences():
+    """TorchRec's planner, given the EBC and the EC (each with its own sharder), places every
+    table; its plan reads back, and TorchRec's estimator prices distcache's plan of the same
+    workload (output per id for the sequence tables, as TorchRec's own model has it)."""
+    topology = cuda_topology(2, 2)
+    result = torchrec_plan(MIXED, topology)
+    assert result.error is None, result.error
+    assert set(result.plan.plan) == {"ebc", "ec"}
+    back = from_sharding_plan(result.plan, MIXED, world_size=2)
+    assert [t.table for t in back.tables] == ["bags", "clicks", "views"]
+    assert result.estimate_s > 0
+    plan = uniform_plan(MIXED, topology, TABLE_WISE)
+    pooled = dataclasses.replace(
+        MIXED, tables=tuple(dataclasses.replace(t, pooled=True) for t in MIXED.tables)
+    )
+    sequence_s, pooled_s = (torchrec_estimate(plan, w, topology) for w in (MIXED, pooled))
+    assert sequence_s is not None and pooled_s is not None
+    assert sequence_s > pooled_s  # 20 output rows a sample, not 1
+    distcache = torchrec_plan(MIXED, topology, sharders="distcache")
+    assert distcache.error is None, distcache.error
+    kernels = {p.compute_kernel for m in distcache.plan.plan.values() for p in m.values()}
+    assert kernels == {CACHED_KERNEL}
