@@ -21,8 +21,9 @@ Sink = Callable[[torch.Tensor], None]
 
 class PooledRows(torch.autograd.Function):
     """Sum pooling of replica rows `weight` `[rows, dim]` into bags: forward by an embedding
-    bag; backward gathers each id's bag gradient (scaled by its weight) and hands it to `sink`,
-    and gives `trigger` (a scalar leaf) a zero gradient."""
+    bag; backward gathers each id's bag gradient (scaled by its weight; `bags` None: each id
+    is a bag of its own, whose gradient is its row's) and hands it to `sink`, and gives
+    `trigger` (a scalar leaf) a zero gradient."""
 
     @staticmethod
     def forward(  # noqa: ANN205
@@ -44,7 +45,7 @@ class PooledRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         weights, bags = ctx.saved_tensors
-        per_id = grad.index_select(0, bags)
+        per_id = grad if bags is None else grad.index_select(0, bags)  # None: a bag per id
         if weights is not None:
             per_id = per_id * weights.unsqueeze(1)
         ctx.sink(per_id)
@@ -89,3 +90,29 @@ class AddColumns(torch.autograd.Function):
                 grad_values[:, start : start + width] = columns * cold_ids
             grad_hots.append(columns)
         return grad_values, None, None, *grad_hots
+
+
+class PlaceRows(torch.autograd.Function):
+    """Rows from several sources put in their places of one new `[n, dim]` tensor: source i's
+    rows `[k_i, dim]` at its `positions[i]` `[k_i]`, the positions of all sources together
+    naming every row once (a partition: nothing is zero-filled first). Backward hands each
+    source its positions' rows of the gradient. One write of the output and one read of the
+    gradient, where out-of-place copies into zeros (and their backward) would pass over all
+    n rows several times."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        n: int,
+        positions: list[torch.Tensor],
+        *sources: torch.Tensor,
+    ):
+        out = sources[0].new_empty(n, sources[0].shape[1])
+        for where, rows in zip(positions, sources, strict=True):
+            out.index_copy_(0, where, rows)
+        ctx.save_for_backward(*positions)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return None, None, *(grad.index_select(0, where) for where in ctx.saved_tensors)

@@ -41,6 +41,7 @@ its splits); everything else is fixed-shape.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from distcache.cache.config import HOT_TOUCHED, CacheConfig
 from distcache.cache.optimizers import RowOptimizer, make_optimizer
 from distcache.cache.streams import DeviceInts
 from distcache.errors import DistcacheConfigError
-from distcache.sharding.hot_pool import AddColumns, PooledRows
+from distcache.sharding.hot_pool import AddColumns, PlaceRows, PooledRows
 from distcache.sharding.hot_reduce import (
     Entry,
     Pending,
@@ -360,7 +361,7 @@ class HotRows:
             each = torch.arange(ids.rows.numel() + 1, device=self.device)  # a bag per id
             sink = functools.partial(self._collect, index, ids.rows)
             view = width.view(self.flat)
-            out.append(PooledRows.apply(self._trigger, view, ids.rows, each, None, each[:-1], sink))
+            out.append(PooledRows.apply(self._trigger, view, ids.rows, each, None, None, sink))
         return out
 
     def combine_sequence(
@@ -368,11 +369,16 @@ class HotRows:
     ) -> dict[str, JaggedTensor]:
         """The collection's per-id output (`{feature: JaggedTensor}`, the sharded ids' rows)
         with the hot ids' `rows` put back in their places, every feature's lengths whole."""
-        cold = torch.cat([out[key].values() for key in part.keys])  # [n - hot, dim]
-        merged = cold.new_zeros(part.key_ends[-1], cold.shape[1])
-        merged = merged.index_copy(0, part.cold_positions, cold)
-        for ids, hot in zip(part.widths, rows, strict=True):
-            merged = merged.index_copy(0, ids.positions, hot.to(merged.dtype))
+        colds = [out[key].values() for key in part.keys]  # [cold ids of the feature, dim] each
+        ends = list(itertools.accumulate(c.shape[0] for c in colds))
+        # The batch's cold ids are its features' in order: feature k's are positions a..b.
+        positions = [
+            part.cold_positions[b - c.shape[0] : b] for c, b in zip(colds, ends, strict=True)
+        ]
+        positions += [ids.positions for ids in part.widths]
+        dtype = colds[0].dtype if colds else rows[0].dtype
+        sources = [*colds, *(hot.to(dtype) for hot in rows)]
+        merged = PlaceRows.apply(part.key_ends[-1], positions, *sources)  # [n, dim]
         sizes = [b - a for a, b in zip(part.key_ends, part.key_ends[1:], strict=False)]
         stride, whole = part.stride, {}
         for k, (key, values) in enumerate(zip(part.keys, merged.split(sizes), strict=True)):
