@@ -111,6 +111,9 @@ class Measurement:
     forward and backward, averaged over ranks (`CollectiveBytes`)."""
     all_reduce_bytes: float = 0.0
     """Bytes a rank all-reduced per timed step (dense gradients), averaged over ranks."""
+    hot_gather_bytes: float = 0.0
+    """Bytes a rank sent per timed step in the hot-row replicas' all-gathers of their touched
+    rows (`CacheConfig.hot_reduce` 'touched'), averaged over ranks."""
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -286,13 +289,16 @@ class CollectiveBytes(TorchDispatchMode):
     - all-to-all: the input but the rows the rank keeps (its own split);
     - reduce-scatter: (W - 1) / W of the input; all-gather: the input to each of the W - 1
       others (row-wise outputs forward and backward);
-    - all-reduce: the tensors reduced (what DDP syncs), counted apart.
+    - all-reduce: the tensors reduced (what DDP syncs), counted apart;
+    - the hot-row replicas' all-gather of their touched rows (`sharding.hot_reduce`): the input
+      to each of the W - 1 others, counted apart (`hot_gather`), not as an all-to-all's.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.all_to_all = 0.0
         self.all_reduce = 0.0
+        self.hot_gather = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = func._schema.name
@@ -317,8 +323,14 @@ class CollectiveBytes(TorchDispatchMode):
             source = args[1]
             self.all_to_all += source.numel() * source.element_size() * (world - 1) / world
         elif name == "c10d::_allgather_base_":
+            from distcache.sharding.hot_reduce import in_hot_gather  # (TorchRec: imported late)
+
             source = args[1]
-            self.all_to_all += source.numel() * source.element_size() * (world - 1)
+            sent = source.numel() * source.element_size() * (world - 1)
+            if in_hot_gather():
+                self.hot_gather += sent
+            else:
+                self.all_to_all += sent
         elif name == "c10d::allreduce_":
             self.all_reduce += sum(t.numel() * t.element_size() for t in args[0])
 
@@ -329,8 +341,8 @@ class _RankResult(TypedDict):
     step_s: list[float]
     """This rank's time of each timed step."""
     sent_bytes: list[float]
-    """Bytes this rank sent in all-to-alls (and row-wise outputs' collectives) over the timed
-    steps, and all-reduced: [all_to_all, all_reduce]."""
+    """Bytes this rank sent in all-to-alls (and row-wise outputs' collectives) in one step,
+    all-reduced, and sent in the replicas' all-gathers: [all_to_all, all_reduce, hot_gather]."""
     before: dict[str, float]
     """Cache counters (`_COUNTERS`) before the timed steps ..."""
     after: dict[str, float]
@@ -396,7 +408,7 @@ def _build(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
         plan=sharding_plan,
         sharders=[*get_default_sharders(), CachedEmbeddingBagCollectionSharder(base)],
     )
-    _make_whole_caches_resident(dmp)
+    make_whole_caches_resident(dmp)
     optimizer = dense_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=options.learning_rate))
     pipeline = LookaheadTrainPipeline(dmp, optimizer, device)
     batches = iter(_batches(workload, options, rank, world, pipeline.lookahead))
@@ -453,7 +465,7 @@ def _build_torchrec(plan: Plan, workload: Workload, options: MeasureOptions) -> 
     )
 
 
-def _make_whole_caches_resident(model: torch.nn.Module) -> None:
+def make_whole_caches_resident(model: torch.nn.Module) -> None:
     """Load every row of each cache as large as its shard (a device-stored table): what the
     plan prices is every row resident, not a cache still filling (under a power law its cold
     misses would last thousands of steps). Partial caches warm up in the warm-up steps."""
@@ -516,7 +528,7 @@ def _timed(runs: list[_Run], options: MeasureOptions) -> list[_RankResult]:
     """Each run trains warmup + steps steps, in turns; per-step times of the timed ones."""
     times: list[list[float]] = [[] for _ in runs]
     before: list[dict[str, float]] = [{} for _ in runs]
-    sent = [[0.0, 0.0] for _ in runs]
+    sent = [[0.0, 0.0, 0.0] for _ in runs]
     for step in range(options.warmup + options.steps):
         if step == options.warmup:
             before = [r.stats() for r in runs]
@@ -535,7 +547,7 @@ def _timed(runs: list[_Run], options: MeasureOptions) -> list[_RankResult]:
         dist.barrier()
         with CollectiveBytes() as counted:
             run.step()
-        sent[i] = [counted.all_to_all, counted.all_reduce]
+        sent[i] = [counted.all_to_all, counted.all_reduce, counted.hot_gather]
     return [
         {"step_s": times[i], "before": before[i], "after": after[i], "sent_bytes": sent[i]}
         for i in range(len(runs))
@@ -564,4 +576,5 @@ def _summarize(
         cache=cache,
         all_to_all_sent_bytes=sum(r["sent_bytes"][0] for r in ranks) / world_size,
         all_reduce_bytes=sum(r["sent_bytes"][1] for r in ranks) / world_size,
+        hot_gather_bytes=sum(r["sent_bytes"][2] for r in ranks) / world_size,
     )

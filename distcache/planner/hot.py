@@ -31,7 +31,7 @@ from distcache.planner.candidates import Mode
 from distcache.planner.pricing import State
 from distcache.planner.search import better_state as _better
 from distcache.planner.shards import shard_terms
-from distcache.planner.types import DATA_PARALLEL, DEVICE
+from distcache.planner.types import DATA_PARALLEL
 
 PASSES = 2
 
@@ -50,16 +50,10 @@ def _replica_rows(state: State, index: int, share: float) -> int:
 
 
 def _sharded(state: State) -> list[int]:
-    """The placed tables a replica may serve: all but data-parallel ones, and but sequence
-    tables stored on the device (an `EmbeddingCollection`'s replica needs distcache's kernel,
-    and a device-stored table runs on TorchRec's: `to_sharding_plan`)."""
-    tables = state.p.tables
+    """The placed tables a replica may serve (all but data-parallel ones). (A device-stored
+    sequence table with one is priced on distcache's kernel: `shards.shard_terms`.)"""
     return [
-        i
-        for i, placed in enumerate(state.placed)
-        if placed
-        and placed[0].sharding != DATA_PARALLEL
-        and (tables[i].pooled or placed[0].storage != DEVICE)
+        i for i, placed in enumerate(state.placed) if placed and placed[0].sharding != DATA_PARALLEL
     ]
 
 

@@ -264,6 +264,10 @@ def shard_terms(
         table, workload, topology, sharding=sharding, shards=shards, hot_rows=hot_rows
     )
     cached = storage == HOST_CACHED
+    # A device-stored sequence table with a replica runs on distcache's kernel as a cache
+    # holding every row (`torchrec.export.to_sharding_plan`: an `EmbeddingCollection`'s replica
+    # needs it): our lookups, the cache's slots on the device and its store in host memory.
+    whole_cache = storage == DEVICE and sharded and hot_rows > 0 and not table.pooled
     cache_rows = min(rows, math.ceil(cache_fraction * rows)) if cached else rows
     loads = 0.0
     if cached:
@@ -277,7 +281,8 @@ def shard_terms(
     sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
     sent *= output_rate_factor(sharding, topology, table.pooled)
     dim_bytes, bags = dim * element, ids / pooling
-    lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, cached, topology)
+    ours = cached or whole_cache  # served by distcache's kernel
+    lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, ours, topology)
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,
@@ -294,8 +299,8 @@ def shard_terms(
         staging_overlapped=lookahead > 0
         and prefetch_depth > 0
         and topology.compute_device == "cuda",
-        device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, cached, lookahead),
-        host_memory_bytes=rows * row_bytes if cached else 0,
+        device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, ours, lookahead),
+        host_memory_bytes=rows * row_bytes if ours else 0,
         ids_bytes_per_peer=per_rank_ids * (1 - hot_mass) * ID_BYTES / rows_split
         if sharded
         else 0.0,

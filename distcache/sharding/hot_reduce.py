@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,20 @@ import torch.distributed as dist
 from distcache.cache.optimizers import RowOptimizer
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Gathering(threading.local):
+    active = False
+
+
+_GATHERING = _Gathering()
+
+
+def in_hot_gather() -> bool:
+    """Whether this thread is issuing a replica's all-gather (for counting collectives apart
+    from the all-to-alls: `job.measure.CollectiveBytes`)."""
+    return _GATHERING.active
+
 
 Entry = tuple[int, torch.Tensor, torch.Tensor]
 """(width, replica rows of the width `[h]`, their gradient rows `[h, dim]`)."""
@@ -166,7 +181,11 @@ class Reduction:
             if self.group is not None:
                 send = send.cpu()  # gloo all-gathers host tensors (a no-op on CPU)
                 gathered = send.new_empty(world * send.numel())
-                works.append(_ALL_GATHER(gathered, send, group=self.group, async_op=True))
+                _GATHERING.active = True
+                try:
+                    works.append(_ALL_GATHER(gathered, send, group=self.group, async_op=True))
+                finally:
+                    _GATHERING.active = False
         return Pending(works, whole, gathered, caps, world)
 
     def finish(self, pending: Pending) -> Reduced:

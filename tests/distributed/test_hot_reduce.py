@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distcache.job.measure import CollectiveBytes
 from distcache.sharding.hot_reduce import Reduction, Span, sum_by_key
 from tests.distributed.harness import run_ranks
 
@@ -33,7 +34,13 @@ def _case(rank: int, world: int, touched_only: tuple[bool, ...]) -> None:
             flags.append(torch.zeros(rows).index_fill_(0, ids, 1.0))
         counts = [int(flags[s.width][s.row : s.row + s.rows].sum()) for s in reduction.gathered]
         reduction.expect(counts)
-        reduced = reduction.finish(reduction.start(entries))
+        with CollectiveBytes() as counted:  # what `compare --measure` reports
+            pending = reduction.start(entries)
+        reduced = reduction.finish(pending)
+        # The touched rows' all-gather is counted as the replicas' own, not as an all-to-all.
+        assert counted.all_to_all == 0.0, counted.all_to_all
+        assert (counted.hot_gather > 0) == any(touched_only), counted.hot_gather
+        assert (counted.all_reduce > 0) == (not all(touched_only)), counted.all_reduce
         for width in range(len(WIDTHS)):
             dist.all_reduce(dense[width])
             dist.all_reduce(flags[width])

@@ -10,7 +10,8 @@ cache, and no lookup of ours beats it); host-cached tables run on distcache's ke
 the cached tables and for the device tables whose hot rows distcache replicates. Pass
 `CachedEmbeddingBagCollectionSharder` to DMP with it. A workload's sequence tables
 (`TableStats.pooled` False) are an `EmbeddingCollection`'s (`workload_ec`), planned at their own
-module path for `CachedEmbeddingCollectionSharder`.
+module path for `CachedEmbeddingCollectionSharder`; a device-stored one with hot rows runs on
+distcache's kernel, a cache of every row (an `EmbeddingCollection`'s replica needs it).
 
 `from_sharding_plan` reads a TorchRec plan, e.g. one from TorchRec's own planner, as a distcache
 `Plan`, so that it is priced by the same cost model as distcache's plans. TorchRec's placements
@@ -340,12 +341,8 @@ def to_sharding_plan(
             table_plan, stats = plan.table(ours[name]), workload.table(ours[name])
             # (table_row_wise() takes no kernel argument: every kernel is set here)
             kernel = device_kernel if table_plan.storage == DEVICE else CACHED_KERNEL
-            if table_plan.hot_rows and not stats.pooled and kernel != CACHED_KERNEL:
-                raise DistcacheConfigError(
-                    f"table {stats.name!r}: hot rows of a sequence table need distcache's "
-                    f"kernel, and device storage puts it on {kernel!r}: store it host_cached, "
-                    f"or pass device_kernel={CACHED_KERNEL!r}"
-                )
+            if table_plan.hot_rows and not stats.pooled:  # an EC's replica needs our kernel
+                kernel = CACHED_KERNEL
             sharding.compute_kernel = kernel
             if kernel != CACHED_KERNEL and not table_plan.hot_rows:
                 continue

@@ -297,20 +297,16 @@ def test_the_framework_cost_is_per_bag_routed() -> None:
         assert served == pytest.approx(1e-3 * bags_served), pooling
 
 
-def test_sequence_tables_on_the_device_get_no_replica_and_no_table_row_wise():
-    """Criteo Terabyte's tables as sequence tables on 16 H100s x 16 GB: the solver offers
-    them no table-row-wise layout (TorchRec's EmbeddingCollection has none) and gives the
-    device-stored ones no hot rows (an EC's replica needs distcache's kernel, and a
-    device-stored table runs on TorchRec's), where the pooled tables do get replicas."""
+def test_sequence_tables_are_never_table_row_wise_and_their_replicas_run_on_our_kernel():
+    """Criteo Terabyte's tables as sequence tables on 16 H100s: the solver offers them no
+    table-row-wise layout (TorchRec's EmbeddingCollection has none), and a device-stored one
+    with a replica is priced on distcache's kernel, as it runs (`to_sharding_plan`): a cache
+    of every row, its store in host memory."""
     pooled = workload_preset("criteo-terabyte")
     sequence = dataclasses.replace(
         pooled, tables=tuple(dataclasses.replace(t, pooled=False) for t in pooled.tables)
     )
     topology = dataclasses.replace(preset("h100", world_size=16), device_memory_bytes=16 * 10**9)
-    for workload, replicas in ((pooled, True), (sequence, False)):
-        plan = solve(workload, topology)
-        device_hot = [t.table for t in plan.tables if t.storage == DEVICE and t.hot_rows]
-        assert bool(device_hot) == replicas, (workload.tables[0].pooled, plan.tables)
     layouts = {
         group.modes[0].sharding
         for groups in Problem(sequence, topology, SolverOptions()).groups
@@ -321,3 +317,13 @@ def test_sequence_tables_on_the_device_get_no_replica_and_no_table_row_wise():
         g.modes[0].sharding for gs in Problem(pooled, topology, SolverOptions()).groups for g in gs
     }
     assert TABLE_ROW_WISE in pooled_layouts
+    table = sequence.tables[1]  # 39k rows
+    args = {"sharding": TABLE_WISE, "shards": 1, "storage": DEVICE}
+    plain = shard_terms(table, sequence, topology, **args)
+    hot = shard_terms(table, sequence, topology, **args, hot_rows=100)
+    full = shard_terms(table, sequence, topology, **(args | {"storage": HOST_CACHED}), hot_rows=100)
+    assert plain.host_memory_bytes == 0
+    assert hot.host_memory_bytes == full.host_memory_bytes == table.rows * hot.row_bytes
+    assert hot.device_memory_bytes == full.device_memory_bytes > plain.device_memory_bytes
+    pooled_hot = shard_terms(pooled.tables[1], pooled, topology, **args, hot_rows=100)
+    assert pooled_hot.host_memory_bytes == 0  # a bag collection's replica: TorchRec's kernel

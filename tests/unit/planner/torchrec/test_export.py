@@ -453,15 +453,20 @@ def test_sequence_tables_go_to_the_embedding_collections_plan_and_back():
     assert set(to_sharding_plan(alone, only, world_size=2, module_path="ec").plan) == {"ec"}
 
 
-def test_hot_rows_of_a_device_stored_sequence_table_need_distcaches_kernel():
+def test_a_device_stored_sequence_table_with_hot_rows_runs_on_distcaches_kernel():
+    """An `EmbeddingCollection`'s replica needs distcache's kernel: such a table is a cache of
+    every row there, and reads back as device-stored."""
     plan = _mixed_plan()
     device = dataclasses.replace(plan.tables[1], hot_rows=5)
     plan = dataclasses.replace(plan, tables=(plan.tables[0], device, plan.tables[2]))
-    paths = {"module_path": "b", "sequence_module_path": "s"}
-    with pytest.raises(DistcacheConfigError, match="'clicks': hot rows of a sequence table need"):
-        to_sharding_plan(plan, MIXED, world_size=2, **paths)
-    sharding = to_sharding_plan(plan, MIXED, world_size=2, device_kernel=CACHED_KERNEL, **paths)
-    assert sharding.plan["s"]["clicks"].cache_config.hot_rows == tuple(range(5))
+    sharding = to_sharding_plan(
+        plan, MIXED, world_size=2, module_path="b", sequence_module_path="s"
+    )
+    clicks = sharding.plan["s"]["clicks"]
+    assert clicks.compute_kernel == CACHED_KERNEL
+    assert (clicks.cache_config.capacity, clicks.cache_config.hot_rows) == (1.0, tuple(range(5)))
+    assert sharding.plan["b"]["bags"].compute_kernel == "fused"  # a pooled table keeps TorchRec's
+    assert from_sharding_plan(sharding, MIXED, world_size=2).tables == plan.tables
 
 
 def test_an_embedding_collections_tables_share_one_dim():
