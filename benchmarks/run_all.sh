@@ -22,3 +22,5 @@ $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 \
 $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 --small-tables resident \
     --json $out/throughput_cpu_2ranks_resident.json
 $PY benchmarks/planner.py --threads 1 --json $out/planner_cpu.json
+# Hot rows of sequence tables: distcache's plan, the same without replicas, TorchRec's plan.
+$PY benchmarks/sequence_hot_rows.py --rounds 5 --steps 20 --json $out/sequence_hot_rows_cpu_2ranks.json
