@@ -56,3 +56,15 @@ def _train(device: torch.device, reduce: str, steps: int = 3) -> list[torch.Tens
 def test_hot_rows_on_cuda_train_as_on_the_cpu(reduce):
     for got, want in zip(_train(DEVICE, reduce), _train(torch.device("cpu"), reduce), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduce", ["all", "touched"])
+def test_sequence_hot_rows_on_cuda_train_as_on_the_cpu(reduce):
+    """Per-id outputs (`EmbeddingCollection`): the replica's rows put back among the cold ids'
+    rows (`PlaceRows`), the gradients and the step, on CUDA as on the CPU."""
+    pytest.importorskip("torchrec")
+    from tests.unit.sharding.test_hot_rows import sequence_step
+
+    cuda, cpu = sequence_step(DEVICE, reduce), sequence_step("cpu", reduce)
+    for got, want in zip(cuda, cpu, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)

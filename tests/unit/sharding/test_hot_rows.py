@@ -90,3 +90,78 @@ def test_one_process_step_updates_only_the_touched_rows(reduce, lrs):
             assert torch.allclose(table.rows_of(hot.flat)[i], want), (name, row)
             assert torch.allclose(table.state[i], torch.full((4,), float(count**2))), (name, row)
     assert hot.widths[0].view(hot.flat, scratch=True).shape[0] == hot.widths[0].rows + 1
+
+
+def sequence_step(device: torch.device | str, reduce: str = "touched") -> list[torch.Tensor]:
+    """One step of per-id outputs (`EmbeddingCollection`) with hot rows, in one process: the
+    split, the replica's rows put back among the cold ids' rows (taken here from a plain table
+    `[50, 4]` per feature's table, as the shards would give them), a loss over every id's row,
+    backward, SGD. Returns the output, the cold rows' gradient and the replica after the step."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    device = torch.device(device)
+    lr = 0.5
+    tables = {t: (50, 4, CacheConfig(hot_rows=HOT[t], hot_reduce=reduce, learning_rate=lr,
+                                     optimizer="sgd")) for t in "ab"}  # fmt: skip
+    features = {"fa": "a", "fb": "b", "fb2": "b"}
+    hot = HotRows(tables, features, set(), device, sequence=True)
+    hot.stale = False
+    weights = {t: (torch.arange(200, dtype=torch.float32).view(50, 4) % 11 + i).to(device)
+               for i, t in enumerate("ab")}  # fmt: skip
+    for name, table in hot.tables.items():  # the replica holds the table's own rows
+        table.rows_of(hot.flat).copy_(weights[name].index_select(0, table.ids))
+    leaves = {t: w.clone().requires_grad_() for t, w in weights.items()}  # the shards' rows
+    keys = list(features)
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 5, (len(keys) * 3,), generator=g)  # B = 3
+    values = torch.randint(0, 12, (int(lengths.sum()),), generator=g)
+    values[::3] = 7  # hot in a and b
+    kjt = KeyedJaggedTensor(keys=keys, values=values.to(device), lengths=lengths.to(device))
+    rest, part = hot.split(kjt)
+    cold = {
+        key: JaggedTensor(
+            values=leaves[features[key]].index_select(0, jt.values()), lengths=jt.lengths()
+        )
+        for key, jt in rest.to_dict().items()
+    }
+    out = hot.combine_sequence(cold, part, hot.rows(part))
+    merged = torch.cat([out[key].values() for key in keys])
+    scale = (torch.arange(merged.shape[0], device=device) % 3 + 1).unsqueeze(1).float()
+    (merged * scale).sum().backward()
+    hot.finish_step()
+    grads = [leaves[t].grad for t in "ab"]
+    return [merged.detach(), *(g.detach() for g in grads), hot.flat.detach(), scale]
+
+
+@pytest.mark.parametrize("reduce", ["touched", "all"])
+def test_sequence_outputs_and_step_match_plain_tables(reduce):
+    """Per-id outputs with hot rows equal the plain tables' rows for every id, in place; the
+    cold ids' gradient reaches the shards' rows and only them; each replica row takes the SGD
+    step of its ids' gradients, as the plain table's row would."""
+    merged, grad_a, grad_b, flat, scale = sequence_step("cpu", reduce)
+    base = {t: torch.arange(200, dtype=torch.float32).view(50, 4) % 11 + i
+            for i, t in enumerate("ab")}  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    keys, features = ["fa", "fb", "fb2"], {"fa": "a", "fb": "b", "fb2": "b"}
+    lengths = torch.randint(0, 5, (len(keys) * 3,), generator=g)
+    values = torch.randint(0, 12, (int(lengths.sum()),), generator=g)
+    values[::3] = 7
+    ends = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths).offset_per_key()
+    spans = zip(keys, ends, ends[1:], strict=False)
+    table_of = [features[k] for k, a, b in spans for _ in range(b - a)]
+    want = torch.stack([base[t][v] for t, v in zip(table_of, values.tolist(), strict=True)])
+    assert torch.equal(merged, want)
+    grads = {"a": grad_a, "b": grad_b}
+    used = {"a": torch.zeros(50, 4), "b": torch.zeros(50, 4)}
+    for i, (t, v) in enumerate(zip(table_of, values.tolist(), strict=True)):
+        used[t][v] += scale[i]
+    for t in "ab":
+        hot_rows = list(HOT[t])
+        cold_rows = [r for r in range(50) if r not in hot_rows]
+        assert torch.equal(grads[t][cold_rows], used[t][cold_rows]), t
+        assert not grads[t][hot_rows].any(), t  # hot ids never reach the shards
+    # The replica's layout, as `sequence_step` built it.
+    layout = HotRows({t: (50, 4, CacheConfig(hot_rows=HOT[t])) for t in "ab"}, {}, set(), "cpu")
+    for name, table in layout.tables.items():
+        want_rows = base[name][table.ids] - 0.5 * used[name][table.ids]
+        assert torch.equal(table.rows_of(flat), want_rows), name
