@@ -86,9 +86,11 @@ U_table(n) otherwise, from `stats.expected_unique`.
   summed over the ranks as `TablePlan.hot_reduce` says: 'all' adds H·(D + 1)·4 bytes to the
   all-reduce (its gradient and which rows some rank touched) and a masked update streaming
   all H replica rows with their state (at the dense update's rate); 'touched' all-gathers
-  the U_rank rows the rank's own B·P ids touch among the H, (D + 1)·4 bytes each (gradient
-  and row number): `all_gather_s`, each rank receiving them from the k - 1 others of its
-  node over NVLink and from the W - k of other nodes over its NIC, then updates the U_hot
+  as many rows as the most any rank's B·P ids touch among the H (the expected U_rank plus
+  its standard deviation times the expected maximum of W standard normals), (D + 1)·4 bytes
+  each (gradient and row number): `all_gather_s`, each rank receiving them from the k - 1
+  others of its node over NVLink and from the W - k of other nodes over its NIC, then
+  updates the U_hot
   rows the global batch touched (at the same rate). A plan with replicas pays two
   sync latencies (one all-reduce of the 'all' replicas, one of their learning rates); with
   'touched' replicas, the all-gather's and one for the all-reduce of its sizes (and none for

@@ -345,9 +345,10 @@ def _hot_terms(
     every replica row and its state read and written once (a masked update), at the dense
     update's rate. The gradient is summed by an all-reduce of every row with a touched flag
     ('all'), or by an all-gather of the rows the rank's batch touched, each with its row
-    number (`sharding.hot_reduce`): their expected number from the access profile (the
-    runtime sends the most any rank touched, which this does not model); then only the rows
-    some rank touched are updated (the global batch's distinct hot rows). Before that,
+    number (`sharding.hot_reduce`): as many as the most any rank touched, as the runtime
+    sends them (`BinnedProfile.head_most`: the expected number from the access profile plus
+    its spread times the expected maximum of W normals); then only the rows some rank touched
+    are updated (the global batch's distinct hot rows). Before that,
     `HotRows.split` reads every id of the table's features: a binary search among the hot rows
     and a compaction, priced as two accesses of the id's bytes per id (read, written); the
     framework's own cost of that path, per bag, is `Topology.hot_bag_overhead_s` (calibrated)."""
@@ -374,7 +375,10 @@ def _hot_terms(
         + dense_update_time_s(updated * full, topology),
         "hot_reduce": hot_reduce,
         "hot_reduce_bytes": 0.0 if touched else hot_rows * (row + FP32_BYTES),
-        "hot_gather_bytes": access.head(hot_rows, ids)[1] * (row + FP32_BYTES) if touched else 0.0,
+        "hot_gather_bytes": access.head_most(hot_rows, ids, topology.world_size)
+        * (row + FP32_BYTES)
+        if touched
+        else 0.0,
         # The replica and its state; 'all' makes its [H, dim] gradient too, 'touched' none.
         "hot_device_bytes": hot_rows * (full + (0 if touched else row)),
     }
