@@ -264,24 +264,20 @@ def shard_terms(
         table, workload, topology, sharding=sharding, shards=shards, hot_rows=hot_rows
     )
     cached = storage == HOST_CACHED
-    # A device-stored sequence table with a replica runs on distcache's kernel as a cache
-    # holding every row (`torchrec.export.to_sharding_plan`: an `EmbeddingCollection`'s replica
-    # needs it): our lookups, the cache's slots on the device and its store in host memory.
-    whole_cache = storage == DEVICE and sharded and hot_rows > 0 and not table.pooled
     cache_rows = min(rows, math.ceil(cache_fraction * rows)) if cached else rows
     loads = 0.0
     if cached:
-        model = "frequency" if lookahead > 0 else "lru"
         # Row splits: the table's cache is the shards' caches together. Hot rows take no slot:
         # the cache holds the next likeliest rows, as one of `hot_rows` more slots would.
         slots = cache_rows * rows_split + hot_rows
+        model = "frequency" if lookahead > 0 else "lru"
         loads = table_access(table).loads(global_ids, slots, model) / rows_split
     staging_bytes = 2 * loads * row_bytes
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
     sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
     sent *= output_rate_factor(sharding, topology, table.pooled)
     dim_bytes, bags = dim * element, ids / pooling
-    ours = cached or whole_cache  # served by distcache's kernel
+    ours = cached or _whole_cache(table, storage, sharded, hot_rows)  # distcache's kernel
     lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, ours, topology)
     return ShardTerms(
         shard_rows=rows,
@@ -296,14 +292,10 @@ def shard_terms(
         staging_bytes_per_step=staging_bytes,
         # Look-ahead victims are scored over every slot; LRU's one subtraction is not priced.
         staging_s=staging_time_s(staging_bytes, topology, cache_rows if lookahead > 0 else 0),
-        staging_overlapped=lookahead > 0
-        and prefetch_depth > 0
-        and topology.compute_device == "cuda",
+        staging_overlapped=min(lookahead, prefetch_depth) > 0 and topology.compute_device == "cuda",
         device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, ours, lookahead),
         host_memory_bytes=rows * row_bytes if ours else 0,
-        ids_bytes_per_peer=per_rank_ids * (1 - hot_mass) * ID_BYTES / rows_split
-        if sharded
-        else 0.0,
+        ids_bytes_per_peer=per_rank_ids * (1 - hot_mass) * ID_BYTES / rows_split * sharded,
         embedding_bytes_per_peer=sent if sharded else 0.0,
         all_reduce_bytes=0.0 if sharded else table.rows * table.dim * dtype,
         reduced_in_node=sharding == TABLE_ROW_WISE,
@@ -311,6 +303,13 @@ def shard_terms(
         collectives=collective_kind(sharding, table.pooled),
         **_hot_terms(table, workload, topology, hot_rows, hot_mass, hot_reduce),
     )
+
+
+def _whole_cache(table: TableStats, storage: str, sharded: bool, hot_rows: int) -> bool:
+    """A device-stored sequence table with a replica runs on distcache's kernel as a cache
+    holding every row (`torchrec.export.to_sharding_plan`: an `EmbeddingCollection`'s replica
+    needs it): our lookups, the cache's slots on the device and its store in host memory."""
+    return storage == DEVICE and sharded and hot_rows > 0 and not table.pooled
 
 
 def _output_rows_per_peer(

@@ -1,8 +1,8 @@
 """A distcache `Plan` as a TorchRec `ShardingPlan`, and back.
 
 `to_sharding_plan` turns a plan into what `DistributedModelParallel` takes, for an
-`EmbeddingBagCollection` whose tables are named like the workload's (`workload_ebc` builds one;
-a name TorchRec refuses, such as `items`, gets a suffix: `torchrec_names`):
+`EmbeddingBagCollection` whose tables are named like the workload's (`modules.workload_ebc`
+builds one; a name TorchRec refuses, such as `items`, gets a suffix: `torchrec_names`):
 data-parallel tables keep TorchRec's dense kernel; device-stored tables run on TorchRec's fused
 kernel (FBGEMM's table-batched embedding: every row is in device memory, there is nothing to
 cache, and no lookup of ours beats it); host-cached tables run on distcache's kernel
@@ -61,12 +61,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-)
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.sharding_plan import (
     ParameterShardingGenerator,
@@ -78,11 +72,16 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
-from torchrec.modules.embedding_configs import DataType
 
 from distcache.cache.config import HOT_ALL, CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import table_access
+from distcache.planner.torchrec.modules import (
+    has_sequence_tables,
+    torchrec_names,
+    workload_ebc,
+    workload_ec,
+)
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -115,87 +114,6 @@ _OFFLOAD_KERNELS = {
 _CW_BLOCK = 4
 _NODE_ROWS = {ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value}
 _COLUMN_LIKE = {ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value}
-
-
-def workload_ebc(
-    workload: Workload, *, device: str | torch.device = "meta"
-) -> EmbeddingBagCollection:
-    """An `EmbeddingBagCollection` with the workload's pooled tables (`TableStats.pooled`),
-    named as `torchrec_names` says, one feature per table named like the table, 2-byte rows as
-    FP16 (on the meta device by default: planning needs shapes, not weights)."""
-    tables = [t for t in workload.tables if t.pooled]
-    if not tables:
-        raise DistcacheConfigError(f"workload {workload.name!r} has no pooled tables")
-    configs = [EmbeddingBagConfig(**_config_fields(workload, t)) for t in tables]
-    return EmbeddingBagCollection(tables=configs, device=torch.device(device))
-
-
-def workload_ec(workload: Workload, *, device: str | torch.device = "meta") -> EmbeddingCollection:
-    """An `EmbeddingCollection` with the workload's sequence tables (`TableStats.pooled`
-    False), named and typed as `workload_ebc` does; TorchRec's collection needs them all of one
-    dim."""
-    tables = [t for t in workload.tables if not t.pooled]
-    if not tables:
-        raise DistcacheConfigError(f"workload {workload.name!r} has no sequence tables")
-    dims = sorted({t.dim for t in tables})
-    if len(dims) > 1:
-        raise DistcacheConfigError(
-            f"workload {workload.name!r}: its sequence tables have dims {dims}, but one "
-            "EmbeddingCollection's tables share one dim; plan each dim's tables as a workload "
-            "of its own"
-        )
-    configs = [EmbeddingConfig(**_config_fields(workload, t)) for t in tables]
-    return EmbeddingCollection(tables=configs, device=torch.device(device))
-
-
-def _config_fields(workload: Workload, table: TableStats) -> dict:
-    data_type = {1: DataType.INT8, 2: DataType.FP16, 4: DataType.FP32}
-    return {
-        "name": torchrec_names(workload)[table.name],
-        "num_embeddings": table.rows,
-        "embedding_dim": table.dim,
-        "feature_names": [table.name],
-        "data_type": data_type.get(workload.element_bytes(table), DataType.FP32),
-    }
-
-
-def has_sequence_tables(workload: Workload) -> bool:
-    """Whether some table of `workload` is an `EmbeddingCollection`'s (not pooled)."""
-    return any(not t.pooled for t in workload.tables)
-
-
-def torchrec_names(workload: Workload) -> dict[str, str]:
-    """The name of each table of `workload` in TorchRec (`workload_ebc`'s EBC, the sharding
-    plans `to_sharding_plan` writes): its own, unless TorchRec cannot hold a table by that name.
-
-    An EBC keeps its tables in an `nn.ModuleDict`, which refuses a name that is one of its
-    attributes (`items`, `keys`, `values`, `type`, `to`, ...) or holds a '.'. Such a table is
-    named with '.' turned to '_' and as many '_' appended as make it a name no other table
-    has. `from_sharding_plan` reads either name.
-
-    Example::
-
-        torchrec_names(workload)  # {"users": "users", "items": "items_"}
-    """
-    taken = {t.name for t in workload.tables}
-    out = {}
-    for table in workload.tables:
-        name = table.name
-        if _torchrec_refuses(name):
-            name = name.replace(".", "_") + "_"
-            while name in taken or _torchrec_refuses(name):
-                name += "_"
-            taken.add(name)
-        out[table.name] = name
-    return out
-
-
-def _torchrec_refuses(name: str) -> bool:
-    """Whether `nn.ModuleDict` refuses `name` as a key (`nn.Module.add_module`'s checks)."""
-    return not name or "." in name or hasattr(_MODULE_DICT, name)
-
-
-_MODULE_DICT = torch.nn.ModuleDict()  # an instance: `training` and the like are set per instance
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,27 +220,10 @@ def to_sharding_plan(
     _check_covers(plan, workload)
     names = torchrec_names(workload)
     ours = {names[t.name]: t.name for t in workload.tables}  # TorchRec's names -> the workload's
-    modules = []
-    if any(t.pooled for t in workload.tables):
-        pooled = [t.name for t in workload.tables if t.pooled]
-        modules.append(
-            (module_path, workload_ebc(workload), CachedEmbeddingBagCollectionSharder, pooled)
-        )
-    if has_sequence_tables(workload):
-        if sequence_module_path is None and modules:
-            raise DistcacheConfigError(
-                f"workload {workload.name!r} has pooled and sequence tables: give "
-                "sequence_module_path, the EmbeddingCollection's path in the model"
-            )
-        path = module_path if sequence_module_path is None else sequence_module_path
-        if modules and path == module_path:
-            raise DistcacheConfigError(
-                f"sequence_module_path {path!r} is the EmbeddingBagCollection's module_path too"
-            )
-        sequence = [t.name for t in workload.tables if not t.pooled]
-        modules.append((path, workload_ec(workload), CachedEmbeddingCollectionSharder, sequence))
     out = {}
-    for path, module, sharder_type, tables in modules:
+    for path, module, sharder_type, tables in _collections(
+        workload, module_path, sequence_module_path
+    ):
         per_table = {
             names[t]: _generator(plan.table(t), workload.table(t), world_size, local_size)
             for t in tables
@@ -336,24 +237,61 @@ def to_sharding_plan(
             device_type=device,
         )
         for name, sharding in list(module_plan.items()):
-            if sharding.sharding_type == DATA_PARALLEL:
-                continue
-            table_plan, stats = plan.table(ours[name]), workload.table(ours[name])
-            # (table_row_wise() takes no kernel argument: every kernel is set here)
-            kernel = device_kernel if table_plan.storage == DEVICE else CACHED_KERNEL
-            if table_plan.hot_rows and not stats.pooled:  # an EC's replica needs our kernel
-                kernel = CACHED_KERNEL
-            sharding.compute_kernel = kernel
-            if kernel != CACHED_KERNEL and not table_plan.hot_rows:
-                continue
-            fields = {
-                f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)
-            }
-            hot = hot_row_ids(stats, table_plan.hot_rows) if table_plan.hot_rows else ()
-            config = cache_config_for(table_plan, base, hot)
-            module_plan[name] = CachedParameterSharding(**fields, cache_config=config)
+            if sharding.sharding_type != DATA_PARALLEL:
+                table_plan, stats = plan.table(ours[name]), workload.table(ours[name])
+                module_plan[name] = _with_kernel(
+                    sharding, table_plan, stats, base, device_kernel, hot_row_ids
+                )
         out[path] = module_plan
     return ShardingPlan(out)
+
+
+def _collections(
+    workload: Workload, module_path: str, sequence_module_path: str | None
+) -> list[tuple[str, torch.nn.Module, type, list[str]]]:
+    """(path, module, distcache sharder type, its tables) of the workload's EBC and EC."""
+    out: list[tuple[str, torch.nn.Module, type, list[str]]] = []
+    if any(t.pooled for t in workload.tables):
+        pooled = [t.name for t in workload.tables if t.pooled]
+        out.append(
+            (module_path, workload_ebc(workload), CachedEmbeddingBagCollectionSharder, pooled)
+        )
+    if has_sequence_tables(workload):
+        if sequence_module_path is None and out:
+            raise DistcacheConfigError(
+                f"workload {workload.name!r} has pooled and sequence tables: give "
+                "sequence_module_path, the EmbeddingCollection's path in the model"
+            )
+        path = module_path if sequence_module_path is None else sequence_module_path
+        if out and path == module_path:
+            raise DistcacheConfigError(
+                f"sequence_module_path {path!r} is the EmbeddingBagCollection's module_path too"
+            )
+        sequence = [t.name for t in workload.tables if not t.pooled]
+        out.append((path, workload_ec(workload), CachedEmbeddingCollectionSharder, sequence))
+    return out
+
+
+def _with_kernel(
+    sharding: ParameterSharding,
+    table_plan: TablePlan,
+    stats: TableStats,
+    base: CacheConfig,
+    device_kernel: str,
+    hot_row_ids: HotRowIds,
+) -> ParameterSharding:
+    """A routed table's sharding on its kernel, with its `CacheConfig` where distcache's
+    kernel or replica needs one. (table_row_wise() takes no kernel argument: every kernel is
+    set here.)"""
+    kernel = device_kernel if table_plan.storage == DEVICE else CACHED_KERNEL
+    if table_plan.hot_rows and not stats.pooled:  # an EC's replica needs our kernel
+        kernel = CACHED_KERNEL
+    sharding.compute_kernel = kernel
+    if kernel != CACHED_KERNEL and not table_plan.hot_rows:
+        return sharding
+    fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
+    hot = hot_row_ids(stats, table_plan.hot_rows) if table_plan.hot_rows else ()
+    return CachedParameterSharding(**fields, cache_config=cache_config_for(table_plan, base, hot))
 
 
 def _check_arguments(device: str, world_size: int, device_kernel: str) -> None:

@@ -65,7 +65,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.planner.torchrec.export import (
+from distcache.planner.torchrec.modules import (
     has_sequence_tables,
     torchrec_names,
     workload_ebc,
