@@ -184,6 +184,7 @@ def _row(name: str, plan: Plan, ranks: list[dict], workload: Workload, topology:
         "plan": name,
         "placement": ", ".join(sorted({f"{t.sharding}/{t.storage}" for t in plan.tables})),
         "hot_rows": sum(t.hot_rows for t in plan.tables),
+        "hot_reduce": sorted({t.hot_reduce for t in plan.tables if t.hot_rows}),
         "step_ms": 1e3 * statistics.median(medians),
         "step_ms_low": 1e3 * min(medians),
         "step_ms_high": 1e3 * max(medians),

@@ -82,3 +82,37 @@ def test_engine_throughput_smoke(tmp_path):
     host = {r["variant"]: r["ms_per_step"] for r in payload["results"] if r["bench"] == "host"}
     assert set(host) == {"nn.EmbeddingBag", "distcache 1", "distcache 0.05", "lru 0.05"}
     assert all(ms > 0 for ms in host.values())
+
+
+@pytest.mark.timeout(150)
+def test_sequence_hot_rows_smoke(tmp_path):
+    """Small sizes: distcache's plan replicates hot rows, all three plans run on 2 ranks, the
+    all-to-all bytes are the model's (but for TorchRec's lengths, and the sampled share of
+    cold ids), an all-gather of touched rows is counted apart, where a replica has one."""
+    out = tmp_path / "seq.json"
+    argv = [
+        "--tables", "2", "--rows", "5000", "--dim", "128", "--pooling", "20", "--batch-size", "64",
+        "--rounds", "1", "--steps", "2", "--warmup", "1", "--json", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sequence_hot_rows.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    payload = json.loads(out.read_text())
+    *rows, summary = payload["results"]
+    assert [r["plan"] for r in rows] == ["distcache", "distcache without hot rows", "torchrec"]
+    assert rows[0]["hot_rows"] > 0 and rows[1]["hot_rows"] == 0
+    for row in rows:
+        assert row["step_ms"] > 0
+        assert (row["hot_gather_kb"] > 0) == ("touched" in row["hot_reduce"]), row
+    lengths_kb = 8 * 2 * 64 / 1e3 + 0.064  # at most 8 bytes a bag and 64 a step
+    for row in rows[1:]:  # every id routed: the bytes are the model's
+        assert row["modelled_a2a_kb"] <= row["a2a_kb"] <= row["modelled_a2a_kb"] + lengths_kb
+    # With replicas the cold ids are a sample's: about the model's expected share.
+    assert rows[0]["a2a_kb"] == pytest.approx(rows[0]["modelled_a2a_kb"], rel=0.1)
+    assert rows[0]["a2a_kb"] < rows[1]["a2a_kb"]
+    assert set(summary["summary"]) == {"hot_over_none", "distcache_over_torchrec"}
