@@ -63,6 +63,26 @@ class _Later(Awaitable[torch.Tensor]):
         return self._finish()
 
 
+class _Scatter(torch.autograd.Function):
+    """Rows `[k, d]` into a new `[B, width]` of zeros, seen as `[B * width / d, d]`, at
+    `rows`; backward gathers their gradient back. The output is a tensor of its own, not a
+    view: the hot rows' part is added into it in place (`hot_pool.AddColumns`), which on a
+    view would make autograd copy the whole output's gradient over again in backward."""
+
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, rows: torch.Tensor, batch: int, width: int):  # noqa: ANN001, ANN205
+        out = src.new_zeros(batch, width)
+        out.view(-1, src.shape[1]).index_copy_(0, rows, src)
+        ctx.save_for_backward(rows)
+        ctx.d = src.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        (rows,) = ctx.saved_tensors
+        return grad.reshape(-1, ctx.d).index_select(0, rows), None, None, None
+
+
 class CompactPooledEmbeddingDist(nn.Module):
     """The output dist of one table- or column-wise sharding, compacted to non-empty bags.
 
@@ -164,10 +184,9 @@ class CompactPooledEmbeddingDist(nn.Module):
         dims = [d for per_rank in self._dims for d in per_rank]
         if len(set(dims)) == 1:
             rows = self._rows(bags, sum(counts), len(dims), batch)
-            out = recv.new_zeros(batch * len(dims), dims[0])  # in place: no second copy
-            return out.index_copy_(0, rows, recv.view(-1, dims[0])).view(batch, -1)
+            return _Scatter.apply(recv.view(-1, dims[0]), rows, batch, sum(dims))
         at = self._elements(bags, sum(counts), sum(splits), dims, sum(dims), batch)
-        return recv.new_zeros(batch * sum(dims)).index_copy_(0, at, recv).view(batch, -1)
+        return _Scatter.apply(recv.view(-1, 1), at, batch, sum(dims))
 
     def _order(self, keys: list[str], device: torch.device) -> torch.Tensor:
         """Where each peer's features (in the peers' column order) sit among the batch's
