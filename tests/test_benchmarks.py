@@ -85,17 +85,34 @@ def test_engine_throughput_smoke(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_sequence_hot_rows_smoke(tmp_path):
+@pytest.mark.parametrize(
+    "kind",
+    [
+        [
+            "--tables",
+            "2",
+            "--rows",
+            "5000",
+            "--dim",
+            "128",
+            "--pooling",
+            "20",
+            "--batch-size",
+            "64",
+        ],
+        ["--pooled", "--tables", "2", "--rows", "5000", "--dim", "256", "--batch-size", "512"],
+    ],
+    ids=["sequence", "pooled"],
+)
+def test_hot_rows_smoke(tmp_path, kind):
     """Small sizes: distcache's plan replicates hot rows, all three plans run on 2 ranks, the
     all-to-all bytes are the model's (but for TorchRec's lengths, and the sampled share of
     cold ids), an all-gather of touched rows is counted apart, where a replica has one."""
-    out = tmp_path / "seq.json"
-    argv = [
-        "--tables", "2", "--rows", "5000", "--dim", "128", "--pooling", "20", "--batch-size", "64",
-        "--rounds", "1", "--steps", "2", "--warmup", "1", "--json", str(out),
-    ]  # fmt: skip
+    out = tmp_path / "hot.json"
+    argv = [*kind, "--pooling", "1"] if "--pooled" in kind else kind
+    argv += ["--rounds", "1", "--steps", "2", "--warmup", "1"]
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sequence_hot_rows.py"), *argv],
+        [sys.executable, str(ROOT / "benchmarks" / "hot_rows.py"), *argv, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -109,7 +126,8 @@ def test_sequence_hot_rows_smoke(tmp_path):
     for row in rows:
         assert row["step_ms"] > 0
         assert (row["hot_gather_kb"] > 0) == ("touched" in row["hot_reduce"]), row
-    lengths_kb = 8 * 2 * 64 / 1e3 + 0.064  # at most 8 bytes a bag and 64 a step
+    batch = int(kind[kind.index("--batch-size") + 1])
+    lengths_kb = 8 * 2 * batch / 1e3 + 0.064  # at most 8 bytes a bag and 64 a step
     for row in rows[1:]:  # every id routed: the bytes are the model's
         assert row["modelled_a2a_kb"] <= row["a2a_kb"] <= row["modelled_a2a_kb"] + lengths_kb
     # With replicas the cold ids are a sample's: about the model's expected share.

@@ -1,26 +1,29 @@
-"""Sequence tables with hot rows, measured side by side on local gloo ranks, with the model.
+"""Hot rows measured side by side on local gloo ranks, with the model: distcache's plan, the
+same without replicas, and TorchRec's plan.
 
-An `EmbeddingCollection` of `--tables` power-law sequence tables (`TableStats.pooled` False:
-one output row per id, so the output all-to-all carries every routed id's row), trained with
-SGD by three plans:
+`--tables` power-law tables, sequence tables of an `EmbeddingCollection` (`TableStats.pooled`
+False: one output row per id on the output all-to-all) or, with `--pooled`, an
+`EmbeddingBagCollection`'s (one row per bag), trained with SGD by three plans:
 
 - `distcache`: distcache's planner's plan for the workload on the topology (the `cpu` preset, or
-  `--topology`), run as `to_sharding_plan` exports it (device tables on TorchRec's fused kernel
-  unless they replicate hot rows, which an `EmbeddingCollection` serves on distcache's kernel,
-  a cache of every row, loaded before timing) through `CachedEmbeddingCollectionSharder`;
+  `--topology`), run as `to_sharding_plan` exports it (device tables on TorchRec's fused kernel,
+  but a sequence table replicating hot rows, which an `EmbeddingCollection` serves on
+  distcache's kernel, a cache of every row, loaded before timing) through distcache's sharder;
 - `distcache without hot rows`: the same placements without replicas;
 - `torchrec`: TorchRec's `EmbeddingShardingPlanner`'s plan on the same topology, on TorchRec's
-  own `EmbeddingCollectionSharder` and kernel.
+  own sharder and kernel.
 
-Each step is a forward, a loss over every id's row and a backward (the row optimizer runs in
+Each step is a forward, a loss over every output row and a backward (the row optimizer runs in
 it), non-pipelined for all three. Steps run in turns, the order rotated every step, a barrier
 before each; a step's time is its slowest rank's. Each of `--rounds` rounds gives each plan a
 median step; the table reports the median and range over rounds, the bytes a rank sends in one
 step's all-to-alls and in the replicas' all-gather (`CollectiveBytes`) beside the cost model's,
 and the model's step.
 
-    python benchmarks/sequence_hot_rows.py \\
-        --json benchmarks/results/sequence_hot_rows_cpu_2ranks.json
+    python benchmarks/hot_rows.py --rounds 5 --steps 20 \
+        --json benchmarks/results/hot_rows_sequence_cpu_2ranks.json
+    python benchmarks/hot_rows.py --pooled --tables 8 --rows 2e5 --pooling 1 --batch-size 2048 \
+        --rounds 5 --steps 20 --json benchmarks/results/hot_rows_pooled_dim512_cpu_2ranks.json
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ PLANS = ("distcache", "distcache without hot rows", "torchrec")
 
 def workload_of(args: argparse.Namespace) -> Workload:
     return Workload(
-        name="sequence",
+        name="pooled" if args.pooled else "sequence",
         tables=tuple(
             TableStats(
                 name=f"s{i}",
@@ -65,7 +68,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
                 dim=args.dim,
                 pooling_factor=args.pooling,
                 alpha=args.alpha,
-                pooled=False,
+                pooled=args.pooled,
             )
             for i in range(args.tables)
         ),
@@ -92,13 +95,18 @@ def plans_of(workload: Workload, topology: Topology) -> dict[str, Plan]:
 def _rank(rank: int, world: int, args: argparse.Namespace, plans: dict[str, Plan]) -> dict:
     from torchrec import KeyedJaggedTensor
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from distcache.job.measure import CollectiveBytes, make_whole_caches_resident
-    from distcache.planner.torchrec.export import to_sharding_plan, workload_ec
-    from distcache.sharding import CachedEmbeddingCollectionSharder
+    from distcache.planner.torchrec.export import to_sharding_plan
+    from distcache.planner.torchrec.modules import workload_ebc, workload_ec
+    from distcache.sharding import (
+        CachedEmbeddingBagCollectionSharder,
+        CachedEmbeddingCollectionSharder,
+    )
 
     workload = workload_of(args)
     config = CacheConfig(optimizer="sgd", learning_rate=args.lr)
@@ -106,13 +114,19 @@ def _rank(rank: int, world: int, args: argparse.Namespace, plans: dict[str, Plan
     models = {}
     for name, plan in plans.items():
         torch.manual_seed(0)
-        ec = workload_ec(workload, device="meta")
-        apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": args.lr})
+        module = (workload_ebc if args.pooled else workload_ec)(workload, device="meta")
+        apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": args.lr})
         sharding_plan = to_sharding_plan(plan, workload, world_size=world, base_config=config)
-        ours = name != "torchrec"
-        sharder = CachedEmbeddingCollectionSharder(config) if ours else EmbeddingCollectionSharder()
+        if name == "torchrec":
+            sharder = (
+                EmbeddingBagCollectionSharder if args.pooled else EmbeddingCollectionSharder
+            )()
+        elif args.pooled:
+            sharder = CachedEmbeddingBagCollectionSharder(config)
+        else:
+            sharder = CachedEmbeddingCollectionSharder(config)
         models[name] = DistributedModelParallel(
-            ec, env=env, device=torch.device("cpu"), plan=sharding_plan, sharders=[sharder]
+            module, env=env, device=torch.device("cpu"), plan=sharding_plan, sharders=[sharder]
         )
         make_whole_caches_resident(models[name])
     # Power-law ids by popularity rank (row r is the r-th likeliest, so the replicas' rows are
@@ -134,7 +148,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace, plans: dict[str, Plan
 
     def step(name: str, batch: KeyedJaggedTensor) -> None:
         out = models[name](batch)
-        sum(out[f].values().sum() for f in features).backward()
+        if args.pooled:  # a KeyedTensor of [B, sum of dims]
+            out.values().sum().backward()
+        else:  # {feature: JaggedTensor}, a row per id
+            sum(out[f].values().sum() for f in features).backward()
 
     times: dict[str, list[list[float]]] = {name: [] for name in PLANS}
     for round_ in range(args.rounds + 1):  # round 0 warms up
@@ -209,10 +226,11 @@ def _ratio(rows: dict[str, dict], faster: str, slower: str) -> dict[str, object]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--pooled", action="store_true", help="bags, not sequences")
     parser.add_argument("--tables", type=int, default=4)
     parser.add_argument("--rows", type=float, default=1e5)
     parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--pooling", type=int, default=20, help="ids per sample and table")
+    parser.add_argument("--pooling", type=int, default=20, help="ids a sample per table")
     parser.add_argument("--batch-size", type=int, default=256, help="samples per rank")
     parser.add_argument("--alpha", type=float, default=1.2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
