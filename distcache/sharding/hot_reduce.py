@@ -251,14 +251,17 @@ def sum_by_key(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`keys` `[n]` (ints <= `sentinel`) and `values` `[n, d]` summed per key: `[n]` the keys,
     ascending, each once, then `sentinel`; `[n, d]` their sums (zeros after the last). One
-    stable sort and a sum per run of equal keys; every size is `n`."""
+    stable sort of the keys and a sum per run of equal keys; every size is `n`."""
     n = keys.numel()
     ordered, order = torch.sort(keys, stable=True)
     first = torch.ones(n, dtype=torch.bool, device=keys.device)
     first[1:] = ordered[1:] != ordered[:-1]
     run = torch.cumsum(first, 0) - 1  # each entry's run
     unique = torch.full_like(keys, sentinel).scatter_(0, run, ordered)
-    sums = values.new_zeros(n, values.shape[1]).index_add_(0, run, values.index_select(0, order))
+    # Each value added into its run where it stands, not reordered first (a key's values are
+    # added in their order either way).
+    slot = torch.empty_like(run).scatter_(0, order, run)
+    sums = values.new_zeros(n, values.shape[1]).index_add_(0, slot, values)
     return unique, sums
 
 
