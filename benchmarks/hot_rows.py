@@ -14,7 +14,8 @@ False: one output row per id on the output all-to-all) or, with `--pooled`, an
   own sharder and kernel.
 
 Each step is a forward, a loss over every output row and a backward (the row optimizer runs in
-it), non-pipelined for all three. Steps run in turns, the order rotated every step, a barrier
+it), non-pipelined for all three; no dense layers, and the workload the model prices has none
+to speak of (one input feature, MLPs of one unit). Steps run in turns, the order rotated every step, a barrier
 before each; a step's time is its slowest rank's. Each of `--rounds` rounds gives each plan a
 median step; the table reports the median and range over rounds, the bytes a rank sends in one
 step's all-to-alls and in the replicas' all-gather (`CollectiveBytes`) beside the cost model's,
@@ -73,6 +74,10 @@ def workload_of(args: argparse.Namespace) -> Workload:
             for i in range(args.tables)
         ),
         batch_size_per_rank=args.batch_size,
+        # No dense layers run here, so the model prices none (one input, one unit).
+        dense_in_features=1,
+        bottom_mlp=(1,),
+        top_mlp=(1,),
     )
 
 
