@@ -16,10 +16,10 @@ False: one output row per id on the output all-to-all) or, with `--pooled`, an
 Each step is a forward, a loss over every output row and a backward (the row optimizer runs in
 it), non-pipelined for all three; no dense layers, and the workload the model prices has none
 to speak of (one input feature, MLPs of one unit). Steps run in turns, the order rotated every
-step, a barrier before each; a step's time is its slowest rank's. Each of `--rounds` rounds gives each plan a
-median step; the table reports the median and range over rounds, the bytes a rank sends in one
-step's all-to-alls and in the replicas' all-gather (`CollectiveBytes`) beside the cost model's,
-and the model's step.
+step, a barrier before each; a step's time is its slowest rank's. Each of `--rounds` rounds
+gives each plan a median step; the table reports the median and range over rounds, the bytes
+a rank sends in one step's all-to-alls and in the replicas' all-gather (`CollectiveBytes`)
+beside the cost model's, and the model's step.
 
     python benchmarks/hot_rows.py --rounds 5 --steps 20 \
         --json benchmarks/results/hot_rows_sequence_cpu_2ranks.json
