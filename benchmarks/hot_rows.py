@@ -5,10 +5,12 @@ same without replicas, and TorchRec's plan.
 False: one output row per id on the output all-to-all) or, with `--pooled`, an
 `EmbeddingBagCollection`'s (one row per bag), trained with SGD by three plans:
 
-- `distcache`: distcache's planner's plan for the workload on the topology (the `cpu` preset, or
-  `--topology`), run as `to_sharding_plan` exports it (device tables on TorchRec's fused kernel,
-  but a sequence table replicating hot rows, which an `EmbeddingCollection` serves on
-  distcache's kernel, a cache of every row, loaded before timing) through distcache's sharder;
+- `distcache`: distcache's planner's plan for the workload on the topology (the `cpu` preset,
+  `--topology FILE`, or with `--calibrate` this machine as `python -m distcache calibrate`
+  measures it just before, kept with the results), run as `to_sharding_plan` exports it
+  (device tables on TorchRec's fused kernel, but a sequence table replicating hot rows, which
+  an `EmbeddingCollection` serves on distcache's kernel, a cache of every row, loaded before
+  timing) through distcache's sharder;
 - `distcache without hot rows`: the same placements without replicas;
 - `torchrec`: TorchRec's `EmbeddingShardingPlanner`'s plan on the same topology, on TorchRec's
   own sharder and kernel.
@@ -21,18 +23,22 @@ gives each plan a median step; the table reports the median and range over round
 a rank sends in one step's all-to-alls and in the replicas' all-gather (`CollectiveBytes`)
 beside the cost model's, and the model's step.
 
-    python benchmarks/hot_rows.py --rounds 5 --steps 20 \
+    python benchmarks/hot_rows.py --calibrate --rounds 5 --steps 20 \
         --json benchmarks/results/hot_rows_sequence_cpu_2ranks.json
-    python benchmarks/hot_rows.py --pooled --tables 8 --rows 2e5 --pooling 1 --batch-size 2048 \
-        --rounds 5 --steps 20 --json benchmarks/results/hot_rows_pooled_dim512_cpu_2ranks.json
+    python benchmarks/hot_rows.py --calibrate --pooled --tables 8 --rows 2e5 --pooling 1 \
+        --batch-size 2048 --rounds 5 --steps 20 \
+        --json benchmarks/results/hot_rows_pooled_dim512_cpu_2ranks.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -244,13 +250,24 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topology", help="a topology JSON (`calibrate`; default: `cpu`)")
+    parser.add_argument("--calibrate", action="store_true", help="calibrate this machine first")
     parser.add_argument("--json")
     args = parser.parse_args()
 
     workload = workload_of(args)
-    topology = (
-        load_topology(args.topology) if args.topology else preset("cpu", world_size=args.ranks)
-    )
+    calibrated = None
+    if args.calibrate:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(Path(tmp) / "topology.json")
+            command = [sys.executable, "-m", "distcache", "calibrate", "--out", path]
+            command += ["--ranks", str(args.ranks)]
+            subprocess.run(command, check=True, capture_output=True)
+            calibrated = json.loads(Path(path).read_text())
+            topology = load_topology(path)
+    elif args.topology:
+        topology = load_topology(args.topology)
+    else:
+        topology = preset("cpu", world_size=args.ranks)
     plans = plans_of(workload, topology)
     env = {"OMP_NUM_THREADS": "1"}
     ranks = run_ranks(_rank, args.ranks, args=(args, plans), timeout_s=1800, env=env)
@@ -277,7 +294,7 @@ def main() -> None:
     )
     for key, value in summary.items():
         print(f"{key}: {value}")
-    config = vars(args) | {"topology_name": topology.name}
+    config = vars(args) | {"topology_name": topology.name, "calibrated_topology": calibrated}
     write_json(args.json, config, [*rows.values(), {"summary": summary}])
 
 
