@@ -119,20 +119,12 @@ class BinnedProfile:
         """(lookup mass, expected distinct rows in n lookups) of the `rows` likeliest rows: the
         share of lookups a replica of them serves, and the rows of it a batch touches."""
         key = ("h", int(rows), float(n))
-        if key in self._memo:
-            return self._memo[key]
-        rows = min(max(int(rows), 0), self.rows)
-        k = int(np.searchsorted(self.rows_through, rows, side="left"))
-        whole = slice(0, k)  # bins wholly inside the head; bin k holds its last rows
-        inside = rows - (self.rows_through[k - 1] if k else 0.0)
-        q = self._touch(n)
-        value = (
-            float(self.rows_per_bin[whole] @ self.probability[whole])
-            + (inside * self.probability[k] if k < self.probability.size else 0.0),
-            float(self.rows_per_bin[whole] @ q[whole]) + (inside * q[k] if k < q.size else 0.0),
-        )
-        self._memo[key] = value
-        return value
+        if key not in self._memo:
+            self._memo[key] = (
+                self._head_sum(rows, self.probability),
+                self._head_sum(rows, self._touch(n)),
+            )
+        return self._memo[key]
 
     def head_most(self, rows: int, n: float, batches: int) -> float:
         """The expected most distinct rows among the `rows` likeliest that any of `batches`
@@ -143,15 +135,20 @@ class BinnedProfile:
         mean = self.head(rows, n)[1]
         if batches <= 1 or mean <= 0:
             return mean
+        q = self._touch(n)
+        variance = self._head_sum(rows, q * (1 - q))
+        rows = min(max(int(rows), 0), self.rows)
+        return min(mean + math.sqrt(variance) * expected_normal_max(batches), rows, n)
+
+    def _head_sum(self, rows: int, per_row: np.ndarray) -> float:
+        """The sum over the `rows` likeliest rows of a value given per row of each bin
+        (`[bins]`): the bins wholly inside the head, then the head's rows of the bin holding
+        its last rows."""
         rows = min(max(int(rows), 0), self.rows)
         k = int(np.searchsorted(self.rows_through, rows, side="left"))
-        q = self._touch(n)
-        spread = q * (1 - q)
         inside = rows - (self.rows_through[k - 1] if k else 0.0)
-        variance = float(self.rows_per_bin[:k] @ spread[:k]) + (
-            inside * spread[k] if k < spread.size else 0.0
-        )
-        return min(mean + math.sqrt(variance) * expected_normal_max(batches), rows, n)
+        whole = float(self.rows_per_bin[:k] @ per_row[:k])
+        return whole + (inside * per_row[k] if k < per_row.size else 0.0)
 
     def rows_for_mass(self, mass: float) -> int:
         """The fewest likeliest rows that take at least `mass` of the lookups (all rows for
