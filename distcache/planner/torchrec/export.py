@@ -77,6 +77,7 @@ from distcache.cache.config import HOT_ALL, CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import table_access
 from distcache.planner.torchrec.modules import (
+    has_pooled_tables,
     has_sequence_tables,
     torchrec_names,
     workload_ebc,
@@ -251,7 +252,7 @@ def _collections(
 ) -> list[tuple[str, torch.nn.Module, type, list[str]]]:
     """(path, module, distcache sharder type, its tables) of the workload's EBC and EC."""
     out: list[tuple[str, torch.nn.Module, type, list[str]]] = []
-    if any(t.pooled for t in workload.tables):
+    if has_pooled_tables(workload):
         pooled = [t.name for t in workload.tables if t.pooled]
         out.append(
             (module_path, workload_ebc(workload), CachedEmbeddingBagCollectionSharder, pooled)

@@ -65,6 +65,11 @@ def _config_fields(workload: Workload, table: TableStats) -> dict:
     }
 
 
+def has_pooled_tables(workload: Workload) -> bool:
+    """Whether some table of `workload` is an `EmbeddingBagCollection`'s (pooled)."""
+    return any(t.pooled for t in workload.tables)
+
+
 def has_sequence_tables(workload: Workload) -> bool:
     """Whether some table of `workload` is an `EmbeddingCollection`'s (not pooled)."""
     return any(not t.pooled for t in workload.tables)

@@ -66,6 +66,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.planner.torchrec.modules import (
+    has_pooled_tables,
     has_sequence_tables,
     torchrec_names,
     workload_ebc,
@@ -169,7 +170,7 @@ def torchrec_module(workload: Workload) -> torch.nn.Module:
     its EBC (`workload_ebc`) when every table is pooled, its `EmbeddingCollection`
     (`workload_ec`) when none is, else a module holding both, as children `ebc` and `ec`."""
     parts: dict[str, torch.nn.Module] = {}
-    if any(t.pooled for t in workload.tables):
+    if has_pooled_tables(workload):
         parts[EBC_CHILD] = workload_ebc(workload, device="meta")
     if has_sequence_tables(workload):
         parts[EC_CHILD] = workload_ec(workload, device="meta")
@@ -195,7 +196,7 @@ def _sharders(workload: Workload, kind: str) -> list[ModuleSharder]:
             lambda: CachedEmbeddingCollectionSharder(config),
         ),
     }[kind]
-    out = [bags()] if any(t.pooled for t in workload.tables) else []
+    out = [bags()] if has_pooled_tables(workload) else []
     return out + ([sequences()] if has_sequence_tables(workload) else [])
 
 
