@@ -92,6 +92,24 @@ def test_one_process_step_updates_only_the_touched_rows(reduce, lrs):
     assert hot.widths[0].view(hot.flat, scratch=True).shape[0] == hot.widths[0].rows + 1
 
 
+SEQUENCE_FEATURES = {"fa": "a", "fb": "b", "fb2": "b"}  # feature -> its table (a and b)
+
+
+def _sequence_tables() -> dict[str, torch.Tensor]:
+    """The plain tables `[50, 4]` of the per-id tests, on the CPU."""
+    return {t: torch.arange(200, dtype=torch.float32).view(50, 4) % 11 + i
+            for i, t in enumerate("ab")}  # fmt: skip
+
+
+def _sequence_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """(lengths, values) of the per-id tests' batch (B = 3, every third id 7: hot in a and b)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 5, (len(SEQUENCE_FEATURES) * 3,), generator=g)
+    values = torch.randint(0, 12, (int(lengths.sum()),), generator=g)
+    values[::3] = 7
+    return lengths, values
+
+
 def sequence_step(device: torch.device | str, reduce: str = "touched") -> list[torch.Tensor]:
     """One step of per-id outputs (`EmbeddingCollection`) with hot rows, in one process: the
     split, the replica's rows put back among the cold ids' rows (taken here from a plain table
@@ -103,19 +121,15 @@ def sequence_step(device: torch.device | str, reduce: str = "touched") -> list[t
     lr = 0.5
     tables = {t: (50, 4, CacheConfig(hot_rows=HOT[t], hot_reduce=reduce, learning_rate=lr,
                                      optimizer="sgd")) for t in "ab"}  # fmt: skip
-    features = {"fa": "a", "fb": "b", "fb2": "b"}
+    features = SEQUENCE_FEATURES
     hot = HotRows(tables, features, set(), device, sequence=True)
     hot.stale = False
-    weights = {t: (torch.arange(200, dtype=torch.float32).view(50, 4) % 11 + i).to(device)
-               for i, t in enumerate("ab")}  # fmt: skip
+    weights = {t: w.to(device) for t, w in _sequence_tables().items()}
     for name, table in hot.tables.items():  # the replica holds the table's own rows
         table.rows_of(hot.flat).copy_(weights[name].index_select(0, table.ids))
     leaves = {t: w.clone().requires_grad_() for t, w in weights.items()}  # the shards' rows
     keys = list(features)
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.randint(0, 5, (len(keys) * 3,), generator=g)  # B = 3
-    values = torch.randint(0, 12, (int(lengths.sum()),), generator=g)
-    values[::3] = 7  # hot in a and b
+    lengths, values = _sequence_batch()
     kjt = KeyedJaggedTensor(keys=keys, values=values.to(device), lengths=lengths.to(device))
     rest, part = hot.split(kjt)
     cold = {
@@ -139,16 +153,12 @@ def test_sequence_outputs_and_step_match_plain_tables(reduce):
     cold ids' gradient reaches the shards' rows and only them; each replica row takes the SGD
     step of its ids' gradients, as the plain table's row would."""
     merged, grad_a, grad_b, flat, scale = sequence_step("cpu", reduce)
-    base = {t: torch.arange(200, dtype=torch.float32).view(50, 4) % 11 + i
-            for i, t in enumerate("ab")}  # fmt: skip
-    g = torch.Generator().manual_seed(3)
-    keys, features = ["fa", "fb", "fb2"], {"fa": "a", "fb": "b", "fb2": "b"}
-    lengths = torch.randint(0, 5, (len(keys) * 3,), generator=g)
-    values = torch.randint(0, 12, (int(lengths.sum()),), generator=g)
-    values[::3] = 7
+    base = _sequence_tables()
+    keys = list(SEQUENCE_FEATURES)
+    lengths, values = _sequence_batch()
     ends = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths).offset_per_key()
     spans = zip(keys, ends, ends[1:], strict=False)
-    table_of = [features[k] for k, a, b in spans for _ in range(b - a)]
+    table_of = [SEQUENCE_FEATURES[k] for k, a, b in spans for _ in range(b - a)]
     want = torch.stack([base[t][v] for t, v in zip(table_of, values.tolist(), strict=True)])
     assert torch.equal(merged, want)
     grads = {"a": grad_a, "b": grad_b}
