@@ -277,7 +277,7 @@ def shard_terms(
     sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
     sent *= output_rate_factor(sharding, topology, table.pooled)
     dim_bytes, bags = dim * element, ids / pooling
-    ours = cached or _whole_cache(table, storage, sharded, hot_rows)  # distcache's kernel
+    ours = cached or (sharded and on_distcache_kernel(table, storage, hot_rows))
     lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, ours, topology)
     return ShardTerms(
         shard_rows=rows,
@@ -305,11 +305,13 @@ def shard_terms(
     )
 
 
-def _whole_cache(table: TableStats, storage: str, sharded: bool, hot_rows: int) -> bool:
-    """A device-stored sequence table with a replica runs on distcache's kernel as a cache
-    holding every row (`torchrec.export.to_sharding_plan`: an `EmbeddingCollection`'s replica
-    needs it): our lookups, the cache's slots on the device and its store in host memory."""
-    return storage == DEVICE and sharded and hot_rows > 0 and not table.pooled
+def on_distcache_kernel(table: TableStats, storage: str, hot_rows: int) -> bool:
+    """Whether a sharded table runs on distcache's kernel (`torchrec.export.to_sharding_plan`
+    places it so): host-cached, or a device-stored sequence table with a replica, which runs
+    as a cache holding every row (an `EmbeddingCollection`'s replica needs that kernel): our
+    lookups, the cache's slots on the device and its store in host memory. Other device tables
+    run on TorchRec's."""
+    return storage == HOST_CACHED or (hot_rows > 0 and not table.pooled)
 
 
 def _output_rows_per_peer(

@@ -76,6 +76,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingPlan, Sharding
 from distcache.cache.config import HOT_ALL, CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import table_access
+from distcache.planner.shards import on_distcache_kernel
 from distcache.planner.torchrec.modules import (
     has_pooled_tables,
     has_sequence_tables,
@@ -284,9 +285,8 @@ def _with_kernel(
     """A routed table's sharding on its kernel, with its `CacheConfig` where distcache's
     kernel or replica needs one. (table_row_wise() takes no kernel argument: every kernel is
     set here.)"""
-    kernel = device_kernel if table_plan.storage == DEVICE else CACHED_KERNEL
-    if table_plan.hot_rows and not stats.pooled:  # an EC's replica needs our kernel
-        kernel = CACHED_KERNEL
+    ours = on_distcache_kernel(stats, table_plan.storage, table_plan.hot_rows)
+    kernel = CACHED_KERNEL if ours else device_kernel
     sharding.compute_kernel = kernel
     if kernel != CACHED_KERNEL and not table_plan.hot_rows:
         return sharding
