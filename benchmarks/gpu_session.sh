@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# One GPU (issues 11 and 12): the CUDA tests and the measurements, in device commands of under ten
-# minutes each (the device budget is 30 minutes, machine start included: tests, then headline,
-# then direct or kaggle, whichever the issue at hand needs).
+# One GPU (issues 11 and 12): the CUDA tests and the measurements.
+#
+# A session drawn for a GPU now has 15 minutes of device time, machine start (a few minutes)
+# included, so run the `quick` stage first, in one command: it does issue 11's GPU checks in
+# order of importance within a budget of its own (QUICK_SECONDS, default 420 s), each step under
+# a time limit cut to what is left, and skips what no longer fits:
+#     run(command="bash benchmarks/gpu_session.sh quick", carry=[".whl"], timeout_s=480)
+# (without .whl the TorchRec tests skip; the rest runs). At most 7 files come back under $OUT
+# (the device tool returns 8). If device time is left, the stages below go on, one per call.
 #
 # Before, on a machine that reaches the package registry, at the project root: fill .whl/ with
 # TorchRec for the GPU machine (torchrec 1.6.1 + fbgemm-gpu-cpu 1.6.0, ~9 MB, git-ignored):
@@ -18,6 +24,11 @@
 # under benchmarks/results/ with the device named (the files record the command and machine).
 #
 # Stages:
+#   quick     for a 15-minute device session: pytest tests/gpu (sync debug mode 'error',
+#             run-ahead, CUDA == CPU) <= 150 s; gpu_headline.py at a quarter of Criteo Terabyte's
+#             rows (47 M, 12 GB of host rows), batches of 4096, 2 %: distcache, direct staging,
+#             LRU, all rows on the device, embeddings on the CPU <= 210 s; then
+#             engine_throughput.py's forward + backward on the GPU with what is left   ~7 min
 #   tests     pytest tests/gpu (TorchRec ones need .whl), host-sync report, a small CUDA run of
 #             gpu_headline.py (checks the script before the big run)                  ~4 min
 #   headline  gpu_headline.py at Criteo Terabyte size (48 GB of rows in host memory): distcache
@@ -45,9 +56,20 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
 
+DEADLINE=0  # quick: seconds since the epoch when its budget ends (0: no budget)
+
 step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [ "$DEADLINE" -gt 0 ]; then  # cut the limit to the budget left; skip under 30 s
+        local left=$((DEADLINE - $(date +%s)))
+        if [ "$left" -lt 30 ]; then
+            echo "== $name SKIPPED: ${left}s of the budget left"
+            status=1
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     echo "== $name ($(date +%T), limit ${limit}s): $*"
     timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local code=${PIPESTATUS[0]}
@@ -122,14 +144,30 @@ stage_engine() {
         --rounds 3 --json "$OUT/engine_throughput_cuda.json"
 }
 
+stage_quick() {
+    DEADLINE=$(($(date +%s) + ${QUICK_SECONDS:-420}))
+    install_torchrec
+    environment
+    export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json
+    step pytest_gpu 150 $PY -m pytest tests/gpu -q -p no:cacheprovider -rs
+    step headline_quick 210 $PY benchmarks/gpu_headline.py --device "${QUICK_DEVICE:-cuda}" \
+        --scale "${QUICK_SCALE:-4}" --batch 4096 --capacities 0.02 --lru-capacities 0.02 \
+        --variants distcache,distcache_direct,lru,device,cpu_embeddings --max-warmup 300 \
+        --warmup 5 --steps 20 --profile-steps 3 --json "$OUT/gpu_headline_quick.json"
+    step engine_quick 120 $PY benchmarks/engine_throughput.py --device "${QUICK_DEVICE:-cuda}" \
+        --skip scheduler,bytes,host --rounds 3 --json "$OUT/engine_throughput_quick.json" \
+        ${QUICK_ENGINE_ARGS:-}
+}
+
 case "${1:-}" in
+    quick) stage_quick ;;
     tests) stage_tests ;;
     engine) stage_engine ;;
     direct) stage_direct ;;
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac
