@@ -19,10 +19,12 @@ per table):
                width's row count), which every update drops. Nothing of size H is made.
 
 The counts are host ints that `HotRows.split` reads with the batch's other counts (its one
-read of the device a batch); every other size here is known on the host. The collectives run
-on gloo (`HotRows`' group), which all-reduces device tensors (through the host, as its
-synchronization) but all-gathers host tensors only: on CUDA the rows to all-gather are copied
-to the host first, one read of the device a step, in the backward. Either way the sums agree
+read of the device a batch); every other size here is known on the host. The counts' maximum
+goes over a gloo group (`host_group`: host ints); the gradients go over `group`, which
+`HotRows` gives the default process group's backend: NCCL between GPUs, which reduces and
+gathers device tensors with no read of the device; gloo on CPU. On a gloo group with CUDA
+tensors (a job run on gloo) the rows to all-gather are copied to the host first (gloo gathers
+host tensors only), one read of the device a step, in the backward. Either way the sums agree
 to rounding (summed in another order), bitwise for integer-valued gradients.
 
 Example::
@@ -98,9 +100,21 @@ class Reduced:
     width's row count, for none) and their gradients `[n, dim]`."""
 
 
+def reduction_groups() -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The replicas' groups of every rank (None in one process): gloo for host numbers (counts,
+    learning rates), and one of the default backend for rows and gradients (NCCL between GPUs:
+    no copy through the host; the gloo group itself where that is gloo)."""
+    if not dist.is_initialized():
+        return None, None
+    host = dist.new_group(backend="gloo")
+    backend = dist.get_backend()
+    return host, host if backend == "gloo" else dist.new_group(backend=backend)
+
+
 class Reduction:
     """Sums the replica gradients of a collection's hot tables (`spans`; `width_rows`: each
-    width's rows) over `group`'s ranks (None: one process); the replica is on `device`."""
+    width's rows) over `group`'s ranks (None: one process); the replica is on `device`.
+    `host_group`: a gloo group of the same ranks for the host ints (default: `group`)."""
 
     def __init__(
         self,
@@ -108,13 +122,17 @@ class Reduction:
         width_rows: list[int],
         group: dist.ProcessGroup | None,
         device: torch.device | None = None,
+        host_group: dist.ProcessGroup | None = None,
     ):
         self.spans = sorted(spans, key=lambda s: (s.width, s.row))
         self.whole = [s for s in self.spans if not s.touched_only]
         self.gathered = [s for s in self.spans if s.touched_only]
         self.width_rows = width_rows
         self.group = group
+        self.host_group = host_group or group
         self.device = device or torch.device("cpu")
+        # gloo gathers host tensors only (it reduces device ones through the host itself).
+        self._gather_on_host = group is not None and dist.get_backend(group) == "gloo"
         self._counts: tuple[dist.Work | None, torch.Tensor] | None = None
         self._dims = {s.width: s.dim for s in self.spans}  # each width's embedding dim
         # Per width: each row's place among its 'all' tables' rows (their count for others),
@@ -148,8 +166,8 @@ class Reduction:
         self._caps()  # a forward without a backward left one in flight
         most = torch.tensor(counts, dtype=torch.int64)
         work = None
-        if self.group is not None:
-            work = dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if self.host_group is not None:
+            work = dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.host_group, async_op=True)
         self._counts = (work, most)
 
     def start(self, entries: list[Entry]) -> Pending:
@@ -179,7 +197,8 @@ class Reduction:
                 blocks.append(_packed(keys, sums, caps[width], self.width_rows[width]))
             gathered = send = torch.cat(blocks)
             if self.group is not None:
-                send = send.cpu()  # gloo all-gathers host tensors (a no-op on CPU)
+                if self._gather_on_host:
+                    send = send.cpu()  # (a no-op on CPU)
                 gathered = send.new_empty(world * send.numel())
                 _GATHERING.active = True
                 try:

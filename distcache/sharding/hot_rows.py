@@ -62,6 +62,7 @@ from distcache.sharding.hot_reduce import (
     Span,
     apply_touched,
     apply_whole,
+    reduction_groups,
 )
 
 
@@ -203,12 +204,14 @@ class HotRows:
         self.feature_tables = {f: t for f, t in feature_tables.items() if t in self.tables}
         self.mean_features = set(mean_features)
         self.device = device
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._group, self._data_group = reduction_groups()
         spans = [
             Span(n, t.width, t.row - self.widths[t.width].row, t.ids.numel(), t.dim, t.touched_only)
             for n, t in self.tables.items()
         ]
-        self._reduction = Reduction(spans, [w.rows for w in self.widths], self._group, device)
+        self._reduction = Reduction(
+            spans, [w.rows for w in self.widths], self._data_group, device, self._group
+        )
         self.stale = True  # the replicas must be read from the tables' shards
         # The last backward's reduction and learning rates' all-reduce, still in flight.
         self._pending: tuple[Pending, dist.Work | None, torch.Tensor] | None = None
@@ -505,8 +508,8 @@ class HotRows:
                     part[:, dim + full : dim + full + count] += shard_state[:, own : own + count]
                 part[:, -1] += 1.0
                 buf.index_copy_(0, mine, part)
-            if self._group is not None:
-                dist.all_reduce(buf, group=self._group)
+            if self._data_group is not None:
+                dist.all_reduce(buf, group=self._data_group)
             with torch.no_grad():
                 table.rows_of(self.flat.detach()).copy_(buf[:, :dim])
                 if width:

@@ -117,3 +117,14 @@ def test_hot_rows_pipelined_equal_plain_and_uncached():
     for results in run_ranks(three_ways, 2, args=(cases,), timeout_s=200):
         for case, result in zip(cases, results, strict=True):
             assert result["pipeline"]["critical"] == 0, (case, result)
+
+
+@pytest.mark.timeout(240)
+def test_hot_rows_gradients_on_the_default_backend_counts_on_gloo():
+    """A default group that is not plain "gloo" ("cpu:gloo" here; NCCL on GPUs) carries the
+    replicas' gradients on a group of its backend and the host counts on a gloo group of their
+    own: the same training as with one group."""
+    kwargs = {"hot": True, "hot_reduce": "mixed", "weighted": True}
+    run_ranks(
+        train_and_compare, 2, args=("table_wise",), kwargs=kwargs, timeout_s=150, backend="cpu:gloo"
+    )
