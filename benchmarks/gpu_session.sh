@@ -28,7 +28,9 @@
 #             run-ahead, CUDA == CPU) <= 150 s; gpu_headline.py at a quarter of Criteo Terabyte's
 #             rows (47 M, 12 GB of host rows), batches of 4096, 2 %: distcache, direct staging,
 #             LRU, all rows on the device, embeddings on the CPU <= 210 s; then
-#             engine_throughput.py's forward + backward on the GPU with what is left   ~7 min
+#             engine_throughput.py on the GPU with what is left: forward + backward at 100/5/1 %,
+#             ops per step, and host ms per step at negligible compute (is the host the
+#             bottleneck: each op a kernel launch?)                                      ~7 min
 #   tests     pytest tests/gpu (TorchRec ones need .whl), host-sync report, a small CUDA run of
 #             gpu_headline.py (checks the script before the big run)                  ~4 min
 #   headline  gpu_headline.py at Criteo Terabyte size (48 GB of rows in host memory): distcache
@@ -155,7 +157,7 @@ stage_quick() {
         --variants distcache,distcache_direct,lru,device,cpu_embeddings --max-warmup 300 \
         --warmup 5 --steps 20 --profile-steps 3 --json "$OUT/gpu_headline_quick.json"
     step engine_quick 120 $PY benchmarks/engine_throughput.py --device "${QUICK_DEVICE:-cuda}" \
-        --skip scheduler,bytes,host --rounds 3 --json "$OUT/engine_throughput_quick.json" \
+        --skip scheduler,bytes --rounds 3 --json "$OUT/engine_throughput_quick.json" \
         ${QUICK_ENGINE_ARGS:-}
 }
 
