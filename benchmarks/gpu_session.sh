@@ -151,7 +151,12 @@ stage_quick() {
     install_torchrec
     environment
     export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json
-    step pytest_gpu 150 $PY -m pytest tests/gpu -q -p no:cacheprovider -rs
+    # The sync and run-ahead checks first (pytest would run the files in name order), each
+    # test's outcome as it ends (-v), so that a run cut by its limit still shows them.
+    local first="tests/gpu/test_overlap_cuda.py tests/gpu/test_transfer_cuda.py"
+    step pytest_gpu 150 bash -c "$PY -m pytest $first -v -p no:cacheprovider -rs; a=\$?; \
+        $PY -m pytest tests/gpu ${first//tests/--ignore=tests} -v -p no:cacheprovider -rs; \
+        b=\$?; exit \$((a | b))"
     step headline_quick 210 $PY benchmarks/gpu_headline.py --device "${QUICK_DEVICE:-cuda}" \
         --scale "${QUICK_SCALE:-4}" --batch 4096 --capacities 0.02 --lru-capacities 0.02 \
         --variants distcache,distcache_direct,lru,device,cpu_embeddings --max-warmup 300 \
