@@ -36,6 +36,10 @@ def _world(rank: int, world_size: int, scale: int) -> tuple[int, int, int, int]:
     return rank, world_size, dist.get_world_size() * scale, torch.get_num_threads()
 
 
+def _env(rank: int, world_size: int) -> tuple[str | None, str | None]:
+    return os.environ.get("DISTCACHE_TEST_MARK"), os.environ.get("DISTCACHE_TEST_GONE")
+
+
 def _replace_group(rank: int, world_size: int) -> int:
     dist.destroy_process_group()
     with single_rank_group():
@@ -86,3 +90,17 @@ def test_outside_torchrun_a_job_is_one_rank(monkeypatch: pytest.MonkeyPatch) -> 
         assert (rank, world, device) == (0, 1, torch.device("cpu"))
         assert dist.get_world_size() == 1
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_take_this_process_environment_at_each_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks are forks of a server started at the first launch: each still sees the
+    environment as it is here when it starts (set and unset since), as a spawned one would."""
+    monkeypatch.setenv("DISTCACHE_TEST_GONE", "here")
+    assert run_ranks(_env, 2, timeout_s=60) == [(None, "here")] * 2
+    monkeypatch.setenv("DISTCACHE_TEST_MARK", "1")
+    monkeypatch.delenv("DISTCACHE_TEST_GONE")
+    assert run_ranks(_env, 2, timeout_s=60) == [("1", None)] * 2
+    assert run_ranks(_env, 2, timeout_s=60, env={"DISTCACHE_TEST_MARK": "2"}) == [("2", None)] * 2
