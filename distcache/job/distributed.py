@@ -44,6 +44,8 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from distcache.job.host_memory import keep_freed_memory
+
 _POLL_S = 0.05  # queue poll interval of the parent
 _COLLECT_S = 0.5  # after a first failure, how long to gather the other ranks' reports
 _GRACE_S = 2.0  # terminate -> kill grace, and join time for ranks that finished
@@ -61,6 +63,7 @@ def process_group(device_type: str) -> Iterator[tuple[int, int, torch.device]]:
     Args:
         device_type: 'cpu' (gloo) or 'cuda' (nccl, the GPU `LOCAL_RANK`).
     """
+    keep_freed_memory()  # a job's big per-step tensors: reused, not faulted in again
     backend = "nccl" if device_type == "cuda" else "gloo"
     if "RANK" not in os.environ:
         with single_rank_group(backend):
@@ -162,6 +165,7 @@ def _worker(rank: int, spec: _Spec, results: Queue[tuple[str, int, bytes | str]]
     os.environ.clear()  # the parent's environment now, not the fork server's at its start
     os.environ.update(spec.parent_env)
     os.environ.update(spec.env)
+    keep_freed_memory()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port), RANK=str(rank),
         WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank),
