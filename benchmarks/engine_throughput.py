@@ -20,6 +20,9 @@
    negligible (--host-rows x 16, --host-batch bags of one id, one torch thread), interleaved
    step by step: what the host spends dispatching a step, which on CUDA it must spend too.
 
+The process keeps freed host memory for reuse, as distcache's ranks do
+(`distcache.job.host_memory`; DISTCACHE_KEEP_FREED_MEMORY=0: glibc's defaults).
+
 Variants run step by step in turn, in an order rotated every step, so that this shared
 machine's drift touches them alike; each of --rounds rounds gives one steps/s (ids/s) per
 variant, and the tables report the median and range over rounds. A variant's step ends when its
@@ -56,6 +59,7 @@ from _common import print_table, write_json  # noqa: E402
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
 from distcache.cache.engine import CacheEngine  # noqa: E402
 from distcache.data.traces import zipf_trace  # noqa: E402
+from distcache.job.host_memory import keep_freed_memory  # noqa: E402
 from distcache.planner.workloads import workload_preset  # noqa: E402
 
 TARGET_IDS_PER_S = 5e6  # issue 11: scheduler ids/s on CPU
@@ -425,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
+    # As distcache's ranks do (`process_group`): freed host memory reused, not faulted in again
+    # (with glibc's defaults the variants' steps page-faulted 400-1,800 times each here).
+    args.keep_freed_memory = keep_freed_memory()
     if args.quick:
         args.sched_rows, args.sched_batch, args.sched_batches = 200_000, 1_000, 10
         args.sched_warmup, args.sched_steps = 3, 2
