@@ -63,7 +63,8 @@ def process_group(device_type: str) -> Iterator[tuple[int, int, torch.device]]:
     Args:
         device_type: 'cpu' (gloo) or 'cuda' (nccl, the GPU `LOCAL_RANK`).
     """
-    keep_freed_memory()  # a job's big per-step tensors: reused, not faulted in again
+    if device_type != "cuda":  # a CPU job's big per-step tensors: reused, not faulted in
+        keep_freed_memory()
     backend = "nccl" if device_type == "cuda" else "gloo"
     if "RANK" not in os.environ:
         with single_rank_group(backend):
@@ -165,7 +166,8 @@ def _worker(rank: int, spec: _Spec, results: Queue[tuple[str, int, bytes | str]]
     os.environ.clear()  # the parent's environment now, not the fork server's at its start
     os.environ.update(spec.parent_env)
     os.environ.update(spec.env)
-    keep_freed_memory()
+    if spec.backend != "nccl":  # CPU ranks (`process_group`)
+        keep_freed_memory()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port), RANK=str(rank),
         WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank),

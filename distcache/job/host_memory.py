@@ -13,10 +13,11 @@ ms, 68-69 ms.
 there for reuse (`mallopt`: no `mmap` for allocations, trimming only above 2 GiB free, and one
 arena for every thread: a thread's own arena, 64 MiB at most, cannot hold such a tensor and
 gives its memory back when it is freed): a process's memory then stays near its peak, as a
-caching allocator's does. distcache's ranks
-call it when they start (`run_ranks`' workers, `process_group`: the training job, `measure`,
-`calibrate`, the distributed tests and benchmarks); `DISTCACHE_KEEP_FREED_MEMORY=0` leaves
-glibc's defaults. A process of your own calls it once, first thing. It is a no-op off glibc.
+caching allocator's does. distcache's CPU ranks call it when they start (`run_ranks`' gloo
+workers, `process_group` on CPU: the training job, `measure`, `calibrate`, the distributed
+tests and benchmarks; a GPU rank's big tensors live on the device);
+`DISTCACHE_KEEP_FREED_MEMORY=0` leaves glibc's defaults. A process of your own calls it once,
+first thing. It is a no-op off glibc.
 """
 
 from __future__ import annotations
