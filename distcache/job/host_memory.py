@@ -13,7 +13,10 @@ ms, 68-69 ms.
 there for reuse (`mallopt`: no `mmap` for allocations, trimming only above 2 GiB free, and one
 arena for every thread: a thread's own arena, 64 MiB at most, cannot hold such a tensor and
 gives its memory back when it is freed): a process's memory then stays near its peak, as a
-caching allocator's does. distcache's CPU ranks call it when they start (`run_ranks`' gloo
+caching allocator's does, plus what fragmentation keeps (torch aligns its blocks, and a freed
+block fits the next request of its size only once merged with a neighbour): in the runs above
+150-200 MiB more resident memory per rank (2.2-2.3 GiB against 1.9-2.1), reached within 300
+steps and flat over the next 600. distcache's CPU ranks call it when they start (`run_ranks`' gloo
 workers, `process_group` on CPU: the training job, `measure`, `calibrate`, the distributed
 tests and benchmarks; a GPU rank's big tensors live on the device);
 `DISTCACHE_KEEP_FREED_MEMORY=0` leaves glibc's defaults. A process of your own calls it once,
