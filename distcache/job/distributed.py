@@ -186,6 +186,13 @@ def _worker(rank: int, spec: _Spec, results: Queue[tuple[str, int, bytes | str]]
         )
         # Pickle here, not in the queue's feeder thread, so an unpicklable result is reported.
         results.put(("ok", rank, pickle.dumps(fn(rank, spec.world_size, *args, **kwargs))))
+        # Every rank done before any leaves: a forked rank ends with `os._exit`, which closes
+        # its sockets at once, and a peer still reading the last collective's data from it
+        # would see the connection reset. (Reported first, so that a rank that never gets here
+        # is the one named; the parent ends the ranks that wait for it.)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with contextlib.suppress(Exception):
+                dist.barrier()
     except BaseException:  # noqa: B036 - report everything (SystemExit too) to the parent
         results.put(("error", rank, traceback.format_exc()))
     finally:
