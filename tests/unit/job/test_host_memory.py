@@ -35,7 +35,10 @@ def test_a_rank_reuses_freed_big_tensors_instead_of_faulting_them_in_every_step(
     (default,) = run_ranks(
         _faults_per_step, 1, timeout_s=60, env={"DISTCACHE_KEEP_FREED_MEMORY": "0"}
     )
-    # glibc's defaults fault both tensors in every step; kept, the heap settles within a few
-    # steps (freed blocks merge until they fit the next step's), then nearly none.
-    assert sum(default[-COUNTED:]) > 0.9 * COUNTED * pages, default
-    assert sum(kept[-COUNTED:]) < 0.25 * COUNTED * pages, kept
+    # glibc's defaults fault both tensors in every step (4 KiB pages: `pages` a step; fewer
+    # with transparent huge pages always on); kept, the heap settles within a few steps (freed
+    # blocks merge until they fit the next step's), then faults nearly none.
+    refaulted = sum(default[-COUNTED:])
+    if refaulted < COUNTED:
+        pytest.skip(f"this machine's allocator refaults nothing by default: {default}")
+    assert sum(kept[-COUNTED:]) < 0.25 * refaulted, (kept, default, pages)
