@@ -20,7 +20,7 @@
    negligible (--host-rows x 16, --host-batch bags of one id, one torch thread), interleaved
    step by step: what the host spends dispatching a step, which on CUDA it must spend too.
 
-The process keeps freed host memory for reuse, as distcache's ranks do
+On CPU the process keeps freed host memory for reuse, as distcache's CPU ranks do
 (`distcache.job.host_memory`; DISTCACHE_KEEP_FREED_MEMORY=0: glibc's defaults).
 
 Variants run step by step in turn, in an order rotated every step, so that this shared
@@ -429,9 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
-    # As distcache's ranks do (`process_group`): freed host memory reused, not faulted in again
-    # (with glibc's defaults the variants' steps page-faulted 400-1,800 times each here).
-    args.keep_freed_memory = keep_freed_memory()
+    # As distcache's CPU ranks do (`process_group`): freed host memory reused, not faulted in
+    # again (with glibc's defaults the variants' steps page-faulted 400-1,800 times each here).
+    args.keep_freed_memory = args.device == "cpu" and keep_freed_memory()
     if args.quick:
         args.sched_rows, args.sched_batch, args.sched_batches = 200_000, 1_000, 10
         args.sched_warmup, args.sched_steps = 3, 2
