@@ -204,13 +204,13 @@ class HotRows:
         self.feature_tables = {f: t for f, t in feature_tables.items() if t in self.tables}
         self.mean_features = set(mean_features)
         self.device = device
-        self._group, self._data_group = reduction_groups()
+        self._host_group, self._data_group = reduction_groups()
         spans = [
             Span(n, t.width, t.row - self.widths[t.width].row, t.ids.numel(), t.dim, t.touched_only)
             for n, t in self.tables.items()
         ]
         self._reduction = Reduction(
-            spans, [w.rows for w in self.widths], self._data_group, device, self._group
+            spans, [w.rows for w in self.widths], self._data_group, device, self._host_group
         )
         self.stale = True  # the replicas must be read from the tables' shards
         # The last backward's reduction and learning rates' all-reduce, still in flight.
@@ -445,8 +445,8 @@ class HotRows:
             dtype=torch.float64,
         )
         work = None
-        if self._group is not None:
-            work = dist.all_reduce(lrs, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if self._host_group is not None:
+            work = dist.all_reduce(lrs, op=dist.ReduceOp.MAX, group=self._host_group, async_op=True)
         self._pending = (reduction, work, lrs)
 
     def finish_step(self) -> None:
