@@ -3,7 +3,8 @@
 On CUDA, an op syncs the host when its result's shape or value must be known on the host:
 `.item()`/`int()`/`bool()` (`aten._local_scalar_dense`), boolean-mask indexing, `nonzero`,
 `unique` and the other ops PyTorch tags `dynamic_output_shape` or `data_dependent_output`
-(`repeat_interleave` only without `output_size`, `index` only with a boolean index). The audit
+(`repeat_interleave` only without `output_size`, `index` only with a boolean index), and
+`index_fill_` given its value as a tensor (ATen reads it with `.item()` inside the op). The audit
 sees the ops as they are dispatched, so it finds them on the CPU too, where CI runs it: the CPU
 run of the per-batch path is the same code as the CUDA one.
 
@@ -43,6 +44,9 @@ def reads_back(func, args, kwargs) -> bool:  # noqa: ANN001
         )
     if name == "aten::repeat_interleave":
         return kwargs.get("output_size", args[-1] if len(args) > 1 else None) is None
+    if name in ("aten::index_fill_", "aten::index_fill"):  # a tensor value: ATen takes .item()
+        value = args[3] if len(args) > 3 else kwargs.get("value")
+        return isinstance(value, torch.Tensor)
     tags = set(func.tags)
     return torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
 
@@ -106,3 +110,49 @@ class SyncAudit(TorchDispatchMode):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             return self.audit.__torch_dispatch__(func, types, args, kwargs)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every dispatched op as CUDA graph capture would bake it in: the overload, each
+    non-tensor argument's value, and each tensor argument's shape and dtype (not its values,
+    which a replay reads from memory).
+
+    Two calls whose records are equal dispatch the same ops with the same host values, so one
+    captured graph replays either; a Python number that changes from call to call (a counter,
+    an offset) shows up as a difference.
+
+    Example::
+
+        first, second = OpRecorder(), OpRecorder()
+        with first:
+            work(batch_a)
+        with second:
+            work(batch_b)
+        assert first.ops == second.ops, first.diff(second)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        values = [*args, *(kwargs[k] for k in sorted(kwargs))]
+        self.ops.append((str(func), tuple(sorted(kwargs)), tuple(_baked(v) for v in values)))
+        return func(*args, **kwargs)
+
+    def diff(self, other: OpRecorder, limit: int = 5) -> str:
+        """The first `limit` ops that differ, for an assertion message."""
+        if len(self.ops) != len(other.ops):
+            return f"{len(self.ops)} ops against {len(other.ops)}"
+        pairs = [(a, b) for a, b in zip(self.ops, other.ops, strict=True) if a != b]
+        return "; ".join(f"{a} != {b}" for a, b in pairs[:limit])
+
+
+def _baked(value):  # noqa: ANN001, ANN202
+    """What a captured graph fixes of an argument."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_baked(v) for v in value)
+    return value

@@ -47,15 +47,16 @@ class EvictionPolicy(abc.ABC):
         self.residency = residency
         self.trash = residency.trash_slot
 
-    def on_enqueue(self, seq: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
-        """Batch `seq` entered the window: its distinct `rows` `[n]` (padded with the sentinel
-        row), `fresh` `[n]` bool those not used by any batch still waiting to be staged (this
-        batch is their next use)."""
+    def on_enqueue(self, seq: torch.Tensor, rows: torch.Tensor, fresh: torch.Tensor) -> None:
+        """Batch `seq` (0-dim int32 on the device, as every seq a policy is given) entered the
+        window: its distinct `rows` `[n]` (padded with the sentinel row), `fresh` `[n]` bool
+        those not used by any batch still waiting to be staged (this batch is their next
+        use)."""
 
     @abc.abstractmethod
     def on_stage(
         self,
-        seq: int,
+        seq: torch.Tensor,
         rows: torch.Tensor,
         slots: torch.Tensor,
         loaded: torch.Tensor,
@@ -71,7 +72,7 @@ class EvictionPolicy(abc.ABC):
         """
 
     @abc.abstractmethod
-    def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
+    def victim_keys(self, seq: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Eviction classes `[capacity]` (int32) in [0, classes) for staging batch `seq`, and
         `classes`; higher goes first. Free slots must be in the top class, `classes - 1` (LRU:
         with rows idle for that many batches); pinned slots are handled by the scheduler."""
@@ -101,16 +102,17 @@ class LookaheadPolicy(EvictionPolicy):
         # At least one bit of uses: a free slot (0 uses, no next use) is alone in the top class.
         self.use_bits = max(1, _class_bits(residency.capacity) - _bits(self.far + 1))
 
-    def on_enqueue(self, seq: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
+    def on_enqueue(self, seq: torch.Tensor, rows: torch.Tensor, fresh: torch.Tensor) -> None:
         slot = self.residency.slot_of.index_select(0, rows).long()
-        self.next_use.index_fill_(0, torch.where(fresh & (slot >= 0), slot, self.trash), seq)
+        into = torch.where(fresh & (slot >= 0), slot, self.trash)
+        self.next_use.index_copy_(0, into, seq.expand(rows.numel()))
 
     def on_stage(self, seq, rows, slots, loaded, next_use) -> None:  # noqa: ANN001
         self.next_use.index_copy_(0, slots, next_use)
         self.uses.index_fill_(0, torch.where(loaded, slots, self.trash), 0)
         self.uses.index_add_(0, slots, self._one.expand(slots.numel()))
 
-    def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
+    def victim_keys(self, seq: torch.Tensor) -> tuple[torch.Tensor, int]:
         c = self.residency.capacity
         # int32 throughout: seqs stay below 2**31, classes below 2**18 (half the bytes of int64)
         distance = (self.next_use[:c] - seq).clamp_(0, self.far)  # NO_USE -> far
@@ -130,9 +132,9 @@ class LRUPolicy(EvictionPolicy):
         self.last_use = torch.full((slots,), -self.classes, dtype=torch.int32, device=device)
 
     def on_stage(self, seq, rows, slots, loaded, next_use) -> None:  # noqa: ANN001
-        self.last_use.index_fill_(0, slots, seq)
+        self.last_use.index_copy_(0, slots, seq.expand(slots.numel()))
 
-    def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
+    def victim_keys(self, seq: torch.Tensor) -> tuple[torch.Tensor, int]:
         age = (seq - self.last_use[: self.residency.capacity]).clamp_(0, self.classes - 1)
         return age, self.classes
 
@@ -158,9 +160,9 @@ class LFUPolicy(EvictionPolicy):
         count = (self.count.index_select(0, rows) + 1).clamp_(max=(1 << self.COUNT_BITS) - 1)
         self.count.index_copy_(0, rows, count)
         self.slot_count.index_copy_(0, slots, count)
-        self.last_use.index_fill_(0, slots, seq)
+        self.last_use.index_copy_(0, slots, seq.expand(slots.numel()))
 
-    def victim_keys(self, seq: int) -> tuple[torch.Tensor, int]:
+    def victim_keys(self, seq: torch.Tensor) -> tuple[torch.Tensor, int]:
         c = self.residency.capacity
         rarity = (1 << self.COUNT_BITS) - 1 - self.slot_count[:c]
         age = (seq - self.last_use[:c]).clamp_(0, (1 << self.age_bits) - 1)

@@ -160,8 +160,9 @@ class Scheduler:
         self.check_room()
         seq = self._next_seq
         self._next_seq += 1
-        batch, fresh = self.window.enter(seq, ids)
-        self.policy.on_enqueue(seq, batch.rows, fresh)
+        base = self.window.reserve(ids.numel())
+        batch, fresh = self.window.enter(seq, base, self._device_ints(seq, base), ids)
+        self.policy.on_enqueue(batch.at[0], batch.rows, fresh)
         self._unstaged.append(batch)
         self._batches += 1
         self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
@@ -183,7 +184,8 @@ class Scheduler:
         want = miss.sum()
         hit_slots = torch.where(miss, res.sentinel_slot, slot)
         res.pin.index_add_(0, hit_slots, self._one.expand(n))
-        victims, taken, candidates = self._victims(batch.seq, want, n, size)  # [size + 1]
+        seq = batch.at[0]  # on the device
+        victims, taken, candidates = self._victims(seq, want, n, size)  # [size + 1]
         rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
         got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
         slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), slot)
@@ -199,7 +201,7 @@ class Scheduler:
         loaded_slots = torch.where(got, slot, res.sentinel_slot)
         res.pin.index_add_(0, loaded_slots, self._one.expand(n))
         slot = torch.where(slot >= 0, slot, res.sentinel_slot)  # misses without a slot too
-        self.policy.on_stage(batch.seq, batch.rows, slot, got, next_use)
+        self.policy.on_stage(seq, batch.rows, slot, got, next_use)
 
         unique = batch.valid.sum()
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
@@ -296,8 +298,16 @@ class Scheduler:
         )
 
     # ---------------------------------------------------------------- victims
+    def _device_ints(self, *values: int) -> torch.Tensor:
+        """`values` as an int32 tensor on the device, copied from page-locked host memory
+        without waiting (the pinned block is not reused before the copy has run)."""
+        host = torch.tensor(values, dtype=torch.int32)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def _victims(
-        self, seq: int, want: torch.Tensor, n: int, size: int
+        self, seq: torch.Tensor, want: torch.Tensor, n: int, size: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Slots for `want` misses: `[size + 1]` (the chosen slots first, then the sentinel
         slot), how many were chosen, and how many slots could have been.

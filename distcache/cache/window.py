@@ -19,8 +19,13 @@ shapes are known on the host (no `unique`, no read-back):
 Staging a batch (`leave`) resets `latest` for the rows whose latest occurrence it held, so
 `latest[r] >= 0` means exactly "r is used by a batch still waiting to be staged". Positions are
 reused once their batch has left; the ring grows (keeping positions) when the window holds more
-ids than it. Memory: 4 bytes per table row; 17 bytes per id in the window (`rows` int64, `inv`
-int32, `valid`, the ring).
+ids than it. Memory: 4 bytes per table row; 21 bytes per id in the window (`rows` int64, `inv`
+int32, `valid`, `positions` int32, the ring).
+
+The host places batches in the ring (`reserve`) and numbers them; the device work reads the seq
+and the base from a small device tensor (`WindowBatch.at`), never from a Python number, so the
+ops a batch dispatches, and every argument they take, are the same for every batch of its size:
+what lets CUDA graphs replay them (`tests/unit/cache/test_replay.py` checks it).
 """
 
 from __future__ import annotations
@@ -50,9 +55,11 @@ class WindowBatch:
 
     seq: int
     base: int  # position of rows[0]; rows[k] sits at base + k
+    at: torch.Tensor  # [2] int32 on the device: seq, base (what the device work reads)
     rows: torch.Tensor  # [n] int64 the distinct rows (ascending), then sentinel rows
     inv: torch.Tensor  # [n] int64 index in `rows` of each id's row
     valid: torch.Tensor  # [n] bool rows[k] is a real row (not padding, not the sentinel)
+    positions: torch.Tensor  # [n] int32 base + k: where rows[k] sits in the ring
 
     @property
     def size(self) -> int:
@@ -82,12 +89,19 @@ class Window:
         self._live: deque[WindowBatch] = deque()  # entered and not yet left, oldest first
         self._tail = 0  # end of the newest batch's positions
 
-    def enter(self, seq: int, ids: torch.Tensor) -> tuple[WindowBatch, torch.Tensor]:
-        """Add batch `seq` with ids `[n]` (int64, in range or the sentinel row); returns it and
-        `fresh` `[n]` bool: its rows with no occurrence in a batch still waiting to be staged
-        (this batch is their next use)."""
+    def reserve(self, n: int) -> int:
+        """Host-side: the base of the positions of the next batch, of `n` ids (`enter` takes
+        it, on the device, in `at`)."""
+        return self._alloc(n)
+
+    def enter(
+        self, seq: int, base: int, at: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[WindowBatch, torch.Tensor]:
+        """Add batch `seq` with ids `[n]` (int64, in range or the sentinel row) at the positions
+        from `base` (`reserve(n)`); `at`: `[2]` int32 seq and base on the device. Returns the
+        batch and `fresh` `[n]` bool: its rows with no occurrence in a batch still waiting to be
+        staged (this batch is their next use)."""
         n = ids.numel()
-        base = self._alloc(n)
         # Rows fit int32 (`Residency`), which sorts faster than int64 (1.6 x at 200k ids, CPU).
         ordered, order = self._sort(ids.to(torch.int32))  # [n]
         first = torch.ones(n, dtype=torch.bool, device=self.device)
@@ -101,12 +115,14 @@ class Window:
         # The previous occurrence learns that this batch uses its row next. (The sentinel
         # row's `latest` stays -1: it is never written, below.)
         linked = torch.where(prev >= 0, prev.long(), self.ring_size)
-        self.next_use.index_fill_(0, linked, seq)
-        self.next_use[base : base + n] = NO_USE
+        self.next_use.index_copy_(0, linked, at[0].expand(n))  # (the trash entry: any of them)
         # Row k of the batch sits at position base + k from now on.
-        pos = torch.arange(base, base + n, dtype=torch.int32, device=self.device)
+        pos = torch.arange(n, dtype=torch.int32, device=self.device).add_(at[1])
+        self.next_use.index_fill_(0, pos.long(), NO_USE)
         self.latest.index_copy_(0, torch.where(valid, rows, self.trash_row), pos)
-        batch = WindowBatch(seq=seq, base=base, rows=rows, inv=inv, valid=valid)
+        batch = WindowBatch(
+            seq=seq, base=base, at=at, rows=rows, inv=inv, valid=valid, positions=pos
+        )
         self._live.append(batch)
         return batch, fresh
 
@@ -128,9 +144,8 @@ class Window:
         if not self._live or self._live[0] is not batch:
             raise LookaheadWindowError("batches must leave the window in the order they entered")
         self._live.popleft()
-        n = batch.size
-        next_use = self.next_use[batch.base : batch.base + n].clone()
-        pos = torch.arange(batch.base, batch.base + n, dtype=torch.int32, device=self.device)
+        pos = batch.positions
+        next_use = self.next_use.index_select(0, pos)
         last_here = self.latest.index_select(0, batch.rows) == pos  # none later (sentinel: -1)
         self.latest.index_fill_(0, torch.where(last_here, batch.rows, self.trash_row), -1)
         if not self._live:

@@ -92,13 +92,16 @@ def test_the_audit_catches_read_backs():
         x.nonzero()
         torch.unique(x)
         torch.repeat_interleave(x, x)
+        x.clone().index_fill_(0, torch.tensor([1]), torch.tensor(7))  # a tensor value: .item()
         x[torch.tensor([1, 2])]  # integer indexing: fine
+        x.clone().index_fill_(0, torch.tensor([1]), 7)  # a Python value: fine
         torch.repeat_interleave(x, x, output_size=45)  # sized: fine
     names = sorted(s.split(": ")[-1] for s in audit.sites)
     assert names == [
         "aten::_local_scalar_dense",
         "aten::_unique2",
         "aten::index",
+        "aten::index_fill_",
         "aten::nonzero",
         "aten::repeat_interleave",
     ], audit.report()

@@ -1,0 +1,83 @@
+"""The scheduler's device work is the same for every batch of a size: what a CUDA graph replays.
+
+A captured CUDA graph replays the kernels it recorded with the arguments it recorded; only what
+they read from memory changes. So the scheduler can be captured once per batch size only if
+its ops, and every host value they take (a Python number, a shape), do not change from batch
+to batch: the seq and the window's positions must reach the device as tensors. `OpRecorder`
+records both for two batches of one size in steady state (the cache full, evicting, writing
+dirty rows back) and they must be equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distcache.cache.policies import make_policy
+from distcache.cache.scheduler import EVICTIONS, WRITEBACKS, Scheduler
+from distcache.cache.window import _PAD_FROM
+from tests.device_audit import OpRecorder
+
+
+def _steady_scheduler(policy: str, n: int, rows: int, capacity: int, lookahead: int = 8):
+    """A scheduler past its warm-up, and a function that enqueues the next batch and stages
+    (then releases) the oldest, recording each part into the recorders it is given."""
+    scheduler = Scheduler(rows, capacity, make_policy(policy), lookahead=lookahead)
+    g = torch.Generator().manual_seed(0)
+    # Power-law ids with some invalid ones (the sentinel row), as a routed batch has.
+    weights = 1.0 / torch.arange(1, rows + 2, dtype=torch.float64)
+
+    def batch() -> torch.Tensor:
+        return torch.multinomial(weights, n, replacement=True, generator=g)
+
+    for _ in range(lookahead):
+        scheduler.enqueue(batch())
+
+    def step(enqueue: OpRecorder | None = None, stage: OpRecorder | None = None):
+        ids = batch()
+        with enqueue or _Nothing():
+            scheduler.enqueue(ids)
+        with stage or _Nothing():
+            plan = scheduler.stage_next()
+        scheduler.release(plan)
+        return plan
+
+    for _ in range(40):
+        step()
+    return scheduler, step
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
+@pytest.mark.parametrize("n", [256, _PAD_FROM + 100])  # sorted as is / padded to a radix sort
+def test_every_batch_of_a_size_dispatches_the_same_ops(policy, n):
+    _, step = _steady_scheduler(policy, n, rows=8 * n, capacity=3 * n)
+    records = [(OpRecorder(), OpRecorder()) for _ in range(2)]
+    plans = [step(enqueue, stage) for enqueue, stage in records]
+    for plan in plans:  # steady state: evicting dirty rows
+        assert plan.counts[EVICTIONS] > 0 and plan.counts[WRITEBACKS] > 0
+    (enqueue_a, stage_a), (enqueue_b, stage_b) = records
+    assert len(enqueue_a.ops) > 20 and len(stage_a.ops) > 50
+    assert enqueue_a.ops == enqueue_b.ops, enqueue_a.diff(enqueue_b)
+    assert stage_a.ops == stage_b.ops, stage_a.diff(stage_b)
+
+
+def test_the_recorder_sees_a_python_number_that_changes():
+    x = torch.zeros(4, dtype=torch.int32)
+    records = []
+    for seq in (3, 4):
+        record = OpRecorder()
+        with record:
+            x.add_(seq)  # a host value baked into the op
+            x.add_(torch.tensor(seq, dtype=torch.int32))  # a tensor: read from memory
+        records.append(record)
+    assert records[0].ops[0] != records[1].ops[0]
+    assert records[0].ops[1:] == records[1].ops[1:]
+    assert "add_" in records[0].diff(records[1])
