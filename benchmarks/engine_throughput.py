@@ -15,7 +15,9 @@
 4. Ops per step: the ops that launch work (not views, allocations or Python-number wrappers),
    counted in steady state under a `TorchDispatchMode`, for the forward + backward variants at
    100 and 5 % and `nn.EmbeddingBag` + SGD: on CUDA each is a kernel launch on the training
-   thread, so this is the host's launch work per batch.
+   thread, so this is the host's launch work per batch. "graphs": the 5 % variant with
+   `cuda_graphs` (a replayed graph is one launch, not counted; on CPU the emulation's replayed
+   ops are counted, and its times are not what a GPU gets).
 5. Host time per step: the forward + backward variants of section 4 at a size where compute is
    negligible (--host-rows x 16, --host-batch bags of one id, one torch thread), interleaved
    step by step: what the host spends dispatching a step, which on CUDA it must spend too.
@@ -216,6 +218,7 @@ class Cached:
         policy: str,
         dtype: torch.dtype = torch.float32,
         staging: str = "worker",
+        graphs: bool = False,
     ):
         self.config = CacheConfig(
             capacity=capacity,
@@ -224,6 +227,7 @@ class Cached:
             policy=policy,
             learning_rate=0.01,
             staging=staging,
+            cuda_graphs=graphs,
         )
         table = TableSpec(name="t", num_embeddings=args.rows, embedding_dim=args.dim, dtype=dtype)
         self.bags = CachedEmbeddingBags([table], self.config, device=args.device)
@@ -321,6 +325,8 @@ def _launch_variants(args) -> dict[str, Baseline | Cached]:
     variants: dict[str, Baseline | Cached] = {"nn.EmbeddingBag": Baseline(args, batches)}
     for cap in (1.0, 0.05):
         variants[f"distcache {cap:g}"] = Cached(args, batches, cap, "lookahead")
+    # The scheduler replayed as CUDA graphs (on CPU an emulation: slower, for tests).
+    variants["distcache 0.05 graphs"] = Cached(args, batches, 0.05, "lookahead", graphs=True)
     variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
     return variants
 

@@ -12,6 +12,8 @@ time), all from the same initial weights and batches:
   enqueued ahead), rows staged K (--prefetch-depth) batches ahead, again while a batch trains;
 - distcache_direct (only if named in --variants): distcache with `staging="direct"` (the
   staging stream copies rows to and from the pinned host rows itself; no worker thread);
+- distcache_graphs (only if named in --variants): distcache with `cuda_graphs=True` (the
+  scheduler's work for a batch replayed as one CUDA graph, captured on the second batch);
 - lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
 - device: every row in device memory (`nn.EmbeddingBag`, sparse SGD), if it fits;
 - cpu_embeddings (CUDA only): those bags in host memory, pooled embeddings sent to the device.
@@ -75,9 +77,9 @@ TABLE_ROWS = {"terabyte": CRITEO_TERABYTE_ROWS, "kaggle": CRITEO_KAGGLE_ROWS}
 DENSE_FEATURES = 13
 BOTTOM = (512, 256)  # bottom MLP hidden widths, then the embedding dim
 TOP = (512, 256)  # top MLP hidden widths, then 1 logit
-VARIANTS = ("distcache", "lru", "device", "cpu_embeddings", "distcache_direct")
-CACHED = ("distcache", "distcache_direct", "lru")
-DEFAULT_VARIANTS = VARIANTS[:4]  # distcache_direct on request (--variants)
+VARIANTS = ("distcache", "lru", "device", "cpu_embeddings", "distcache_direct", "distcache_graphs")
+CACHED = ("distcache", "distcache_direct", "distcache_graphs", "lru")
+DEFAULT_VARIANTS = VARIANTS[:4]  # distcache_direct and _graphs on request (--variants)
 _BLOCK = 1 << 22  # floats in the random block tiled over the rows
 _GIB = 1 << 30
 _DEVICE_SLACK = 4 * _GIB  # bytes/device left for activations, maps and the allocator
@@ -330,6 +332,7 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
         policy="lookahead" if lookahead else "lru",
         learning_rate=args.lr,
         staging="direct" if name == "distcache_direct" else "worker",
+        cuda_graphs=name == "distcache_graphs",
     )
     bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
     dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)
@@ -595,7 +598,7 @@ def run_variant(name, capacity, tables, data, args, device: torch.device) -> dic
 
 def _plan(args) -> list[tuple[str, float | None]]:
     out: list[tuple[str, float | None]] = []
-    for name in ("distcache", "distcache_direct"):
+    for name in ("distcache", "distcache_direct", "distcache_graphs"):
         if name in args.variants:
             out += [(name, c) for c in args.capacities]
     if "lru" in args.variants:

@@ -138,7 +138,10 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         values = [*args, *(kwargs[k] for k in sorted(kwargs))]
-        self.ops.append((str(func), tuple(sorted(kwargs)), tuple(_baked(v) for v in values)))
+        baked = tuple(_baked(v) for v in values)
+        if func._schema.name.startswith("aten::lift_fresh"):  # torch.tensor(Python data)
+            baked += (args[0].tolist(),)
+        self.ops.append((str(func), tuple(sorted(kwargs)), baked))
         return func(*args, **kwargs)
 
     def diff(self, other: OpRecorder, limit: int = 5) -> str:

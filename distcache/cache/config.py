@@ -34,7 +34,7 @@ class CacheConfig:
     cache, as large as their caches together."""
     lookahead: int = DEFAULT_LOOKAHEAD
     """L: how many future batches' ids the scheduler may see (>= 0). The scheduler's cost per
-    batch does not grow with L; the window holds 17 bytes per id of each batch in it (plus
+    batch does not grow with L; the window holds 21 bytes per id of each batch in it (plus
     the batches themselves, in a pipeline)."""
     prefetch_depth: int = 1
     """K: how many batches ahead of the training batch rows are staged (0 <= K <= L). The cache
@@ -62,6 +62,13 @@ class CacheConfig:
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
+    cuda_graphs: bool = False
+    """Replay the scheduler's device work for a batch (a hundred-odd small kernels) as a CUDA
+    graph captured for its size, so that the host launches one graph instead of every kernel.
+    The first batch of a size runs as usual, the second is captured (a device synchronization,
+    once per size), later ones replay; at most 8 sizes are kept, so it pays when batches keep
+    one size (fixed pooling, padded ids). On CPU an emulation replays the recorded ops (slower:
+    for tests). Not yet measured on a GPU, so off by default."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
@@ -108,6 +115,9 @@ class CacheConfig:
             _fail("staging", self.staging, f"one of {STAGING}")
         if self.optimizer not in OPTIMIZERS:
             _fail("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+        for name in ("check_ids", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "True or False")
         for name in ("learning_rate", "eps"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):

@@ -120,6 +120,7 @@ class CacheEngine:
             lookahead=config.lookahead,
             device=device,
             name=name,
+            graphs=config.cuda_graphs,
         )
         self.stager = Stager(
             self.store, self.weights, self.state, self.streams, direct=config.staging == "direct"

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distcache.cache.graphs import GraphCache
 from distcache.cache.policies import EvictionPolicy
 from distcache.cache.residency import Residency
 from distcache.cache.select import pack, select_largest
@@ -98,6 +99,9 @@ class Scheduler:
         lookahead: L, future batches that may be enqueued beyond the one training.
         device: where ids and maps live.
         name: the table or table group, for error messages.
+        graphs: replay the device work of `enqueue` and of `stage_next` (once the cache may be
+            full) as graphs captured per batch size (`CacheConfig.cuda_graphs`; on CPU an
+            emulation, for tests).
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class Scheduler:
         lookahead: int,
         device: torch.device | str = "cpu",
         name: str = "cache",
+        graphs: bool = False,
     ):
         device = torch.device(device)
         if not 1 <= capacity <= num_rows:
@@ -128,6 +133,8 @@ class Scheduler:
         self._unstaged: deque[WindowBatch] = deque()
         self._staged: deque[StagePlan] = deque()
         self._batches = 0
+        self.graphs = GraphCache(device, enabled=graphs)
+        self._generation = 0  # bumped when `clear` re-binds the policy (new tensors)
         self.clear()
 
     # ---------------------------------------------------------------- window
@@ -160,13 +167,21 @@ class Scheduler:
         self.check_room()
         seq = self._next_seq
         self._next_seq += 1
-        base = self.window.reserve(ids.numel())
-        batch, fresh = self.window.enter(seq, base, self._device_ints(seq, base), ids)
-        self.policy.on_enqueue(batch.at[0], batch.rows, fresh)
-        self._unstaged.append(batch)
+        n = ids.numel()
+        base = self.window.reserve(n)
+        at = self._device_ints(seq, base)
+        key = ("enqueue", n, self._generation, self.window.generation)
+        work = self.graphs.run(key, self._enqueue_device, ids, at)
+        self._unstaged.append(self.window.enter(seq, base, at, work))
         self._batches += 1
-        self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
         return seq
+
+    def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`enqueue`'s device work: the window's, the policy's, the id count."""
+        rows, inv, valid, positions, fresh = self.window.enter_device(ids, at)
+        self.policy.on_enqueue(at[0], rows, fresh)
+        self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
+        return rows, inv, valid, positions
 
     # ---------------------------------------------------------------- staging
     def stage_next(self, *, critical: bool = False) -> StagePlan:
@@ -174,18 +189,60 @@ class Scheduler:
         if not self._unstaged:
             raise LookaheadWindowError(f"{self.name}: no enqueued batch left to stage")
         batch = self._unstaged.popleft()
-        res, cap, n = self.residency, self.capacity, batch.size
+        self.window.leave(batch)
+        n = batch.size
+        inputs = (batch.rows, batch.inv, batch.valid, batch.positions, batch.at)
+        if self._free_slots_suffice(n):  # filling: no victims to choose, not captured
+            work = self._stage_device(*inputs, fill=True)
+        else:
+            key = ("stage", n, self._generation, self.window.generation)
+            work = self.graphs.run(key, self._stage_device, *inputs)
+        slots, id_slots, load_rows, load_slots, writeback_rows, writeback_slots, counts = work
+        if critical:
+            self._totals.select(0, _CRITICAL).add_(counts[MISSES])
+        plan = StagePlan(
+            seq=batch.seq,
+            batch=batch,
+            slots=slots,
+            id_slots=id_slots,
+            load_rows=load_rows,
+            load_slots=load_slots,
+            writeback_rows=writeback_rows,
+            writeback_slots=writeback_slots,
+            counts=counts,
+            critical=critical,
+            pinned_batches=len(self._staged),
+        )
+        self._staged.append(plan)
+        return plan
+
+    def _stage_device(
+        self,
+        rows: torch.Tensor,
+        inv: torch.Tensor,
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+        at: torch.Tensor,
+        *,
+        fill: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """`stage_next`'s device work for a batch (`WindowBatch`'s tensors): the plan's
+        tensors, `StagePlan.slots` to `counts`. `fill`: the misses take free slots in order."""
+        res, cap, n = self.residency, self.capacity, rows.numel()
         size = min(n, cap)
-        next_use = self.window.leave(batch)  # [n] next use of each occurrence after this batch
+        next_use = self.window.leave_device(rows, positions)  # [n] each row's next use
         # [n] -1: not resident. The sentinel row (padding) always sits in the sentinel slot
         # (`Residency`), so it is never a miss, and pinning it is harmless.
-        slot = res.slot_of.index_select(0, batch.rows).long()
+        slot = res.slot_of.index_select(0, rows).long()
         miss = slot < 0
         want = miss.sum()
         hit_slots = torch.where(miss, res.sentinel_slot, slot)
         res.pin.index_add_(0, hit_slots, self._one.expand(n))
-        seq = batch.at[0]  # on the device
-        victims, taken, candidates = self._victims(seq, want, n, size)  # [size + 1]
+        seq = at[0]  # on the device
+        if fill:
+            victims, taken, candidates = self._free_victims(want, size)  # [size + 1]
+        else:
+            victims, taken, candidates = self._victims(seq, want, size)
         rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
         got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
         slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), slot)
@@ -195,36 +252,28 @@ class Scheduler:
         evicted = real & (old >= 0)
         writeback = evicted & res.dirty.index_select(0, victims)
         res.slot_of.index_fill_(0, torch.where(evicted, old, res.trash_row), -1)
-        res.slot_of.index_copy_(0, torch.where(got, batch.rows, res.trash_row), slot.int())
-        res.row_of.index_copy_(0, torch.where(got, slot, res.trash_slot), batch.rows)
+        res.slot_of.index_copy_(0, torch.where(got, rows, res.trash_row), slot.int())
+        res.row_of.index_copy_(0, torch.where(got, slot, res.trash_slot), rows)
         res.dirty.index_fill_(0, victims, False)
         loaded_slots = torch.where(got, slot, res.sentinel_slot)
         res.pin.index_add_(0, loaded_slots, self._one.expand(n))
         slot = torch.where(slot >= 0, slot, res.sentinel_slot)  # misses without a slot too
-        self.policy.on_stage(seq, batch.rows, slot, got, next_use)
+        self.policy.on_stage(seq, rows, slot, got, next_use)
 
-        unique = batch.valid.sum()
+        unique = valid.sum()
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
         wb_at = torch.nonzero_static(writeback, size=size, fill_value=size).squeeze(1)
         counts = torch.stack([unique, want, taken, writeback.sum(), evicted.sum(), candidates])
         self._totals[_PLANS:].add_(counts)
-        if critical:
-            self._totals.select(0, _CRITICAL).add_(want)
-        plan = StagePlan(
-            seq=batch.seq,
-            batch=batch,
-            slots=slot,
-            id_slots=slot.index_select(0, batch.inv),
-            load_rows=pack(got, rank, batch.rows, size, res.sentinel_row),
-            load_slots=victims[:size],
-            writeback_rows=old.index_select(0, wb_at),
-            writeback_slots=victims.index_select(0, wb_at),
-            counts=counts,
-            critical=critical,
-            pinned_batches=len(self._staged),
+        return (
+            slot,
+            slot.index_select(0, inv),
+            pack(got, rank, rows, size, res.sentinel_row),
+            victims[:size],
+            old.index_select(0, wb_at),
+            victims.index_select(0, wb_at),
+            counts,
         )
-        self._staged.append(plan)
-        return plan
 
     def release(self, plan: StagePlan, *, updated: bool = True) -> None:
         """The batch of `plan` is done: unpin its slots; `updated`: it was trained, so its rows
@@ -280,6 +329,8 @@ class Scheduler:
         # always [fill, capacity); `_fill_bound` bounds `fill` on the host.
         self._fill = torch.zeros((), dtype=torch.int64, device=self.device)
         self._fill_bound = 0
+        self._generation += 1
+        self.graphs.clear()
 
     @property
     def counters(self) -> SchedulerCounters:
@@ -306,29 +357,38 @@ class Scheduler:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _victims(
-        self, seq: torch.Tensor, want: torch.Tensor, n: int, size: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slots for `want` misses: `[size + 1]` (the chosen slots first, then the sentinel
-        slot), how many were chosen, and how many slots could have been.
-
-        While the host can tell that the free slots suffice (the cache holds the whole shard,
-        or every batch so far loaded at most its id count), the misses take the next free
-        slots and no slot is scored. Otherwise the policy's classes choose (free slots: its top
-        class).
-        """
-        cap, res = self.capacity, self.residency
+    def _free_slots_suffice(self, n: int) -> bool:
+        """Host-side: whether the free slots can take a batch of `n` ids' misses, which is
+        known while the cache holds the whole shard, or every batch so far loaded at most its
+        id count (slots are handed out in order and only `clear()` frees them, so the free
+        ones are always [fill, capacity); `_fill_bound` bounds `fill`)."""
+        cap = self.capacity
         if cap >= self.num_rows or self._fill_bound + n <= cap:
             self._fill_bound = min(self.num_rows, self._fill_bound + n)
-            index = torch.arange(size + 1, device=self.device)
-            victims = torch.where(index < want, self._fill + index, res.sentinel_slot)
-            free = cap - self._fill
-            self._fill = self._fill + want
-            return victims, want, free
+            return True
         self._fill_bound = self.num_rows
+        return False
+
+    def _free_victims(
+        self, want: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slots for `want` misses while the free ones suffice: the next free slots, `[size +
+        1]` (then the sentinel slot), how many were chosen, how many were free."""
+        index = torch.arange(size + 1, device=self.device)
+        victims = torch.where(index < want, self._fill + index, self.residency.sentinel_slot)
+        free = self.capacity - self._fill
+        self._fill = self._fill + want
+        return victims, want, free
+
+    def _victims(
+        self, seq: torch.Tensor, want: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slots for `want` misses, chosen by the policy's classes (free slots: its top class):
+        `[size + 1]` (the chosen slots first, then the sentinel slot), how many were chosen,
+        and how many slots could have been."""
+        cap, res = self.capacity, self.residency
         keys, classes = self.policy.victim_keys(seq)
         keys = torch.where(res.pin[:cap] > 0, -1, keys)  # pinned slots never
         # At most `size` are chosen, so the last of `size + 1` entries is padding: the index
         # one past the keys, `cap`, which is the sentinel slot.
-        victims, taken, candidates = select_largest(keys, classes, want, size + 1)
-        return victims, taken, candidates
+        return select_largest(keys, classes, want, size + 1)

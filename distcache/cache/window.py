@@ -88,6 +88,7 @@ class Window:
         self._pad: torch.Tensor | None = None  # trash rows that pad a sort (`_sort`)
         self._live: deque[WindowBatch] = deque()  # entered and not yet left, oldest first
         self._tail = 0  # end of the newest batch's positions
+        self.generation = 0  # bumped when `next_use` is replaced (graphs captured it)
 
     def reserve(self, n: int) -> int:
         """Host-side: the base of the positions of the next batch, of `n` ids (`enter` takes
@@ -95,12 +96,22 @@ class Window:
         return self._alloc(n)
 
     def enter(
-        self, seq: int, base: int, at: torch.Tensor, ids: torch.Tensor
-    ) -> tuple[WindowBatch, torch.Tensor]:
-        """Add batch `seq` with ids `[n]` (int64, in range or the sentinel row) at the positions
-        from `base` (`reserve(n)`); `at`: `[2]` int32 seq and base on the device. Returns the
-        batch and `fresh` `[n]` bool: its rows with no occurrence in a batch still waiting to be
-        staged (this batch is their next use)."""
+        self, seq: int, base: int, at: torch.Tensor, device_work: tuple[torch.Tensor, ...]
+    ) -> WindowBatch:
+        """Add batch `seq` at the positions from `base` (`reserve(n)`): `at` `[2]` int32 seq and
+        base on the device, and its `enter_device(ids, at)[:4]`."""
+        rows, inv, valid, positions = device_work
+        batch = WindowBatch(
+            seq=seq, base=base, at=at, rows=rows, inv=inv, valid=valid, positions=positions
+        )
+        self._live.append(batch)
+        return batch
+
+    def enter_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The device work of a batch's entry, ids `[n]` (int64, in range or the sentinel row):
+        its `rows`, `inv`, `valid`, `positions` (`WindowBatch`) and `fresh` `[n]` bool, its rows
+        with no occurrence in a batch still waiting to be staged (this batch is their next
+        use). Reads the seq and base from `at` only (a graph replays it)."""
         n = ids.numel()
         # Rows fit int32 (`Residency`), which sorts faster than int64 (1.6 x at 200k ids, CPU).
         ordered, order = self._sort(ids.to(torch.int32))  # [n]
@@ -120,11 +131,7 @@ class Window:
         pos = torch.arange(n, dtype=torch.int32, device=self.device).add_(at[1])
         self.next_use.index_fill_(0, pos.long(), NO_USE)
         self.latest.index_copy_(0, torch.where(valid, rows, self.trash_row), pos)
-        batch = WindowBatch(
-            seq=seq, base=base, at=at, rows=rows, inv=inv, valid=valid, positions=pos
-        )
-        self._live.append(batch)
-        return batch, fresh
+        return rows, inv, valid, pos, fresh
 
     def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`torch.sort` of `[n]` int32 ids; batches of `_PAD_FROM` to `_RADIX_FROM` ids are
@@ -138,18 +145,21 @@ class Window:
         ordered, order = torch.sort(torch.cat([ids, self._pad[: _RADIX_FROM - n]]))
         return ordered[:n], order[:n]
 
-    def leave(self, batch: WindowBatch) -> torch.Tensor:
-        """Batch `batch` (the oldest) is staged: returns `[n]` int32 the next use of each of its
-        occurrences (`NO_USE` if none in the window), and forgets its positions."""
+    def leave(self, batch: WindowBatch) -> None:
+        """Batch `batch` (the oldest) is staged; `leave_device` does its device work."""
         if not self._live or self._live[0] is not batch:
             raise LookaheadWindowError("batches must leave the window in the order they entered")
         self._live.popleft()
-        pos = batch.positions
-        next_use = self.next_use.index_select(0, pos)
-        last_here = self.latest.index_select(0, batch.rows) == pos  # none later (sentinel: -1)
-        self.latest.index_fill_(0, torch.where(last_here, batch.rows, self.trash_row), -1)
         if not self._live:
             self._tail = 0
+
+    def leave_device(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A staged batch's device work (its `rows` and `positions`): returns `[n]` int32 the
+        next use of each of its occurrences (`NO_USE` if none in the window), and forgets its
+        positions."""
+        next_use = self.next_use.index_select(0, positions)
+        last_here = self.latest.index_select(0, rows) == positions  # none later (sentinel: -1)
+        self.latest.index_fill_(0, torch.where(last_here, rows, self.trash_row), -1)
         return next_use
 
     def clear(self) -> None:
@@ -187,3 +197,4 @@ class Window:
         grown = torch.full((size + 1,), NO_USE, dtype=torch.int32, device=self.device)
         grown[: self.ring_size] = self.next_use[: self.ring_size]  # positions keep their meaning
         self.next_use = grown
+        self.generation += 1

@@ -1,0 +1,164 @@
+"""`GraphCache`: a function's device work captured once per key and replayed (`cuda_graphs`).
+
+On CUDA the scheduler's work for one batch is a hundred-odd small kernels, and launching them
+costs the host several microseconds each: more than the device needs to run them, so the host,
+not the device, would set the pace. A CUDA graph launches them all at once. A graph replays the
+kernels it recorded with the arguments it recorded, reading new values only from memory, so the
+captured function must dispatch the same ops with the same host values for every call of a key
+(for the scheduler, every batch of a size: `tests/unit/cache/test_replay.py`), take its inputs
+from tensors the graph owns (copied in before each replay) and leave its Python state alone
+(it runs once, at capture). Its results live in the graph's memory and are overwritten by the
+next replay, so they are copied out.
+
+On CPU there are no graphs; `CPUGraph` emulates one so that CI runs the same flow: the capture
+runs the function once under a dispatch mode that records each op with its arguments, and a
+replay dispatches the recorded ops again on the same tensors (an op's new result copied into
+the tensor it made at capture). As on CUDA, Python code in the function runs once, host values
+are baked in and every buffer keeps its place; it is slower than running the function, so it
+is for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distcache.errors import DistcacheConfigError
+
+
+class CPUGraph:
+    """A CUDA graph's semantics on any device: capture records, replay re-dispatches."""
+
+    executes_at_capture = True  # (a CUDA capture records without running)
+
+    def __init__(self) -> None:
+        self._ops: list[tuple] = []
+
+    def capture(self, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor):
+        with _Recording(self._ops):
+            return fn(*inputs)
+
+    def replay(self) -> None:
+        for func, args, kwargs, made in self._ops:
+            if func.is_view:  # the view made at capture still looks at the same memory
+                continue
+            _into(made, func(*args, **kwargs))
+
+
+class _Recording(TorchDispatchMode):
+    def __init__(self, ops: list[tuple]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func._schema.name == "aten::_local_scalar_dense":
+            raise DistcacheConfigError(
+                "a captured function read a device value on the host (.item(), int(), ...): "
+                "a graph cannot replay that"
+            )
+        made = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, made))
+        return made
+
+
+def _into(made: object, new: object) -> None:
+    """Copy an op's result at replay into what it made at capture (in-place ops: the same)."""
+    if isinstance(made, torch.Tensor):
+        if not (
+            new.data_ptr() == made.data_ptr()
+            and new.shape == made.shape
+            and new.stride() == made.stride()
+        ):
+            made.copy_(new)
+    elif isinstance(made, (tuple, list)):
+        for m, n in zip(made, new, strict=True):
+            _into(m, n)
+
+
+class CUDAGraph:
+    """`torch.cuda.CUDAGraph` captured on the current stream (the scheduler's)."""
+
+    executes_at_capture = False
+
+    def __init__(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor):
+        # thread_local: the stager's worker may use the device meanwhile (other threads'
+        # calls do not invalidate this capture).
+        stream = torch.cuda.current_stream()
+        with torch.cuda.graph(self._graph, stream=stream, capture_error_mode="thread_local"):
+            return fn(*inputs)
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+@dataclass
+class _Entry:
+    graph: CPUGraph | CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # owned by the graph; copied into before each replay
+    outputs: tuple[torch.Tensor, ...]  # the graph's; overwritten by every replay
+
+
+class GraphCache:
+    """Runs `fn(*inputs)` as a graph captured for its key.
+
+    The first call of a key runs `fn` directly (warm-up: lazily made buffers, first-use
+    allocations); the second captures it; later ones replay. Results are fresh tensors.
+    At most `limit` keys are kept (the oldest captured is dropped first).
+
+    Args:
+        device: CUDA graphs on a CUDA device, the emulation elsewhere.
+        enabled: False: every call runs `fn` directly.
+    """
+
+    def __init__(self, device: torch.device, *, enabled: bool, limit: int = 8):
+        self.device = device
+        self.enabled = enabled
+        self.limit = limit
+        self._entries: dict[Hashable, _Entry] = {}
+        self._seen: set[Hashable] = set()
+        self.captures = 0
+        self.replays = 0
+
+    def run(
+        self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        if not self.enabled:
+            return fn(*inputs)
+        entry = self._entries.get(key)
+        if entry is None:
+            if key not in self._seen:
+                if len(self._seen) >= 64 * self.limit:  # sizes that keep changing
+                    self._seen.clear()
+                self._seen.add(key)
+                return fn(*inputs)
+            entry = self._capture(key, fn, inputs)
+            if not entry.graph.executes_at_capture:
+                entry.graph.replay()
+        else:
+            for static, value in zip(entry.inputs, inputs, strict=True):
+                static.copy_(value)
+            entry.graph.replay()
+            self.replays += 1
+        return tuple(out.clone() for out in entry.outputs)
+
+    def clear(self) -> None:
+        """Forget every graph (the tensors they captured were replaced)."""
+        self._entries.clear()
+        self._seen.clear()
+
+    def _capture(self, key: Hashable, fn, inputs: tuple[torch.Tensor, ...]) -> _Entry:  # noqa: ANN001
+        if len(self._entries) >= self.limit:
+            self._entries.pop(next(iter(self._entries)))
+        graph = CUDAGraph() if self.device.type == "cuda" else CPUGraph()
+        statics = tuple(x.clone() for x in inputs)
+        outputs = graph.capture(fn, *statics)
+        entry = self._entries[key] = _Entry(graph, statics, tuple(outputs))
+        self.captures += 1
+        return entry

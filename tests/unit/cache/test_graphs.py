@@ -1,0 +1,193 @@
+"""`cuda_graphs`: the scheduler's device work captured per batch size and replayed.
+
+On CPU the graphs are `CPUGraph`s, which replay the ops they recorded on the same tensors, as a
+CUDA graph replays its kernels: Python code in the captured function runs once, host values are
+baked in. So these tests check the flow a GPU runs: training with graphs is bitwise the training
+without (every policy, both stagings, batches of two sizes, an error and a reset in between),
+and the per-batch path still reads nothing back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distcache import CacheConfig, CachedEmbeddingBags
+from distcache.cache.graphs import CPUGraph, GraphCache
+from distcache.errors import CacheCapacityError, DistcacheConfigError
+from tests.device_audit import SyncAudit
+from tests.unit.cache.reference import integer_weights, loss_of, make_tables
+
+TABLES = make_tables([4, 4], [300, 200], ["sum", "mean"])
+
+
+def batches_of(batch_sizes: list[int], pooling: int, seed: int):
+    """Batches of `pooling` power-law ids a bag (so every batch of a size has as many ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for b in batch_sizes:
+        values = []
+        for t in TABLES:
+            u = torch.rand(b * pooling, generator=gen, dtype=torch.float64)
+            rank = (t.num_embeddings**u).long() - 1  # alpha 1: hot rows repeat
+            values.append((rank.clamp(0, t.num_embeddings - 1) * 7919) % t.num_embeddings)
+        offsets = torch.arange(0, len(TABLES) * b * pooling + 1, pooling)
+        out.append((torch.cat(values), offsets))
+    return out
+
+
+def train(config: CacheConfig, batches, *, reset_at: int | None = None, device="cpu"):  # noqa: ANN001
+    """Trains `batches` as the pipeline does (L ahead); a batch whose lookup raises
+    `CacheCapacityError` is skipped (the window was dropped; it is refilled); `reset_at`: the
+    caches are flushed and reset before that step. Returns the module, the outputs of every
+    step (on the host) and the errors."""
+    cached = CachedEmbeddingBags(TABLES, config, device=device)
+    for table, weight in zip(TABLES, integer_weights(TABLES, 0), strict=True):
+        cached.load_table_weight(table.name, weight)
+    outs, enqueued, errors = [], 0, []
+    for t, batch in enumerate(batches):
+        if t == reset_at:
+            cached.flush()
+            cached.reset()
+            enqueued = t
+        while enqueued < len(batches) and enqueued <= t + config.lookahead:
+            cached.enqueue(*batches[enqueued])
+            enqueued += 1
+        cached.prefetch()
+        try:
+            out = cached(*batch)
+        except CacheCapacityError as err:
+            errors.append((t, str(err)))
+            enqueued = t + 1  # the window was dropped: the failed batch is skipped
+            continue
+        cached.prefetch()
+        loss_of(out).backward()
+        outs.append(out.detach().cpu())
+    cached.flush()
+    return cached, outs, errors
+
+
+@pytest.mark.parametrize(
+    ("policy", "optimizer", "depth", "staging"),
+    [
+        ("lookahead", "sgd", 1, "worker"),
+        ("lookahead", "adam", 2, "direct"),
+        ("lru", "rowwise_adagrad", 0, "worker"),
+        ("lfu", "sgd", 0, "direct"),
+    ],
+)
+def test_graphs_train_bitwise_as_without(policy, optimizer, depth, staging):
+    sizes = [6] * 20 + [4] * 12 + [6] * 20  # two sizes: two keys each, captured and replayed
+    batches = batches_of(sizes, pooling=2, seed=1)
+    config = dict(
+        capacity=40, lookahead=4, prefetch_depth=depth, policy=policy, optimizer=optimizer,
+        learning_rate=1.0 if optimizer == "sgd" else 0.1, staging=staging,
+    )  # fmt: skip
+    plain, plain_outs, _ = train(CacheConfig(**config), batches, reset_at=40)
+    graphed, graphed_outs, _ = train(CacheConfig(**config, cuda_graphs=True), batches, reset_at=40)
+    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
+        assert torch.equal(a, b), f"step {t}"
+    for table in TABLES:
+        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    counters = ("loads", "writebacks", "evictions", "hits", "critical_misses")
+    for a, b in zip(plain.stats().values(), graphed.stats().values(), strict=True):
+        assert [getattr(a, c) for c in counters] == [getattr(b, c) for c in counters]
+        assert a.evictions > 0 and a.writebacks > 0
+    (engine,) = graphed.engines
+    graphs = engine.scheduler.graphs
+    assert graphs.captures >= 4 and graphs.replays > 40  # 2 sizes x enqueue, stage; after reset
+    assert plain.engines[0].scheduler.graphs.captures == 0
+
+
+def test_an_error_under_graphs_is_the_error_without():
+    """A batch too big for the cache, staged by a replayed graph: the same error at the same
+    step, nothing lost, and training goes on as without graphs."""
+    batches = batches_of([6] * 30, pooling=2, seed=2)
+    for values, _ in batches:
+        values.remainder_(5)  # 5 rows a table: two batches in flight fit in 16 slots
+    batches[20][0][:] = torch.arange(batches[20][0].numel()) % 12  # 12 rows a table: 24 > 16
+    config = dict(capacity=8, lookahead=3, prefetch_depth=1)
+    plain, plain_outs, plain_errors = train(CacheConfig(**config), batches)
+    graphed, graphed_outs, graphed_errors = train(CacheConfig(**config, cuda_graphs=True), batches)
+    assert [t for t, _ in plain_errors] == [20] and plain_errors == graphed_errors
+    assert "24 distinct rows but the cache holds 16" in plain_errors[0][1]
+    assert graphed.engines[0].scheduler.graphs.replays > 20
+    for a, b in zip(plain_outs, graphed_outs, strict=True):
+        assert torch.equal(a, b)
+    for table in TABLES:
+        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+
+
+def test_the_replayed_path_reads_nothing_back():
+    batches = batches_of([6] * 40, pooling=2, seed=4)
+    config = CacheConfig(capacity=40, lookahead=4, prefetch_depth=1, cuda_graphs=True)
+    cached = CachedEmbeddingBags(TABLES, config)
+    audit, enqueued = SyncAudit(), 0
+    for t, batch in enumerate(batches):
+        with audit if t >= 20 else _nothing():  # captured by then, and evicting
+            while enqueued < len(batches) and enqueued <= t + config.lookahead:
+                cached.enqueue(*batches[enqueued])
+                enqueued += 1
+            cached.prefetch()
+            loss_of(cached(*batch)).backward()
+    assert not audit.sites, audit.report()
+    assert cached.engines[0].scheduler.graphs.replays > 20
+    assert all(s.evictions > 0 for s in cached.stats().values())
+
+
+class _nothing:  # noqa: N801
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_cpu_graph_replays_what_it_recorded():
+    """As a CUDA graph: Python runs at capture only, a host value is baked in, in-place work
+    and results are redone on the same tensors, reading the inputs' new values."""
+    state, calls = torch.zeros(3), []
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        calls.append(len(calls))
+        state.add_(x)
+        return (x * 2 + len(calls),)
+
+    x = torch.ones(3)
+    graph = CPUGraph()
+    (out,) = graph.capture(fn, x)
+    assert torch.equal(out, torch.full((3,), 3.0)) and torch.equal(state, torch.ones(3))
+    x.fill_(5.0)
+    graph.replay()
+    assert calls == [0]
+    assert torch.equal(state, torch.full((3,), 6.0))
+    assert torch.equal(out, torch.full((3,), 11.0))  # 5 * 2 + the 1 baked in at capture
+
+
+def test_a_cpu_graph_refuses_a_read_back():
+    with pytest.raises(DistcacheConfigError, match="cannot replay"):
+        CPUGraph().capture(lambda x: (x * int(x.sum()),), torch.ones(2))
+
+
+def test_the_graph_cache_runs_then_captures_then_replays():
+    cache = GraphCache(torch.device("cpu"), enabled=True, limit=2)
+    total = torch.zeros(())
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        total.add_(x.sum())
+        return (x + total,)
+
+    results = [cache.run("k", fn, torch.full((2,), float(i)))[0] for i in range(4)]
+    assert (cache.captures, cache.replays) == (1, 2)
+    # As run directly (total 0, 2, 6, 12), and fresh tensors, not the graph's overwritten output.
+    assert [r.tolist() for r in results] == [[0, 0], [3, 3], [8, 8], [15, 15]]
+    for key in ("a", "b", "c"):  # one more key than the limit: the oldest graph goes
+        cache.run(key, fn, torch.ones(2))
+        cache.run(key, fn, torch.ones(2))
+    assert cache.captures == 4 and len(cache._entries) == 2
+    assert GraphCache(torch.device("cpu"), enabled=False).run("k", fn, torch.ones(2))
+
+
+def test_cuda_graphs_must_be_a_bool():
+    with pytest.raises(DistcacheConfigError, match="cuda_graphs"):
+        CacheConfig(cuda_graphs="yes")
