@@ -55,6 +55,11 @@ class CacheStats:
     """Host time spent planning and queueing batches staged ahead of their lookup."""
     wait_s: float = 0.0
     """Host time lookups spent staging or waiting for rows (the critical path)."""
+    graph_captures: int = 0
+    """With `CacheConfig.cuda_graphs`: graphs of the scheduler's work captured (one per batch
+    size and call, again after `reset`)."""
+    graph_replays: int = 0
+    """With `CacheConfig.cuda_graphs`: the scheduler's calls served by replaying one."""
 
     @property
     def hit_rate(self) -> float:
@@ -342,4 +347,6 @@ class CacheEngine:
             num_rows=self.store.num_rows,
             staging_s=self._staging_s,
             wait_s=self._wait_s,
+            graph_captures=self.scheduler.graphs.captures,
+            graph_replays=self.scheduler.graphs.replays,
         )

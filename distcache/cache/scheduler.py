@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from distcache.cache.graphs import GraphCache
 from distcache.cache.policies import EvictionPolicy
@@ -69,7 +70,7 @@ class StagePlan:
     @property
     def inverse(self) -> torch.Tensor:
         """`[n]` index in `batch.rows` of each id's row (as `unique(return_inverse=True)`)."""
-        return self.batch.inv
+        return self.batch.inv[: self.batch.num_ids]
 
 
 @dataclass
@@ -82,6 +83,16 @@ class SchedulerCounters:
     writebacks: int = 0
     evictions: int = 0
     critical_misses: int = 0
+
+
+def padded_size(n: int) -> int:
+    """`n` rounded up to one of four sizes per doubling (multiples of a quarter of the power of
+    two below it; at least 16): with `cuda_graphs`, batches whose id counts vary (jagged
+    features) share a few captured graphs, for at most a quarter more ids."""
+    if n <= 16:
+        return 16
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
 
 
 # `Scheduler._totals`: ids, critical misses, then the plans' `counts` summed (one add a plan).
@@ -101,7 +112,9 @@ class Scheduler:
         name: the table or table group, for error messages.
         graphs: replay the device work of `enqueue` and of `stage_next` (once the cache may be
             full) as graphs captured per batch size (`CacheConfig.cuda_graphs`; on CPU an
-            emulation, for tests).
+            emulation, for tests). Once batches come in more than one size, each is padded with
+            the sentinel row to `padded_size(n)` ids; plans give back `id_slots` and `inverse`
+            of its own n.
     """
 
     def __init__(
@@ -134,6 +147,8 @@ class Scheduler:
         self._staged: deque[StagePlan] = deque()
         self._batches = 0
         self.graphs = GraphCache(device, enabled=graphs)
+        self._first_size: int | None = None  # (`_graph_size`)
+        self._sizes_vary = False
         self._generation = 0  # bumped when `clear` re-binds the policy (new tensors)
         self.clear()
 
@@ -167,14 +182,27 @@ class Scheduler:
         self.check_room()
         seq = self._next_seq
         self._next_seq += 1
-        n = ids.numel()
+        num_ids = ids.numel()
+        n = self._graph_size(num_ids)
+        if n > num_ids:  # a few sizes for the graphs: the sentinel row is padding already
+            ids = F.pad(ids, (0, n - num_ids), value=self.residency.sentinel_row)
         base = self.window.reserve(n)
         at = self._device_ints(seq, base)
         key = ("enqueue", n, self._generation, self.window.generation)
         work = self.graphs.run(key, self._enqueue_device, ids, at)
-        self._unstaged.append(self.window.enter(seq, base, at, work))
+        self._unstaged.append(self.window.enter(seq, base, at, work, num_ids))
         self._batches += 1
         return seq
+
+    def _graph_size(self, num_ids: int) -> int:
+        """The id count a batch of `num_ids` is scheduled with: its own, unless graphs are on
+        and batches have come in more than one size (then `padded_size`)."""
+        if not self.graphs.enabled:
+            return num_ids
+        if self._first_size is None:
+            self._first_size = num_ids
+        self._sizes_vary = self._sizes_vary or num_ids != self._first_size
+        return padded_size(num_ids) if self._sizes_vary else num_ids
 
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
@@ -204,7 +232,7 @@ class Scheduler:
             seq=batch.seq,
             batch=batch,
             slots=slots,
-            id_slots=id_slots,
+            id_slots=id_slots[: batch.num_ids],
             load_rows=load_rows,
             load_slots=load_slots,
             writeback_rows=writeback_rows,

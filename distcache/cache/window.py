@@ -60,6 +60,7 @@ class WindowBatch:
     inv: torch.Tensor  # [n] int64 index in `rows` of each id's row
     valid: torch.Tensor  # [n] bool rows[k] is a real row (not padding, not the sentinel)
     positions: torch.Tensor  # [n] int32 base + k: where rows[k] sits in the ring
+    num_ids: int  # the batch's ids before padding (n when not padded): inv[:num_ids] are theirs
 
     @property
     def size(self) -> int:
@@ -67,8 +68,8 @@ class WindowBatch:
 
     @property
     def ids(self) -> torch.Tensor:
-        """`[n]` the batch's ids (rebuilt: for tests and tools, not the per-batch path)."""
-        return self.rows[self.inv]
+        """`[num_ids]` the batch's ids (rebuilt: for tests and tools, not the per-batch path)."""
+        return self.rows[self.inv[: self.num_ids]]
 
 
 class Window:
@@ -96,14 +97,20 @@ class Window:
         return self._alloc(n)
 
     def enter(
-        self, seq: int, base: int, at: torch.Tensor, device_work: tuple[torch.Tensor, ...]
+        self,
+        seq: int,
+        base: int,
+        at: torch.Tensor,
+        device_work: tuple[torch.Tensor, ...],
+        num_ids: int,
     ) -> WindowBatch:
         """Add batch `seq` at the positions from `base` (`reserve(n)`): `at` `[2]` int32 seq and
-        base on the device, and its `enter_device(ids, at)[:4]`."""
+        base on the device, its `enter_device(ids, at)[:4]`, and its id count before padding."""
         rows, inv, valid, positions = device_work
         batch = WindowBatch(
-            seq=seq, base=base, at=at, rows=rows, inv=inv, valid=valid, positions=positions
-        )
+            seq=seq, base=base, at=at, rows=rows, inv=inv, valid=valid, positions=positions,
+            num_ids=num_ids,
+        )  # fmt: skip
         self._live.append(batch)
         return batch
 

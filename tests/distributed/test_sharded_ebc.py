@@ -17,6 +17,19 @@ def test_sharded_cached_sgd_equals_unsharded_bitwise(kind):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["row_wise", "mixed"])
+def test_cuda_graphs_equal_unsharded_bitwise(kind):
+    """The caches' scheduling replayed as (emulated) CUDA graphs, on TorchRec's jagged
+    batches: padded to a few sizes, bitwise as the unsharded tables."""
+    results = run_ranks(
+        train_and_compare, 2, args=(kind,), kwargs={"graphs": True, "steps": 30}, timeout_s=150
+    )
+    stats = [s for rank in results for s in rank.values()]
+    assert any(s["evictions"] > 0 for s in stats)
+    assert sum(s["graph_replays"] for s in stats) > 0
+
+
+@pytest.mark.timeout(180)
 def test_rowwise_adagrad_within_tolerance():
     run_ranks(
         train_and_compare,

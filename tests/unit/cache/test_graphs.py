@@ -14,9 +14,11 @@ import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags
 from distcache.cache.graphs import CPUGraph, GraphCache
+from distcache.cache.policies import make_policy
+from distcache.cache.scheduler import Scheduler, padded_size
 from distcache.errors import CacheCapacityError, DistcacheConfigError
 from tests.device_audit import SyncAudit
-from tests.unit.cache.reference import integer_weights, loss_of, make_tables
+from tests.unit.cache.reference import integer_weights, loss_of, make_batches, make_tables
 
 TABLES = make_tables([4, 4], [300, 200], ["sum", "mean"])
 
@@ -97,6 +99,39 @@ def test_graphs_train_bitwise_as_without(policy, optimizer, depth, staging):
     graphs = engine.scheduler.graphs
     assert graphs.captures >= 4 and graphs.replays > 40  # 2 sizes x enqueue, stage; after reset
     assert plain.engines[0].scheduler.graphs.captures == 0
+
+
+def test_jagged_batches_are_padded_to_a_few_sizes_and_replayed():
+    """Batches of changing sizes (0-3 ids a bag) are padded with the sentinel row to a few
+    sizes; training is bitwise as without graphs (and without padding)."""
+    batches = make_batches(TABLES, batch_size=8, num_batches=60, max_len=3, seed=6)
+    assert len({values.numel() for values, _ in batches}) > 10
+    config = dict(capacity=40, lookahead=4, prefetch_depth=1, learning_rate=1.0)
+    plain, plain_outs, _ = train(CacheConfig(**config), batches)
+    graphed, graphed_outs, _ = train(CacheConfig(**config, cuda_graphs=True), batches)
+    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
+        assert torch.equal(a, b), f"step {t}"
+    for table in TABLES:
+        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    for a, b in zip(plain.stats().values(), graphed.stats().values(), strict=True):
+        assert (a.ids, a.unique, a.loads, a.evictions) == (b.ids, b.unique, b.loads, b.evictions)
+    assert graphed.engines[0].scheduler.graphs.replays > 40
+
+
+def test_padded_sizes_are_few_and_at_most_a_quarter_more():
+    sizes = [padded_size(n) for n in range(1, 100_000)]
+    assert all(p >= n and p <= max(16, 1.25 * n) for n, p in enumerate(sizes, start=1))
+    assert sizes == sorted(sizes)
+    assert len(set(sizes[1000:2000])) <= 5  # 1,001 .. 2,000 ids: four or five sizes
+
+
+def test_batches_of_one_size_are_not_padded():
+    scheduler = Scheduler(500, 100, make_policy("lookahead"), lookahead=3, graphs=True)
+    for _ in range(2):
+        scheduler.enqueue(torch.arange(30))
+    scheduler.enqueue(torch.arange(29))  # another size: padded from now on
+    assert [b.size for b in scheduler._unstaged] == [30, 30, padded_size(29)]
+    assert padded_size(29) == 32 and scheduler._unstaged[-1].ids.tolist() == list(range(29))
 
 
 def test_an_error_under_graphs_is_the_error_without():
