@@ -6,8 +6,8 @@ small DLRM dense part in plain torch (bottom MLP, dot interaction, top MLP), SGD
 per-row optimizer state). At --scale 1 the rows take 48 GB of host memory (page-locked on CUDA
 by `cudaHostRegister`, with no rounding up); no TorchRec is needed.
 
-Variants, one after another (each freed before the next: one full-size copy of the tables at a
-time), all from the same initial weights and batches:
+Variants, one after another in the order of `_plan` (each freed before the next: one full-size
+copy of the tables at a time), all from the same initial weights and batches:
 - distcache: `CachedEmbeddingBags` at each --capacities, look-ahead L (--lookahead batches
   enqueued ahead), rows staged K (--prefetch-depth) batches ahead, again while a batch trains;
 - distcache_direct (only if named in --variants): distcache with `staging="direct"` (the
@@ -597,13 +597,21 @@ def run_variant(name, capacity, tables, data, args, device: torch.device) -> dic
 
 
 def _plan(args) -> list[tuple[str, float | None]]:
+    """The runs in order of what the issue's targets need first, should the run be cut short
+    (results are written after each): the baseline of all rows on the device, distcache,
+    with CUDA graphs, LRU, embeddings on the CPU, then direct staging."""
     out: list[tuple[str, float | None]] = []
-    for name in ("distcache", "distcache_direct", "distcache_graphs"):
+    if "device" in args.variants:
+        out.append(("device", None))
+    for name in ("distcache", "distcache_graphs"):
         if name in args.variants:
             out += [(name, c) for c in args.capacities]
     if "lru" in args.variants:
         out += [("lru", c) for c in args.lru_capacities]
-    out += [(v, None) for v in ("device", "cpu_embeddings") if v in args.variants]
+    if "cpu_embeddings" in args.variants:
+        out.append(("cpu_embeddings", None))
+    if "distcache_direct" in args.variants:
+        out += [("distcache_direct", c) for c in args.capacities]
     return out
 
 
