@@ -16,8 +16,8 @@
    counted in steady state under a `TorchDispatchMode`, for the forward + backward variants at
    100 and 5 % and `nn.EmbeddingBag` + SGD: on CUDA each is a kernel launch on the training
    thread, so this is the host's launch work per batch. "graphs": the 5 % variant with
-   `cuda_graphs` (a replayed graph is one launch, not counted; on CPU the emulation's replayed
-   ops are counted, and its times are not what a GPU gets).
+   `cuda_graphs`, a replayed graph counted as one launch (on CPU too, where an emulation
+   dispatches its ops again; section 5's time for it there is the emulation's, not a GPU's).
 5. Host time per step: the forward + backward variants of section 4 at a size where compute is
    negligible (--host-rows x 16, --host-batch bags of one id, one torch thread), interleaved
    step by step: what the host spends dispatching a step, which on CUDA it must spend too.
@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
+from distcache.cache import graphs  # noqa: E402
 from distcache.cache.engine import CacheEngine  # noqa: E402
 from distcache.data.traces import zipf_trace  # noqa: E402
 from distcache.job.host_memory import keep_freed_memory  # noqa: E402
@@ -313,7 +314,7 @@ class _LaunchCount(TorchDispatchMode):
         self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if not func.is_view and func._schema.name not in self.SKIP:
+        if not func.is_view and func._schema.name not in self.SKIP and not graphs.replaying():
             self.ops += 1
         return func(*args, **(kwargs or {}))
 
@@ -338,20 +339,28 @@ def bench_ops(args) -> list[dict]:
     for name, variant in variants.items():
         for _ in range(args.warmup + args.lookahead):  # the window and the cache full
             variant.step()
-        evicted = _evictions(variant)
+        evicted, replays = _evictions(variant), _replays(variant)
         count = _LaunchCount()
         with count:
             for _ in range(args.steps):
                 variant.step()
+        launches = count.ops + _replays(variant) - replays  # a replayed graph: one launch
         results.append(
             {
                 "bench": "ops",
                 "variant": name,
-                "ops_per_step": count.ops / args.steps,
+                "ops_per_step": launches / args.steps,
                 "evictions_per_step": _per_step(_evictions(variant), evicted, args.steps),
             }
         )
     return results
+
+
+def _replays(variant: Baseline | Cached) -> int:
+    """Graphs the variant's caches replayed so far (`cuda_graphs`)."""
+    if not isinstance(variant, Cached):
+        return 0
+    return sum(g.engine.scheduler.graphs.replays for g in variant.bags._groups)
 
 
 def _evictions(variant: Baseline | Cached) -> int | None:

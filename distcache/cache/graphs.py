@@ -20,6 +20,7 @@ is for tests.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -27,6 +28,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distcache.errors import DistcacheConfigError
+
+_replay = threading.local()
+
+
+def replaying() -> bool:
+    """Whether this thread is inside a `CPUGraph.replay` (for tools that count launches: on
+    CUDA the replayed work is one graph launch, not dispatched ops)."""
+    return getattr(_replay, "active", False)
 
 
 class CPUGraph:
@@ -42,10 +51,14 @@ class CPUGraph:
             return fn(*inputs)
 
     def replay(self) -> None:
-        for func, args, kwargs, made in self._ops:
-            if func.is_view:  # the view made at capture still looks at the same memory
-                continue
-            _into(made, func(*args, **kwargs))
+        _replay.active = True
+        try:
+            for func, args, kwargs, made in self._ops:
+                if func.is_view:  # the view made at capture still looks at the same memory
+                    continue
+                _into(made, func(*args, **kwargs))
+        finally:
+            _replay.active = False
 
 
 class _Recording(TorchDispatchMode):
