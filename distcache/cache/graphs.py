@@ -111,19 +111,71 @@ class CUDAGraph:
         self._graph.replay()
 
 
+_ALIGN = 8  # bytes: every packed tensor starts at a multiple (int64's alignment)
+
+
+_PADDING: dict[torch.device, torch.Tensor] = {}
+
+
+def _padding(device: torch.device) -> torch.Tensor:
+    """`_ALIGN` bytes on `device`, made once (padding costs no launch of its own)."""
+    pad = _PADDING.get(device)
+    if pad is None:
+        pad = _PADDING[device] = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
+    return pad
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where tensors of given shapes and dtypes sit in one byte buffer, each aligned."""
+
+    parts: tuple[tuple[int, torch.dtype, tuple[int, ...], int], ...]  # offset, dtype, shape, bytes
+    size: int
+
+    @staticmethod
+    def of(tensors: tuple[torch.Tensor, ...]) -> _Layout:
+        parts, offset = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            parts.append((offset, t.dtype, tuple(t.shape), nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        return _Layout(tuple(parts), offset)
+
+    def pieces(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Byte views of `tensors` with the padding between them: what to concatenate."""
+        out = []
+        for t, (_, _, _, nbytes) in zip(tensors, self.parts, strict=True):
+            out.append(t.contiguous().reshape(-1).view(torch.uint8))
+            pad = -nbytes % _ALIGN
+            if pad:  # whatever bytes: nothing reads them
+                out.append(_padding(t.device)[:pad])
+        return out
+
+    def unpack(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views of `buffer` (uint8) as the tensors (no copy)."""
+        return tuple(
+            buffer[offset : offset + nbytes].view(dtype).view(shape)
+            for offset, dtype, shape, nbytes in self.parts
+        )
+
+
 @dataclass
 class _Entry:
     graph: CPUGraph | CUDAGraph
-    inputs: tuple[torch.Tensor, ...]  # owned by the graph; copied into before each replay
-    outputs: tuple[torch.Tensor, ...]  # the graph's; overwritten by every replay
+    layout_in: _Layout
+    inputs: torch.Tensor  # uint8: the inputs, packed; owned by the graph, written before replays
+    layout_out: _Layout
+    outputs: torch.Tensor  # uint8: the results, packed by the graph; overwritten by each replay
 
 
 class GraphCache:
     """Runs `fn(*inputs)` as a graph captured for its key.
 
     The first call of a key runs `fn` directly (warm-up: lazily made buffers, first-use
-    allocations); the second captures it; later ones replay. Results are fresh tensors.
-    At most `limit` keys are kept (the oldest captured is dropped first).
+    allocations); the second captures it; later ones replay. The inputs reach the graph in one
+    buffer (one concatenation a call) and its results leave in one (one copy): results are
+    fresh tensors, views of that copy. At most `limit` keys are kept (the oldest captured is
+    dropped first).
 
     Args:
         device: CUDA graphs on a CUDA device, the emulation elsewhere.
@@ -155,11 +207,10 @@ class GraphCache:
             if not entry.graph.executes_at_capture:
                 entry.graph.replay()
         else:
-            for static, value in zip(entry.inputs, inputs, strict=True):
-                static.copy_(value)
+            torch.cat(entry.layout_in.pieces(inputs), out=entry.inputs)
             entry.graph.replay()
             self.replays += 1
-        return tuple(out.clone() for out in entry.outputs)
+        return entry.layout_out.unpack(entry.outputs.clone())
 
     def clear(self) -> None:
         """Forget every graph (the tensors they captured were replaced)."""
@@ -170,8 +221,18 @@ class GraphCache:
         if len(self._entries) >= self.limit:
             self._entries.pop(next(iter(self._entries)))
         graph = CUDAGraph() if self.device.type == "cuda" else CPUGraph()
-        statics = tuple(x.clone() for x in inputs)
-        outputs = graph.capture(fn, *statics)
-        entry = self._entries[key] = _Entry(graph, statics, tuple(outputs))
+        _padding(inputs[0].device)  # made now, not in the graph's memory
+        layout_in = _Layout.of(inputs)
+        packed_in = torch.cat(layout_in.pieces(inputs))
+        layouts: list[_Layout] = []
+
+        def packed(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            outputs = tuple(fn(*layout_in.unpack(buffer)))
+            layouts.append(_Layout.of(outputs))
+            return (torch.cat(layouts[0].pieces(outputs)),)
+
+        (packed_out,) = graph.capture(packed, packed_in)
+        entry = _Entry(graph, layout_in, packed_in, layouts[0], packed_out)
+        self._entries[key] = entry
         self.captures += 1
         return entry
