@@ -16,6 +16,12 @@ dirty) stays there as counts, and plans are padded to n entries with the sentine
 work is O(n) plus, once the cache may be full, O(C + classes) to choose victims; it does not grow
 with the window's length.
 
+Each call is host bookkeeping (the window's deques, seqs, ring positions, which path to take)
+around a device function of tensors only (`_enqueue_device`, `_stage_device`), which takes the
+batch's seq and ring position from a small device tensor, so that it dispatches the same ops
+with the same host values for every batch of a size. With `graphs` those functions run as
+captured graphs (`GraphCache`, `CacheConfig.cuda_graphs`): one launch instead of a hundred-odd.
+
 Errors that only the device can detect cannot be raised here without a read-back, so they are
 recorded in the plan (`StagePlan.counts`) with a guarantee that nothing wrong is written: a
 batch whose misses do not fit gets the slots there are, its other rows read the sentinel slot,
