@@ -23,6 +23,7 @@ from torch import nn
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import ROW_DTYPES, CacheEngine, CacheStats
+from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.scheduler import StagePlan
@@ -202,6 +203,8 @@ class CachedEmbeddingBags(nn.Module):
             self._groups.append(group)
         self._anchor = torch.zeros((), requires_grad=True)
         self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
+        # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
+        self._graphs = GraphCache(self.device, enabled=config.cuda_graphs)
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups
@@ -329,6 +332,26 @@ class CachedEmbeddingBags(nn.Module):
         values = values.to(self.device, torch.int64, non_blocking=True)
         offsets = offsets.to(self.device, torch.int64, non_blocking=True)
         n = values.numel()
+        key = ("route", n, num_bags)
+        flat = iter(self._graphs.run(key, self._route_device, values, offsets))
+        parts = []
+        for group in self._groups:  # as `_route_device` lays its results out
+            ids, g_offsets, g_bag_of_id = next(flat), next(flat), next(flat)
+            divisor = next(flat) if group.has_mean else None
+            padded = len(group.features) < num_features
+            keep = (next(flat), next(flat)) if padded else (None, None)
+            parts.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep))
+        check = next(flat) if self.config.check_ids else None
+        return _Batch(parts, n, num_bags), check
+
+    def _route_device(
+        self, values: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """`_route`'s device work (a graph with `cuda_graphs`): per group its ids, offsets,
+        bag of each id, then the bags' divisors if it has mean features, then `member` and
+        `rank` if it has only some features; then the check words if ids are checked."""
+        num_features, n = len(self.feature_table_map), values.numel()
+        num_bags = offsets.numel() - 1
         batch_size = num_bags // num_features
         lengths = offsets.diff()  # [F * B]
         bag = torch.arange(num_bags, device=self.device)
@@ -337,7 +360,7 @@ class CachedEmbeddingBags(nn.Module):
         bad, check = None, None
         if self.config.check_ids:
             bad, check = find_invalid(values, feature_of_id, self._rows)
-        parts = []
+        out: list[torch.Tensor] = []
         for group in self._groups:
             ids = values + group.feature_row_offset.index_select(0, feature_of_id)
             if bad is not None:
@@ -355,15 +378,17 @@ class CachedEmbeddingBags(nn.Module):
                 local_bag = position * batch_size + bag_of_id % max(batch_size, 1)
                 ids = pack(member, rank, ids, n, group.sentinel_row)
                 g_bag_of_id = pack(member, rank, local_bag, n, g_lengths.numel())
-            divisor = None
+            out += [ids, g_offsets, g_bag_of_id]
             if group.has_mean:  # decided on the host from the table configs
                 mean = self._mean.index_select(0, group.feature_index)
                 length = g_lengths.clamp(min=1).to(torch.float32)
                 bag_mean = mean.repeat_interleave(batch_size)
-                divisor = torch.where(bag_mean, length, torch.ones_like(length))
-            keep = (member, rank) if padded else (None, None)
-            parts.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep))
-        return _Batch(parts, n, num_bags), check
+                out.append(torch.where(bag_mean, length, torch.ones_like(length)))
+            if padded:
+                out += [member, rank]
+        if check is not None:
+            out.append(check)
+        return tuple(out)
 
     def _rows_of(self, feature: int) -> int:
         return self.tables[self.feature_table_map[feature]].num_embeddings

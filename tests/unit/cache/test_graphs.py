@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distcache import CacheConfig, CachedEmbeddingBags
+from distcache import CacheConfig, CachedEmbeddingBags, CachedEmbeddings
 from distcache.cache.graphs import CPUGraph, GraphCache
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler, padded_size
-from distcache.errors import CacheCapacityError, DistcacheConfigError
+from distcache.errors import CacheCapacityError, DistcacheConfigError, InvalidIdError
 from tests.device_audit import SyncAudit
 from tests.unit.cache.reference import integer_weights, loss_of, make_batches, make_tables
 
@@ -38,12 +38,12 @@ def batches_of(batch_sizes: list[int], pooling: int, seed: int):
     return out
 
 
-def train(config: CacheConfig, batches, *, reset_at: int | None = None, device="cpu"):  # noqa: ANN001
+def train(config: CacheConfig, batches, *, reset_at=None, device="cpu", module=CachedEmbeddingBags):  # noqa: ANN001
     """Trains `batches` as the pipeline does (L ahead); a batch whose lookup raises
-    `CacheCapacityError` is skipped (the window was dropped; it is refilled); `reset_at`: the
-    caches are flushed and reset before that step. Returns the module, the outputs of every
-    step (on the host) and the errors."""
-    cached = CachedEmbeddingBags(TABLES, config, device=device)
+    `CacheCapacityError` or `InvalidIdError` is skipped (the window was dropped; it is
+    refilled); `reset_at`: the caches are flushed and reset before that step. Returns the
+    module, the outputs of every step (on the host) and the errors."""
+    cached = module(TABLES, config, device=device)
     for table, weight in zip(TABLES, integer_weights(TABLES, 0), strict=True):
         cached.load_table_weight(table.name, weight)
     outs, enqueued, errors = [], 0, []
@@ -58,7 +58,7 @@ def train(config: CacheConfig, batches, *, reset_at: int | None = None, device="
         cached.prefetch()
         try:
             out = cached(*batch)
-        except CacheCapacityError as err:
+        except (CacheCapacityError, InvalidIdError) as err:
             errors.append((t, str(err)))
             enqueued = t + 1  # the window was dropped: the failed batch is skipped
             continue
@@ -98,6 +98,7 @@ def test_graphs_train_bitwise_as_without(policy, optimizer, depth, staging):
     (engine,) = graphed.engines
     graphs = engine.scheduler.graphs
     assert graphs.captures >= 4 and graphs.replays > 40  # 2 sizes x enqueue, stage; after reset
+    assert graphed._graphs.captures == 2 and graphed._graphs.replays > 40  # the routing's
     assert plain.engines[0].scheduler.graphs.captures == 0
 
 
@@ -151,6 +152,27 @@ def test_an_error_under_graphs_is_the_error_without():
         assert torch.equal(a, b)
     for table in TABLES:
         assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+
+
+def test_sequence_rows_and_an_invalid_id_under_graphs_are_as_without():
+    """`CachedEmbeddings` (per-id rows) through replayed graphs, routing included, and a batch
+    of the same size with an invalid id in it: the same error at the same step (its check
+    words come out of the routing's graph), then the same training."""
+    batches = batches_of([6] * 40, pooling=2, seed=7)
+    batches[25][0][3] = 300  # t1 has 200 rows
+    config = dict(capacity=40, lookahead=4, prefetch_depth=1, learning_rate=1.0)
+    runs = [
+        train(CacheConfig(**config, cuda_graphs=g), batches, module=CachedEmbeddings)
+        for g in (False, True)
+    ]
+    (plain, plain_outs, plain_errors), (graphed, graphed_outs, graphed_errors) = runs
+    assert [t for t, _ in plain_errors] == [25] and plain_errors == graphed_errors
+    assert "id 300" in plain_errors[0][1]
+    for a, b in zip(plain_outs, graphed_outs, strict=True):
+        assert torch.equal(a, b)
+    for table in TABLES:
+        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    assert graphed._graphs.replays > 20 and graphed.engines[0].scheduler.graphs.replays > 20
 
 
 def test_the_replayed_path_reads_nothing_back():
