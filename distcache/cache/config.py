@@ -63,13 +63,15 @@ class CacheConfig:
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
     cuda_graphs: bool = False
-    """Replay the scheduler's device work for a batch (a hundred-odd small kernels) as a CUDA
-    graph captured for its size, so that the host launches one graph instead of every kernel.
-    The first batch of a size runs as usual, the second is captured (a device synchronization,
-    once per size), later ones replay. Once batches come in more than one size (jagged
-    features), each is padded with the sentinel row to one of four sizes per doubling (at most
-    a quarter more ids); at most 8 graphs are kept. On CPU an emulation replays the recorded
-    ops (slower: for tests). Not yet measured on a GPU, so off by default."""
+    """Replay a batch's routing and id checks and its scheduling (about 130 small kernels) as
+    CUDA graphs captured for its size, so that the host launches three graphs instead of every
+    kernel. The first batch of a size runs as usual, the second is captured (a device
+    synchronization, once per size), later ones replay; at most 8 graphs are kept per cache
+    and per module. Once batches come in more than one size (jagged features), each is padded
+    with the sentinel row to one of four sizes per doubling for its scheduling (at most a
+    quarter more ids); its routing then replays only for shapes that repeat. On CPU an
+    emulation replays the recorded ops (slower: for tests). Not yet measured on a GPU, so off
+    by default."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed

@@ -1,6 +1,6 @@
 """`GraphCache`: a function's device work captured once per key and replayed (`cuda_graphs`).
 
-On CUDA the scheduler's work for one batch is a hundred-odd small kernels, and launching them
+On CUDA a batch's routing and scheduling are a hundred-odd small kernels, and launching them
 costs the host several microseconds each: more than the device needs to run them, so the host,
 not the device, would set the pace. A CUDA graph launches them all at once. A graph replays the
 kernels it recorded with the arguments it recorded, reading new values only from memory, so the
