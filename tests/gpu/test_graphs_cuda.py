@@ -3,8 +3,8 @@ them (and as the CPU engine), and the replayed per-batch path does not synchroni
 
 The CPU tests (`tests/unit/cache/test_graphs.py`) run the same flow with an emulated graph; this
 checks what only CUDA has: the capture itself (every op capturable, nothing reading back), and
-replays that read their inputs from the graph's buffers. SGD with integer weights and lr 1: exact
-in fp32 whatever order CUDA's index_add_ sums in.
+replays that read their inputs from the graph's buffers. SGD with integer weights, lr 1 and
+sum pooling: exact in fp32 whatever order CUDA's index_add_ sums in.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags
 from tests.gpu.common import CUDA_REASON
-from tests.unit.cache.reference import loss_of
-from tests.unit.cache.test_graphs import TABLES, batches_of, train
+from tests.unit.cache.reference import loss_of, make_tables
+from tests.unit.cache.test_graphs import batches_of, train
 
 DEVICE = torch.device("cuda")
+TABLES = make_tables([4, 4], [300, 200])  # sum pooling: exact sums in any order
 pytestmark = pytest.mark.skipif(
     DEVICE.type == "cuda" and not torch.cuda.is_available(), reason=CUDA_REASON
 )
@@ -27,15 +28,16 @@ pytestmark = pytest.mark.skipif(
     ("lookahead", 1, "worker"), ("lookahead", 2, "direct"), ("lru", 0, "worker"),
 ])  # fmt: skip
 def test_cuda_graphs_train_bitwise_as_without(policy, depth, staging):
-    batches = batches_of([6] * 20 + [4] * 12 + [6] * 20, pooling=2, seed=1)
+    batches = batches_of([6] * 20 + [4] * 12 + [6] * 20, pooling=2, seed=1, tables=TABLES)
     config = dict(
         capacity=40, lookahead=4, prefetch_depth=depth, policy=policy, learning_rate=1.0,
         staging=staging,
     )  # fmt: skip
-    cpu, cpu_outs, _ = train(CacheConfig(**config), batches, reset_at=40)
-    plain, plain_outs, _ = train(CacheConfig(**config), batches, reset_at=40, device=DEVICE)
+    run = dict(reset_at=40, tables=TABLES)
+    cpu, cpu_outs, _ = train(CacheConfig(**config), batches, **run)
+    plain, plain_outs, _ = train(CacheConfig(**config), batches, device=DEVICE, **run)
     graphed, graphed_outs, _ = train(
-        CacheConfig(**config, cuda_graphs=True), batches, reset_at=40, device=DEVICE
+        CacheConfig(**config, cuda_graphs=True), batches, device=DEVICE, **run
     )
     for t, (a, b, c) in enumerate(zip(cpu_outs, plain_outs, graphed_outs, strict=True)):
         assert torch.equal(a, b) and torch.equal(b, c), f"step {t}"
@@ -54,7 +56,8 @@ def test_cuda_graphs_train_bitwise_as_without(policy, depth, staging):
 def test_replayed_path_does_not_synchronize():
     """After the captures (a synchronization each, once per batch size), enqueue, prefetch,
     forward and backward under `set_sync_debug_mode("error")`."""
-    batches = [(v.to(DEVICE), o.to(DEVICE)) for v, o in batches_of([6] * 40, 2, seed=4)]
+    batches = batches_of([6] * 40, 2, seed=4, tables=TABLES)
+    batches = [(v.to(DEVICE), o.to(DEVICE)) for v, o in batches]
     config = CacheConfig(capacity=40, lookahead=4, prefetch_depth=1, cuda_graphs=True)
     cached = CachedEmbeddingBags(TABLES, config, device=DEVICE)
     enqueued = 0
@@ -70,6 +73,5 @@ def test_replayed_path_does_not_synchronize():
             loss_of(cached(*batch)).backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    graphs = cached.engines[0].scheduler.graphs
-    assert graphs.replays > 20
+    assert cached.engines[0].scheduler.graphs.replays > 20 and cached._graphs.replays > 20
     assert all(s.evictions > 0 for s in cached.stats().values())

@@ -23,28 +23,36 @@ from tests.unit.cache.reference import integer_weights, loss_of, make_batches, m
 TABLES = make_tables([4, 4], [300, 200], ["sum", "mean"])
 
 
-def batches_of(batch_sizes: list[int], pooling: int, seed: int):
+def batches_of(batch_sizes: list[int], pooling: int, seed: int, tables=TABLES):  # noqa: ANN001
     """Batches of `pooling` power-law ids a bag (so every batch of a size has as many ids)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for b in batch_sizes:
         values = []
-        for t in TABLES:
+        for t in tables:
             u = torch.rand(b * pooling, generator=gen, dtype=torch.float64)
             rank = (t.num_embeddings**u).long() - 1  # alpha 1: hot rows repeat
             values.append((rank.clamp(0, t.num_embeddings - 1) * 7919) % t.num_embeddings)
-        offsets = torch.arange(0, len(TABLES) * b * pooling + 1, pooling)
+        offsets = torch.arange(0, len(tables) * b * pooling + 1, pooling)
         out.append((torch.cat(values), offsets))
     return out
 
 
-def train(config: CacheConfig, batches, *, reset_at=None, device="cpu", module=CachedEmbeddingBags):  # noqa: ANN001
+def train(  # noqa: ANN201
+    config: CacheConfig,
+    batches,  # noqa: ANN001
+    *,
+    reset_at: int | None = None,
+    device: str | torch.device = "cpu",
+    module: type[CachedEmbeddingBags] = CachedEmbeddingBags,
+    tables=TABLES,  # noqa: ANN001
+):
     """Trains `batches` as the pipeline does (L ahead); a batch whose lookup raises
     `CacheCapacityError` or `InvalidIdError` is skipped (the window was dropped; it is
     refilled); `reset_at`: the caches are flushed and reset before that step. Returns the
     module, the outputs of every step (on the host) and the errors."""
-    cached = module(TABLES, config, device=device)
-    for table, weight in zip(TABLES, integer_weights(TABLES, 0), strict=True):
+    cached = module(tables, config, device=device)
+    for table, weight in zip(tables, integer_weights(tables, 0), strict=True):
         cached.load_table_weight(table.name, weight)
     outs, enqueued, errors = [], 0, []
     for t, batch in enumerate(batches):
