@@ -7,9 +7,9 @@
 2. Forward + backward: steps/s of `CachedEmbeddingBags` (look-ahead window, fused SGD) at 100,
    5 and 1 % of the rows, with fp16 rows at 5 % (bytes staged per row: half), with direct
    staging at 5 % (`staging="direct"`: copies on the training thread here), and reactive LRU
-   at 5 %, next to `torch.nn.EmbeddingBag` with sparse gradients + `torch.optim.SGD` on the
-   same batches and sizes; host ms per step spent scheduling (enqueue + prefetch) and waiting
-   for rows.
+   at 5 % (on CUDA also `cuda_graphs` at 5 %), next to `torch.nn.EmbeddingBag` with sparse
+   gradients + `torch.optim.SGD` on the same batches and sizes; host ms per step spent
+   scheduling (enqueue + prefetch) and waiting for rows.
 3. Device bytes per table row of each policy, measured (engines of two sizes, same cache) and
    applied to Criteo Terabyte's 26 tables.
 4. Ops per step: the ops that launch work (not views, allocations or Python-number wrappers),
@@ -267,6 +267,8 @@ def bench_forward_backward(args) -> list[dict]:
         variants[f"distcache {cap:g}"] = Cached(args, batches, cap, "lookahead")
     variants["distcache 0.05 fp16"] = Cached(args, batches, 0.05, "lookahead", torch.float16)
     variants["distcache 0.05 direct"] = Cached(args, batches, 0.05, "lookahead", staging="direct")
+    if args.device == "cuda":  # (on CPU its time would be the graphs' emulation's)
+        variants["distcache 0.05 graphs"] = Cached(args, batches, 0.05, "lookahead", graphs=True)
     variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
     warmup = args.warmup + args.lookahead  # the first step fills the window
     times = interleave({n: v.step for n, v in variants.items()}, args.rounds, args.steps, warmup)
