@@ -66,12 +66,12 @@ class CacheConfig:
     """Replay a batch's routing and id checks and its scheduling (about 130 small kernels) as
     CUDA graphs captured for its size, so that the host launches three graphs instead of every
     kernel. The first batch of a size runs as usual, the second is captured (a device
-    synchronization, once per size), later ones replay; at most 8 graphs are kept per cache
-    and per module. Once batches come in more than one size (jagged features), each is padded
-    with the sentinel row to one of four sizes per doubling for its scheduling (at most a
-    quarter more ids); its routing then replays only for shapes that repeat. On CPU an
-    emulation replays the recorded ops (slower: for tests). Not yet measured on a GPU, so off
-    by default."""
+    synchronization, once per size), later ones replay. Once batches come in more than one
+    size (jagged features), each is padded with the sentinel row to one of four sizes per
+    doubling for its scheduling (at most a quarter more ids), and only the first shape's
+    routing is replayed. A cache keeps 16 graphs; when sizes keep changing beyond that, it
+    stops capturing (a warning says so). On CPU an emulation replays the recorded ops (slower:
+    for tests). Not yet measured on a GPU, so off by default."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed

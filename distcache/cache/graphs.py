@@ -20,6 +20,7 @@ is for tests.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distcache.errors import DistcacheConfigError
+
+_log = logging.getLogger(__name__)
 
 _replay = threading.local()
 
@@ -175,21 +178,36 @@ class GraphCache:
     allocations); the second captures it; later ones replay. The inputs reach the graph in one
     buffer (one concatenation a call) and its results leave in one (one copy): results are
     fresh tensors, views of that copy. At most `limit` keys are kept (the oldest captured is
-    dropped first).
+    dropped first). A capture costs a device synchronization, so when keys keep changing the
+    cache stops capturing (it still replays what it holds): after `limit` graphs were dropped,
+    or, with `one_key`, once a second key came (callers whose shapes are not padded to a few).
 
     Args:
         device: CUDA graphs on a CUDA device, the emulation elsewhere.
         enabled: False: every call runs `fn` directly.
+        name: for the warning when it stops capturing.
     """
 
-    def __init__(self, device: torch.device, *, enabled: bool, limit: int = 8):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        enabled: bool,
+        limit: int = 16,
+        one_key: bool = False,
+        name: str = "graphs",
+    ):
         self.device = device
         self.enabled = enabled
         self.limit = limit
+        self.one_key = one_key
+        self.name = name
         self._entries: dict[Hashable, _Entry] = {}
         self._seen: set[Hashable] = set()
+        self._capturing = True
         self.captures = 0
         self.replays = 0
+        self.dropped = 0
 
     def run(
         self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
@@ -198,10 +216,9 @@ class GraphCache:
             return fn(*inputs)
         entry = self._entries.get(key)
         if entry is None:
-            if key not in self._seen:
-                if len(self._seen) >= 64 * self.limit:  # sizes that keep changing
-                    self._seen.clear()
-                self._seen.add(key)
+            if key not in self._seen or not self._capturing:
+                if key not in self._seen:
+                    self._see(key)
                 return fn(*inputs)
             entry = self._capture(key, fn, inputs)
             if not entry.graph.executes_at_capture:
@@ -212,6 +229,22 @@ class GraphCache:
             self.replays += 1
         return entry.layout_out.unpack(entry.outputs.clone())
 
+    def _see(self, key: Hashable) -> None:
+        if self._seen and self.one_key:
+            self._stop("its batches come in more than one shape")
+        if len(self._seen) >= 64 * self.limit:  # shapes that keep changing
+            self._seen.clear()
+        self._seen.add(key)
+
+    def _stop(self, why: str) -> None:
+        if self._capturing:
+            self._capturing = False
+            _log.warning(
+                "%s: %s: CUDA graphs capture no more (%d captured, %d dropped); the calls of "
+                "other shapes run op by op",
+                self.name, why, self.captures, self.dropped,
+            )  # fmt: skip
+
     def clear(self) -> None:
         """Forget every graph (the tensors they captured were replaced)."""
         self._entries.clear()
@@ -220,6 +253,9 @@ class GraphCache:
     def _capture(self, key: Hashable, fn, inputs: tuple[torch.Tensor, ...]) -> _Entry:  # noqa: ANN001
         if len(self._entries) >= self.limit:
             self._entries.pop(next(iter(self._entries)))
+            self.dropped += 1
+            if self.dropped >= self.limit:
+                self._stop(f"more than {self.limit} batch shapes in turn")
         graph = CUDAGraph() if self.device.type == "cuda" else CPUGraph()
         _padding(inputs[0].device)  # made now, not in the graph's memory
         layout_in = _Layout.of(inputs)

@@ -152,7 +152,7 @@ class Scheduler:
         self._unstaged: deque[WindowBatch] = deque()
         self._staged: deque[StagePlan] = deque()
         self._batches = 0
-        self.graphs = GraphCache(device, enabled=graphs)
+        self.graphs = GraphCache(device, enabled=graphs, name=name)
         self._first_size: int | None = None  # (`_graph_size`)
         self._sizes_vary = False
         self._generation = 0  # bumped when `clear` re-binds the policy (new tensors)
