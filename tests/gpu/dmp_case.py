@@ -196,5 +196,6 @@ def table_weights(dmp: nn.Module) -> dict[str, torch.Tensor]:
 def total_stats(dmp: nn.Module) -> dict[str, float]:
     stats = [s.as_dict() for s in cache_stats(dmp).values()]
     return {
-        k: sum(s[k] for s in stats) for k in ("loads", "evictions", "writebacks", "critical_misses")
+        k: sum(s[k] for s in stats)
+        for k in ("loads", "evictions", "writebacks", "critical_misses", "graph_replays")
     }

@@ -63,14 +63,18 @@ def _assert_equal_runs(mine, expected, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("capacity", "policy"), [(24, "lookahead"), (24, "lru"), (1.0, "lookahead")]
-)
-def test_dmp_training_equals_uncached_embedding_bags_bitwise(capacity, policy):
+    ("capacity", "policy", "graphs"),
+    [(24, "lookahead", False), (24, "lru", False), (1.0, "lookahead", False),
+     (24, "lookahead", True)],  # CUDA graphs on TorchRec's jagged batches (padded)
+)  # fmt: skip
+def test_dmp_training_equals_uncached_embedding_bags_bitwise(capacity, policy, graphs):
     case = _case()
     state = case.integer_state()
     batches = case.batches(30, batch_size=6, seed=1)
     ref_logits, ref_weights, ref_dense = _reference_run(case, state, batches)
-    config = CacheConfig(capacity=capacity, lookahead=2, prefetch_depth=1, policy=policy)
+    config = CacheConfig(
+        capacity=capacity, lookahead=2, prefetch_depth=1, policy=policy, cuda_graphs=graphs
+    )
     dmp, dense_params = case.sharded(state, config, DEVICE)
     logits = _train_plain(dmp, dense_params, batches, DEVICE)
     _assert_equal_runs(logits, ref_logits, "DMP vs uncached")
@@ -83,6 +87,7 @@ def test_dmp_training_equals_uncached_embedding_bags_bitwise(capacity, policy):
     assert stats["loads"] > 0
     if capacity != 1.0:
         assert stats["evictions"] > 0 and stats["writebacks"] > 0, stats
+    assert (stats["graph_replays"] > 0) == graphs, stats
 
 
 def test_lookahead_pipeline_equals_plain_loop_bitwise_without_critical_misses():
