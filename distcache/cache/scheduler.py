@@ -155,7 +155,6 @@ class Scheduler:
         self.graphs = GraphCache(device, enabled=graphs, name=name)
         self._first_size: int | None = None  # (`_graph_size`)
         self._sizes_vary = False
-        self._generation = 0  # bumped when `clear` re-binds the policy (new tensors)
         self.clear()
 
     # ---------------------------------------------------------------- window
@@ -194,11 +193,17 @@ class Scheduler:
             ids = F.pad(ids, (0, n - num_ids), value=self.residency.sentinel_row)
         base = self.window.reserve(n)
         at = self._device_ints(seq, base)
-        key = ("enqueue", n, self._generation, self.window.generation)
-        work = self.graphs.run(key, self._enqueue_device, ids, at)
+        work = self._graphs().run(("enqueue", n), self._enqueue_device, ids, at)
         self._unstaged.append(self.window.enter(seq, base, at, work, num_ids))
         self._batches += 1
         return seq
+
+    def _graphs(self) -> GraphCache:
+        """The graphs, forgotten if the window's ring was replaced since they were captured."""
+        if self._graphs_window != self.window.generation:
+            self.graphs.clear()
+            self._graphs_window = self.window.generation
+        return self.graphs
 
     def _graph_size(self, num_ids: int) -> int:
         """The id count a batch of `num_ids` is scheduled with: its own, unless graphs are on
@@ -229,8 +234,7 @@ class Scheduler:
         if self._free_slots_suffice(n):  # filling: no victims to choose, not captured
             work = self._stage_device(*inputs, fill=True)
         else:
-            key = ("stage", n, self._generation, self.window.generation)
-            work = self.graphs.run(key, self._stage_device, *inputs)
+            work = self._graphs().run(("stage", n), self._stage_device, *inputs)
         slots, id_slots, load_rows, load_slots, writeback_rows, writeback_slots, counts = work
         if critical:
             self._totals.select(0, _CRITICAL).add_(counts[MISSES])
@@ -363,8 +367,8 @@ class Scheduler:
         # always [fill, capacity); `_fill_bound` bounds `fill` on the host.
         self._fill = torch.zeros((), dtype=torch.int64, device=self.device)
         self._fill_bound = 0
-        self._generation += 1
-        self.graphs.clear()
+        self.graphs.clear()  # they captured the policy's tensors, re-bound above
+        self._graphs_window = self.window.generation
 
     @property
     def counters(self) -> SchedulerCounters:

@@ -111,6 +111,23 @@ def test_graphs_train_bitwise_as_without(policy, optimizer, depth, staging):
     assert plain.engines[0].scheduler.graphs.captures == 0
 
 
+def test_graphs_are_captured_again_when_the_window_grows():
+    """Bigger batches make the window's ring grow (a new tensor, which the graphs captured):
+    they are dropped and captured again, and training stays bitwise as without graphs."""
+    batches = batches_of([6] * 20, pooling=2, seed=8) + batches_of([40] * 20, pooling=4, seed=9)
+    config = dict(capacity=0.9, lookahead=4, prefetch_depth=1, learning_rate=1.0)
+    plain, plain_outs, _ = train(CacheConfig(**config), batches)
+    graphed, graphed_outs, _ = train(CacheConfig(**config, cuda_graphs=True), batches)
+    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
+        assert torch.equal(a, b), f"step {t}"
+    for table in TABLES:
+        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    scheduler = graphed.engines[0].scheduler
+    assert scheduler.window.generation > 0  # the ring grew
+    assert scheduler.graphs.captures >= 4 and scheduler.graphs.replays > 20
+    assert all(s.evictions > 0 for s in graphed.stats().values())
+
+
 def test_jagged_batches_are_padded_to_a_few_sizes_and_replayed():
     """Batches of changing sizes (0-3 ids a bag) are padded with the sentinel row to a few
     sizes; training is bitwise as without graphs (and without padding)."""
