@@ -181,6 +181,8 @@ class GraphCache:
     dropped first). A capture costs a device synchronization, so when keys keep changing the
     cache stops capturing (it still replays what it holds): after `limit` graphs were dropped,
     or, with `one_key`, once a second key came (callers whose shapes are not padded to a few).
+    Should a CUDA capture fail (an op it cannot record), the cache warns and runs every call
+    directly from then on: a capture runs nothing, so no state was touched.
 
     Args:
         device: CUDA graphs on a CUDA device, the emulation elsewhere.
@@ -220,7 +222,18 @@ class GraphCache:
                 if key not in self._seen:
                     self._see(key)
                 return fn(*inputs)
-            entry = self._capture(key, fn, inputs)
+            try:
+                entry = self._capture(key, fn, inputs)
+            except Exception as err:  # noqa: BLE001 - any op the capture refused
+                if self._graph_type().executes_at_capture:
+                    raise  # the emulation ran part of `fn`: nothing to fall back to
+                # A CUDA capture runs nothing: `fn` has not touched any state yet.
+                self.enabled = False
+                _log.warning(
+                    "%s: CUDA graph capture failed, running op by op from now on: %s: %s",
+                    self.name, type(err).__name__, err,
+                )  # fmt: skip
+                return fn(*inputs)
             if not entry.graph.executes_at_capture:
                 entry.graph.replay()
         else:
@@ -228,6 +241,9 @@ class GraphCache:
             entry.graph.replay()
             self.replays += 1
         return entry.layout_out.unpack(entry.outputs.clone())
+
+    def _graph_type(self) -> type[CPUGraph] | type[CUDAGraph]:
+        return CUDAGraph if self.device.type == "cuda" else CPUGraph
 
     def _see(self, key: Hashable) -> None:
         if self._seen and self.one_key:
@@ -256,7 +272,7 @@ class GraphCache:
             self.dropped += 1
             if self.dropped >= self.limit:
                 self._stop(f"more than {self.limit} batch shapes in turn")
-        graph = CUDAGraph() if self.device.type == "cuda" else CPUGraph()
+        graph = self._graph_type()()
         _padding(inputs[0].device)  # made now, not in the graph's memory
         layout_in = _Layout.of(inputs)
         packed_in = torch.cat(layout_in.pieces(inputs))

@@ -295,6 +295,31 @@ def test_the_graph_cache_stops_capturing_when_keys_keep_changing(caplog):
     assert single.captures == 1 and single.replays == 2  # "a" captured, "b" never
 
 
+def test_a_failed_cuda_capture_falls_back_to_running_op_by_op(monkeypatch, caplog):
+    """A CUDA capture records without running, so when it fails nothing was done: the cache
+    warns, runs the call directly, and every later one too (faked here: no GPU)."""
+    from distcache.cache import graphs
+
+    class Refused(graphs.CPUGraph):
+        executes_at_capture = False
+
+        def capture(self, fn, *inputs):  # noqa: ANN001, ANN002, ANN201
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    cache = GraphCache(torch.device("cpu"), enabled=True, name="test")
+    monkeypatch.setattr(cache, "_graph_type", lambda: Refused)
+    total = torch.zeros(())
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        total.add_(1)
+        return (x + total,)
+
+    results = [cache.run("k", fn, torch.zeros(1))[0].item() for _ in range(4)]
+    assert results == [1.0, 2.0, 3.0, 4.0]  # each call ran once, none twice or not at all
+    assert not cache.enabled and cache.captures == 0
+    assert "capture failed" in caplog.text
+
+
 def test_cuda_graphs_must_be_a_bool():
     with pytest.raises(DistcacheConfigError, match="cuda_graphs"):
         CacheConfig(cuda_graphs="yes")
