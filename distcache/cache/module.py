@@ -13,6 +13,7 @@ module has no parameters for a dense optimizer.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from distcache.cache.engine import ROW_DTYPES, CacheEngine, CacheStats
 from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, raise_if_invalid
-from distcache.cache.scheduler import StagePlan
+from distcache.cache.scheduler import StagePlan, padded_size
 from distcache.cache.select import pack
 from distcache.errors import (
     CacheCapacityError,
@@ -100,12 +101,21 @@ class _GroupBatch:
     padded: bool  # the group has only some features: its ids were packed and padded
     member: torch.Tensor | None = None  # [n] bool, when padded: the batch's id is the group's
     rank: torch.Tensor | None = None  # [n] int32, when padded: its index among the group's ids
+    routed_pad: bool = False  # the batch was padded past its ids (`cuda_graphs`, jagged)
+
+    @property
+    def extra_bag(self) -> bool:
+        """Some ids are padding, whose bag is one past the end (a zero gradient)."""
+        return self.padded or self.routed_pad
 
     def id_weights(self, weights: torch.Tensor | None, n: int) -> torch.Tensor | None:
-        """The batch's per-id weights `[n]` in this group's id order (padding weighs 0)."""
-        if weights is None or not self.padded:
-            return weights
-        return pack(self.member, self.rank, weights, n, 0)
+        """The batch's per-id weights `[n]` (n: its ids with padding) in this group's id
+        order (padding weighs 0)."""
+        if weights is None:
+            return None
+        if weights.numel() < n:
+            weights = F.pad(weights, (0, n - weights.numel()))
+        return pack(self.member, self.rank, weights, n, 0) if self.padded else weights
 
 
 @dataclass
@@ -113,6 +123,10 @@ class _Batch:
     groups: list[_GroupBatch]
     num_ids: int
     num_bags: int
+    routed_ids: int = 0  # with padding (`cuda_graphs`, jagged batches); num_ids if none
+
+    def __post_init__(self) -> None:
+        self.routed_ids = self.routed_ids or self.num_ids
 
 
 class CachedEmbeddingBags(nn.Module):
@@ -204,9 +218,9 @@ class CachedEmbeddingBags(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
         self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
         # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
-        self._graphs = GraphCache(
-            self.device, enabled=config.cuda_graphs, one_key=True, name="routing"
-        )
+        self._graphs = GraphCache(self.device, enabled=config.cuda_graphs, name="routing")
+        self._first_shape: tuple[int, int] | None = None  # (`_routed_size`)
+        self._shapes_vary = False
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups
@@ -260,7 +274,7 @@ class CachedEmbeddingBags(nn.Module):
         for group, batch in zip(self._groups, routed.groups, strict=True):
             engine = group.engine
             plan = self._lookup(engine)
-            id_weights = batch.id_weights(weights, values.numel())
+            id_weights = batch.id_weights(weights, routed.routed_ids)
             if train:
                 pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
             else:
@@ -334,20 +348,34 @@ class CachedEmbeddingBags(nn.Module):
         values = values.to(self.device, torch.int64, non_blocking=True)
         offsets = offsets.to(self.device, torch.int64, non_blocking=True)
         n = values.numel()
-        key = ("route", n, num_bags)
-        flat = iter(self._graphs.run(key, self._route_device, values, offsets))
+        routed = self._routed_size(n, num_bags)
+        if routed > n:  # padding ids (value 0) past the last bag: routed to the sentinel row
+            values = F.pad(values, (0, routed - n))
+        fn = functools.partial(self._route_device, padded_ids=routed > n)
+        flat = iter(self._graphs.run(("route", routed, num_bags, routed > n), fn, values, offsets))
         parts = []
         for group in self._groups:  # as `_route_device` lays its results out
             ids, g_offsets, g_bag_of_id = next(flat), next(flat), next(flat)
             divisor = next(flat) if group.has_mean else None
             padded = len(group.features) < num_features
             keep = (next(flat), next(flat)) if padded else (None, None)
-            parts.append(_GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep))
+            part = _GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep, routed > n)
+            parts.append(part)
         check = next(flat) if self.config.check_ids else None
-        return _Batch(parts, n, num_bags), check
+        return _Batch(parts, n, num_bags, routed), check
+
+    def _routed_size(self, n: int, num_bags: int) -> int:
+        """The ids a batch of `n` is routed with: its own, unless graphs are on and batches
+        have come in more than one shape (then `padded_size(n)`: a few shapes to replay)."""
+        if not self._graphs.enabled:
+            return n
+        if self._first_shape is None:
+            self._first_shape = (n, num_bags)
+        self._shapes_vary = self._shapes_vary or (n, num_bags) != self._first_shape
+        return padded_size(n) if self._shapes_vary else n
 
     def _route_device(
-        self, values: torch.Tensor, offsets: torch.Tensor
+        self, values: torch.Tensor, offsets: torch.Tensor, *, padded_ids: bool = False
     ) -> tuple[torch.Tensor, ...]:
         """`_route`'s device work (a graph with `cuda_graphs`): per group its ids, offsets,
         bag of each id, then the bags' divisors if it has mean features, then `member` and
@@ -356,12 +384,20 @@ class CachedEmbeddingBags(nn.Module):
         num_bags = offsets.numel() - 1
         batch_size = num_bags // num_features
         lengths = offsets.diff()  # [F * B]
-        bag = torch.arange(num_bags, device=self.device)
-        bag_of_id = torch.repeat_interleave(bag, lengths, output_size=n)
-        feature_of_id = bag_of_id // max(batch_size, 1)
+        if not padded_ids:
+            bag = torch.arange(num_bags, device=self.device)
+            bag_of_id = torch.repeat_interleave(bag, lengths, output_size=n)
+            feature_of_id = bag_of_id // max(batch_size, 1)
+        else:  # ids past the last bag (n is offsets[-1], on the device): bag num_bags
+            at = torch.arange(n, device=self.device)
+            bag_of_id = torch.searchsorted(offsets[1:], at, right=True)
+            feature_of_id = (bag_of_id // max(batch_size, 1)).clamp_(max=num_features - 1)
         bad, check = None, None
         if self.config.check_ids:
             bad, check = find_invalid(values, feature_of_id, self._rows)
+        if padded_ids:
+            pad = bag_of_id >= num_bags
+            bad = pad if bad is None else bad | pad
         out: list[torch.Tensor] = []
         for group in self._groups:
             ids = values + group.feature_row_offset.index_select(0, feature_of_id)
@@ -372,6 +408,8 @@ class CachedEmbeddingBags(nn.Module):
                 g_lengths, g_offsets, g_bag_of_id = lengths, offsets, bag_of_id
             else:  # pack the group's ids first (features are feature-major, so bags stay whole)
                 member = group.member.index_select(0, feature_of_id)
+                if padded_ids:
+                    member = member & ~pad
                 rank = member.cumsum(0, dtype=torch.int32) - 1
                 per_feature = lengths.view(num_features, batch_size)
                 g_lengths = per_feature.index_select(0, group.feature_index).reshape(-1)
@@ -536,7 +574,7 @@ class _CachedPooledLookup(torch.autograd.Function):
         grad = grad_output
         if batch.bag_divisor is not None:
             grad = grad / batch.bag_divisor.unsqueeze(1)
-        if batch.padded:  # padding ids point at one more bag, whose gradient is zero
+        if batch.extra_bag:  # padding ids point at one more bag, whose gradient is zero
             grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
         engine.apply_gradients(plan, grad, batch.bag_of_id, ctx.id_weights)
         return None, None, None, None, None

@@ -14,6 +14,7 @@ grouping gives a kernel one dtype), so the tables share one cache.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheEngine
@@ -70,10 +71,12 @@ class CachedEmbeddings(CachedEmbeddingBags):
         (group,) = self._groups
         engine = group.engine
         plan = self._lookup(engine)
-        del routed  # one group, every feature in it: the plan's slots are in input order
+        # One group, every feature in it: the plan's slots are in input order (then padding,
+        # with `cuda_graphs` on jagged batches).
+        n = routed.num_ids
         if self.training and torch.is_grad_enabled():
-            return _CachedRowLookup.apply(self._anchor, engine, plan)
-        rows = _rows(engine.weights, plan)
+            return _CachedRowLookup.apply(self._anchor, engine, plan, n)
+        rows = _rows(engine.weights, plan)[:n]
         engine.release(plan)
         return rows
 
@@ -87,11 +90,15 @@ class _CachedRowLookup(torch.autograd.Function):
     """Per-id lookup whose backward applies the fused optimizer to the cached rows."""
 
     @staticmethod
-    def forward(ctx, anchor, engine: CacheEngine, plan: StagePlan):  # noqa: ANN001, ANN205
+    def forward(ctx, anchor, engine: CacheEngine, plan: StagePlan, n: int):  # noqa: ANN001, ANN205
         ctx.engine, ctx.plan = engine, plan
-        return _rows(engine.weights, plan)
+        return _rows(engine.weights, plan)[:n]
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
-        ctx.engine.apply_gradients(ctx.plan, grad_output.float(), None)
-        return None, None, None
+        grad = grad_output.float()
+        padding = ctx.plan.id_slots.numel() - grad.shape[0]
+        if padding:  # the padding ids' rows: a zero gradient
+            grad = F.pad(grad, (0, 0, 0, padding))
+        ctx.engine.apply_gradients(ctx.plan, grad, None)
+        return None, None, None, None

@@ -106,8 +106,7 @@ def test_graphs_train_bitwise_as_without(policy, optimizer, depth, staging):
     (engine,) = graphed.engines
     graphs = engine.scheduler.graphs
     assert graphs.captures >= 4 and graphs.replays > 40  # 2 sizes x enqueue, stage; after reset
-    # The routing's: its first shape only (its shapes are not padded: it stops at a second).
-    assert graphed._graphs.captures == 1 and graphed._graphs.replays > 30
+    assert graphed._graphs.captures == 2 and graphed._graphs.replays > 40  # the routing's
     assert plain.engines[0].scheduler.graphs.captures == 0
 
 
@@ -143,6 +142,44 @@ def test_jagged_batches_are_padded_to_a_few_sizes_and_replayed():
     for a, b in zip(plain.stats().values(), graphed.stats().values(), strict=True):
         assert (a.ids, a.unique, a.loads, a.evictions) == (b.ids, b.unique, b.loads, b.evictions)
     assert graphed.engines[0].scheduler.graphs.replays > 40
+    assert graphed._graphs.replays > 30  # the routing, padded too
+
+
+@pytest.mark.parametrize("case", ["two widths, weighted", "per-id rows"])
+def test_jagged_padded_routing_is_bitwise_as_without(case):
+    """The routing padded past a jagged batch's ids: groups that hold some features only (their
+    ids packed), per-id weights, per-id rows (`CachedEmbeddings`), against no graphs."""
+    sequence = case == "per-id rows"
+    tables = make_tables([4, 4], [300, 200]) if sequence else make_tables([4, 8], [300, 200])
+    module = CachedEmbeddings if sequence else CachedEmbeddingBags
+    batches = make_batches(tables, batch_size=8, num_batches=50, max_len=3, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    weights = [None if sequence else torch.rand(v.numel(), generator=gen) for v, _ in batches]
+    runs = []
+    for graphs in (False, True):
+        config = CacheConfig(
+            capacity=40, lookahead=3, prefetch_depth=1, learning_rate=0.5, cuda_graphs=graphs
+        )
+        cached = module(tables, config)
+        for table, weight in zip(tables, integer_weights(tables, 0), strict=True):
+            cached.load_table_weight(table.name, weight)
+        outs, enqueued = [], 0
+        for t, (values, offsets) in enumerate(batches):
+            while enqueued < len(batches) and enqueued <= t + config.lookahead:
+                cached.enqueue(*batches[enqueued])
+                enqueued += 1
+            cached.prefetch()
+            out = cached(values, offsets) if sequence else cached(values, offsets, weights[t])
+            loss_of(out).backward()
+            outs.append(out.detach())
+        runs.append((cached, outs))
+    (plain, plain_outs), (graphed, graphed_outs) = runs
+    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
+        assert torch.equal(a, b), f"step {t}"
+    for table in tables:
+        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    assert graphed._graphs.replays > 20
+    assert all(e.scheduler.graphs.replays > 20 for e in graphed.engines)
 
 
 def test_padded_sizes_are_few_and_at_most_a_quarter_more():
