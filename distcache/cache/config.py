@@ -67,11 +67,10 @@ class CacheConfig:
     CUDA graphs captured for its size, so that the host launches three graphs instead of every
     kernel. The first batch of a size runs as usual, the second is captured (a device
     synchronization, once per size), later ones replay. Once batches come in more than one
-    size (jagged features), each is padded with the sentinel row to one of four sizes per
-    doubling for its scheduling (at most a quarter more ids), and only the first shape's
-    routing is replayed. A cache keeps 16 graphs; when sizes keep changing beyond that, it
-    stops capturing (a warning says so). On CPU an emulation replays the recorded ops (slower:
-    for tests). Not yet measured on a GPU, so off by default."""
+    size (jagged features), each is padded to one of four sizes per doubling (at most a
+    quarter more ids, routed to the sentinel row). A cache keeps 16 graphs; when sizes keep
+    changing beyond that, it stops capturing (a warning says so). On CPU an emulation replays
+    the recorded ops (slower: for tests). Not yet measured on a GPU, so off by default."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed

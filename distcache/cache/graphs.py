@@ -179,8 +179,8 @@ class GraphCache:
     buffer (one concatenation a call) and its results leave in one (one copy): results are
     fresh tensors, views of that copy. At most `limit` keys are kept (the oldest captured is
     dropped first). A capture costs a device synchronization, so when keys keep changing the
-    cache stops capturing (it still replays what it holds): after `limit` graphs were dropped,
-    or, with `one_key`, once a second key came (callers whose shapes are not padded to a few).
+    cache stops capturing (it still replays what it holds) after `limit` graphs were dropped:
+    callers pad their shapes to a few (`scheduler.padded_size`).
     Should a CUDA capture fail (an op it cannot record), the cache warns and runs every call
     directly from then on: a capture runs nothing, so no state was touched.
 
@@ -196,13 +196,11 @@ class GraphCache:
         *,
         enabled: bool,
         limit: int = 16,
-        one_key: bool = False,
         name: str = "graphs",
     ):
         self.device = device
         self.enabled = enabled
         self.limit = limit
-        self.one_key = one_key
         self.name = name
         self._entries: dict[Hashable, _Entry] = {}
         self._seen: set[Hashable] = set()
@@ -246,8 +244,6 @@ class GraphCache:
         return CUDAGraph if self.device.type == "cuda" else CPUGraph
 
     def _see(self, key: Hashable) -> None:
-        if self._seen and self.one_key:
-            self._stop("its batches come in more than one shape")
         if len(self._seen) >= 64 * self.limit:  # shapes that keep changing
             self._seen.clear()
         self._seen.add(key)
