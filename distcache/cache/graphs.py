@@ -114,6 +114,16 @@ class CUDAGraph:
         self._graph.replay()
 
 
+def padded_size(n: int) -> int:
+    """`n` rounded up to one of four sizes per doubling (multiples of a quarter of the power of
+    two below it; at least 16): calls whose sizes vary (jagged features) share a few captured
+    graphs, for at most a quarter more items."""
+    if n <= 16:
+        return 16
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 _ALIGN = 8  # bytes: every packed tensor starts at a multiple (int64's alignment)
 
 
@@ -180,7 +190,7 @@ class GraphCache:
     fresh tensors, views of that copy. At most `limit` keys are kept (the oldest captured is
     dropped first). A capture costs a device synchronization, so when keys keep changing the
     cache stops capturing (it still replays what it holds) after `limit` graphs were dropped:
-    callers pad their shapes to a few (`scheduler.padded_size`).
+    callers pad their shapes to a few (`size`).
     Should a CUDA capture fail (an op it cannot record), the cache warns and runs every call
     directly from then on: a capture runs nothing, so no state was touched.
 
@@ -205,9 +215,22 @@ class GraphCache:
         self._entries: dict[Hashable, _Entry] = {}
         self._seen: set[Hashable] = set()
         self._capturing = True
+        self._first_shape: tuple[int, ...] | None = None  # (`size`)
+        self._shapes_vary = False
         self.captures = 0
         self.replays = 0
         self.dropped = 0
+
+    def size(self, n: int, *shape: int) -> int:
+        """The size to run a call of `n` items with (and the rest of its `shape`): `n` while
+        graphs are off or every call so far had one shape, then `padded_size(n)` (padding that
+        the caller makes inert), so that calls of changing sizes share a few graphs."""
+        if not self.enabled:
+            return n
+        if self._first_shape is None:
+            self._first_shape = (n, *shape)
+        self._shapes_vary = self._shapes_vary or (n, *shape) != self._first_shape
+        return padded_size(n) if self._shapes_vary else n
 
     def run(
         self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor

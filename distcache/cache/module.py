@@ -27,7 +27,7 @@ from distcache.cache.engine import ROW_DTYPES, CacheEngine, CacheStats
 from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, raise_if_invalid
-from distcache.cache.scheduler import StagePlan, padded_size
+from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
 from distcache.errors import (
     CacheCapacityError,
@@ -123,10 +123,7 @@ class _Batch:
     groups: list[_GroupBatch]
     num_ids: int
     num_bags: int
-    routed_ids: int = 0  # with padding (`cuda_graphs`, jagged batches); num_ids if none
-
-    def __post_init__(self) -> None:
-        self.routed_ids = self.routed_ids or self.num_ids
+    routed_ids: int  # with padding (`cuda_graphs`, jagged batches); num_ids if none
 
 
 class CachedEmbeddingBags(nn.Module):
@@ -219,8 +216,6 @@ class CachedEmbeddingBags(nn.Module):
         self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
         # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
         self._graphs = GraphCache(self.device, enabled=config.cuda_graphs, name="routing")
-        self._first_shape: tuple[int, int] | None = None  # (`_routed_size`)
-        self._shapes_vary = False
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups
@@ -348,31 +343,22 @@ class CachedEmbeddingBags(nn.Module):
         values = values.to(self.device, torch.int64, non_blocking=True)
         offsets = offsets.to(self.device, torch.int64, non_blocking=True)
         n = values.numel()
-        routed = self._routed_size(n, num_bags)
-        if routed > n:  # padding ids (value 0) past the last bag: routed to the sentinel row
+        routed = self._graphs.size(n, num_bags)
+        padded_ids = routed > n
+        if padded_ids:  # padding ids (value 0) past the last bag: routed to the sentinel row
             values = F.pad(values, (0, routed - n))
-        fn = functools.partial(self._route_device, padded_ids=routed > n)
-        flat = iter(self._graphs.run(("route", routed, num_bags, routed > n), fn, values, offsets))
+        fn = functools.partial(self._route_device, padded_ids=padded_ids)
+        flat = iter(self._graphs.run(("route", routed, num_bags, padded_ids), fn, values, offsets))
         parts = []
         for group in self._groups:  # as `_route_device` lays its results out
             ids, g_offsets, g_bag_of_id = next(flat), next(flat), next(flat)
             divisor = next(flat) if group.has_mean else None
             padded = len(group.features) < num_features
             keep = (next(flat), next(flat)) if padded else (None, None)
-            part = _GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep, routed > n)
+            part = _GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep, padded_ids)
             parts.append(part)
         check = next(flat) if self.config.check_ids else None
         return _Batch(parts, n, num_bags, routed), check
-
-    def _routed_size(self, n: int, num_bags: int) -> int:
-        """The ids a batch of `n` is routed with: its own, unless graphs are on and batches
-        have come in more than one shape (then `padded_size(n)`: a few shapes to replay)."""
-        if not self._graphs.enabled:
-            return n
-        if self._first_shape is None:
-            self._first_shape = (n, num_bags)
-        self._shapes_vary = self._shapes_vary or (n, num_bags) != self._first_shape
-        return padded_size(n) if self._shapes_vary else n
 
     def _route_device(
         self, values: torch.Tensor, offsets: torch.Tensor, *, padded_ids: bool = False

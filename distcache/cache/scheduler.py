@@ -91,16 +91,6 @@ class SchedulerCounters:
     critical_misses: int = 0
 
 
-def padded_size(n: int) -> int:
-    """`n` rounded up to one of four sizes per doubling (multiples of a quarter of the power of
-    two below it; at least 16): with `cuda_graphs`, batches whose id counts vary (jagged
-    features) share a few captured graphs, for at most a quarter more ids."""
-    if n <= 16:
-        return 16
-    step = 1 << (n.bit_length() - 3)
-    return -(-n // step) * step
-
-
 # `Scheduler._totals`: ids, critical misses, then the plans' `counts` summed (one add a plan).
 _IDS, _CRITICAL, _PLANS = 0, 1, 2
 
@@ -119,7 +109,7 @@ class Scheduler:
         graphs: replay the device work of `enqueue` and of `stage_next` (once the cache may be
             full) as graphs captured per batch size (`CacheConfig.cuda_graphs`; on CPU an
             emulation, for tests). Once batches come in more than one size, each is padded with
-            the sentinel row to `padded_size(n)` ids; plans give back `id_slots` and `inverse`
+            the sentinel row to `graphs.size(n)` ids; plans give back `id_slots` and `inverse`
             of its own n.
     """
 
@@ -153,8 +143,6 @@ class Scheduler:
         self._staged: deque[StagePlan] = deque()
         self._batches = 0
         self.graphs = GraphCache(device, enabled=graphs, name=name)
-        self._first_size: int | None = None  # (`_graph_size`)
-        self._sizes_vary = False
         self.clear()
 
     # ---------------------------------------------------------------- window
@@ -188,32 +176,22 @@ class Scheduler:
         seq = self._next_seq
         self._next_seq += 1
         num_ids = ids.numel()
-        n = self._graph_size(num_ids)
+        n = self.graphs.size(num_ids)
         if n > num_ids:  # a few sizes for the graphs: the sentinel row is padding already
             ids = F.pad(ids, (0, n - num_ids), value=self.residency.sentinel_row)
         base = self.window.reserve(n)
         at = self._device_ints(seq, base)
-        work = self._graphs().run(("enqueue", n), self._enqueue_device, ids, at)
+        work = self._current_graphs().run(("enqueue", n), self._enqueue_device, ids, at)
         self._unstaged.append(self.window.enter(seq, base, at, work, num_ids))
         self._batches += 1
         return seq
 
-    def _graphs(self) -> GraphCache:
+    def _current_graphs(self) -> GraphCache:
         """The graphs, forgotten if the window's ring was replaced since they were captured."""
         if self._graphs_window != self.window.generation:
             self.graphs.clear()
             self._graphs_window = self.window.generation
         return self.graphs
-
-    def _graph_size(self, num_ids: int) -> int:
-        """The id count a batch of `num_ids` is scheduled with: its own, unless graphs are on
-        and batches have come in more than one size (then `padded_size`)."""
-        if not self.graphs.enabled:
-            return num_ids
-        if self._first_size is None:
-            self._first_size = num_ids
-        self._sizes_vary = self._sizes_vary or num_ids != self._first_size
-        return padded_size(num_ids) if self._sizes_vary else num_ids
 
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
@@ -234,7 +212,7 @@ class Scheduler:
         if self._free_slots_suffice(n):  # filling: no victims to choose, not captured
             work = self._stage_device(*inputs, fill=True)
         else:
-            work = self._graphs().run(("stage", n), self._stage_device, *inputs)
+            work = self._current_graphs().run(("stage", n), self._stage_device, *inputs)
         slots, id_slots, load_rows, load_slots, writeback_rows, writeback_slots, counts = work
         if critical:
             self._totals.select(0, _CRITICAL).add_(counts[MISSES])

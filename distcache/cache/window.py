@@ -91,11 +91,6 @@ class Window:
         self._tail = 0  # end of the newest batch's positions
         self.generation = 0  # bumped when `next_use` is replaced (graphs captured it)
 
-    def reserve(self, n: int) -> int:
-        """Host-side: the base of the positions of the next batch, of `n` ids (`enter` takes
-        it, on the device, in `at`)."""
-        return self._alloc(n)
-
     def enter(
         self,
         seq: int,
@@ -180,8 +175,9 @@ class Window:
         """Positions in the ring; `next_use[ring_size]`, one past them, is the trash entry."""
         return self.next_use.numel() - 1
 
-    def _alloc(self, n: int) -> int:
-        """Host-side: the base of n free consecutive positions (batches leave in FIFO order)."""
+    def reserve(self, n: int) -> int:
+        """Host-side: the base of n free consecutive positions for the next batch (batches
+        leave in FIFO order; `enter` takes the base, on the device, in `at`)."""
         size = self.ring_size
         if not self._live:
             base = 0

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags, CachedEmbeddings
-from distcache.cache.graphs import CPUGraph, GraphCache
+from distcache.cache.graphs import CPUGraph, GraphCache, padded_size
 from distcache.cache.policies import make_policy
-from distcache.cache.scheduler import Scheduler, padded_size
+from distcache.cache.scheduler import Scheduler
 from distcache.errors import CacheCapacityError, DistcacheConfigError, InvalidIdError
 from tests.device_audit import SyncAudit
 from tests.unit.cache.reference import integer_weights, loss_of, make_batches, make_tables
@@ -46,11 +46,13 @@ def train(  # noqa: ANN201
     device: str | torch.device = "cpu",
     module: type[CachedEmbeddingBags] = CachedEmbeddingBags,
     tables=TABLES,  # noqa: ANN001
+    id_weights: list[torch.Tensor] | None = None,
 ):
     """Trains `batches` as the pipeline does (L ahead); a batch whose lookup raises
     `CacheCapacityError` or `InvalidIdError` is skipped (the window was dropped; it is
-    refilled); `reset_at`: the caches are flushed and reset before that step. Returns the
-    module, the outputs of every step (on the host) and the errors."""
+    refilled); `reset_at`: the caches are flushed and reset before that step; `id_weights`:
+    each batch's per-id weights. Returns the module, the outputs of every step (on the host)
+    and the errors."""
     cached = module(tables, config, device=device)
     for table, weight in zip(tables, integer_weights(tables, 0), strict=True):
         cached.load_table_weight(table.name, weight)
@@ -65,7 +67,7 @@ def train(  # noqa: ANN201
             enqueued += 1
         cached.prefetch()
         try:
-            out = cached(*batch)
+            out = cached(*batch) if id_weights is None else cached(*batch, id_weights[t])
         except (CacheCapacityError, InvalidIdError) as err:
             errors.append((t, str(err)))
             enqueued = t + 1  # the window was dropped: the failed batch is skipped
@@ -75,6 +77,14 @@ def train(  # noqa: ANN201
         outs.append(out.detach().cpu())
     cached.flush()
     return cached, outs, errors
+
+
+def assert_same_training(plain, plain_outs, graphed, graphed_outs, tables=TABLES) -> None:  # noqa: ANN001
+    """Bitwise: every step's output, and every table's rows after training."""
+    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
+        assert torch.equal(a, b), f"step {t}"
+    for table in tables:
+        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
 
 
 @pytest.mark.parametrize(
@@ -95,10 +105,7 @@ def test_graphs_train_bitwise_as_without(policy, optimizer, depth, staging):
     )  # fmt: skip
     plain, plain_outs, _ = train(CacheConfig(**config), batches, reset_at=40)
     graphed, graphed_outs, _ = train(CacheConfig(**config, cuda_graphs=True), batches, reset_at=40)
-    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
-        assert torch.equal(a, b), f"step {t}"
-    for table in TABLES:
-        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    assert_same_training(plain, plain_outs, graphed, graphed_outs)
     counters = ("loads", "writebacks", "evictions", "hits", "critical_misses")
     for a, b in zip(plain.stats().values(), graphed.stats().values(), strict=True):
         assert [getattr(a, c) for c in counters] == [getattr(b, c) for c in counters]
@@ -117,10 +124,7 @@ def test_graphs_are_captured_again_when_the_window_grows():
     config = dict(capacity=0.9, lookahead=4, prefetch_depth=1, learning_rate=1.0)
     plain, plain_outs, _ = train(CacheConfig(**config), batches)
     graphed, graphed_outs, _ = train(CacheConfig(**config, cuda_graphs=True), batches)
-    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
-        assert torch.equal(a, b), f"step {t}"
-    for table in TABLES:
-        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    assert_same_training(plain, plain_outs, graphed, graphed_outs)
     scheduler = graphed.engines[0].scheduler
     assert scheduler.window.generation > 0  # the ring grew
     assert scheduler.graphs.captures >= 4 and scheduler.graphs.replays > 20
@@ -135,10 +139,7 @@ def test_jagged_batches_are_padded_to_a_few_sizes_and_replayed():
     config = dict(capacity=40, lookahead=4, prefetch_depth=1, learning_rate=1.0)
     plain, plain_outs, _ = train(CacheConfig(**config), batches)
     graphed, graphed_outs, _ = train(CacheConfig(**config, cuda_graphs=True), batches)
-    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
-        assert torch.equal(a, b), f"step {t}"
-    for table in TABLES:
-        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    assert_same_training(plain, plain_outs, graphed, graphed_outs)
     for a, b in zip(plain.stats().values(), graphed.stats().values(), strict=True):
         assert (a.ids, a.unique, a.loads, a.evictions) == (b.ids, b.unique, b.loads, b.evictions)
     assert graphed.engines[0].scheduler.graphs.replays > 40
@@ -154,30 +155,12 @@ def test_jagged_padded_routing_is_bitwise_as_without(case):
     module = CachedEmbeddings if sequence else CachedEmbeddingBags
     batches = make_batches(tables, batch_size=8, num_batches=50, max_len=3, seed=10)
     gen = torch.Generator().manual_seed(11)
-    weights = [None if sequence else torch.rand(v.numel(), generator=gen) for v, _ in batches]
-    runs = []
-    for graphs in (False, True):
-        config = CacheConfig(
-            capacity=40, lookahead=3, prefetch_depth=1, learning_rate=0.5, cuda_graphs=graphs
-        )
-        cached = module(tables, config)
-        for table, weight in zip(tables, integer_weights(tables, 0), strict=True):
-            cached.load_table_weight(table.name, weight)
-        outs, enqueued = [], 0
-        for t, (values, offsets) in enumerate(batches):
-            while enqueued < len(batches) and enqueued <= t + config.lookahead:
-                cached.enqueue(*batches[enqueued])
-                enqueued += 1
-            cached.prefetch()
-            out = cached(values, offsets) if sequence else cached(values, offsets, weights[t])
-            loss_of(out).backward()
-            outs.append(out.detach())
-        runs.append((cached, outs))
-    (plain, plain_outs), (graphed, graphed_outs) = runs
-    for t, (a, b) in enumerate(zip(plain_outs, graphed_outs, strict=True)):
-        assert torch.equal(a, b), f"step {t}"
-    for table in tables:
-        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    weights = None if sequence else [torch.rand(v.numel(), generator=gen) for v, _ in batches]
+    config = dict(capacity=40, lookahead=3, prefetch_depth=1, learning_rate=0.5)
+    run = dict(module=module, tables=tables, id_weights=weights)
+    plain, plain_outs, _ = train(CacheConfig(**config), batches, **run)
+    graphed, graphed_outs, _ = train(CacheConfig(**config, cuda_graphs=True), batches, **run)
+    assert_same_training(plain, plain_outs, graphed, graphed_outs, tables)
     assert graphed._graphs.replays > 20
     assert all(e.scheduler.graphs.replays > 20 for e in graphed.engines)
 
@@ -211,10 +194,7 @@ def test_an_error_under_graphs_is_the_error_without():
     assert [t for t, _ in plain_errors] == [20] and plain_errors == graphed_errors
     assert "24 distinct rows but the cache holds 16" in plain_errors[0][1]
     assert graphed.engines[0].scheduler.graphs.replays > 20
-    for a, b in zip(plain_outs, graphed_outs, strict=True):
-        assert torch.equal(a, b)
-    for table in TABLES:
-        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    assert_same_training(plain, plain_outs, graphed, graphed_outs)
 
 
 def test_sequence_rows_and_an_invalid_id_under_graphs_are_as_without():
@@ -222,7 +202,7 @@ def test_sequence_rows_and_an_invalid_id_under_graphs_are_as_without():
     of the same size with an invalid id in it: the same error at the same step (its check
     words come out of the routing's graph), then the same training."""
     batches = batches_of([6] * 40, pooling=2, seed=7)
-    batches[25][0][3] = 300  # t1 has 200 rows
+    batches[25][0][3] = 300  # an id of t0, which has 300 rows
     config = dict(capacity=40, lookahead=4, prefetch_depth=1, learning_rate=1.0)
     runs = [
         train(CacheConfig(**config, cuda_graphs=g), batches, module=CachedEmbeddings)
@@ -231,10 +211,7 @@ def test_sequence_rows_and_an_invalid_id_under_graphs_are_as_without():
     (plain, plain_outs, plain_errors), (graphed, graphed_outs, graphed_errors) = runs
     assert [t for t, _ in plain_errors] == [25] and plain_errors == graphed_errors
     assert "id 300" in plain_errors[0][1]
-    for a, b in zip(plain_outs, graphed_outs, strict=True):
-        assert torch.equal(a, b)
-    for table in TABLES:
-        assert torch.equal(plain.table_weight(table.name), graphed.table_weight(table.name))
+    assert_same_training(plain, plain_outs, graphed, graphed_outs)
     assert graphed._graphs.replays > 20 and graphed.engines[0].scheduler.graphs.replays > 20
 
 
