@@ -359,10 +359,11 @@ def bench_ops(args) -> list[dict]:
 
 
 def _replays(variant: Baseline | Cached) -> int:
-    """Graphs the variant's caches replayed so far (`cuda_graphs`)."""
+    """Graphs the variant replayed so far (`cuda_graphs`): its routing's and its caches'."""
     if not isinstance(variant, Cached):
         return 0
-    return sum(g.engine.scheduler.graphs.replays for g in variant.bags._groups)
+    bags = variant.bags
+    return bags._graphs.replays + sum(g.engine.scheduler.graphs.replays for g in bags._groups)
 
 
 def _evictions(variant: Baseline | Cached) -> int | None:

@@ -143,7 +143,6 @@ class _Layout:
     """Where tensors of given shapes and dtypes sit in one byte buffer, each aligned."""
 
     parts: tuple[tuple[int, torch.dtype, tuple[int, ...], int], ...]  # offset, dtype, shape, bytes
-    size: int
 
     @staticmethod
     def of(tensors: tuple[torch.Tensor, ...]) -> _Layout:
@@ -152,7 +151,7 @@ class _Layout:
             nbytes = t.numel() * t.element_size()
             parts.append((offset, t.dtype, tuple(t.shape), nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        return _Layout(tuple(parts), offset)
+        return _Layout(tuple(parts))
 
     def pieces(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Byte views of `tensors` with the padding between them: what to concatenate."""
