@@ -10,10 +10,11 @@ Variants, one after another in the order of `_plan` (each freed before the next:
 copy of the tables at a time), all from the same initial weights and batches:
 - distcache: `CachedEmbeddingBags` at each --capacities, look-ahead L (--lookahead batches
   enqueued ahead), rows staged K (--prefetch-depth) batches ahead, again while a batch trains;
+  its default `cuda_graphs` (on CUDA a batch's routing and scheduling replayed as CUDA graphs);
 - distcache_direct (only if named in --variants): distcache with `staging="direct"` (the
   staging stream copies rows to and from the pinned host rows itself; no worker thread);
-- distcache_graphs (only if named in --variants): distcache with `cuda_graphs=True` (the
-  scheduler's work for a batch replayed as one CUDA graph, captured on the second batch);
+- distcache_eager (only if named in --variants): distcache with `cuda_graphs=False` (every
+  kernel of a batch's routing and scheduling launched one by one: the default before 2026-11-26);
 - lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
 - device: every row in device memory (`nn.EmbeddingBag`, sparse SGD), if it fits;
 - cpu_embeddings (CUDA only): those bags in host memory, pooled embeddings sent to the device.
@@ -77,9 +78,9 @@ TABLE_ROWS = {"terabyte": CRITEO_TERABYTE_ROWS, "kaggle": CRITEO_KAGGLE_ROWS}
 DENSE_FEATURES = 13
 BOTTOM = (512, 256)  # bottom MLP hidden widths, then the embedding dim
 TOP = (512, 256)  # top MLP hidden widths, then 1 logit
-VARIANTS = ("distcache", "lru", "device", "cpu_embeddings", "distcache_direct", "distcache_graphs")
-CACHED = ("distcache", "distcache_direct", "distcache_graphs", "lru")
-DEFAULT_VARIANTS = VARIANTS[:4]  # distcache_direct and _graphs on request (--variants)
+VARIANTS = ("distcache", "lru", "device", "cpu_embeddings", "distcache_direct", "distcache_eager")
+CACHED = ("distcache", "distcache_direct", "distcache_eager", "lru")
+DEFAULT_VARIANTS = VARIANTS[:4]  # distcache_direct and _eager on request (--variants)
 _BLOCK = 1 << 22  # floats in the random block tiled over the rows
 _GIB = 1 << 30
 _DEVICE_SLACK = 4 * _GIB  # bytes/device left for activations, maps and the allocator
@@ -332,7 +333,7 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
         policy="lookahead" if lookahead else "lru",
         learning_rate=args.lr,
         staging="direct" if name == "distcache_direct" else "worker",
-        cuda_graphs=name == "distcache_graphs",
+        cuda_graphs=False if name == "distcache_eager" else None,
     )
     bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
     dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)
@@ -603,7 +604,7 @@ def _plan(args) -> list[tuple[str, float | None]]:
     out: list[tuple[str, float | None]] = []
     if "device" in args.variants:
         out.append(("device", None))
-    for name in ("distcache", "distcache_graphs"):
+    for name in ("distcache", "distcache_eager"):
         if name in args.variants:
             out += [(name, c) for c in args.capacities]
     if "lru" in args.variants:

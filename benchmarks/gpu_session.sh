@@ -27,7 +27,7 @@
 #   quick     for a 15-minute device session: pytest tests/gpu (sync debug mode 'error',
 #             run-ahead, CUDA == CPU) <= 150 s; gpu_headline.py at a quarter of Criteo Terabyte's
 #             rows (47 M, 12 GB of host rows), batches of 4096, 2 %: distcache, direct staging,
-#             the scheduler as CUDA graphs (cuda_graphs),
+#             without CUDA graphs (distcache_eager),
 #             LRU, all rows on the device, embeddings on the CPU <= 210 s; then
 #             engine_throughput.py on the GPU with what is left: forward + backward at 100/5/1 %,
 #             ops per step, and host ms per step at negligible compute (is the host the
@@ -160,7 +160,7 @@ stage_quick() {
         b=\$?; exit \$((a | b))"
     step headline_quick 210 $PY benchmarks/gpu_headline.py --device "${QUICK_DEVICE:-cuda}" \
         --scale "${QUICK_SCALE:-4}" --batch 4096 --capacities 0.02 --lru-capacities 0.02 \
-        --variants distcache,distcache_direct,distcache_graphs,lru,device,cpu_embeddings \
+        --variants distcache,distcache_eager,distcache_direct,lru,device,cpu_embeddings \
         --max-warmup 300 \
         --warmup 5 --steps 20 --profile-steps 3 --json "$OUT/gpu_headline_quick.json"
     step engine_quick 120 $PY benchmarks/engine_throughput.py --device "${QUICK_DEVICE:-cuda}" \

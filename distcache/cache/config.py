@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from distcache.errors import DistcacheConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 POLICIES = ("lookahead", "lru", "lfu")
 STAGING = ("worker", "direct")
@@ -62,15 +66,16 @@ class CacheConfig:
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     """Replay a batch's routing and id checks and its scheduling (about 130 small kernels) as
     CUDA graphs captured for its size, so that the host launches three graphs instead of every
     kernel. The first batch of a size runs as usual, the second is captured (a device
     synchronization, once per size), later ones replay. Once batches come in more than one
     size (jagged features), each is padded to one of four sizes per doubling (at most a
     quarter more ids, routed to the sentinel row). A cache keeps 16 graphs; when sizes keep
-    changing beyond that, it stops capturing (a warning says so). On CPU an emulation replays
-    the recorded ops (slower: for tests). Not yet measured on a GPU, so off by default."""
+    changing beyond that, it stops capturing (a warning says so). None (the default): on for a
+    CUDA device, off elsewhere (on CPU an emulation replays the recorded ops, slower: for
+    tests). Measured on an H200 (README, "Results"): 1.5 x the steps a second without them."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
@@ -117,9 +122,10 @@ class CacheConfig:
             _fail("staging", self.staging, f"one of {STAGING}")
         if self.optimizer not in OPTIMIZERS:
             _fail("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
-        for name in ("check_ids", "cuda_graphs"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "True or False")
+        if not isinstance(self.check_ids, bool):
+            _fail("check_ids", self.check_ids, "True or False")
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
+            _fail("cuda_graphs", self.cuda_graphs, "True, False, or None (on for CUDA devices)")
         for name in ("learning_rate", "eps"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -134,6 +140,10 @@ class CacheConfig:
         if isinstance(self.capacity, float):
             return max(1, min(num_rows, math.ceil(self.capacity * num_rows)))
         return min(num_rows, self.capacity)
+
+    def graphs_on(self, device: torch.device) -> bool:
+        """Whether the per-batch work replays as graphs on `device` (`cuda_graphs`)."""
+        return device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
     @property
     def is_reactive(self) -> bool:

@@ -125,7 +125,7 @@ class CacheEngine:
             lookahead=config.lookahead,
             device=device,
             name=name,
-            graphs=config.cuda_graphs,
+            graphs=config.graphs_on(device),
         )
         self.stager = Stager(
             self.store, self.weights, self.state, self.streams, direct=config.staging == "direct"

@@ -96,7 +96,9 @@ def _into(made: object, new: object) -> None:
 
 
 class CUDAGraph:
-    """`torch.cuda.CUDAGraph` captured on the current stream (the scheduler's)."""
+    """`torch.cuda.CUDAGraph` captured on the current stream (the scheduler's), or on torch's
+    side stream where the current one is the default stream (CUDA captures nothing there: the
+    module's routing runs on it); replayed on the stream current at the call."""
 
     executes_at_capture = False
 
@@ -107,6 +109,8 @@ class CUDAGraph:
         # thread_local: the stager's worker may use the device meanwhile (other threads'
         # calls do not invalidate this capture).
         stream = torch.cuda.current_stream()
+        if stream == torch.cuda.default_stream(stream.device):
+            stream = None  # torch.cuda.graph's own side stream
         with torch.cuda.graph(self._graph, stream=stream, capture_error_mode="thread_local"):
             return fn(*inputs)
 

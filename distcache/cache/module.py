@@ -215,7 +215,9 @@ class CachedEmbeddingBags(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
         self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
         # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
-        self._graphs = GraphCache(self.device, enabled=config.cuda_graphs, name="routing")
+        self._graphs = GraphCache(
+            self.device, enabled=config.graphs_on(self.device), name="routing"
+        )
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups

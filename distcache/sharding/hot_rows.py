@@ -263,7 +263,10 @@ class HotRows:
         else:
             row = torch.full_like(queries, -1)  # [n] replica row, -1: cold
         hot = row >= 0
-        bag_ends = features.offsets()  # [F * B + 1]
+        # [F * B + 1]; a running sum where the features carry lengths only (KJT.offsets()
+        # would call FBGEMM's cumsum, which needs its CUDA build for CUDA tensors).
+        bag_ends = features.offsets_or_none()
+        bag_ends = _running_sum(lengths) if bag_ends is None else bag_ends
         hot_before = _running_sum(hot)  # [n + 1]
         hot_per_bag = hot_before.index_select(0, bag_ends).diff()
         every_bag = torch.arange(hot_per_bag.numel(), device=device)
@@ -576,7 +579,8 @@ _TABLE_SPAN = 1 << 40
 
 
 def _running_sum(mask: torch.Tensor) -> torch.Tensor:
-    """`[n + 1]`: how many of `mask`'s first i entries are set, for i = 0..n."""
+    """`[n + 1]`: how many of `mask`'s first i entries are set (or the sum of a count's), for
+    i = 0..n."""
     out = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
     torch.cumsum(mask, 0, out=out[1:])
     return out

@@ -38,6 +38,7 @@ from distcache.sharding.kernel import (
 )
 from distcache.sharding.lookup import CachedGroupedLookup, CachedGroupedSequenceLookup
 from distcache.sharding.plan import CACHED_KERNEL, FUSED_KERNEL, CachedParameterSharding
+from distcache.sharding.state import shards_pinned_as_they_are
 
 _SHARDING_TYPE = {
     "TwPooledEmbeddingSharding": ShardingType.TABLE_WISE,
@@ -367,7 +368,8 @@ class CachedShardedModule:
                 patched[name] = twin
         self.module_sharding_plan = patched
         try:
-            super()._initialize_torch_state(skip_registering)  # type: ignore[misc]
+            with shards_pinned_as_they_are():  # on CUDA the host rows are page-locked
+                super()._initialize_torch_state(skip_registering)  # type: ignore[misc]
         finally:
             self.module_sharding_plan = saved
 

@@ -7,7 +7,10 @@ table's kernel exists only on its owner rank), and they view the host store, so
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -103,3 +106,30 @@ def sharded_state(
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         [Shard(local, state_shard(table.local_metadata))], metadata, process_group=pg
     )
+
+
+@contextlib.contextmanager
+def shards_pinned_as_they_are() -> Iterator[None]:
+    """While TorchRec builds a sharded module's state: every ShardedTensor made from local shards
+    takes `pin_memory` from its shards, not from the metadata.
+
+    TorchRec builds each table's ShardedTensor with default tensor properties (not pinned),
+    and torch checks the local shards against them; on CUDA distcache's shards view page-locked
+    host rows, which are pinned. Only that property is taken; torch checks every other."""
+    original = ShardedTensor.__dict__["_init_from_local_shards_and_global_metadata"]
+
+    def init(cls, local_shards, sharded_tensor_metadata, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        pinned = {shard.tensor.is_pinned() for shard in local_shards}
+        properties = sharded_tensor_metadata.tensor_properties
+        if len(pinned) == 1 and properties.pin_memory not in pinned:
+            sharded_tensor_metadata = copy.copy(sharded_tensor_metadata)
+            sharded_tensor_metadata.tensor_properties = dataclasses.replace(
+                properties, pin_memory=pinned.pop()
+            )
+        return original.__func__(cls, local_shards, sharded_tensor_metadata, *args, **kwargs)
+
+    ShardedTensor._init_from_local_shards_and_global_metadata = classmethod(init)
+    try:
+        yield
+    finally:
+        ShardedTensor._init_from_local_shards_and_global_metadata = original

@@ -47,8 +47,10 @@ def train_windowed(
 
 
 def counters(cached: CachedEmbeddingBags) -> dict[str, dict[str, float]]:
-    """Each engine's counters, without the host timings (which differ run to run)."""
+    """Each engine's counters, without the host timings (which differ run to run) and the graph
+    counters (`cuda_graphs` is on by default for CUDA only)."""
+    skip = ("staging_s", "wait_s", "graph_captures", "graph_replays")
     return {
-        name: {k: v for k, v in s.as_dict().items() if k not in ("staging_s", "wait_s")}
+        name: {k: v for k, v in s.as_dict().items() if k not in skip}
         for name, s in cached.stats().items()
     }

@@ -331,6 +331,12 @@ def test_a_failed_cuda_capture_falls_back_to_running_op_by_op(monkeypatch, caplo
     assert "capture failed" in caplog.text
 
 
-def test_cuda_graphs_must_be_a_bool():
-    with pytest.raises(DistcacheConfigError, match="cuda_graphs"):
+def test_cuda_graphs_is_a_bool_or_none_which_means_on_for_cuda():
+    with pytest.raises(DistcacheConfigError, match="cuda_graphs.*True, False, or None"):
         CacheConfig(cuda_graphs="yes")
+    default = CacheConfig()
+    assert default.graphs_on(torch.device("cuda")) and not default.graphs_on(torch.device("cpu"))
+    assert CacheConfig(cuda_graphs=True).graphs_on(torch.device("cpu"))
+    assert not CacheConfig(cuda_graphs=False).graphs_on(torch.device("cuda"))
+    bags = CachedEmbeddingBags(make_tables([4], [10]), CacheConfig(capacity=4))  # on the CPU
+    assert not bags._graphs.enabled and not bags.engines[0].scheduler.graphs.enabled

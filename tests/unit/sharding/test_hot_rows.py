@@ -136,7 +136,7 @@ def sequence_step(device: torch.device | str, reduce: str = "touched") -> list[t
         key: JaggedTensor(
             values=leaves[features[key]].index_select(0, jt.values()), lengths=jt.lengths()
         )
-        for key, jt in rest.to_dict().items()
+        for key, jt in rest.to_dict(compute_offsets=False).items()  # no FBGEMM cumsum
     }
     out = hot.combine_sequence(cold, part, hot.rows(part))
     merged = torch.cat([out[key].values() for key in keys])
