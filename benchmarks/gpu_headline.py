@@ -10,9 +10,11 @@ Variants, one after another in the order of `_plan` (each freed before the next:
 copy of the tables at a time), all from the same initial weights and batches:
 - distcache: `CachedEmbeddingBags` at each --capacities, look-ahead L (--lookahead batches
   enqueued ahead), rows staged K (--prefetch-depth) batches ahead, again while a batch trains;
-  its default `cuda_graphs` (on CUDA a batch's routing and scheduling replayed as CUDA graphs);
-- distcache_direct (only if named in --variants): distcache with `staging="direct"` (the
-  staging stream copies rows to and from the pinned host rows itself; no worker thread);
+  its defaults: on CUDA `cuda_graphs` (a batch's routing and scheduling replayed as CUDA
+  graphs) and `staging="direct"` (the staging stream copies rows to and from the pinned host
+  rows itself; no worker thread);
+- distcache_worker (only if named in --variants): distcache with `staging="worker"` (a thread
+  waits for each plan and copies its rows over: the default before 2026-11-26);
 - distcache_eager (only if named in --variants): distcache with `cuda_graphs=False` (every
   kernel of a batch's routing and scheduling launched one by one: the default before 2026-11-26);
 - lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
@@ -78,9 +80,9 @@ TABLE_ROWS = {"terabyte": CRITEO_TERABYTE_ROWS, "kaggle": CRITEO_KAGGLE_ROWS}
 DENSE_FEATURES = 13
 BOTTOM = (512, 256)  # bottom MLP hidden widths, then the embedding dim
 TOP = (512, 256)  # top MLP hidden widths, then 1 logit
-VARIANTS = ("distcache", "lru", "device", "cpu_embeddings", "distcache_direct", "distcache_eager")
-CACHED = ("distcache", "distcache_direct", "distcache_eager", "lru")
-DEFAULT_VARIANTS = VARIANTS[:4]  # distcache_direct and _eager on request (--variants)
+VARIANTS = ("distcache", "lru", "device", "cpu_embeddings", "distcache_worker", "distcache_eager")
+CACHED = ("distcache", "distcache_worker", "distcache_eager", "lru")
+DEFAULT_VARIANTS = VARIANTS[:4]  # distcache_worker and _eager on request (--variants)
 _BLOCK = 1 << 22  # floats in the random block tiled over the rows
 _GIB = 1 << 30
 _DEVICE_SLACK = 4 * _GIB  # bytes/device left for activations, maps and the allocator
@@ -332,7 +334,7 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
         prefetch_depth=args.prefetch_depth if lookahead else 0,
         policy="lookahead" if lookahead else "lru",
         learning_rate=args.lr,
-        staging="direct" if name == "distcache_direct" else "worker",
+        staging="worker" if name == "distcache_worker" else None,
         cuda_graphs=False if name == "distcache_eager" else None,
     )
     bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
@@ -600,7 +602,7 @@ def run_variant(name, capacity, tables, data, args, device: torch.device) -> dic
 def _plan(args) -> list[tuple[str, float | None]]:
     """The runs in order of what the issue's targets need first, should the run be cut short
     (results are written after each): the baseline of all rows on the device, distcache,
-    with CUDA graphs, LRU, embeddings on the CPU, then direct staging."""
+    without CUDA graphs, LRU, embeddings on the CPU, then the worker thread's staging."""
     out: list[tuple[str, float | None]] = []
     if "device" in args.variants:
         out.append(("device", None))
@@ -611,8 +613,8 @@ def _plan(args) -> list[tuple[str, float | None]]:
         out += [("lru", c) for c in args.lru_capacities]
     if "cpu_embeddings" in args.variants:
         out.append(("cpu_embeddings", None))
-    if "distcache_direct" in args.variants:
-        out += [("distcache_direct", c) for c in args.capacities]
+    if "distcache_worker" in args.variants:
+        out += [("distcache_worker", c) for c in args.capacities]
     return out
 
 

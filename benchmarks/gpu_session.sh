@@ -25,10 +25,12 @@
 #
 # Stages:
 #   quick     for a 15-minute device session: pytest tests/gpu (sync debug mode 'error',
-#             run-ahead, CUDA == CPU) <= 150 s; gpu_headline.py at a quarter of Criteo Terabyte's
-#             rows (47 M, 12 GB of host rows), batches of 4096, 2 %: distcache, direct staging,
-#             without CUDA graphs (distcache_eager),
-#             LRU, all rows on the device, embeddings on the CPU <= 210 s; then
+#             run-ahead, CUDA == CPU) <= 150 s; gpu_headline.py at Criteo Terabyte's size
+#             (188 M rows, 48 GB of host rows), batches of 4096, 2 %, the caches full (about
+#             530 steps) before 200 timed steps: distcache (its CUDA defaults: graphs, direct
+#             staging), all rows on the device, LRU, embeddings on the CPU, the worker thread's
+#             staging (distcache_worker), without CUDA graphs (distcache_eager) <= 210 s
+#             (about 100 s on an H200); then
 #             engine_throughput.py on the GPU with what is left: forward + backward at 100/5/1 %,
 #             ops per step, and host ms per step at negligible compute (is the host the
 #             bottleneck: each op a kernel launch?)                                      ~7 min
@@ -39,9 +41,9 @@
 #   kaggle    throughput.py --device cuda (TorchRec DMP; see its notes below), and the same
 #             comparison without TorchRec: gpu_headline.py --tables kaggle at 100/5/2/1 % + lru
 #             at 5/2 % + device + cpu_embeddings                                        ~6 min
-#   direct    the two staging designs (issue 11) at Criteo Terabyte size, 2 %: the worker
-#             thread (distcache) and the staging stream addressing pinned host rows
-#             (distcache_direct, staging="direct"); then the same at Kaggle size, dim 16 ~7 min
+#   direct    the two staging designs (issue 11) at Criteo Terabyte size, 2 %: the staging
+#             stream addressing pinned host rows (distcache, the CUDA default) and the worker
+#             thread (distcache_worker); then the same at Kaggle size, dim 16            ~7 min
 #   engine    engine_throughput.py --device cuda: one 5M x 64 table, forward + backward at
 #             100/5/1 % (fp16, direct staging, LRU) against nn.EmbeddingBag on the GPU
 #             (issue 11's 5 % against 100 % target), ops and host ms per step, the
@@ -134,10 +136,10 @@ stage_kaggle() {
 stage_direct() {
     environment
     step direct_terabyte 330 $PY benchmarks/gpu_headline.py --device cuda \
-        --variants distcache,distcache_direct --capacities 0.02 \
+        --variants distcache,distcache_worker --capacities 0.02 --max-warmup 2000 \
         --json "$OUT/gpu_headline_terabyte_direct.json"
     step direct_kaggle 200 $PY benchmarks/gpu_headline.py --device cuda --tables kaggle \
-        --dim 16 --variants distcache,distcache_direct --capacities 0.05,0.02 --max-warmup 400 \
+        --dim 16 --variants distcache,distcache_worker --capacities 0.05,0.02 --max-warmup 400 \
         --json "$OUT/gpu_headline_kaggle_direct.json"
 }
 
@@ -159,10 +161,10 @@ stage_quick() {
         $PY -m pytest tests/gpu ${first//tests/--ignore=tests} -v -p no:cacheprovider -rs; \
         b=\$?; exit \$((a | b))"
     step headline_quick 210 $PY benchmarks/gpu_headline.py --device "${QUICK_DEVICE:-cuda}" \
-        --scale "${QUICK_SCALE:-4}" --batch 4096 --capacities 0.02 --lru-capacities 0.02 \
-        --variants distcache,distcache_eager,distcache_direct,lru,device,cpu_embeddings \
-        --max-warmup 300 \
-        --warmup 5 --steps 20 --profile-steps 3 --json "$OUT/gpu_headline_quick.json"
+        --scale "${QUICK_SCALE:-1}" --batch 4096 --capacities 0.02 --lru-capacities 0.02 \
+        --variants distcache,lru,device,cpu_embeddings,distcache_worker,distcache_eager \
+        --max-warmup 2000 --warmup 20 --steps 200 --profile-steps 2 \
+        --json "$OUT/gpu_headline_quick.json"
     step engine_quick 120 $PY benchmarks/engine_throughput.py --device "${QUICK_DEVICE:-cuda}" \
         --skip scheduler,bytes --rounds 3 --json "$OUT/engine_throughput_quick.json" \
         ${QUICK_ENGINE_ARGS:-}

@@ -127,9 +127,8 @@ class CacheEngine:
             name=name,
             graphs=config.graphs_on(device),
         )
-        self.stager = Stager(
-            self.store, self.weights, self.state, self.streams, direct=config.staging == "direct"
-        )
+        direct = config.staging_on(device) == "direct"
+        self.stager = Stager(self.store, self.weights, self.state, self.streams, direct=direct)
         self._checks: dict[int, torch.Tensor] = {}  # seq -> caller's check words, until staged
         self._ahead: deque[StagePlan] = deque()  # staged, not yet looked up
         self._active: deque[StagePlan] = deque()  # looked up, not yet released

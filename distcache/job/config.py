@@ -408,12 +408,14 @@ def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobCo
 
 
 def dump_toml(config: JobConfig) -> str:
-    """The resolved config as TOML (every key, defaults included)."""
+    """The resolved config as TOML (every key, defaults included; a None, which TOML cannot
+    write, by leaving its key out: the default, chosen per device, e.g. `cache.staging`)."""
     lines = []
     for section in _SECTIONS:
         lines.append(f"[{section}]")
         for key, value in dataclasses.asdict(getattr(config, section)).items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 

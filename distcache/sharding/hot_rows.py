@@ -263,9 +263,7 @@ class HotRows:
         else:
             row = torch.full_like(queries, -1)  # [n] replica row, -1: cold
         hot = row >= 0
-        # [F * B + 1]; a running sum where the features carry lengths only (KJT.offsets()
-        # would call FBGEMM's cumsum, which needs its CUDA build for CUDA tensors).
-        bag_ends = features.offsets_or_none()
+        bag_ends = features.offsets_or_none()  # [F * B + 1]; else no FBGEMM cumsum (CUDA build)
         bag_ends = _running_sum(lengths) if bag_ends is None else bag_ends
         hot_before = _running_sum(hot)  # [n + 1]
         hot_per_bag = hot_before.index_select(0, bag_ends).diff()

@@ -17,13 +17,13 @@ def test_sharded_cached_sgd_equals_unsharded_bitwise(kind):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["row_wise", "mixed"])
-def test_cuda_graphs_equal_unsharded_bitwise(kind):
+@pytest.mark.parametrize(("kind", "staging"), [("row_wise", "worker"), ("mixed", "direct")])
+def test_cuda_graphs_equal_unsharded_bitwise(kind, staging):
     """The caches' scheduling replayed as (emulated) CUDA graphs, on TorchRec's jagged
-    batches: padded to a few sizes, bitwise as the unsharded tables."""
-    results = run_ranks(
-        train_and_compare, 2, args=(kind,), kwargs={"graphs": True, "steps": 30}, timeout_s=150
-    )
+    batches: padded to a few sizes, bitwise as the unsharded tables; with direct staging too
+    (graphs and direct staging: what CUDA runs by default)."""
+    kwargs = {"graphs": True, "steps": 30, "staging": staging}
+    results = run_ranks(train_and_compare, 2, args=(kind,), kwargs=kwargs, timeout_s=150)
     stats = [s for rank in results for s in rank.values()]
     assert any(s["evictions"] > 0 for s in stats)
     assert sum(s["graph_replays"] for s in stats) > 0

@@ -63,18 +63,19 @@ def _assert_equal_runs(mine, expected, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("capacity", "policy", "graphs"),
-    [(24, "lookahead", False), (24, "lru", False), (1.0, "lookahead", False),
-     (24, "lookahead", True)],  # CUDA graphs on TorchRec's jagged batches (padded)
+    ("capacity", "policy", "graphs", "staging"),
+    [(24, "lookahead", None, None), (24, "lru", None, None), (1.0, "lookahead", None, None),
+     (24, "lookahead", False, "worker")],  # None: the defaults (on CUDA graphs, direct staging)
 )  # fmt: skip
-def test_dmp_training_equals_uncached_embedding_bags_bitwise(capacity, policy, graphs):
+def test_dmp_training_equals_uncached_embedding_bags_bitwise(capacity, policy, graphs, staging):
     case = _case()
     state = case.integer_state()
     batches = case.batches(30, batch_size=6, seed=1)
     ref_logits, ref_weights, ref_dense = _reference_run(case, state, batches)
     config = CacheConfig(
-        capacity=capacity, lookahead=2, prefetch_depth=1, policy=policy, cuda_graphs=graphs
-    )
+        capacity=capacity, lookahead=2, prefetch_depth=1, policy=policy, cuda_graphs=graphs,
+        staging=staging,
+    )  # fmt: skip
     dmp, dense_params = case.sharded(state, config, DEVICE)
     logits = _train_plain(dmp, dense_params, batches, DEVICE)
     _assert_equal_runs(logits, ref_logits, "DMP vs uncached")
@@ -87,7 +88,7 @@ def test_dmp_training_equals_uncached_embedding_bags_bitwise(capacity, policy, g
     assert stats["loads"] > 0
     if capacity != 1.0:
         assert stats["evictions"] > 0 and stats["writebacks"] > 0, stats
-    assert (stats["graph_replays"] > 0) == graphs, stats
+    assert (stats["graph_replays"] > 0) == config.graphs_on(DEVICE), stats
 
 
 def test_lookahead_pipeline_equals_plain_loop_bitwise_without_critical_misses():
