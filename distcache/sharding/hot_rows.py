@@ -577,8 +577,7 @@ _TABLE_SPAN = 1 << 40
 
 
 def _running_sum(mask: torch.Tensor) -> torch.Tensor:
-    """`[n + 1]`: how many of `mask`'s first i entries are set (or the sum of a count's), for
-    i = 0..n."""
+    """`[n + 1]`: the sum of the first i entries of `mask` (or of counts), for i = 0..n."""
     out = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
     torch.cumsum(mask, 0, out=out[1:])
     return out

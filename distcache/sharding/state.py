@@ -115,7 +115,9 @@ def shards_pinned_as_they_are() -> Iterator[None]:
 
     TorchRec builds each table's ShardedTensor with default tensor properties (not pinned),
     and torch checks the local shards against them; on CUDA distcache's shards view page-locked
-    host rows, which are pinned. Only that property is taken; torch checks every other."""
+    host rows, which are pinned. Only that property is taken; torch checks every other.
+    TorchRec has no per-table hook there, so torch's classmethod is swapped for the call (the
+    module's construction, on one thread) and put back after it, whatever happens."""
     original = ShardedTensor.__dict__["_init_from_local_shards_and_global_metadata"]
 
     def init(cls, local_shards, sharded_tensor_metadata, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
