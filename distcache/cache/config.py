@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,11 +62,11 @@ class CacheConfig:
     copies them over) or 'direct' (the staging stream copies rows between the cache and the
     page-locked host rows, which it addresses directly, each copy bounded by a count on the
     device: no thread waits; `distcache.cache.transfer`). None (the default): 'direct' on a
-    CUDA device, 'worker' elsewhere. On an H200 with Criteo Terabyte's 48 GB of rows at 2 %,
-    training waited on staging 0.5 % of the step with 'direct' and 11-12 % with 'worker'
-    (README, "Results on a GPU"). On CPU both run on the training thread ('worker' copies the
-    rows that move, 'direct' every padded entry): there is no device to wait for, and a second
-    thread would compete for the cores of its OpenMP team."""
+    CUDA device with Triton installed, 'worker' elsewhere. On an H200 with Criteo Terabyte's
+    48 GB of rows at 2 %, training waited on staging 0.5 % of the step with 'direct' and 11-12 %
+    with 'worker' (README, "Results on a GPU"). On CPU both run on the training thread
+    ('worker' copies the rows that move, 'direct' every padded entry): there is no device to
+    wait for, and a second thread would compete for the cores of its OpenMP team."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
@@ -146,9 +147,11 @@ class CacheConfig:
         return min(num_rows, self.capacity)
 
     def staging_on(self, device: torch.device) -> str:
-        """The staging design used on `device` (`staging`)."""
+        """The staging design used on `device` (`staging`): by default 'direct' on CUDA where
+        Triton is installed (without it, direct staging copies every padded entry across the
+        host link), else 'worker'."""
         if self.staging is None:
-            return "direct" if device.type == "cuda" else "worker"
+            return "direct" if device.type == "cuda" and triton_installed() else "worker"
         return self.staging
 
     def graphs_on(self, device: torch.device) -> bool:
@@ -159,6 +162,11 @@ class CacheConfig:
     def is_reactive(self) -> bool:
         """True for policies that use no knowledge of future batches."""
         return self.policy != "lookahead"
+
+
+def triton_installed() -> bool:
+    """Whether Triton can be imported (direct staging's CUDA kernel needs it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _short(value: object) -> object:

@@ -331,6 +331,21 @@ def test_a_failed_cuda_capture_falls_back_to_running_op_by_op(monkeypatch, caplo
     assert "capture failed" in caplog.text
 
 
+def test_staging_defaults_to_direct_on_cuda_with_triton(monkeypatch):
+    from distcache.cache import config as config_module
+
+    default, cuda, cpu = CacheConfig(), torch.device("cuda"), torch.device("cpu")
+    assert default.staging_on(cpu) == "worker"
+    monkeypatch.setattr(config_module, "triton_installed", lambda: True)
+    assert default.staging_on(cuda) == "direct"
+    assert CacheConfig(staging="worker").staging_on(cuda) == "worker"
+    assert CacheConfig(staging="direct").staging_on(cpu) == "direct"
+    monkeypatch.setattr(config_module, "triton_installed", lambda: False)
+    assert default.staging_on(cuda) == "worker"  # no kernel to skip the padding
+    with pytest.raises(DistcacheConfigError, match="staging.*or None"):
+        CacheConfig(staging="thread")
+
+
 def test_cuda_graphs_is_a_bool_or_none_which_means_on_for_cuda():
     with pytest.raises(DistcacheConfigError, match="cuda_graphs.*True, False, or None"):
         CacheConfig(cuda_graphs="yes")

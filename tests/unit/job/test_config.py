@@ -37,6 +37,21 @@ def test_hot_rows_round_trip_as_a_list_and_a_job_refuses_them():
         check_inputs(config)
 
 
+def test_device_chosen_defaults_round_trip_left_out_or_set():
+    """`staging` and `cuda_graphs` default to None (chosen per device), which TOML cannot
+    write: the resolved file leaves them out, and a value set round-trips."""
+    default = load_job_config(None, [])
+    assert default.cache.staging is None and default.cache.cuda_graphs is None
+    text = dump_toml(default)
+    assert "staging" not in text and "cuda_graphs" not in text
+    assert build_job_config(tomllib.loads(text)) == default
+    chosen = load_job_config(None, ["--cache.staging=worker", "--cache.cuda_graphs=false"])
+    assert (chosen.cache.staging, chosen.cache.cuda_graphs) == ("worker", False)
+    assert build_job_config(tomllib.loads(dump_toml(chosen))) == chosen
+    with pytest.raises(DistcacheConfigError, match="cuda_graphs"):
+        load_job_config(None, ["--cache.cuda_graphs=1"])
+
+
 def test_ints_are_accepted_as_floats():
     assert load_job_config(None, ["--cache.capacity=1"]).cache.capacity == 1.0
 
