@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -44,6 +45,22 @@ def commit() -> str:
     return head + ("+dirty" if changed else "")
 
 
+SOURCES = ("distcache/**/*.py", "benchmarks/*.py")
+
+
+def source_digest(root: Path | None = None) -> str:
+    """SHA-256 (16 hex digits) of the code a result measured: every file of `SOURCES`, by path
+    and content. It names the code where the commit cannot (a copy whose git metadata is stale
+    or absent, as on the GPU machine); `python benchmarks/_common.py` prints it for a checkout."""
+    root = root or Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    files = sorted({f for pattern in SOURCES for f in root.glob(pattern) if f.is_file()})
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -61,6 +78,7 @@ def write_json(path: str | None, config: dict, results: list[dict]) -> None:
     payload = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": commit(),
+        "source_sha256": source_digest(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
         "config": config,
@@ -86,3 +104,7 @@ def _fmt(value: object) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return "" if value is None else str(value)
+
+
+if __name__ == "__main__":
+    print(source_digest())

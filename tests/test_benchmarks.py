@@ -68,6 +68,7 @@ def test_engine_throughput_smoke(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     payload = json.loads(out.read_text())
     assert payload["commit"] and "processor" in payload["machine"]
+    assert len(payload["source_sha256"]) == 16
     rows = {(r["bench"], r["variant"]): r for r in payload["results"]}
     for la in (8, 64, 256):
         assert rows["scheduler", f"lookahead L={la}"]["ids_per_s"] > 0
@@ -140,3 +141,25 @@ def test_hot_rows_smoke(tmp_path, kind):
     assert rows[0]["a2a_kb"] == pytest.approx(rows[0]["modelled_a2a_kb"], rel=0.1)
     assert rows[0]["a2a_kb"] < rows[1]["a2a_kb"]
     assert set(summary["summary"]) == {"hot_over_none", "distcache_over_torchrec"}
+
+
+def test_source_digest_names_the_code_not_the_results(tmp_path):
+    """`source_sha256` of a result: the same for the same code, whatever else changed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _common import source_digest
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    (tmp_path / "distcache" / "cache").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    code = tmp_path / "distcache" / "cache" / "engine.py"
+    code.write_text("x = 1\n")
+    first = source_digest(tmp_path)
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}")
+    (tmp_path / "README.md").write_text("results")
+    assert source_digest(tmp_path) == first
+    code.write_text("x = 2\n")
+    assert source_digest(tmp_path) != first
+    code.write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "new.py").write_text("")
+    assert source_digest(tmp_path) != first
