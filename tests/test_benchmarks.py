@@ -163,3 +163,33 @@ def test_source_digest_names_the_code_not_the_results(tmp_path):
     code.write_text("x = 1\n")
     (tmp_path / "benchmarks" / "new.py").write_text("")
     assert source_digest(tmp_path) != first
+
+
+@pytest.mark.timeout(240)
+def test_gpu_headline_on_cpu_and_the_planner_against_it(tmp_path):
+    """gpu_headline.py's variants at a tiny scale on CPU (the quick GPU stage's command), then
+    planner_vs_gpu.py on its results: each measured variant priced, loads modelled both ways."""
+    headline, compared = tmp_path / "headline.json", tmp_path / "planner.json"
+    argv = [
+        "--device", "cpu", "--scale", "4000", "--batch", "64", "--steps", "3", "--warmup", "1",
+        "--max-warmup", "40", "--capacities", "0.05", "--lru-capacities", "0.05",
+        "--variants", "device,distcache,distcache_worker,distcache_eager,lru",
+        "--profile-steps", "0", "--json", str(headline),
+    ]  # fmt: skip
+    for script, args in (("gpu_headline.py", argv), ("planner_vs_gpu.py", [str(headline)])):
+        if script == "planner_vs_gpu.py":
+            args = [*args, "--json", str(compared)]
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / script), *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=200,
+        )  # fmt: skip
+        assert run.returncode == 0, script + run.stdout[-2000:] + run.stderr[-4000:]
+    measured = {r["variant"] for r in json.loads(headline.read_text())["results"]}
+    assert measured == {"device", "distcache", "distcache_worker", "distcache_eager", "lru"}
+    rows = {r["variant"]: r for r in json.loads(compared.read_text())["results"]}
+    assert rows.keys() == measured
+    for name in ("distcache", "distcache_worker", "distcache_eager"):
+        row = rows[name]
+        assert row["measured_loads"] >= 0 and row["loads_shared_cache"] >= 0
+        assert row["loads_per_table_caches"] >= row["loads_shared_cache"]  # sharing never loses
+    assert rows["device"]["modelled_x_device"] == 1.0
