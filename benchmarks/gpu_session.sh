@@ -33,7 +33,8 @@
 #             (about 100 s on an H200); then
 #             engine_throughput.py on the GPU with what is left: forward + backward at 100/5/1 %,
 #             ops per step, and host ms per step at negligible compute (is the host the
-#             bottleneck: each op a kernel launch?)                                      ~7 min
+#             bottleneck: each op a kernel launch?); `distcache calibrate` of the GPU
+#             (--quick) for benchmarks/planner_vs_gpu.py                                 ~7 min
 #   tests     pytest tests/gpu (TorchRec ones need .whl), host-sync report, a small CUDA run of
 #             gpu_headline.py (checks the script before the big run)                  ~4 min
 #   headline  gpu_headline.py at Criteo Terabyte size (48 GB of rows in host memory): distcache
@@ -168,6 +169,10 @@ stage_quick() {
     step engine_quick 120 $PY benchmarks/engine_throughput.py --device "${QUICK_DEVICE:-cuda}" \
         --skip scheduler,bytes --rounds 3 --json "$OUT/engine_throughput_quick.json" \
         ${QUICK_ENGINE_ARGS:-}
+    # The GPU as the planner's topology: then, on the development machine,
+    # benchmarks/planner_vs_gpu.py HEADLINE_JSON --topology calibrated_gpu.json.
+    step calibrate_quick 90 $PY -m distcache calibrate --device "${QUICK_DEVICE:-cuda}" \
+        --ranks 1 --quick --timeout 80 --out "$OUT/calibrated_gpu.json"
 }
 
 case "${1:-}" in

@@ -198,6 +198,8 @@ def _compute(device: str, s: CalibrationSizes) -> dict[str, float | None]:
         }
     except ImportError:  # no fbgemm_gpu here (e.g. a GPU machine without TorchRec's wheels)
         pass
+    except NotImplementedError:  # fbgemm_gpu's CPU build: no CUDA kernel for the fused lookup
+        pass
     flops = measure_dense_flops(
         batch=s.mlp_batch, widths=s.mlp_widths, repeats=repeats, device=device
     )
