@@ -7,7 +7,8 @@
 2. Forward + backward: steps/s of `CachedEmbeddingBags` (look-ahead window, fused SGD) at 100,
    5 and 1 % of the rows, with fp16 rows at 5 % (bytes staged per row: half), with direct
    staging at 5 % (`staging="direct"`: copies on the training thread here), and reactive LRU
-   at 5 % (on CUDA also `cuda_graphs` at 5 %), next to `torch.nn.EmbeddingBag` with sparse
+   at 5 % (on CUDA also `cuda_graphs` at 5 %, with the worker thread and with direct staging:
+   the CUDA defaults), next to `torch.nn.EmbeddingBag` with sparse
    gradients + `torch.optim.SGD` on the same batches and sizes; host ms per step spent
    scheduling (enqueue + prefetch) and waiting for rows.
 3. Device bytes per table row of each policy, measured (engines of two sizes, same cache) and
@@ -16,7 +17,8 @@
    counted in steady state under a `TorchDispatchMode`, for the forward + backward variants at
    100 and 5 % and `nn.EmbeddingBag` + SGD: on CUDA each is a kernel launch on the training
    thread, so this is the host's launch work per batch. "graphs": the 5 % variant with
-   `cuda_graphs`, a replayed graph counted as one launch (on CPU too, where an emulation
+   `cuda_graphs` ("graphs direct": and direct staging, the CUDA defaults), a replayed graph
+   counted as one launch (on CPU too, where an emulation
    dispatches its ops again; section 5's time for it there is the emulation's, not a GPU's).
 5. Host time per step: the forward + backward variants of section 4 at a size where compute is
    negligible (--host-rows x 16, --host-batch bags of one id, one torch thread), interleaved
@@ -269,6 +271,7 @@ def bench_forward_backward(args) -> list[dict]:
     variants["distcache 0.05 direct"] = Cached(args, batches, 0.05, "lookahead", staging="direct")
     if args.device == "cuda":  # (on CPU its time would be the graphs' emulation's)
         variants["distcache 0.05 graphs"] = Cached(args, batches, 0.05, "lookahead", graphs=True)
+        variants["distcache 0.05 graphs direct"] = _cuda_defaults(args, batches)
     variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
     warmup = args.warmup + args.lookahead  # the first step fills the window
     times = interleave({n: v.step for n, v in variants.items()}, args.rounds, args.steps, warmup)
@@ -330,8 +333,14 @@ def _launch_variants(args) -> dict[str, Baseline | Cached]:
         variants[f"distcache {cap:g}"] = Cached(args, batches, cap, "lookahead")
     # The scheduler replayed as CUDA graphs (on CPU an emulation: slower, for tests).
     variants["distcache 0.05 graphs"] = Cached(args, batches, 0.05, "lookahead", graphs=True)
+    variants["distcache 0.05 graphs direct"] = _cuda_defaults(args, batches)
     variants["lru 0.05"] = Cached(args, batches, 0.05, "lru")
     return variants
+
+
+def _cuda_defaults(args, batches) -> Cached:
+    """The 5 % cache as CUDA runs it by default: graphs and direct staging."""
+    return Cached(args, batches, 0.05, "lookahead", staging="direct", graphs=True)
 
 
 def bench_ops(args) -> list[dict]:

@@ -86,6 +86,7 @@ def test_engine_throughput_smoke(tmp_path):
         "distcache 1",
         "distcache 0.05",
         "distcache 0.05 graphs",
+        "distcache 0.05 graphs direct",
         "lru 0.05",
     }
     assert all(ms > 0 for ms in host.values())
