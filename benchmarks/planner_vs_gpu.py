@@ -5,10 +5,11 @@ look-ahead and LRU caches at their capacities), the planner prices the same work
 headline's tables, dim, batch, power law and dense MLPs) on a topology (a preset, or a
 `distcache calibrate` JSON of that machine) and compares:
 - the step: modelled (dense + lookup + exposed staging) against measured (ms per step);
-- rows loaded per step: the planner's `expected_loads` with one cache per table (each 2 % of
-  its own rows, as the planner plans caches), and with one cache shared by the tables (the C
-  likeliest rows of all tables resident: what distcache's engine does for tables of one width
-  and dtype, as in the headline), against the loads the run counted.
+- rows loaded per step: the planner's own figure, one cache per table (each its fraction of
+  its own rows, as the planner plans caches: `table_plan_terms`), and one cache as large
+  shared by the tables (`binned.shared_loads`: the likeliest rows of all tables resident, what
+  distcache's engine does for tables of one width and dtype, as in the headline), against the
+  loads the run counted.
 
 It reads results; it runs nothing on a GPU.
 
@@ -26,18 +27,24 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table, write_json  # noqa: E402
 from gpu_headline import BOTTOM, DENSE_FEATURES, TOP  # noqa: E402
 
+from distcache.planner.binned import shared_loads, table_access  # noqa: E402
 from distcache.planner.cost import plan_cost  # noqa: E402
+from distcache.planner.shards import table_plan_terms  # noqa: E402
 from distcache.planner.solver import uniform_plan  # noqa: E402
-from distcache.planner.stats import expected_loads  # noqa: E402
 from distcache.planner.topology import PRESETS, load_topology, preset  # noqa: E402
-from distcache.planner.types import HOST_CACHED, TABLE_WISE, TableStats, Workload  # noqa: E402
+from distcache.planner.types import (  # noqa: E402
+    HOST_CACHED,
+    TABLE_WISE,
+    Plan,
+    TableStats,
+    Topology,
+    Workload,
+)
 
 
 def workload_of(config: dict) -> Workload:
@@ -57,31 +64,20 @@ def workload_of(config: dict) -> Workload:
     )
 
 
-def loads_per_table_caches(workload: Workload, fraction: float, model: str) -> float:
-    """Rows loaded per step with one cache of `fraction` of its rows per table."""
-    n = workload.batch_size_per_rank  # one id per feature per sample
-    return sum(
-        expected_loads(t.profile(), n, max(1, int(fraction * t.rows)), model)
-        for t in workload.tables
-    )
+def plan_loads(plan: Plan, workload: Workload, topology: Topology) -> tuple[float, float]:
+    """Rows loaded per step by `plan`'s host-cached tables (one rank, one id per feature per
+    sample): with one cache per table, as the planner prices them (`table_plan_terms`), and
+    with one cache shared by the tables, as large as theirs together, as distcache's engine
+    serves tables of one width and dtype (`binned.shared_loads`, the 'frequency' model)."""
+    tables = {t.name: t for t in workload.tables}
+    terms = [table_plan_terms(tp, tables[tp.table], workload, topology) for tp in plan.tables]
+    per_table = sum(t.loads_per_step for t in terms)
+    accesses = [table_access(tables[tp.table]) for tp in plan.tables]
+    capacity = sum(t.cache_rows for t in terms)
+    return per_table, shared_loads(accesses, workload.batch_size_per_rank, capacity)
 
 
-def loads_shared_cache(workload: Workload, fraction: float) -> float:
-    """Rows loaded per step with one cache of `fraction` of all rows shared by the tables,
-    'frequency' model: the likeliest rows of all tables resident, every other touched row
-    loaded."""
-    n = workload.batch_size_per_rank
-    touch = np.concatenate(
-        [-np.expm1(n * np.log1p(-t.profile().probabilities)) for t in workload.tables]
-    )
-    capacity = int(fraction * touch.size)
-    if capacity >= touch.size:
-        return 0.0
-    resident = np.partition(touch, touch.size - capacity)[touch.size - capacity :]
-    return float(touch.sum() - resident.sum())
-
-
-def compare(results: dict, topology) -> list[dict]:
+def compare(results: dict, topology: Topology) -> list[dict]:
     workload = workload_of(results["config"])
     config = results["config"]
     rows = []
@@ -111,11 +107,11 @@ def compare(results: dict, topology) -> list[dict]:
             "modelled_exposed_staging_ms": 1e3 * step.exposed_staging_s,
         }
         if cached:
-            model = "frequency" if r["variant"] != "lru" else "lru"
+            per_table, shared = plan_loads(plan, workload, topology)
             row["measured_loads"] = r.get("loads_per_step")
-            row["loads_per_table_caches"] = loads_per_table_caches(workload, r["capacity"], model)
-            if model == "frequency":
-                row["loads_shared_cache"] = loads_shared_cache(workload, r["capacity"])
+            row["loads_per_table_caches"] = per_table  # ('lru' for the LRU variant)
+            if lookahead:
+                row["loads_shared_cache"] = shared
         rows.append(row)
     device = {r["variant"]: r for r in rows}.get("device")
     for row in rows:

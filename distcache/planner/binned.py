@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -180,6 +181,21 @@ class BinnedProfile:
             if hi - lo <= 1e-9 * hi:
                 break
         return float(self.rows_per_bin @ (q * np.exp(0.5 * (lo + hi) * log_keep)))
+
+
+def shared_loads(profiles: Sequence[BinnedProfile], n: float, capacity: int) -> float:
+    """Expected rows loaded per batch into one cache of `capacity` rows shared by tables, each
+    looked up n times a batch: the 'frequency' model of `BinnedProfile.loads` over all their
+    rows (the likeliest rows of any table resident, every other touched row loaded), as one
+    engine caches the tables of one width and dtype."""
+    q = np.concatenate([p._touch(n) for p in profiles])  # [bins of all tables]
+    order = np.argsort(-q, kind="stable")
+    q, rows = q[order], np.concatenate([p.rows_per_bin for p in profiles])[order]
+    through = np.cumsum(rows)
+    if capacity >= through[-1]:
+        return 0.0
+    k = int(np.searchsorted(through, capacity, side="right"))
+    return float((through[k] - capacity) * q[k] + rows[k + 1 :] @ q[k + 1 :])
 
 
 _PROFILES: dict[tuple, tuple[object, BinnedProfile]] = {}

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from distcache.planner.binned import BinnedProfile, expected_normal_max
+from distcache.planner.binned import BinnedProfile, expected_normal_max, shared_loads
 from distcache.planner.stats import AccessProfile, expected_loads, expected_unique
 
 
@@ -18,6 +18,22 @@ def test_binned_profile_matches_exact_statistics(alpha):
             for model in ("frequency", "lru"):
                 want = expected_loads(exact, n, capacity, model)
                 assert binned.loads(n, capacity, model) == pytest.approx(want, rel=2e-3)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.1])
+def test_shared_cache_loads_match_the_exact_model(fraction):
+    """One cache shared by two tables (the likeliest rows of either resident) against the same
+    model on their exact per-row probabilities; one table alone: `BinnedProfile.loads`."""
+    n, shapes = 20_000, [(100_000, 1.05), (30_000, 0.8)]
+    exact = [AccessProfile.power_law(rows, alpha).probabilities for rows, alpha in shapes]
+    binned = [BinnedProfile.power_law(rows, alpha) for rows, alpha in shapes]
+    touch = np.sort(np.concatenate([-np.expm1(n * np.log1p(-p)) for p in exact]))[::-1]
+    capacity = int(fraction * touch.size)
+    want = touch[capacity:].sum()  # every row but the `capacity` likeliest touched is loaded
+    assert shared_loads(binned, n, capacity) == pytest.approx(want, rel=2e-3)
+    alone = binned[0].loads(n, capacity // 2, "frequency")
+    assert shared_loads(binned[:1], n, capacity // 2) == pytest.approx(alone, rel=1e-12)
+    assert shared_loads(binned, n, touch.size) == 0.0
 
 
 def test_binned_profile_from_counts():
