@@ -25,6 +25,10 @@
    step by step: what the host spends dispatching a step, which on CUDA it must spend too.
    Sections 4 and 5 report the evictions per counted step: at 5 % they must be steady-state
    steps (the cache full, choosing victims), not steps that only fill free slots.
+6. Capacity: the scheduler's time per batch (as in 1; synchronized on CUDA) on one table
+   (--sched-rows) at each of --cap-fractions of its rows, each cache first filled with rows the
+   trace rarely needs so that every timed batch evicts: a batch's cost must follow the batch,
+   not the cache's size ("x fastest" near 1).
 
 On CPU the process keeps freed host memory for reuse, as distcache's CPU ranks do
 (`distcache.job.host_memory`; DISTCACHE_KEEP_FREED_MEMORY=0: glibc's defaults).
@@ -121,6 +125,17 @@ class Replay:
         self.sync = _synchronizer(device)
         self.host_s = 0.0
 
+    def prefill(self, rows: torch.Tensor) -> None:
+        """Fill the cache with `rows` (one batch through the engine) before the trace."""
+        engine = self.engine
+        engine.enqueue(rows)
+        engine.prefetch()
+        plan = engine.lookup_plan()
+        engine.apply_gradients(plan, self.no_grad, torch.zeros_like(plan.batch.ids))
+        engine.stager.drain()
+        self.sync()
+        self.filled = engine.stats()  # the counters the timed batches are measured from
+
     def step(self) -> None:
         engine = self.engine
         while self.enqueued <= self.t + self.lookahead:
@@ -174,6 +189,53 @@ def bench_scheduler(args) -> list[dict]:
                 "ms_per_batch": 1e3 * statistics.median(times[name]),
             }
         )
+    return results
+
+
+def bench_capacity(args) -> list[dict]:
+    """Section 6: the scheduler's time per batch at several cache sizes of one table, each cache
+    first filled with rows the batches do not need, so every timed batch evicts."""
+    trace = list(
+        zipf_trace(
+            rows=args.sched_rows,
+            alpha=args.alpha,
+            batch=args.cap_batch,
+            batches=args.sched_batches,
+            seed=2,
+        )
+    )
+    replays = {}
+    for fraction in (float(f) for f in args.cap_fractions.split(",")):
+        capacity = int(fraction * args.sched_rows)
+        replay = Replay(trace, args.sched_rows, capacity, "lookahead", args.lookahead, args.device)
+        replay.prefill(torch.randperm(args.sched_rows)[:capacity].to(args.device))
+        replays[f"{100 * fraction:g} %"] = replay
+    times = interleave(
+        {n: r.step for n, r in replays.items()}, args.rounds, args.sched_steps, args.sched_warmup
+    )
+    results = []
+    for name, replay in replays.items():
+        stats, filled = replay.engine.stats(), replay.filled
+        unique = stats.unique - filled.unique
+        results.append(
+            {
+                "bench": "capacity",
+                "variant": name,
+                "rows": args.sched_rows,
+                "capacity": replay.engine.capacity,
+                "batch_ids": args.cap_batch,
+                "lookahead": args.lookahead,
+                "hit_rate": (stats.hits - filled.hits) / max(1, unique),
+                "evictions_per_batch": (stats.evictions - filled.evictions)
+                / max(1, stats.batches - filled.batches),
+                "ms_per_batch": 1e3 * statistics.median(times[name]),
+                "ms_per_batch_low": 1e3 * min(times[name]),
+                "ms_per_batch_high": 1e3 * max(times[name]),
+            }
+        )
+    fastest = min(r["ms_per_batch"] for r in results)
+    for r in results:
+        r["x_fastest"] = r["ms_per_batch"] / fastest
     return results
 
 
@@ -467,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sched-batches", type=int, default=64, help="distinct batches (cycled)")
     ap.add_argument("--sched-warmup", type=int, default=12)
     ap.add_argument("--sched-steps", type=int, default=8, help="steps per round")
+    ap.add_argument("--cap-fractions", default="0.01,0.05,0.2", help="section 6's caches")
+    ap.add_argument("--cap-batch", type=int, default=100_000, help="section 6's ids per batch")
     ap.add_argument("--rows", type=int, default=5_000_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4096)
@@ -485,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         "batches use, so that its steps evict)",
     )
     ap.add_argument("--host-batch", type=int, default=64, help="section 5's ids per batch")
-    ap.add_argument("--skip", default="", help="sections to skip: scheduler,fwd,bytes,ops,host")
+    ap.add_argument(
+        "--skip", default="", help="sections to skip: scheduler,fwd,bytes,ops,host,capacity"
+    )
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -496,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     args.keep_freed_memory = args.device == "cpu" and keep_freed_memory()
     if args.quick:
         args.sched_rows, args.sched_batch, args.sched_batches = 200_000, 1_000, 10
+        args.cap_batch = 1_000
         args.sched_warmup, args.sched_steps = 3, 2
         args.rows, args.batch_size, args.pool, args.lookahead = 200_000, 32, 12, 4
         args.warmup, args.steps, args.rounds = 2, 2, 2
@@ -519,6 +586,27 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
         results += sched
+    if "capacity" not in skip:
+        cap = bench_capacity(args)
+        print(
+            f"\nscheduler at several cache sizes ({args.sched_rows:,} rows, {args.cap_batch:,} "
+            f"ids a batch, L={args.lookahead}, caches full), median [range] of {args.rounds} "
+            "rounds:"
+        )
+        print_table(
+            cap,
+            [
+                ("variant", "cache"),
+                ("capacity", "cache rows"),
+                ("hit_rate", "hit rate"),
+                ("evictions_per_batch", "evictions/batch"),
+                ("ms_per_batch", "ms/batch"),
+                ("ms_per_batch_low", "low"),
+                ("ms_per_batch_high", "high"),
+                ("x_fastest", "x fastest"),
+            ],
+        )
+        results += cap
     if "fwd" not in skip:
         fwd = bench_forward_backward(args)
         print(

@@ -1,4 +1,5 @@
-"""`Residency`: which row sits in which cache slot, and which slots are dirty or pinned."""
+"""`Residency`: which row sits in which cache slot, which slots are dirty or pinned, and when the
+window next uses each slot's row."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import torch
 
 from distcache.errors import DistcacheConfigError
 
+NO_USE = torch.iinfo(torch.int32).max  # the next use of a row no batch in the window uses
+
 
 class Residency:
-    """The row <-> slot maps of one cache, plus a dirty bit and a pin count per slot.
+    """The row <-> slot maps of one cache, plus a dirty bit, a pin count and the next use of
+    its row per slot.
 
     Two extra rows and slots make every per-batch update a fixed-shape scatter:
     - the *sentinel row* `num_rows` always sits in the *sentinel slot* `capacity`, whose weights
@@ -21,8 +25,12 @@ class Residency:
       "free slot".
     - A pinned slot (`pin > 0`) holds a row used by a batch still in flight; it is never a victim.
     - A dirty slot holds the only up-to-date copy of its row; it is written back before reuse.
+    - `next_use[s]` is the seq of the first batch in the window, not yet staged, that uses the
+      row of slot s, or `NO_USE` (the row's last use in the window has been staged: it is
+      *expired*). Set when a batch is staged (for its rows) and when a batch enters the window
+      (for the resident rows it is the first to use); meaningless for free slots.
 
-    Device memory per table row: 4 bytes (`slot_of` is int32).
+    Device memory per table row: 4 bytes (`slot_of` is int32); per slot 17.
 
     Args:
         num_rows: rows of the shard (< 2**31 - 2).
@@ -43,6 +51,7 @@ class Residency:
         self.row_of = torch.full((capacity + 2,), -1, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(capacity + 2, dtype=torch.bool, device=device)
         self.pin = torch.zeros(capacity + 2, dtype=torch.int32, device=device)
+        self.next_use = torch.full((capacity + 2,), NO_USE, dtype=torch.int32, device=device)
         self._pair_sentinels()
 
     def _pair_sentinels(self) -> None:
@@ -70,6 +79,7 @@ class Residency:
         self.row_of.fill_(-1)
         self.dirty.zero_()
         self.pin.zero_()
+        self.next_use.fill_(NO_USE)
         self._pair_sentinels()
 
     def unpin_all(self) -> None:

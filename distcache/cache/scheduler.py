@@ -13,8 +13,9 @@ Nothing here reads the device back. Every tensor has a shape the host knows (the
 n, the cache's capacity C); what only the device knows (how many rows miss, how many victims are
 dirty) stays there as counts, and plans are padded to n entries with the sentinel row and slot
 (`Residency`). Counters accumulate on the device and are read only by `counters`. The per-batch
-work is O(n) plus, once the cache may be full, O(C + classes) to choose victims; it does not grow
-with the window's length.
+work is O(n), plus the victims' histogram of a bounded number of classes once the cache may be
+full (`Victims`: the policy scores a few candidates per id, never every slot); it grows neither
+with the window's length nor with the cache's capacity.
 
 Each call is host bookkeeping (the window's deques, seqs, ring positions, which path to take)
 around a device function of tensors only (`_enqueue_device`, `_stage_device`), which takes the
@@ -31,6 +32,7 @@ counts reach the host, before the batch is looked up.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -39,8 +41,9 @@ import torch.nn.functional as F
 
 from distcache.cache.graphs import GraphCache
 from distcache.cache.policies import EvictionPolicy
-from distcache.cache.residency import Residency
-from distcache.cache.select import pack, select_largest
+from distcache.cache.residency import NO_USE, Residency
+from distcache.cache.select import pack
+from distcache.cache.victims import Victims
 from distcache.cache.window import Window, WindowBatch
 from distcache.errors import CacheCapacityError, LookaheadWindowError
 
@@ -91,6 +94,10 @@ class SchedulerCounters:
     critical_misses: int = 0
 
 
+# `Victims` sweeps at least MIN_SCAN slots: caches up to that size are swept whole (below it a
+# sweep costs less than its launches, and small caches choose as if every slot were scored).
+MIN_SCAN = 4096
+
 # `Scheduler._totals`: ids, critical misses, then the plans' `counts` summed (one add a plan).
 _IDS, _CRITICAL, _PLANS = 0, 1, 2
 
@@ -111,6 +118,8 @@ class Scheduler:
             emulation, for tests). Once batches come in more than one size, each is padded with
             the sentinel row to `graphs.size(n)` ids; plans give back `id_slots` and `inverse`
             of its own n.
+        exact: the policy scores every slot for every batch (O(capacity) a batch: for
+            Belady's optimum in the simulator), instead of the candidates of `Victims`.
     """
 
     def __init__(
@@ -123,6 +132,7 @@ class Scheduler:
         device: torch.device | str = "cpu",
         name: str = "cache",
         graphs: bool = False,
+        exact: bool = False,
     ):
         device = torch.device(device)
         if not 1 <= capacity <= num_rows:
@@ -133,6 +143,7 @@ class Scheduler:
         self.lookahead = lookahead
         self.policy = policy
         self.device = device
+        self.exact = exact
         self.residency = Residency(num_rows, capacity, device)
         self.window = Window(num_rows, device)
         self._totals = torch.zeros(_PLANS + NUM_COUNTS, dtype=torch.int64, device=device)
@@ -196,7 +207,11 @@ class Scheduler:
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
         rows, inv, valid, positions, fresh = self.window.enter_device(ids, at)
-        self.policy.on_enqueue(at[0], rows, fresh)
+        # The resident rows this batch is the first in the window to use: their next use.
+        res = self.residency
+        slot = res.slot_of.index_select(0, rows).long()
+        into = torch.where(fresh & (slot >= 0), slot, res.trash_slot)
+        res.next_use.index_copy_(0, into, at[0].expand(rows.numel()))
         self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
         return rows, inv, valid, positions
 
@@ -212,7 +227,10 @@ class Scheduler:
         if self._free_slots_suffice(n):  # filling: no victims to choose, not captured
             work = self._stage_device(*inputs, fill=True)
         else:
-            work = self._current_graphs().run(("stage", n), self._stage_device, *inputs)
+            scan = self._scan(n)
+            key = ("stage", n, scan)
+            stage = functools.partial(self._stage_device, scan=scan)
+            work = self._current_graphs().run(key, stage, *inputs)
         slots, id_slots, load_rows, load_slots, writeback_rows, writeback_slots, counts = work
         if critical:
             self._totals.select(0, _CRITICAL).add_(counts[MISSES])
@@ -239,11 +257,12 @@ class Scheduler:
         valid: torch.Tensor,
         positions: torch.Tensor,
         at: torch.Tensor,
-        *,
         fill: bool = False,
+        scan: int = 0,
     ) -> tuple[torch.Tensor, ...]:
         """`stage_next`'s device work for a batch (`WindowBatch`'s tensors): the plan's
-        tensors, `StagePlan.slots` to `counts`. `fill`: the misses take free slots in order."""
+        tensors, `StagePlan.slots` to `counts`. `fill`: the misses take free slots in order;
+        else `Victims.choose` picks them, sweeping `scan` slots."""
         res, cap, n = self.residency, self.capacity, rows.numel()
         size = min(n, cap)
         next_use = self.window.leave_device(rows, positions)  # [n] each row's next use
@@ -258,7 +277,7 @@ class Scheduler:
         if fill:
             victims, taken, candidates = self._free_victims(want, size)  # [size + 1]
         else:
-            victims, taken, candidates = self._victims(seq, want, size)
+            victims, taken, candidates = self.victims.choose(seq, want, size, self._fill, scan)
         rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
         got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
         slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), slot)
@@ -274,7 +293,9 @@ class Scheduler:
         loaded_slots = torch.where(got, slot, res.sentinel_slot)
         res.pin.index_add_(0, loaded_slots, self._one.expand(n))
         slot = torch.where(slot >= 0, slot, res.sentinel_slot)  # misses without a slot too
-        self.policy.on_stage(seq, rows, slot, got, next_use)
+        res.next_use.index_copy_(0, slot, next_use)
+        self.policy.on_stage(seq, rows, slot, got)
+        self.victims.expire(slot, next_use, valid & (slot != res.sentinel_slot))
 
         unique = valid.sum()
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
@@ -331,13 +352,19 @@ class Scheduler:
         self._unstaged.clear()
         self._staged.clear()
         self.window.clear()
-        self.residency.unpin_all()
+        res = self.residency
+        res.unpin_all()
+        # No batch uses a row now: every resident row is expired, in slot order.
+        res.next_use.fill_(NO_USE)
+        slots = torch.arange(self.capacity, device=self.device)
+        self.victims.queue.push(slots, res.row_of[: self.capacity] >= 0)
 
     def clear(self) -> None:
         """Forget every resident row and every batch in the window (after a reload)."""
         self.residency.clear()
         self.window.clear()
         self.policy.bind(self.residency, self.lookahead)
+        self.victims = Victims(self.residency, self.policy)
         self._unstaged.clear()
         self._staged.clear()
         self._next_seq = 0  # the policy was re-bound: sequence numbers start again
@@ -396,15 +423,12 @@ class Scheduler:
         self._fill = self._fill + want
         return victims, want, free
 
-    def _victims(
-        self, seq: torch.Tensor, want: torch.Tensor, size: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slots for `want` misses, chosen by the policy's classes (free slots: its top class):
-        `[size + 1]` (the chosen slots first, then the sentinel slot), how many were chosen,
-        and how many slots could have been."""
-        cap, res = self.capacity, self.residency
-        keys, classes = self.policy.victim_keys(seq)
-        keys = torch.where(res.pin[:cap] > 0, -1, keys)  # pinned slots never
-        # At most `size` are chosen, so the last of `size + 1` entries is padding: the index
-        # one past the keys, `cap`, which is the sentinel slot.
-        return select_largest(keys, classes, want, size + 1)
+    def _scan(self, n: int) -> int:
+        """Host-side: the slots `Victims` sweeps for a batch of `n` ids: enough that the unpinned
+        ones among them cover its misses (the staged batches pin at most their rows, this batch
+        at most n, and it misses at most n), at least `MIN_SCAN`, at most the whole cache (and
+        the whole cache when `exact`)."""
+        if self.exact:
+            return self.capacity
+        pinned = sum(plan.batch.size for plan in self._staged) + n
+        return min(self.capacity, max(MIN_SCAN, pinned + n))

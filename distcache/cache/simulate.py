@@ -100,6 +100,7 @@ def simulate(
         device=device,
         name=f"simulate[{policy}]",
     )
+    engine.scheduler.exact = policy == "optimal"  # the lower bound scores every slot
     device = engine.device
     seen = torch.zeros(num_rows + 1, dtype=torch.bool, device=device)  # + the sentinel row
     no_grad = torch.zeros(1, 0, device=device)  # one zero-width "bag"

@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from distcache.cache.residency import NO_USE
 from distcache.cache.select import pack
 from distcache.errors import LookaheadWindowError
 
-NO_USE = torch.iinfo(torch.int32).max  # next_use of an occurrence whose row is not used again yet
+__all__ = ["NO_USE", "Window", "WindowBatch"]
 
 # torch's CPU sort of an integer tensor is a radix sort from 32,768 elements (ATen's grain
 # size) and a comparison sort below, several times slower per element from a few thousand

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import distcache.cache.scheduler as scheduler_module
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import EVICTIONS, WRITEBACKS, Scheduler
 from distcache.cache.window import _PAD_FROM
@@ -68,6 +69,23 @@ def test_every_batch_of_a_size_dispatches_the_same_ops(policy, n):
         assert plan.counts[EVICTIONS] > 0 and plan.counts[WRITEBACKS] > 0
     (enqueue_a, stage_a), (enqueue_b, stage_b) = records
     assert len(enqueue_a.ops) > 20 and len(stage_a.ops) > 50
+    assert enqueue_a.ops == enqueue_b.ops, enqueue_a.diff(enqueue_b)
+    assert stage_a.ops == stage_b.ops, stage_a.diff(stage_b)
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru"])
+def test_sampled_victims_dispatch_the_same_ops(policy, monkeypatch):
+    """With a cache larger than the victims' sweep (`Victims`: free slots, expiry queue,
+    sweep), every batch of a size still dispatches the same ops."""
+    monkeypatch.setattr(scheduler_module, "MIN_SCAN", 1)
+    n = 256
+    scheduler, step = _steady_scheduler(policy, n, rows=16 * n, capacity=6 * n)
+    assert scheduler._scan(n) < scheduler.capacity
+    records = [(OpRecorder(), OpRecorder()) for _ in range(2)]
+    plans = [step(enqueue, stage) for enqueue, stage in records]
+    for plan in plans:
+        assert plan.counts[EVICTIONS] > 0 and plan.counts[WRITEBACKS] > 0
+    (enqueue_a, stage_a), (enqueue_b, stage_b) = records
     assert enqueue_a.ops == enqueue_b.ops, enqueue_a.diff(enqueue_b)
     assert stage_a.ops == stage_b.ops, stage_a.diff(stage_b)
 
