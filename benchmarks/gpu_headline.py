@@ -2,12 +2,22 @@
 
 The model: 26 tables of Criteo Terabyte's sizes (MLPerf DLRM, 187.8 M rows; --tables kaggle:
 Kaggle's, 33.8 M) / --scale, dim 64, one power-law id per feature per sample (as in Criteo), a
-small DLRM dense part in plain torch (bottom MLP, dot interaction, top MLP), SGD everywhere (no
-per-row optimizer state). At --scale 1 the rows take 48 GB of host memory (page-locked on CUDA
-by `cudaHostRegister`, with no rounding up); no TorchRec is needed.
+small DLRM dense part in plain torch (bottom MLP, dot interaction, top MLP) trained with SGD, the
+embeddings with --optimizer: SGD (no per-row optimizer state) or row-wise Adagrad (one
+accumulator per row, distcache's `RowWiseAdagrad`, FBGEMM's `EXACT_ROWWISE_ADAGRAD`, eps 1e-8).
+At --scale 1 the rows take 48 GB of host memory (page-locked on CUDA by `cudaHostRegister`, with
+no rounding up); no TorchRec is needed.
 
 Variants, one after another in the order of `_plan` (each freed before the next: one full-size
 copy of the tables at a time), all from the same initial weights and batches:
+- fbgemm_device: FBGEMM's table-batched embedding (TBE), every row in device memory: what
+  TorchRec's `fused` kernel runs, the baseline the ratios are taken against (on a CPU run the
+  TBE's CPU kernels, TorchRec's `fused` there);
+- fbgemm_uvm (CUDA only): the TBE with its rows in host-mapped pinned memory and an LRU cache of
+  each --capacities of them in device memory (`MANAGED_CACHING`): TorchRec's `fused_uvm_caching`;
+- fbgemm_uvm_prefetch (CUDA only): the same with `prefetch_pipeline=True`, batch t+1's rows
+  prefetched on a side stream after batch t's forward, as under TorchRec's
+  `PrefetchTrainPipelineSparseDist` (`_fbgemm_variants.py` has the three and the protocol);
 - distcache: `CachedEmbeddingBags` at each --capacities, look-ahead L (--lookahead batches
   enqueued ahead), rows staged K (--prefetch-depth) batches ahead, again while a batch trains;
   its defaults: on CUDA `cuda_graphs` (a batch's routing and scheduling replayed as CUDA
@@ -18,30 +28,36 @@ copy of the tables at a time), all from the same initial weights and batches:
 - distcache_eager (only if named in --variants): distcache with `cuda_graphs=False` (every
   kernel of a batch's routing and scheduling launched one by one: the default before 2026-11-26);
 - lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
-- device: every row in device memory (`nn.EmbeddingBag`, sparse SGD), if it fits;
+- device: every row in device memory (`nn.EmbeddingBag`, sparse SGD; SGD only), if it fits;
 - cpu_embeddings (CUDA only): those bags in host memory, pooled embeddings sent to the device.
 A variant that cannot run is skipped with the reason (memory; a cache smaller than the distinct
-rows of the batches it pins, K + 1 or 1, measured on the batches before building).
+rows of the batches it pins, K + 1 or 1, measured on the batches before building; no FBGEMM, or
+its CPU build on a CUDA run; an optimizer it lacks). One that fails is reported and the others
+run.
 
 Rows start from a 4 Mi-float random block tiled over each table, scaled to TorchRec's
 uniform(+-1/sqrt(rows)): a seeded `uniform_` runs on one thread, minutes for 12 G floats.
 
-A cached variant trains until its cache is full (it evicts; at most --max-warmup steps), so the
-timed steps are steady-state ones; then every variant trains --warmup steps, then --steps timed
-ones (the device synchronized at both ends). Reported: samples/s; for the caches the hit rate
-(rows resident / distinct rows looked up), MB staged per step (loaded + written back),
-critical-path misses, the time training waited on staging as a fraction of the step (gpu: the
-compute stream's stall at the staging events, CUDA events around `Stager.wait`; host:
-`CacheStats.wait_s`, lookups staging on the critical path), and the planning time per batch
-(host time in the scheduler's enqueue, stage_next and release: the host launching the
-scheduler's work, which reads nothing back), and the stager's submit. Then --profile-steps steps
-run under `torch.profiler`: top ops by self CPU and device time and the `## headline:* ##`
+A cached variant trains until its cache is full (distcache: it evicts; FBGEMM's: 99 % of its
+slots hold rows; at most --max-warmup steps), so the timed steps are steady-state ones; then
+every variant trains --warmup steps, then --steps timed ones (the device synchronized at both
+ends). Reported: samples/s; for distcache's caches the hit rate (rows resident / distinct
+rows looked up), MB staged per step (loaded + written back), critical-path misses, the time
+training waited on staging as a fraction of the step (gpu: the compute stream's stall at the
+staging events, CUDA events around `Stager.wait`; host: `CacheStats.wait_s`, lookups staging
+on the critical path), and the planning time per batch (host time in the scheduler's enqueue,
+stage_next and release: the host launching the scheduler's work, which reads nothing back),
+and the stager's submit; for FBGEMM's caches their slots (`cache_rows`). Then --profile-steps
+steps run under `torch.profiler`: top ops by self CPU and device time and the `## headline:* ##`
 phases go to the JSON. `loss_max_diff`: largest difference of a variant's per-step losses from
-the first variant's (same batches, same weights).
+the first variant's (same batches, same weights). Throughput ratios: `x_fbgemm_device` (the
+table's column when fbgemm_device ran) and `x_device` (nn.EmbeddingBag), `x_cpu_embeddings`.
 
 Usage::
 
     python benchmarks/gpu_headline.py --device cuda --json $OUT/gpu_headline.json
+    python benchmarks/gpu_headline.py --device cuda --optimizer rowwise_adagrad \\
+        --variants fbgemm_device,distcache,fbgemm_uvm,fbgemm_uvm_prefetch --capacities 0.01,0.02
     python benchmarks/gpu_headline.py --device cpu --scale 1000 --steps 5  # dry run
     # (add --threads 1 where the cores are shared: idle OpenMP threads spin and drown timings)
 """
@@ -64,7 +80,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _fbgemm_variants as fbgemm  # noqa: E402  (imports fbgemm_gpu only when building)
 from _common import print_table, write_json  # noqa: E402
+from _fbgemm_variants import FBGEMM_CACHED, FBGEMM_VARIANTS  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
 from distcache.cache.config import DEFAULT_LOOKAHEAD  # noqa: E402
@@ -80,9 +98,18 @@ TABLE_ROWS = {"terabyte": CRITEO_TERABYTE_ROWS, "kaggle": CRITEO_KAGGLE_ROWS}
 DENSE_FEATURES = 13
 BOTTOM = (512, 256)  # bottom MLP hidden widths, then the embedding dim
 TOP = (512, 256)  # top MLP hidden widths, then 1 logit
-VARIANTS = ("distcache", "lru", "device", "cpu_embeddings", "distcache_worker", "distcache_eager")
+VARIANTS = (
+    *FBGEMM_VARIANTS,
+    "distcache",
+    "lru",
+    "device",
+    "cpu_embeddings",
+    "distcache_worker",
+    "distcache_eager",
+)
 CACHED = ("distcache", "distcache_worker", "distcache_eager", "lru")
-DEFAULT_VARIANTS = VARIANTS[:4]  # distcache_worker and _eager on request (--variants)
+DEFAULT_VARIANTS = VARIANTS[:7]  # distcache_worker and _eager on request (--variants)
+PLAIN_OPTIMIZERS = ("sgd",)  # what `device` and `cpu_embeddings` (torch.optim) train with
 _BLOCK = 1 << 22  # floats in the random block tiled over the rows
 _GIB = 1 << 30
 _DEVICE_SLACK = 4 * _GIB  # bytes/device left for activations, maps and the allocator
@@ -121,7 +148,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--prefetch-depth", type=int, default=1, help="K: batches staged ahead")
     ap.add_argument("--variants", type=_variants, default=list(DEFAULT_VARIANTS))
-    ap.add_argument("--lr", type=float, default=0.05, help="SGD, embeddings and dense part")
+    ap.add_argument("--lr", type=float, default=0.05, help="embeddings and dense part")
+    ap.add_argument(
+        "--optimizer",
+        choices=("sgd", "rowwise_adagrad"),
+        default="sgd",
+        help="the embeddings' fused optimizer in every variant (the dense part: SGD)",
+    )
     ap.add_argument(
         "--max-warmup", type=int, default=1000, help="most steps a cached variant trains to fill"
     )
@@ -190,14 +223,21 @@ def random_block(seed: int) -> torch.Tensor:
     return torch.rand(_BLOCK, generator=gen).mul_(2).sub_(1)  # [block] in [-1, 1)
 
 
-def tiled_uniform_(weight: torch.Tensor, rows: int, block: torch.Tensor) -> None:
+def tiled_uniform_(
+    weight: torch.Tensor, rows: int, block: torch.Tensor, *, kernel: bool = False
+) -> None:
     """Fill `weight` `[rows, dim]` with `block` scaled to +-1/sqrt(rows), tiled (a copy per
-    block: memory-bound, unlike a seeded `uniform_`, which runs on one thread)."""
+    block: memory-bound, unlike a seeded `uniform_`, which runs on one thread). `kernel`: each
+    copy is an elementwise kernel, not a memcpy, for a CUDA tensor in host memory that the
+    device maps (FBGEMM's UVM rows), which a device-to-device memcpy need not address."""
     flat = weight.view(-1)
     scaled = (block * math.sqrt(1.0 / rows)).to(weight.device)
     for start in range(0, flat.numel(), scaled.numel()):
         part = flat[start : start + scaled.numel()]
-        part.copy_(scaled[: part.numel()])
+        if kernel:
+            torch.mul(scaled[: part.numel()], 1.0, out=part)
+        else:
+            part.copy_(scaled[: part.numel()])
 
 
 class TiledCachedBags(CachedEmbeddingBags):
@@ -314,12 +354,16 @@ class _Probe:
 
 
 class Run:
-    """One variant being trained: `step(t)` trains batch t and returns its loss (on device)."""
+    """One variant being trained: `step(t)` trains batch t and returns its loss (on device);
+    `full()`, where set, says whether a cache other than distcache's (`bags`) is full; `info`
+    goes to its results."""
 
     def __init__(self, name: str, capacity: float | None, step: Callable[[int], torch.Tensor]):
         self.name, self.capacity, self.step = name, capacity, step
         self.bags: CachedEmbeddingBags | None = None
         self.probe: _Probe | None = None
+        self.full: Callable[[], bool] | None = None
+        self.info: dict = {}
 
 
 def _phase(name: str):
@@ -333,6 +377,7 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
         lookahead=args.lookahead if lookahead else 0,
         prefetch_depth=args.prefetch_depth if lookahead else 0,
         policy="lookahead" if lookahead else "lru",
+        optimizer=args.optimizer,
         learning_rate=args.lr,
         staging="worker" if name == "distcache_worker" else None,
         cuda_graphs=False if name == "distcache_eager" else None,
@@ -396,6 +441,24 @@ def plain_run(name, tables, data, dense_model, args, device) -> Run:
     return Run(name, None, step)
 
 
+def fbgemm_run(name, capacity, tables, data, dense_model, args, device) -> Run:
+    """FBGEMM's TBE (`_fbgemm_variants`), its rows filled as the other variants' are."""
+    block = random_block(args.seed)
+    built = fbgemm.build(
+        name,
+        capacity,
+        tables,
+        data,
+        dense_model,
+        CacheConfig(optimizer=args.optimizer, learning_rate=args.lr),  # distcache's eps
+        lambda weight, rows: tiled_uniform_(weight, rows, block, kernel=True),
+        device,
+    )
+    run = Run(name, capacity, built.step)
+    run.full, run.info = built.full, built.info
+    return run
+
+
 # ---------------------------------------------------------------- measuring
 
 
@@ -441,6 +504,13 @@ def skip_reason(name, capacity, tables, data, args, device) -> str | None:
     table_bytes = sum(t.num_embeddings for t in tables) * args.dim * 4
     host = _host_available()
     cuda = device.type == "cuda"
+    if name in ("device", "cpu_embeddings") and args.optimizer not in PLAIN_OPTIMIZERS:
+        return (
+            f"nn.EmbeddingBag has no fused {args.optimizer} (torch's Adagrad is element-wise): "
+            "fbgemm_device is the all-rows-on-the-device baseline"
+        )
+    if name in FBGEMM_VARIANTS:
+        return _fbgemm_skip_reason(name, capacity, tables, table_bytes, host, args, device)
     if name in CACHED:
         rows = [t.num_embeddings for t in tables]
         cache = sum(CacheConfig(capacity=capacity).capacity_rows(r) for r in rows)
@@ -467,6 +537,29 @@ def skip_reason(name, capacity, tables, data, args, device) -> str | None:
         if host is not None and table_bytes + _HOST_SLACK > host:
             need, free = table_bytes / _GIB, host / _GIB
             return f"the rows need {need:.1f} GiB of host memory, {free:.1f} GiB free"
+    return None
+
+
+def _fbgemm_skip_reason(name, capacity, tables, table_bytes, host, args, device) -> str | None:
+    """FBGEMM's TBE: installed with CUDA kernels where needed, and room for its rows (device
+    memory for fbgemm_device as for `device`; pinned host memory and a cache for the others)."""
+    reason = fbgemm.unavailable(name, device, args.optimizer)
+    if reason or device.type != "cuda":
+        return reason
+    free, _ = torch.cuda.mem_get_info(device)
+    rows = sum(t.num_embeddings for t in tables)
+    # device bytes: the rows (fbgemm_device) or the cache and FBGEMM's 4-byte row map
+    need = table_bytes if name not in FBGEMM_CACHED else capacity * table_bytes + 4 * rows
+    if args.optimizer == "rowwise_adagrad":
+        need += 4 * rows  # the accumulators
+    if need + _DEVICE_SLACK > free:
+        return (
+            f"it needs {need / _GIB:.1f} GiB of device memory, {free / _GIB:.1f} GiB free "
+            f"(with {_DEVICE_SLACK / _GIB:g} GiB slack)"
+        )
+    if name in FBGEMM_CACHED and host is not None and table_bytes + _HOST_SLACK > host:
+        need, free = table_bytes / _GIB, host / _GIB
+        return f"the host-mapped rows need {need:.1f} GiB, {free:.1f} GiB free"
     return None
 
 
@@ -517,11 +610,18 @@ def _full(bags: CachedEmbeddingBags) -> bool:
     return all(st.evictions > 0 for st in bags.stats().values())
 
 
+def _filling(run: Run) -> bool:
+    """A cache of the run has room left (distcache's: it has not evicted yet)."""
+    if run.full is not None:
+        return not run.full()
+    return run.bags is not None and not _full(run.bags)
+
+
 def measure(run: Run, args, device: torch.device) -> dict:
     """Fill the cache (cached variants), warm up, time --steps steps, then profile."""
     losses: list[torch.Tensor] = []
     t = 0
-    while run.bags is not None and t < args.max_warmup and not _full(run.bags):
+    while t < args.max_warmup and _filling(run):
         losses.append(run.step(t))
         t += 1
     fill_steps = t
@@ -547,6 +647,9 @@ def measure(run: Run, args, device: torch.device) -> dict:
         "losses": torch.stack(losses).cpu().tolist(),  # every step from the first
     }
     out["final_loss"] = sum(out["losses"][-5:]) / 5
+    out.update(run.info)
+    if run.full is not None:
+        out["cache_full"] = run.full()
     if run.bags is not None:
         out["cache_full"] = _full(run.bags)
         out.update(_cache_metrics(run, before, wall, args.steps))
@@ -590,6 +693,8 @@ def run_variant(name, capacity, tables, data, args, device: torch.device) -> dic
     start = time.perf_counter()
     if name in CACHED:
         run = cached_run(name, capacity, tables, data, dense_model, args, device)
+    elif name in FBGEMM_VARIANTS:
+        run = fbgemm_run(name, capacity, tables, data, dense_model, args, device)
     else:
         run = plain_run(name, tables, data, dense_model, args, device)
     build_s = time.perf_counter() - start
@@ -601,14 +706,21 @@ def run_variant(name, capacity, tables, data, args, device: torch.device) -> dic
 
 def _plan(args) -> list[tuple[str, float | None]]:
     """The runs in order of what the issue's targets need first, should the run be cut short
-    (results are written after each): the baseline of all rows on the device, distcache,
-    without CUDA graphs, LRU, embeddings on the CPU, then the worker thread's staging."""
+    (results are written after each): the baseline (FBGEMM, all rows on the device), then per
+    capacity distcache and FBGEMM's UVM cache without and with prefetching, then distcache
+    without CUDA graphs, nn.EmbeddingBag with all rows on the device, LRU, embeddings on the
+    CPU, the worker thread's staging."""
     out: list[tuple[str, float | None]] = []
+    if "fbgemm_device" in args.variants:
+        out.append(("fbgemm_device", None))
+    for c in args.capacities:
+        for name in ("distcache", *FBGEMM_CACHED):
+            if name in args.variants:
+                out.append((name, c))
+    if "distcache_eager" in args.variants:
+        out += [("distcache_eager", c) for c in args.capacities]
     if "device" in args.variants:
         out.append(("device", None))
-    for name in ("distcache", "distcache_eager"):
-        if name in args.variants:
-            out += [(name, c) for c in args.capacities]
     if "lru" in args.variants:
         out += [("lru", c) for c in args.lru_capacities]
     if "cpu_embeddings" in args.variants:
@@ -627,10 +739,11 @@ def _report(results: list[dict], args, total_rows: int) -> None:
         r["loss_max_diff"] = max((abs(a - b) for a, b in pairs), default=0.0)
     for r in results:
         r["cap"] = "" if r.get("capacity") is None else f"{100 * r['capacity']:g} %"
-        if "samples_per_s" in r and base.get("device"):
-            r["x_device"] = r["samples_per_s"] / base["device"]
-        if "samples_per_s" in r and base.get("cpu_embeddings"):
-            r["x_cpu_embeddings"] = r["samples_per_s"] / base["cpu_embeddings"]
+        for name in ("fbgemm_device", "device", "cpu_embeddings"):
+            if "samples_per_s" in r and base.get(name):
+                r[f"x_{name}"] = r["samples_per_s"] / base[name]
+    # the baseline: FBGEMM with every row on the device where it ran, else nn.EmbeddingBag
+    ratio = "fbgemm_device" if base.get("fbgemm_device") else "device"
     print(
         f"\nCriteo {args.tables} tables / {args.scale:g}: {total_rows:,} rows x {args.dim} "
         f"({total_rows * args.dim * 4 / 1e9:.2f} GB fp32), batch {args.batch}, {args.device}, "
@@ -642,7 +755,7 @@ def _report(results: list[dict], args, total_rows: int) -> None:
             ("variant", "variant"),
             ("cap", "capacity"),
             ("samples_per_s", "samples/s"),
-            ("x_device", "x device"),
+            (f"x_{ratio}", f"x {ratio}"),
             ("x_cpu_embeddings", "x cpu emb"),
             ("hit_rate", "hit rate"),
             ("mb_staged_per_step", "MB staged/step"),
@@ -683,6 +796,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.max_warmup + args.warmup + args.steps + args.profile_steps
     data = Data(rows, args, steps + args.lookahead + 1, device)
     config = {**vars(args), "rows": list(rows), "total_rows": sum(rows)}
+    if any(name in FBGEMM_VARIANTS for name in args.variants):
+        config["fbgemm_gpu"] = fbgemm.describe()
     if device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(device)
     results: list[dict] = []

@@ -5,18 +5,23 @@
 # included, so run the `quick` stage first, in one command: it does issue 11's GPU checks in
 # order of importance within a budget of its own (QUICK_SECONDS, default 420 s), each step under
 # a time limit cut to what is left, and skips what no longer fits:
-#     run(command="bash benchmarks/gpu_session.sh quick", carry=[".whl"], timeout_s=480)
-# (without .whl the TorchRec tests skip; the rest runs). At most 7 files come back under $OUT
-# (the device tool returns 8). If device time is left, the stages below go on, one per call.
+#     run(command="bash benchmarks/gpu_session.sh quick", carry=[".fbg", ".whl"], timeout_s=480)
+# (without .whl the TorchRec tests skip, without .fbg the FBGEMM variants; the rest runs). At
+# most 7 files come back under $OUT (the device tool returns 8). If device time is left, the
+# stages below go on, one per call.
 #
-# Before, on a machine that reaches the package registry, at the project root: fill .whl/ with
-# TorchRec for the GPU machine (torchrec 1.6.1 + fbgemm-gpu-cpu 1.6.0, ~9 MB, git-ignored):
-#     bash ../shared/device/wheels.sh
+# Before, on a machine that reaches the package registry, at the project root: pack FBGEMM's
+# CUDA build for an H100/H200 into .fbg/ (~54 MB) and fill .whl/ with TorchRec without
+# fbgemm-gpu-cpu (~3 MB; both git-ignored):
+#     bash ../shared/device/fbgemm_cuda.sh && CUDA_FBGEMM=1 bash ../shared/device/wheels.sh
+# (.whl alone, from plain `wheels.sh`, brings fbgemm-gpu-cpu instead: TorchRec's CPU ops only.)
+# Every stage that needs them unpacks .fbg into /tmp/site first, then installs .whl there.
 # Then with the device tool, from the project root, one call per stage, in this order:
-#     run(command="bash benchmarks/gpu_session.sh tests",    carry=[".whl"], timeout_s=600)
-#     run(command="bash benchmarks/gpu_session.sh headline",                 timeout_s=600)
-#     run(command="bash benchmarks/gpu_session.sh kaggle",   carry=[".whl"], timeout_s=600)
-#     run(command="bash benchmarks/gpu_session.sh direct",                   timeout_s=600)
+#     run(command="bash benchmarks/gpu_session.sh fbgemm",   carry=[".fbg", ".whl"], timeout_s=600)
+#     run(command="bash benchmarks/gpu_session.sh tests",    carry=[".fbg", ".whl"], timeout_s=600)
+#     run(command="bash benchmarks/gpu_session.sh headline", carry=[".fbg"],         timeout_s=600)
+#     run(command="bash benchmarks/gpu_session.sh kaggle",   carry=[".fbg", ".whl"], timeout_s=600)
+#     run(command="bash benchmarks/gpu_session.sh direct",                           timeout_s=600)
 # and, where device time is left (the engine on the GPU alone, beside nn.EmbeddingBag there):
 #     run(command="bash benchmarks/gpu_session.sh engine",                   timeout_s=600)
 # Each stage writes its logs and JSON under $OUT (the device tool's output folder; ./gpu_out
@@ -27,21 +32,29 @@
 #   quick     for a 15-minute device session: pytest tests/gpu (sync debug mode 'error',
 #             run-ahead, CUDA == CPU) <= 150 s; gpu_headline.py at Criteo Terabyte's size
 #             (188 M rows, 48 GB of host rows), batches of 4096, 2 %, the caches full (about
-#             530 steps) before 200 timed steps: distcache (its CUDA defaults: graphs, direct
-#             staging), all rows on the device, LRU, embeddings on the CPU, the worker thread's
-#             staging (distcache_worker), without CUDA graphs (distcache_eager) <= 210 s
-#             (about 100 s on an H200); then
+#             530 steps) before 200 timed steps: FBGEMM's TBE with all rows on the device
+#             (TorchRec's fused), distcache (its CUDA defaults: graphs, direct staging),
+#             FBGEMM's UVM cache without and with prefetching (fused_uvm_caching), all rows on
+#             the device in nn.EmbeddingBag, LRU, embeddings on the CPU, the worker thread's
+#             staging (distcache_worker), without CUDA graphs (distcache_eager) <= 270 s; then
 #             engine_throughput.py on the GPU with what is left: forward + backward at 100/5/1 %,
 #             ops per step, and host ms per step at negligible compute (is the host the
 #             bottleneck: each op a kernel launch?); `distcache calibrate` of the GPU
 #             (--quick) for benchmarks/planner_vs_gpu.py                                 ~7 min
+#   fbgemm    issue 33's comparison: a small run of the FBGEMM variants first (checks them
+#             before the big ones), then at Criteo Terabyte's size, batches of 4096, 200 timed
+#             steps: FBGEMM's TBE with all rows on the device, distcache, FBGEMM's UVM cache
+#             without and with prefetching at 2 % (FBGEMM_CAPACITIES), with SGD and then with
+#             row-wise Adagrad                                                          ~9 min
 #   tests     pytest tests/gpu (TorchRec ones need .whl), host-sync report, a small CUDA run of
 #             gpu_headline.py (checks the script before the big run)                  ~4 min
-#   headline  gpu_headline.py at Criteo Terabyte size (48 GB of rows in host memory): distcache
-#             and lru at 2 %, all rows on the device, embeddings on the CPU; then 1 %  ~8 min
+#   headline  gpu_headline.py at Criteo Terabyte size (48 GB of rows in host memory): its
+#             default variants (FBGEMM's TBE all on the device and its UVM cache with and
+#             without prefetching, distcache, lru at 2 %, nn.EmbeddingBag on the device,
+#             embeddings on the CPU); then distcache and FBGEMM's UVM caches at 1 %     ~9 min
 #   kaggle    throughput.py --device cuda (TorchRec DMP; see its notes below), and the same
 #             comparison without TorchRec: gpu_headline.py --tables kaggle at 100/5/2/1 % + lru
-#             at 5/2 % + device + cpu_embeddings                                        ~6 min
+#             at 5/2 % + FBGEMM's three + device + cpu_embeddings                       ~8 min
 #   direct    the two staging designs (issue 11) at Criteo Terabyte size, 2 %: the staging
 #             stream addressing pinned host rows (distcache, the CUDA default) and the worker
 #             thread (distcache_worker); then the same at Kaggle size, dim 16            ~7 min
@@ -50,10 +63,10 @@
 #             (issue 11's 5 % against 100 % target), ops and host ms per step, the
 #             scheduler's ids/s at L = 8/64/256                                       ~3 min
 #
-# throughput.py on this machine: its 'torchrec' variant needs FBGEMM's CUDA kernels (absent:
-# fbgemm-gpu-cpu only), and its batches move their KeyedJaggedTensors to the GPU, where
-# TorchRec's FBGEMM ops fail. It runs here under a time limit so its log shows where it stops;
-# the kaggle stage's gpu_headline.py run measures the same variants without TorchRec.
+# throughput.py on this machine: its 'torchrec' variant needs FBGEMM's CUDA kernels (.fbg;
+# with fbgemm-gpu-cpu only, its batches' KeyedJaggedTensors on the GPU make TorchRec's FBGEMM
+# ops fail). It runs under a time limit so its log shows where it stops; the kaggle stage's
+# gpu_headline.py run measures the same variants without TorchRec.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -85,13 +98,37 @@ step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NA
     fi
 }
 
-install_torchrec() {  # the install prefix printed by ../shared/device/wheels.sh
-    if ! compgen -G ".whl/*.whl" >/dev/null; then
+FBG=.fbg/fbgemm_gpu-1.6.0-sm90.tar.zst  # made by ../shared/device/fbgemm_cuda.sh
+
+install_packages() {  # the install prefixes of fbgemm_cuda.sh (.fbg), then of wheels.sh (.whl)
+    local fbgemm=0 wheels=()
+    mkdir -p /tmp/site
+    if [ -s "$FBG" ]; then
+        export CUDA_MODULE_LOADING=LAZY
+        local z
+        z=$(command -v zstd || echo .fbg/zstd)
+        [ -x "$z" ] || chmod +x "$z" 2>/dev/null
+        if "$z" -dc --long=27 "$FBG" | tar xf - -C /tmp/site; then
+            fbgemm=1
+            export PYTHONPATH=/tmp/site:$PYTHONPATH
+        else
+            echo "could not unpack $FBG: the FBGEMM variants skip"
+            status=1
+        fi
+    else
+        echo "no $FBG here: the FBGEMM variants skip (run ../shared/device/fbgemm_cuda.sh, carry .fbg)"
+    fi
+    for w in .whl/*.whl; do  # fbgemm-gpu-cpu would replace the CUDA build's fbgemm_gpu
+        [ -e "$w" ] || continue
+        [ "$fbgemm" = 1 ] && [[ $(basename "$w") == fbgemm_gpu_cpu-* ]] && continue
+        wheels+=("$w")
+    done
+    if [ ${#wheels[@]} -eq 0 ]; then
         echo "no .whl/ here: TorchRec tests skip (run ../shared/device/wheels.sh, carry .whl)"
         return
     fi
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+        --target /tmp/site "${wheels[@]}" && export PYTHONPATH=/tmp/site:$PYTHONPATH
 }
 
 environment() {
@@ -101,12 +138,13 @@ environment() {
         free -g || true
         nproc
         $PY -c "import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+        $PY -c "import fbgemm_gpu as f; print('fbgemm_gpu', f.__version__, f.__variant__)" 2>&1 | tail -1
         $PY -c "import torchrec, fbgemm_gpu; print('torchrec', torchrec.__version__)" 2>&1 | tail -1
     } 2>&1 | tee "$OUT/environment.txt"
 }
 
 stage_tests() {
-    install_torchrec
+    install_packages
     environment
     export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json  # written by test_overlap_cuda.py
     step pytest_gpu 420 $PY -m pytest tests/gpu -q -p no:cacheprovider \
@@ -115,21 +153,38 @@ stage_tests() {
         --steps 10 --max-warmup 300 --json "$OUT/gpu_headline_smoke.json"
 }
 
-stage_headline() {
+stage_fbgemm() {
+    install_packages
     environment
-    step headline_terabyte 420 $PY benchmarks/gpu_headline.py --device cuda \
+    local variants=fbgemm_device,distcache,fbgemm_uvm,fbgemm_uvm_prefetch
+    step fbgemm_smoke 90 $PY benchmarks/gpu_headline.py --device cuda --scale 100 \
+        --variants $variants --steps 10 --warmup 2 --max-warmup 300 --profile-steps 0 \
+        --json "$OUT/gpu_headline_fbgemm_smoke.json"
+    for opt in sgd rowwise_adagrad; do
+        step "fbgemm_$opt" 240 $PY benchmarks/gpu_headline.py --device cuda --batch 4096 \
+            --optimizer $opt --variants $variants --capacities "${FBGEMM_CAPACITIES:-0.02}" \
+            --max-warmup 2000 --warmup 20 --steps 200 --profile-steps 2 \
+            --json "$OUT/gpu_headline_fbgemm_$opt.json"
+    done
+}
+
+stage_headline() {
+    install_packages
+    environment
+    step headline_terabyte 360 $PY benchmarks/gpu_headline.py --device cuda \
         --capacities 0.02 --lru-capacities 0.02 --json "$OUT/gpu_headline_terabyte.json"
-    step headline_terabyte_1pct 150 $PY benchmarks/gpu_headline.py --device cuda \
-        --variants distcache --capacities 0.01 --json "$OUT/gpu_headline_terabyte_1pct.json"
+    step headline_terabyte_1pct 200 $PY benchmarks/gpu_headline.py --device cuda \
+        --variants fbgemm_device,distcache,fbgemm_uvm,fbgemm_uvm_prefetch --capacities 0.01 \
+        --json "$OUT/gpu_headline_terabyte_1pct.json"
 }
 
 stage_kaggle() {
-    install_torchrec
+    install_packages
     environment
     step throughput_cuda 180 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
         --capacities 1.0,0.05,0.02,0.01 --lru-capacities 0.05,0.02 --warmup 10 --steps 30 \
         --threads 8 --timeout 170 --json "$OUT/throughput_cuda_kaggle.json"
-    step headline_kaggle 330 $PY benchmarks/gpu_headline.py --device cuda --tables kaggle \
+    step headline_kaggle 400 $PY benchmarks/gpu_headline.py --device cuda --tables kaggle \
         --dim 16 --capacities 1.0,0.05,0.02,0.01 --lru-capacities 0.05,0.02 --max-warmup 400 \
         --json "$OUT/gpu_headline_kaggle.json"
 }
@@ -152,7 +207,7 @@ stage_engine() {
 
 stage_quick() {
     DEADLINE=$(($(date +%s) + ${QUICK_SECONDS:-420}))
-    install_torchrec
+    install_packages
     environment
     export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json
     # The sync and run-ahead checks first (pytest would run the files in name order), each
@@ -161,9 +216,10 @@ stage_quick() {
     step pytest_gpu 150 bash -c "$PY -m pytest $first -v -p no:cacheprovider -rs; a=\$?; \
         $PY -m pytest tests/gpu ${first//tests/--ignore=tests} -v -p no:cacheprovider -rs; \
         b=\$?; exit \$((a | b))"
-    step headline_quick 210 $PY benchmarks/gpu_headline.py --device "${QUICK_DEVICE:-cuda}" \
+    local rest=cpu_embeddings,distcache_worker,distcache_eager
+    step headline_quick 270 $PY benchmarks/gpu_headline.py --device "${QUICK_DEVICE:-cuda}" \
         --scale "${QUICK_SCALE:-1}" --batch 4096 --capacities 0.02 --lru-capacities 0.02 \
-        --variants distcache,lru,device,cpu_embeddings,distcache_worker,distcache_eager \
+        --variants "fbgemm_device,distcache,fbgemm_uvm,fbgemm_uvm_prefetch,lru,device,$rest" \
         --max-warmup 2000 --warmup 20 --steps 200 --profile-steps 2 \
         --json "$OUT/gpu_headline_quick.json"
     step engine_quick 120 $PY benchmarks/engine_throughput.py --device "${QUICK_DEVICE:-cuda}" \
@@ -177,13 +233,14 @@ stage_quick() {
 
 case "${1:-}" in
     quick) stage_quick ;;
+    fbgemm) stage_fbgemm ;;
     tests) stage_tests ;;
     engine) stage_engine ;;
     direct) stage_direct ;;
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|fbgemm|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac

@@ -1,9 +1,10 @@
 """The planner's cost model against a GPU measurement: `gpu_headline.py`'s results.
 
-For each measured variant of a headline JSON (one GPU; all rows on the device, and distcache's
-look-ahead and LRU caches at their capacities), the planner prices the same workload (the
-headline's tables, dim, batch, power law and dense MLPs) on a topology (a preset, or a
-`distcache calibrate` JSON of that machine) and compares:
+For each measured variant of a headline JSON (one GPU; all rows on the device, distcache's
+look-ahead and LRU caches and FBGEMM's LRU caches, priced as reactive ones, at their
+capacities), the planner prices the same workload (the headline's tables, dim, batch, power
+law and dense MLPs) on a topology (a preset, or a `distcache calibrate` JSON of that machine)
+and compares:
 - the step: modelled (dense + lookup + exposed staging) against measured (ms per step);
 - rows loaded per step: the planner's own figure, one cache per table (each its fraction of
   its own rows, as the planner plans caches: `table_plan_terms`), and one cache as large
@@ -85,8 +86,8 @@ def compare(results: dict, topology: Topology) -> list[dict]:
         if "step_ms" not in r or r["variant"] == "cpu_embeddings":
             continue
         cached = r.get("capacity") is not None
-        if cached:
-            lookahead = r["variant"] != "lru"
+        if cached:  # the reactive caches (LRU; FBGEMM's) see no batch ahead
+            lookahead = r["variant"] not in ("lru", "fbgemm_uvm", "fbgemm_uvm_prefetch")
             plan = uniform_plan(
                 workload, topology, TABLE_WISE, storage=HOST_CACHED,
                 cache_fraction=r["capacity"],

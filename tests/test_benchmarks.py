@@ -1,5 +1,6 @@
 """Smoke runs of the benchmarks: tiny sizes, in a subprocess, JSON checked."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -90,6 +91,9 @@ def test_engine_throughput_smoke(tmp_path):
         "lru 0.05",
     }
     assert all(ms > 0 for ms in host.values())
+    capacity = [r for r in payload["results"] if r["bench"] == "capacity"]
+    assert [r["variant"] for r in capacity] == ["1 %", "5 %", "20 %"]
+    assert all(r["evictions_per_batch"] > 0 and r["x_fastest"] >= 1.0 for r in capacity)
 
 
 @pytest.mark.timeout(150)
@@ -166,27 +170,50 @@ def test_source_digest_names_the_code_not_the_results(tmp_path):
     assert source_digest(tmp_path) != first
 
 
-@pytest.mark.timeout(240)
-def test_gpu_headline_on_cpu_and_the_planner_against_it(tmp_path):
-    """gpu_headline.py's variants at a tiny scale on CPU (the quick GPU stage's command), then
-    planner_vs_gpu.py on its results: each measured variant priced, loads modelled both ways."""
-    headline, compared = tmp_path / "headline.json", tmp_path / "planner.json"
+def _headline(tmp_path, *extra: str) -> list[dict]:
+    """gpu_headline.py on CPU at a tiny scale with `extra` arguments: its results."""
+    out = tmp_path / "headline.json"
     argv = [
         "--device", "cpu", "--scale", "4000", "--batch", "64", "--steps", "3", "--warmup", "1",
         "--max-warmup", "40", "--capacities", "0.05", "--lru-capacities", "0.05",
-        "--variants", "device,distcache,distcache_worker,distcache_eager,lru",
-        "--profile-steps", "0", "--json", str(headline),
+        "--profile-steps", "0", "--json", str(out), *extra,
     ]  # fmt: skip
-    for script, args in (("gpu_headline.py", argv), ("planner_vs_gpu.py", [str(headline)])):
-        if script == "planner_vs_gpu.py":
-            args = [*args, "--json", str(compared)]
-        run = subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / script), *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=200,
-        )  # fmt: skip
-        assert run.returncode == 0, script + run.stdout[-2000:] + run.stderr[-4000:]
-    measured = {r["variant"] for r in json.loads(headline.read_text())["results"]}
-    assert measured == {"device", "distcache", "distcache_worker", "distcache_eager", "lru"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_headline.py"), *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.mark.timeout(240)
+def test_gpu_headline_on_cpu_and_the_planner_against_it(tmp_path):
+    """gpu_headline.py's variants at a tiny scale on CPU (the quick GPU stage's command), then
+    planner_vs_gpu.py on its results: each measured variant priced, loads modelled both ways.
+    FBGEMM's TBE with every row in memory (its CPU kernels) trains as nn.EmbeddingBag and
+    distcache do, from the same rows: the same losses; its UVM caches skip, CUDA only."""
+    fbgemm = importlib.util.find_spec("fbgemm_gpu") is not None
+    variants = "fbgemm_device,fbgemm_uvm,fbgemm_uvm_prefetch,device,distcache"
+    results = _headline(tmp_path, "--variants", f"{variants},distcache_worker,distcache_eager,lru")
+    by_name = {r["variant"]: r for r in results}
+    measured = {r["variant"] for r in results if "samples_per_s" in r}
+    assert measured == {"device", "distcache", "distcache_worker", "distcache_eager", "lru"} | (
+        {"fbgemm_device"} if fbgemm else set()
+    )
+    for name in ("fbgemm_uvm", "fbgemm_uvm_prefetch"):
+        assert "CUDA only" in by_name[name]["skipped"] or not fbgemm
+    if fbgemm:
+        assert by_name["fbgemm_device"]["x_fbgemm_device"] == 1.0
+        assert by_name["device"]["x_fbgemm_device"] > 0 and by_name["device"]["x_device"] == 1.0
+        for name in ("device", "distcache", "lru"):  # against fbgemm_device's losses
+            assert by_name[name]["loss_max_diff"] < 1e-5, name
+    headline, compared = tmp_path / "headline.json", tmp_path / "planner.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "planner_vs_gpu.py"), str(headline),
+         "--json", str(compared)],
+        cwd=ROOT, capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     rows = {r["variant"]: r for r in json.loads(compared.read_text())["results"]}
     assert rows.keys() == measured
     for name in ("distcache", "distcache_worker", "distcache_eager"):
@@ -194,3 +221,24 @@ def test_gpu_headline_on_cpu_and_the_planner_against_it(tmp_path):
         assert row["measured_loads"] >= 0 and row["loads_shared_cache"] >= 0
         assert row["loads_per_table_caches"] >= row["loads_shared_cache"]  # sharing never loses
     assert rows["device"]["modelled_x_device"] == 1.0
+
+
+@pytest.mark.timeout(240)
+def test_gpu_headline_rowwise_adagrad_on_cpu(tmp_path):
+    """--optimizer rowwise_adagrad: distcache's row-wise Adagrad and FBGEMM's
+    EXACT_ROWWISE_ADAGRAD (its CPU kernels) give the same losses over a dozen steps;
+    nn.EmbeddingBag, which has none, skips with the reason."""
+    fbgemm = importlib.util.find_spec("fbgemm_gpu") is not None
+    results = _headline(
+        tmp_path, "--optimizer", "rowwise_adagrad", "--warmup", "10",
+        "--variants", "fbgemm_device,distcache,lru,device",
+    )  # fmt: skip
+    by_name = {r["variant"]: r for r in results}
+    assert "rowwise_adagrad" in by_name["device"]["skipped"]
+    assert by_name["distcache"]["critical_misses"] == 0
+    if not fbgemm:
+        assert "fbgemm_gpu" in by_name["fbgemm_device"]["skipped"]
+        return
+    assert len(by_name["fbgemm_device"]["losses"]) == 13
+    for name in ("distcache", "lru"):
+        assert by_name[name]["loss_max_diff"] < 1e-5, name
