@@ -25,6 +25,8 @@ copy of the tables at a time), all from the same initial weights and batches:
   rows itself; no worker thread);
 - distcache_worker (only if named in --variants): distcache with `staging="worker"` (a thread
   waits for each plan and copies its rows over: the default before 2026-11-26);
+- distcache_torch (only if named in --variants): distcache with `kernel="torch"` (lookups and
+  updates by torch's ops over the slots instead of FBGEMM's TBE);
 - distcache_eager (only if named in --variants): distcache with `cuda_graphs=False` (every
   kernel of a batch's routing and scheduling launched one by one: the default before 2026-11-26);
 - lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
@@ -106,8 +108,9 @@ VARIANTS = (
     "cpu_embeddings",
     "distcache_worker",
     "distcache_eager",
+    "distcache_torch",
 )
-CACHED = ("distcache", "distcache_worker", "distcache_eager", "lru")
+CACHED = ("distcache", "distcache_worker", "distcache_eager", "distcache_torch", "lru")
 DEFAULT_VARIANTS = VARIANTS[:7]  # distcache_worker and _eager on request (--variants)
 PLAIN_OPTIMIZERS = ("sgd",)  # what `device` and `cpu_embeddings` (torch.optim) train with
 _BLOCK = 1 << 22  # floats in the random block tiled over the rows
@@ -381,6 +384,7 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
         learning_rate=args.lr,
         staging="worker" if name == "distcache_worker" else None,
         cuda_graphs=False if name == "distcache_eager" else None,
+        kernel="torch" if name == "distcache_torch" else None,
     )
     bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
     dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)
@@ -719,6 +723,8 @@ def _plan(args) -> list[tuple[str, float | None]]:
                 out.append((name, c))
     if "distcache_eager" in args.variants:
         out += [("distcache_eager", c) for c in args.capacities]
+    if "distcache_torch" in args.variants:
+        out += [("distcache_torch", c) for c in args.capacities]
     if "device" in args.variants:
         out.append(("device", None))
     if "lru" in args.variants:

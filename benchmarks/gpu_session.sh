@@ -231,16 +231,76 @@ stage_quick() {
         --ranks 1 --quick --timeout 80 --out "$OUT/calibrated_gpu.json"
 }
 
+pack_out() {  # at most 8 files come back from the device tool: one archive of them all
+    (cd "$OUT" && tar czf "../$(basename "$OUT").tgz" . && rm -rf ./* && mv "../$(basename "$OUT").tgz" all.tgz)
+}
+
+# Issue 33 (ahead of FBGEMM's UVM cache) in two calls of one 15-minute session, each within a
+# budget of its own (ISSUE33_SECONDS), in order of importance, outputs packed into all.tgz:
+#     run(command="bash benchmarks/gpu_session.sh issue33a", carry=[".fbg", ".whl"], timeout_s=570)
+#     run(command="bash benchmarks/gpu_session.sh issue33b", carry=[".fbg", ".whl"], timeout_s=330)
+stage_issue33() {  # what fits one call when about 5 minutes of device time are left
+    DEADLINE=$(($(date +%s) + ${ISSUE33_SECONDS:-245}))
+    install_packages
+    environment
+    step terabyte_2pct 190 $PY benchmarks/gpu_headline.py --device cuda --batch 4096 \
+        --variants fbgemm_device,distcache,fbgemm_uvm,fbgemm_uvm_prefetch,distcache_torch \
+        --capacities 0.02 --max-warmup 1500 --warmup 10 --steps 100 --profile-steps 1 \
+        --json "$OUT/headline_terabyte_2pct.json"
+    step engine_capacity 45 $PY benchmarks/engine_throughput.py --device cuda \
+        --skip scheduler,fwd,bytes,ops,host --cap-fractions 0.01,0.02,0.05,0.1 \
+        --rounds 3 --sched-steps 4 --sched-warmup 4 --json "$OUT/engine_capacity_cuda.json"
+    pack_out
+}
+
+stage_issue33a() {
+    DEADLINE=$(($(date +%s) + ${ISSUE33_SECONDS:-530}))
+    install_packages
+    environment
+    local v=fbgemm_device,distcache,fbgemm_uvm,fbgemm_uvm_prefetch
+    step smoke 75 $PY benchmarks/gpu_headline.py --device cuda --scale 100 \
+        --variants $v,distcache_torch --steps 10 --warmup 2 --max-warmup 300 --profile-steps 0 \
+        --json "$OUT/headline_smoke.json"
+    step terabyte_2pct 170 $PY benchmarks/gpu_headline.py --device cuda --batch 4096 \
+        --variants $v,distcache_torch --capacities 0.02 --max-warmup 2000 --warmup 20 \
+        --steps 200 --profile-steps 2 --json "$OUT/headline_terabyte_2pct.json"
+    step terabyte_5_1pct 200 $PY benchmarks/gpu_headline.py --device cuda --batch 4096 \
+        --variants $v --capacities 0.05,0.01 --max-warmup 2000 --warmup 20 \
+        --steps 200 --profile-steps 2 --json "$OUT/headline_terabyte_5_1pct.json"
+    step engine_capacity 60 $PY benchmarks/engine_throughput.py --device cuda \
+        --skip scheduler,fwd,bytes,ops,host --cap-fractions 0.01,0.02,0.05,0.1 \
+        --rounds 3 --json "$OUT/engine_capacity_cuda.json"
+    pack_out
+}
+
+stage_issue33b() {
+    DEADLINE=$(($(date +%s) + ${ISSUE33_SECONDS:-300}))
+    install_packages
+    local v=fbgemm_device,distcache,fbgemm_uvm,fbgemm_uvm_prefetch
+    export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json
+    step pytest_gpu 130 $PY -m pytest tests/gpu -q -p no:cacheprovider -rs
+    step terabyte_adagrad 110 $PY benchmarks/gpu_headline.py --device cuda --batch 4096 \
+        --optimizer rowwise_adagrad --variants $v --capacities 0.02 --max-warmup 2000 \
+        --warmup 20 --steps 100 --profile-steps 0 --json "$OUT/headline_terabyte_adagrad.json"
+    step kaggle 60 $PY benchmarks/gpu_headline.py --device cuda --tables kaggle --dim 16 \
+        --variants $v --capacities 0.05,0.02 --max-warmup 600 --warmup 20 --steps 100 \
+        --profile-steps 0 --json "$OUT/headline_kaggle.json"
+    pack_out
+}
+
 case "${1:-}" in
     quick) stage_quick ;;
     fbgemm) stage_fbgemm ;;
+    issue33) stage_issue33 ;;
+    issue33a) stage_issue33a ;;
+    issue33b) stage_issue33b ;;
     tests) stage_tests ;;
     engine) stage_engine ;;
     direct) stage_direct ;;
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|fbgemm|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|fbgemm|issue33|issue33a|issue33b|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac

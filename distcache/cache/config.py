@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from distcache.cache.tbe import TBE_OPTIMIZERS, tbe_unsupported
 from distcache.errors import DistcacheConfigError
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ HOT_REDUCE = (HOT_ALL, HOT_TOUCHED)
 # rows) and zipf traces (5 %, 10 %), batches of 64-256 (benchmarks/results/lookahead_sweep_*).
 DEFAULT_LOOKAHEAD = 64
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+KERNELS = ("fbgemm", "torch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +69,16 @@ class CacheConfig:
     with 'worker' (README, "Results on a GPU"). On CPU both run on the training thread
     ('worker' copies the rows that move, 'direct' every padded entry): there is no device to
     wait for, and a second thread would compete for the cores of its OpenMP team."""
+    kernel: str | None = None
+    """What looks rows up and applies the fused optimizer in backward: 'fbgemm' (FBGEMM's
+    table-batched embedding, TBE, run over the cache's slots: one forward and one backward
+    kernel per cache, the optimizer fused, the cache its storage; `distcache.cache.tbe`) or
+    'torch' (`F.embedding_bag` over the slots, the update by index_add_/index_copy_). Both
+    compute the same update. None (the default): 'fbgemm' where FBGEMM's TBE computes the
+    optimizer as distcache defines it for the cache's rows (fbgemm_gpu installed, with CUDA
+    kernels on a GPU; SGD, Adagrad or row-wise Adagrad, not Adam; a width that is a multiple of
+    4; fp32 or fp16 rows), else 'torch'. 'fbgemm' where it cannot is an error when the cache
+    is built."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
@@ -127,6 +139,15 @@ class CacheConfig:
             _fail("staging", self.staging, f"one of {STAGING}, or None (direct for CUDA)")
         if self.optimizer not in OPTIMIZERS:
             _fail("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+        if self.kernel is not None and self.kernel not in KERNELS:
+            _fail("kernel", self.kernel, f"one of {KERNELS}, or None (fbgemm where it can)")
+        if self.kernel == "fbgemm" and self.optimizer not in TBE_OPTIMIZERS:
+            _fail(
+                "kernel",
+                self.kernel,
+                f"'torch' or None with optimizer={self.optimizer!r}: FBGEMM's TBE runs "
+                f"{tuple(TBE_OPTIMIZERS)} as distcache defines them",
+            )
         if not isinstance(self.check_ids, bool):
             _fail("check_ids", self.check_ids, "True or False")
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
@@ -157,6 +178,24 @@ class CacheConfig:
     def graphs_on(self, device: torch.device) -> bool:
         """Whether the per-batch work replays as graphs on `device` (`cuda_graphs`)."""
         return device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+
+    def kernel_on(self, device: torch.device, dtype: torch.dtype, dim: int) -> str:
+        """The kernel (`kernel`) that serves a cache of `dim`-wide `dtype` rows on `device`.
+
+        Raises:
+            DistcacheConfigError: `kernel='fbgemm'` where FBGEMM's TBE cannot serve the cache.
+        """
+        if self.kernel == "torch":
+            return "torch"
+        reason = tbe_unsupported(optimizer=self.optimizer, dim=dim, dtype=dtype, device=device)
+        if reason is None:
+            return "fbgemm"
+        if self.kernel == "fbgemm":
+            raise DistcacheConfigError(
+                f"CacheConfig.kernel='fbgemm' cannot serve {dim}-wide {dtype} rows on "
+                f"{device}: {reason}; use kernel='torch' or None"
+            )
+        return "torch"
 
     @property
     def is_reactive(self) -> bool:

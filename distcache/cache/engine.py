@@ -4,14 +4,14 @@ A shard is one or more tables of the same width whose rows are concatenated into
 (table t's row r is engine row `row_offset[t] + r`), so one cache serves them all and the hot
 rows of any table compete for the same slots.
 
-The per-batch path (`enqueue`, `prefetch`, `lookup_plan`, `apply_gradients`, `release`) never
-reads the device back on the training thread: the scheduler runs on its own stream with
-fixed-shape buffers, the stager's worker thread moves rows and is the only one that waits (on
-CUDA; on CPU a plan's copies run when it is submitted), and a lookup waits for its rows on the
-device (an event). What the device alone knows (a cache too small for the batches in flight,
-invalid ids flagged by the caller) reaches the host with the plan's counts, which the worker
-has already waited for; the error is raised at the batch's lookup, before it reads a row, after
-every evicted dirty row has been written back.
+The per-batch path (`enqueue`, `prefetch`, `lookup_plan`, `apply_gradients` or
+`apply_tbe_gradients`, `release`) never reads the device back on the training thread: the
+scheduler runs on its own stream with fixed-shape buffers, the stager's worker thread moves rows
+and is the only one that waits (on CUDA; on CPU a plan's copies run when it is submitted), and a
+lookup waits for its rows on the device (an event). What the device alone knows (a cache too
+small for the batches in flight, invalid ids flagged by the caller) reaches the host with the
+plan's counts, which the worker has already waited for; the error is raised at the batch's
+lookup, before it reads a row, after every evicted dirty row has been written back.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler, StagePlan
 from distcache.cache.stager import Stager
 from distcache.cache.streams import Streams
+from distcache.cache.tbe import TbeKernel
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
 
 #: The dtypes rows may have (a TorchRec table's `data_type`: FP32, FP16, BF16).
@@ -83,6 +84,8 @@ class CacheEngine:
         dtype: the rows' dtype in the host store, the cache and on the wire (float32, or
             float16 / bfloat16 for half the bytes). The optimizer state stays float32, and an
             update is computed in float32 and rounded to nearest (no stochastic rounding).
+        pooled: the cache's lookups pool bags (`CachedEmbeddingBags`), rather than return
+            each id's row (`CachedEmbeddings`); FBGEMM's kernel is built for one or the other.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class CacheEngine:
         name: str = "cache",
         capacity: int | None = None,
         dtype: torch.dtype = torch.float32,
+        pooled: bool = True,
     ):
         if dtype not in ROW_DTYPES:
             raise DistcacheConfigError(
@@ -114,10 +118,20 @@ class CacheEngine:
         capacity = config.capacity_rows(num_rows) if capacity is None else capacity
         # Two more rows: the sentinel slot (padding and invalid ids read its zeros) and the
         # trash slot (direct staging's padding lands there; nothing reads it).
-        self.weights = torch.zeros(
-            capacity + 2, dim, dtype=dtype, device=device
-        )  # [capacity + 2, dim]
-        self.state = torch.zeros(capacity + 2, state_dim, device=device)
+        slots = capacity + 2
+        self.kernel = config.kernel_on(device, dtype, dim)
+        # FBGEMM's TBE over the slots (`kernel='fbgemm'`): its tensors are the cache's rows.
+        self.tbe: TbeKernel | None = None
+        if self.kernel == "fbgemm":
+            self.tbe = TbeKernel(
+                slots=slots, dim=dim, dtype=dtype, config=config, optimizer=self.optimizer,
+                device=device, pooled=pooled,
+            )  # fmt: skip
+            self.weights, self.state = self.tbe.weights, self.tbe.state
+        else:
+            self.weights = torch.zeros(slots, dim, dtype=dtype, device=device)
+            self.state = torch.zeros(slots, state_dim, device=device)
+        # weights: [capacity + 2, dim]; state: [capacity + 2, state_dim] float32
         self.scheduler = Scheduler(
             num_rows,
             capacity,
@@ -214,7 +228,7 @@ class CacheEngine:
         bag_of_id: torch.Tensor | None,
         id_weights: torch.Tensor | None = None,
     ) -> None:
-        """Fused optimizer step on the batch's rows.
+        """Fused optimizer step on the batch's rows (the torch kernel's).
 
         Args:
             plan: the batch's staging plan (its rows are pinned).
@@ -224,12 +238,7 @@ class CacheEngine:
             id_weights: each id's weight `[n]` (weighted features): its row's gradient is its
                 bag's gradient times the weight.
         """
-        if plan not in self._active:
-            raise LookaheadWindowError(
-                f"{self.name}: backward of batch {plan.seq} ran after its rows were released "
-                "(a later forward started first). distcache updates rows in backward: run "
-                "backward before the next forward."
-            )
+        self._check_active(plan)
         if self.optimizer.per_id and self.weights.dtype == torch.float32:
             # Stateless and linear (SGD): scatter-add each id's step -lr * g, as a sparse SGD
             # step does. Scaling the few bags first is cheaper than index_add_(alpha=...).
@@ -253,6 +262,34 @@ class CacheEngine:
             self.optimizer.update(weights, state, grad)
             self.weights.index_copy_(0, plan.slots, weights.to(self.weights.dtype))
             self.state.index_copy_(0, plan.slots, state)
+        self._updated(plan)
+
+    def apply_tbe_gradients(
+        self, plan: StagePlan, output: torch.Tensor, grad: torch.Tensor
+    ) -> None:
+        """Fused optimizer step on the batch's rows by FBGEMM's backward (`kernel='fbgemm'`).
+
+        Args:
+            plan: the batch's staging plan (its rows are pinned).
+            output: the batch's lookup as `TbeKernel.lookup` returned it under grad mode.
+            grad: its gradient (mean scaling applied).
+        """
+        self._check_active(plan)
+        self.tbe.update(output, grad)
+        self._updated(plan)
+
+    def _check_active(self, plan: StagePlan) -> None:
+        """Refuse to update rows that may already hold other rows (before any change)."""
+        if plan not in self._active:
+            raise LookaheadWindowError(
+                f"{self.name}: backward of batch {plan.seq} ran after its rows were released "
+                "(a later forward started first). distcache updates rows in backward: run "
+                "backward before the next forward."
+            )
+
+    def _updated(self, plan: StagePlan) -> None:
+        """After a batch's update: the sentinel slot back to zeros (padding and duplicates
+        may have updated it), the optimizer's step counted, the batch released."""
         sentinel = self.scheduler.residency.sentinel_slot
         self.weights[sentinel].zero_()
         if self.state.shape[1]:

@@ -149,6 +149,9 @@ class CachedEmbeddingBags(nn.Module):
         out.sum().backward()                      # fused SGD update on the cached rows
     """
 
+    #: Lookups sum bags (a kernel is built for pooled or per-id lookups).
+    _pooled = True
+
     def __init__(
         self,
         tables: list[TableSpec],
@@ -195,6 +198,7 @@ class CachedEmbeddingBags(nn.Module):
                 # The tables share one cache as large as their own caches together.
                 capacity=sum(config.capacity_rows(n) for n in sizes),
                 dtype=dtype,
+                pooled=self._pooled,
             )
             starts = [sum(sizes[:k]) for k in range(len(sizes))]
             features = [f for f, t in enumerate(fmap) if t in members]
@@ -275,7 +279,7 @@ class CachedEmbeddingBags(nn.Module):
             if train:
                 pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
             else:
-                pooled = _pool(engine.weights, plan, batch, id_weights)
+                pooled, _ = _pool(engine, plan, batch, id_weights)
                 engine.release(plan)
             pooled = pooled.view(len(group.features), batch_size, engine.dim)
             # unbind: one backward for all features (indexing each would zero-fill a gradient
@@ -520,41 +524,54 @@ class CachedEmbeddingBags(nn.Module):
 
 
 def _pool(
-    weights: torch.Tensor,
+    engine: CacheEngine,
     plan: StagePlan,
     batch: _GroupBatch,
     id_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
+    *,
+    train: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pooled rows `[bags, dim]` (float32) of a staged batch, read from the cache, each row
-    scaled by its id's weight when there are weights."""
-    ids = plan.id_slots
-    if weights.dtype != torch.float32:  # half rows: summed in float32, as FBGEMM does
-        weights = weights.index_select(0, ids).float()  # [n, dim]
-        ids = torch.arange(ids.numel(), device=ids.device)
-    pooled = F.embedding_bag(
-        ids,
-        weights,
-        batch.offsets,
-        mode="sum",
-        include_last_offset=True,
-        per_sample_weights=id_weights,
-    )
+    scaled by its id's weight when there are weights; and, with FBGEMM's kernel in training,
+    the bags' sums as its TBE returned them, whose backward updates the rows."""
+    if engine.tbe is not None:
+        with torch.enable_grad() if train else torch.no_grad():
+            summed = engine.tbe.lookup(
+                plan.id_slots, batch.offsets, id_weights, padded=batch.extra_bag
+            )
+        fused, pooled = (summed if train else None), summed.detach()
+    else:
+        fused, weights, ids = None, engine.weights, plan.id_slots
+        if weights.dtype != torch.float32:  # half rows: summed in float32, as FBGEMM does
+            weights = weights.index_select(0, ids).float()  # [n, dim]
+            ids = torch.arange(ids.numel(), device=ids.device)
+        pooled = F.embedding_bag(
+            ids,
+            weights,
+            batch.offsets,
+            mode="sum",
+            include_last_offset=True,
+            per_sample_weights=id_weights,
+        )
     if batch.bag_divisor is not None:
         pooled = pooled / batch.bag_divisor.unsqueeze(1)
-    return pooled
+    return pooled, fused
 
 
 class _CachedPooledLookup(torch.autograd.Function):
     """Lookup whose backward applies the fused optimizer to the cached rows.
 
     `anchor` is a scalar that requires grad, so the output is part of the autograd graph
-    although the cache itself is not a parameter.
+    although the cache itself is not a parameter. With FBGEMM's kernel, the TBE's own graph
+    (kept aside) runs inside this backward, between the engine's check that the batch's rows
+    are still pinned and their release.
     """
 
     @staticmethod
     def forward(ctx, anchor, engine, plan, batch, id_weights):  # noqa: ANN001
         ctx.engine, ctx.plan, ctx.batch, ctx.id_weights = engine, plan, batch, id_weights
-        return _pool(engine.weights, plan, batch, id_weights)
+        pooled, ctx.fused = _pool(engine, plan, batch, id_weights, train=True)
+        return pooled
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001
@@ -562,6 +579,10 @@ class _CachedPooledLookup(torch.autograd.Function):
         grad = grad_output
         if batch.bag_divisor is not None:
             grad = grad / batch.bag_divisor.unsqueeze(1)
+        if ctx.fused is not None:
+            engine.apply_tbe_gradients(plan, ctx.fused, grad)
+            ctx.fused = None  # its graph is spent
+            return None, None, None, None, None
         if batch.extra_bag:  # padding ids point at one more bag, whose gradient is zero
             grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
         engine.apply_gradients(plan, grad, batch.bag_of_id, ctx.id_weights)

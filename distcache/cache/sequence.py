@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheEngine
-from distcache.cache.module import CachedEmbeddingBags, TableSpec
+from distcache.cache.module import CachedEmbeddingBags, TableSpec, _GroupBatch
 from distcache.cache.scheduler import StagePlan
 from distcache.errors import DistcacheConfigError
 
@@ -39,6 +39,8 @@ class CachedEmbeddings(CachedEmbeddingBags):
         rows = seqs(values, offsets)              # [len(values), 64]
         rows.sum().backward()                     # fused update of the cached rows
     """
+
+    _pooled = False  # FBGEMM's kernel returns each id's row (`PoolingMode.NONE`)
 
     def __init__(
         self,
@@ -73,26 +75,37 @@ class CachedEmbeddings(CachedEmbeddingBags):
         plan = self._lookup(engine)
         # One group, every feature in it: the plan's slots are in input order (then padding,
         # with `cuda_graphs` on jagged batches).
+        (batch,) = routed.groups
         n = routed.num_ids
         if self.training and torch.is_grad_enabled():
-            return _CachedRowLookup.apply(self._anchor, engine, plan, n)
-        rows = _rows(engine.weights, plan)[:n]
+            return _CachedRowLookup.apply(self._anchor, engine, plan, batch, n)
+        rows, _ = _rows(engine, plan, batch)
         engine.release(plan)
-        return rows
+        return rows[:n]
 
 
-def _rows(weights: torch.Tensor, plan: StagePlan) -> torch.Tensor:
-    """The staged rows of a batch's ids `[n, dim]`, read from the cache, in float32."""
-    return weights.index_select(0, plan.id_slots).float()
+def _rows(
+    engine: CacheEngine, plan: StagePlan, batch: _GroupBatch, *, train: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The staged rows of a batch's ids, padding included `[routed ids, dim]`, read from the
+    cache, in float32; and, with FBGEMM's kernel in training, the rows as its TBE returned
+    them, whose backward updates the rows."""
+    if engine.tbe is None:
+        return engine.weights.index_select(0, plan.id_slots).float(), None
+    with torch.enable_grad() if train else torch.no_grad():
+        rows = engine.tbe.lookup(plan.id_slots, batch.offsets, padded=batch.extra_bag)
+    return rows.detach(), (rows if train else None)
 
 
 class _CachedRowLookup(torch.autograd.Function):
-    """Per-id lookup whose backward applies the fused optimizer to the cached rows."""
+    """Per-id lookup whose backward applies the fused optimizer to the cached rows (with
+    FBGEMM's kernel, by the TBE's own graph, as `_CachedPooledLookup`)."""
 
     @staticmethod
-    def forward(ctx, anchor, engine: CacheEngine, plan: StagePlan, n: int):  # noqa: ANN001, ANN205
+    def forward(ctx, anchor, engine, plan, batch, n):  # noqa: ANN001, ANN205
         ctx.engine, ctx.plan = engine, plan
-        return _rows(engine.weights, plan)[:n]
+        rows, ctx.fused = _rows(engine, plan, batch, train=True)
+        return rows[:n]
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
@@ -100,5 +113,9 @@ class _CachedRowLookup(torch.autograd.Function):
         padding = ctx.plan.id_slots.numel() - grad.shape[0]
         if padding:  # the padding ids' rows: a zero gradient
             grad = F.pad(grad, (0, 0, 0, padding))
-        ctx.engine.apply_gradients(ctx.plan, grad, None)
-        return None, None, None, None
+        if ctx.fused is not None:
+            ctx.engine.apply_tbe_gradients(ctx.plan, ctx.fused, grad)
+            ctx.fused = None  # its graph is spent
+        else:
+            ctx.engine.apply_gradients(ctx.plan, grad, None)
+        return None, None, None, None, None

@@ -26,19 +26,25 @@ TABLES = make_tables([8, 8, 4], [4000, 3000, 2000], ["sum", "mean", "sum"])
 
 
 @pytest.mark.parametrize(
-    ("policy", "optimizer", "depth", "variant"),
+    ("policy", "optimizer", "depth", "variant", "kernel"),
     [
-        ("lookahead", "sgd", 1, "plain"),
-        ("lookahead", "sgd", 1, "threaded"),  # the stager's worker thread, as on CUDA
-        ("lookahead", "adam", 3, "plain"),
-        ("lru", "rowwise_adagrad", 0, "plain"),
-        ("lookahead", "sgd", 1, "weighted fp16"),  # per-id weights, half rows
-        ("lookahead", "rowwise_adagrad", 1, "sequence"),  # per-id rows (EmbeddingCollection)
-        ("lookahead", "adam", 2, "direct"),  # staging="direct": copies bounded on the device
-        ("lru", "sgd", 0, "direct"),
+        ("lookahead", "sgd", 1, "plain", "fbgemm"),
+        ("lookahead", "sgd", 1, "plain", "torch"),
+        ("lookahead", "sgd", 1, "threaded", "fbgemm"),  # the stager's worker thread, as on CUDA
+        ("lookahead", "adam", 3, "plain", "torch"),
+        ("lru", "rowwise_adagrad", 0, "plain", "fbgemm"),
+        ("lookahead", "adagrad", 1, "plain", "fbgemm"),
+        ("lookahead", "sgd", 1, "weighted fp16", "fbgemm"),  # per-id weights, half rows
+        ("lookahead", "rowwise_adagrad", 1, "weighted fp16", "torch"),
+        ("lookahead", "rowwise_adagrad", 1, "sequence", "fbgemm"),  # per-id rows (EC)
+        ("lookahead", "sgd", 1, "sequence", "torch"),
+        # staging="direct": copies bounded on the device
+        ("lookahead", "adam", 2, "direct", "torch"),
+        ("lru", "sgd", 0, "direct", "fbgemm"),
     ],
 )
-def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant):
+def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant, kernel):
+    """With either kernel (`CacheConfig.kernel`; FBGEMM's reads only its host counters)."""
     lookahead = 8
     half = variant == "weighted fp16"
     tables = [dataclasses.replace(t, dtype=torch.float16) for t in TABLES] if half else TABLES
@@ -53,11 +59,13 @@ def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant):
         optimizer=optimizer,
         learning_rate=0.1,
         staging="direct" if variant == "direct" else "worker",
+        kernel=kernel,
     )
     cached = module(tables, config)
+    assert all(e.kernel == kernel for e in cached.engines)
     batches = make_batches(tables, batch_size=8, num_batches=60, max_len=2, seed=0)
     id_weights = [torch.rand(values.numel()) if half else None for values, _ in batches]
-    audit = SyncAudit()
+    audit = SyncAudit(t for e in cached.engines if e.tbe is not None for t in e.tbe.host_tensors)
     for engine in cached.engines:
         engine.stager.threaded = variant == "threaded"
         engine.stager._execute = audit.wrap(engine.stager._execute)

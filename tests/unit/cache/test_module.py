@@ -1,4 +1,8 @@
-"""Training through the cache equals training plain `nn.EmbeddingBag`s (DESIGN invariant 5)."""
+"""Training through the cache equals training plain `nn.EmbeddingBag`s (DESIGN invariant 5).
+
+`KERNELS`: the default (FBGEMM's TBE for the tables whose width is a multiple of 4, the torch
+kernel for the others) and the torch kernel alone (`CacheConfig.kernel`).
+"""
 
 import dataclasses
 
@@ -22,6 +26,8 @@ from tests.unit.cache.reference import (
     train_both,
 )
 
+KERNELS = [None, "torch"]
+
 
 def _check_equal(cached, ref, pairs, tables, *, exact: bool) -> None:
     for step, (out, ref_out) in enumerate(pairs):
@@ -36,13 +42,15 @@ def _check_equal(cached, ref, pairs, tables, *, exact: bool) -> None:
             torch.testing.assert_close(cached.table_weight(t.name), bag.weight.data)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
 @pytest.mark.parametrize("capacity", [24, 0.5, 1.0])
-def test_sgd_integer_weights_bitwise(policy, capacity):
+def test_sgd_integer_weights_bitwise(policy, capacity, kernel):
     tables = make_tables([4, 4, 3], [60, 35, 50])
     config = CacheConfig(
-        capacity=capacity, lookahead=3, prefetch_depth=1, policy=policy, learning_rate=1.0
-    )
+        capacity=capacity, lookahead=3, prefetch_depth=1, policy=policy, learning_rate=1.0,
+        kernel=kernel,
+    )  # fmt: skip
     batches = make_batches(tables, batch_size=3, num_batches=25, max_len=3, seed=1)
     cached, ref, pairs = train_both(tables, config, batches, weights=integer_weights(tables, 0))
     _check_equal(cached, ref, pairs, tables, exact=True)
@@ -66,16 +74,20 @@ def test_without_window_every_miss_is_critical_and_results_equal():
     assert stats.loads > 0 and stats.critical_misses == stats.loads
 
 
-def test_mean_pooling_matches_within_tolerance():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_mean_pooling_matches_within_tolerance(kernel):
     tables = make_tables([4, 6], [50, 40], ["mean", "sum"])
-    config = CacheConfig(capacity=20, lookahead=2, prefetch_depth=2, learning_rate=0.5)
+    config = CacheConfig(
+        capacity=20, lookahead=2, prefetch_depth=2, learning_rate=0.5, kernel=kernel
+    )
     batches = make_batches(tables, batch_size=4, num_batches=20, max_len=4, seed=3)
     cached, ref, pairs = train_both(tables, config, batches, weights=integer_weights(tables, 2))
     _check_equal(cached, ref, pairs, tables, exact=False)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
-def test_stateful_optimizers_match_torch(optimizer):
+def test_stateful_optimizers_match_torch(optimizer, kernel):
     tables = make_tables([4, 4, 8], [50, 30, 40])
     config = CacheConfig(
         capacity=20,
@@ -84,6 +96,7 @@ def test_stateful_optimizers_match_torch(optimizer):
         optimizer=optimizer,
         learning_rate=0.05,
         eps=1e-6 if optimizer != "adagrad" else 1e-10,
+        kernel=kernel,
     )
     batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=4)
     weights = [w / 8 for w in integer_weights(tables, 3)]
@@ -112,9 +125,10 @@ def test_stateful_optimizers_match_torch(optimizer):
     capacity_extra=st.integers(0, 30),
     pooling=st.sampled_from(["sum", "mean"]),
     seed=st.integers(0, 1000),
+    kernel=st.sampled_from(KERNELS),
 )
 def test_sweep_equals_reference(
-    num_tables, policy, lookahead, depth, capacity_extra, pooling, seed
+    num_tables, policy, lookahead, depth, capacity_extra, pooling, seed, kernel
 ):
     depth = min(depth, lookahead)
     tables = make_tables(
@@ -135,6 +149,7 @@ def test_sweep_equals_reference(
         prefetch_depth=depth,
         policy=policy,
         learning_rate=1.0,
+        kernel=kernel,
     )
     cached, ref, pairs = train_both(
         tables,
@@ -198,12 +213,15 @@ def test_backward_after_next_forward_is_refused():
         loss_of(out1).backward()
 
 
-def test_features_sharing_a_table_match_reference():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_features_sharing_a_table_match_reference(kernel):
     """Two features look up table t0 (TorchRec's shared tables): updates from both accumulate."""
     tables = make_tables([4, 4], [40, 30])
     fmap = [0, 1, 0]
     weights = integer_weights(tables, 9)
-    config = CacheConfig(capacity=15, lookahead=2, prefetch_depth=1, learning_rate=1.0)
+    config = CacheConfig(
+        capacity=15, lookahead=2, prefetch_depth=1, learning_rate=1.0, kernel=kernel
+    )
     cached = CachedEmbeddingBags(tables, config, feature_table_map=fmap)
     for t, w in zip(tables, weights, strict=True):
         cached.load_table_weight(t.name, w)
@@ -232,12 +250,15 @@ def test_features_sharing_a_table_match_reference():
         assert torch.equal(cached.table_weight(t.name), bag.weight.data)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_rows_integer_weights_bitwise(dtype):
+def test_half_rows_integer_weights_bitwise(dtype, kernel):
     """Half rows hold small integers exactly: training equals fp32 `nn.EmbeddingBag`s bitwise,
     through evictions and write-backs, and the rows stay half in the store and the cache."""
     tables = [dataclasses.replace(t, dtype=dtype) for t in make_tables([4, 4, 3], [60, 35, 50])]
-    config = CacheConfig(capacity=24, lookahead=3, prefetch_depth=1, learning_rate=1.0)
+    config = CacheConfig(
+        capacity=24, lookahead=3, prefetch_depth=1, learning_rate=1.0, kernel=kernel
+    )
     batches = make_batches(tables, batch_size=3, num_batches=25, max_len=3, seed=1)
     cached, ref, pairs = train_both(tables, config, batches, weights=integer_weights(tables, 0))
     for out, ref_out in pairs:
@@ -251,15 +272,17 @@ def test_half_rows_integer_weights_bitwise(dtype):
         assert stats.writebacks > 0 and stats.bytes_loaded == stats.loads * engine.dim * 2
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
-def test_half_rows_train_as_fp32_rows_within_half_rounding(optimizer):
+def test_half_rows_train_as_fp32_rows_within_half_rounding(optimizer, kernel):
     """Real-valued rows: fp16 tables track fp32 ones within fp16 rounding (the update is
     computed in fp32 and rounded to nearest once per step); the state stays fp32."""
     tables = make_tables([4, 8], [50, 40])
     half = [dataclasses.replace(t, dtype=torch.float16) for t in tables]
     config = CacheConfig(
-        capacity=20, lookahead=3, prefetch_depth=1, optimizer=optimizer, learning_rate=0.01
-    )
+        capacity=20, lookahead=3, prefetch_depth=1, optimizer=optimizer, learning_rate=0.01,
+        kernel=kernel,
+    )  # fmt: skip
     batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=4)
     weights = [(w / 8).half().float() for w in integer_weights(tables, 3)]  # fp16-exact start
     full, _, _ = train_both(tables, config, batches, weights=weights)
@@ -304,12 +327,15 @@ def _weighted_reference(tables, weights, batches, id_weights, lr):
     return outs, [b.weight.detach() for b in bags]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_weighted_features_equal_per_sample_weighted_bags(pooling):
+def test_weighted_features_equal_per_sample_weighted_bags(pooling, kernel):
     """Integer rows and integer per-id weights, SGD: bitwise for sum bags (mean: within
     rounding), through evictions, with groups that pack some of the features."""
     tables = make_tables([4, 4, 3], [60, 35, 50], [pooling, "sum", pooling])
-    config = CacheConfig(capacity=24, lookahead=3, prefetch_depth=1, learning_rate=1.0)
+    config = CacheConfig(
+        capacity=24, lookahead=3, prefetch_depth=1, learning_rate=1.0, kernel=kernel
+    )
     batches = make_batches(tables, batch_size=3, num_batches=20, max_len=3, seed=6)
     gen = torch.Generator().manual_seed(7)
     id_weights = [torch.randint(1, 4, (v.numel(),), generator=gen).float() for v, _ in batches]
@@ -342,3 +368,104 @@ def test_weights_of_the_wrong_length_are_refused():
         cached(values, offsets, torch.ones(2))
     assert cached.num_enqueued == 0  # refused before it entered the window
     assert torch.equal(cached(values, offsets, torch.ones(3)), cached(values, offsets))
+
+
+class _DenseReference:
+    """The tables as dense rows of their dtype, trained with the optimizer's formula written
+    out (lazily: only the rows a batch uses, each with its gradient summed over the batch),
+    computed in float32 and rounded to nearest into the rows' dtype."""
+
+    def __init__(self, tables, weights, fmap, config):
+        self.tables, self.fmap, self.config = tables, fmap, config
+        self.rows = [w.to(t.dtype) for t, w in zip(tables, weights, strict=True)]
+        self.state = []  # as distcache lays it out: [rows, state columns]
+        for w in weights:
+            rows, dim = w.shape
+            cols = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": dim, "adam": 2 * dim}
+            self.state.append(torch.zeros(rows, cols[config.optimizer]))
+        self.steps = 0
+
+    def step(self, values, offsets, id_weights):
+        params = [r.to(torch.float32, copy=True).requires_grad_() for r in self.rows]
+        batch_size = (offsets.numel() - 1) // len(self.fmap)
+        parts, used = [], [[] for _ in self.tables]
+        for k, t in enumerate(self.fmap):
+            lo, hi = int(offsets[k * batch_size]), int(offsets[(k + 1) * batch_size])
+            bag_offsets = offsets[k * batch_size : (k + 1) * batch_size + 1] - lo
+            out = torch.nn.functional.embedding_bag(
+                values[lo:hi], params[t], bag_offsets[:-1], mode="sum",
+                per_sample_weights=id_weights[lo:hi],
+            )  # fmt: skip
+            if self.tables[t].pooling == "mean":
+                out = out / bag_offsets.diff().clamp(min=1).unsqueeze(1)
+            parts.append(out)
+            used[t].append(values[lo:hi])
+        out = torch.cat(parts, dim=1)
+        loss_of(out).backward()
+        self.steps += 1
+        for t, param in enumerate(params):
+            rows = torch.cat(used[t]).unique()
+            w, s = self._update(param.detach()[rows], self.state[t][rows], param.grad[rows])
+            self.rows[t][rows] = w.to(self.rows[t].dtype)
+            self.state[t][rows] = s
+        return out.detach()
+
+    def _update(self, w, s, g):
+        """The row optimizers of `distcache.cache.optimizers`, restated: new rows and state."""
+        c = self.config
+        if c.optimizer == "sgd":
+            return w - c.learning_rate * g, s
+        if c.optimizer == "adagrad":
+            s = s + g * g
+            return w - c.learning_rate * g / (s.sqrt() + c.eps), s
+        if c.optimizer == "rowwise_adagrad":
+            s = s + (g * g).mean(dim=1, keepdim=True)
+            return w - c.learning_rate * g / (s.sqrt() + c.eps), s
+        dim = g.shape[1]  # lazy Adam, bias-corrected with the global step count
+        m = c.beta1 * s[:, :dim] + (1 - c.beta1) * g
+        v = c.beta2 * s[:, dim:] + (1 - c.beta2) * g * g
+        rate = c.learning_rate * (1 - c.beta2**self.steps) ** 0.5 / (1 - c.beta1**self.steps)
+        return w - rate * m / (v.sqrt() + c.eps), torch.cat([m, v], dim=1)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_weighted_features_match_a_reference_with_every_optimizer_and_half_rows(
+    optimizer, dtype, kernel
+):
+    """Real-valued per-id weights on every update path (stateless and stateful optimizers,
+    fp32 and fp16 rows, both kernels), step by step against `_DenseReference`: each output,
+    then the rows and optimizer state, through evictions and write-backs."""
+    tables = [
+        dataclasses.replace(t, dtype=dtype) for t in make_tables([4, 8], [50, 40], ["mean", "sum"])
+    ]
+    fmap = [0, 1, 0]  # two features share t0
+    feature_tables = [tables[t] for t in fmap]
+    batches = make_batches(feature_tables, batch_size=3, num_batches=20, max_len=3, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    id_weights = [0.5 + 1.5 * torch.rand(v.numel(), generator=gen) for v, _ in batches]
+    weights = [(w / 8).to(dtype).float() for w in integer_weights(tables, 10)]
+    config = CacheConfig(
+        capacity=18, lookahead=3, prefetch_depth=1, optimizer=optimizer, learning_rate=0.05,
+        eps=1e-6, kernel=kernel,
+    )  # fmt: skip
+    cached = CachedEmbeddingBags(tables, config, feature_table_map=fmap)
+    for t, w in zip(tables, weights, strict=True):
+        cached.load_table_weight(t.name, w)
+    ref = _DenseReference(tables, weights, fmap, config)
+    tol = {"atol": 4e-3, "rtol": 4e-3} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-4}
+    enqueued = 0
+    for step, (batch, per_id) in enumerate(zip(batches, id_weights, strict=True)):
+        while enqueued < len(batches) and enqueued <= step + config.lookahead:
+            cached.enqueue(*batches[enqueued])
+            enqueued += 1
+        cached.prefetch()
+        out = cached(*batch, per_id)
+        loss_of(out).backward()
+        ref_out = ref.step(*batch, per_id)
+        torch.testing.assert_close(out, ref_out, **tol, msg=lambda m, s=step: f"step {s}: {m}")
+    for k, t in enumerate(tables):
+        torch.testing.assert_close(cached.table_weight(t.name).float(), ref.rows[k].float(), **tol)
+        torch.testing.assert_close(cached.table_state(t.name), ref.state[k], **tol)
+    assert all(s.writebacks > 0 for s in cached.stats().values())

@@ -30,13 +30,15 @@ def _check(cached, ref, pairs, tables, *, exact: bool) -> None:
             torch.testing.assert_close(cached.table_weight(t.name), emb.weight.data)
 
 
+@pytest.mark.parametrize("kernel", ["fbgemm", "torch"])
 @pytest.mark.parametrize("policy", ["lookahead", "lru"])
 @pytest.mark.parametrize("window", [True, False])
-def test_sgd_integer_rows_bitwise(policy, window):
+def test_sgd_integer_rows_bitwise(policy, window, kernel):
     tables = make_tables([4, 4, 4], [60, 35, 50])
     config = CacheConfig(
-        capacity=20, lookahead=3, prefetch_depth=1, policy=policy, learning_rate=1.0
-    )
+        capacity=20, lookahead=3, prefetch_depth=1, policy=policy, learning_rate=1.0,
+        kernel=kernel,
+    )  # fmt: skip
     batches = make_batches(tables, batch_size=3, num_batches=25, max_len=4, seed=1)
     weights = integer_weights(tables, 0)
     cached, ref, pairs = train_both(
@@ -51,8 +53,11 @@ def test_sgd_integer_rows_bitwise(policy, window):
         assert stats.critical_misses == stats.loads
 
 
-@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
-def test_stateful_optimizers_match_torch(optimizer):
+@pytest.mark.parametrize(
+    ("optimizer", "kernel"),
+    [("rowwise_adagrad", "fbgemm"), ("rowwise_adagrad", "torch"), ("adam", "torch")],
+)
+def test_stateful_optimizers_match_torch(optimizer, kernel):
     tables = make_tables([8, 8], [50, 30])
     config = CacheConfig(
         capacity=18,
@@ -61,6 +66,7 @@ def test_stateful_optimizers_match_torch(optimizer):
         optimizer=optimizer,
         learning_rate=0.05,
         eps=1e-6,
+        kernel=kernel,
     )
     batches = make_batches(tables, batch_size=3, num_batches=30, max_len=3, seed=4)
     weights = [w / 8 for w in integer_weights(tables, 3)]

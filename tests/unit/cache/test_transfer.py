@@ -127,8 +127,11 @@ def test_direct_staging_trains_as_the_worker_and_as_uncached_tables(optimizer, d
     for i, table in enumerate(("t0", "t1")):
         rows = direct.table_weight(table)
         assert torch.equal(rows, worker.table_weight(table)), table
-        if optimizer == "sgd":  # integer weights and lr 1: exact against the reference too
+        if optimizer == "sgd" and table == "t0":  # integer weights, sums, lr 1: exact
             assert torch.equal(rows, ref.bags[i].weight.data), table
+        elif optimizer == "sgd":  # t1 pools by mean: FBGEMM sums a row's gradient, then
+            # steps once; nn.EmbeddingBag's sparse SGD steps id by id (last bits differ)
+            torch.testing.assert_close(rows, ref.bags[i].weight.data)
     for a, b in zip(direct.engines, worker.engines, strict=True):
         moved = (a.store.rows_read, a.store.rows_written)
         assert moved == (b.store.rows_read, b.store.rows_written) and min(moved) > 0

@@ -23,7 +23,10 @@ def test_demo_runs_and_matches_the_uncached_model() -> None:
     assert done.returncode == 0, done.stdout[-2000:]
     out = done.stdout  # the report is logged: stdout and stderr together
     assert re.search(r"step\s+20\s+loss \d", out), out[-2000:]
-    assert "max |difference| = 0" in out, out[-2000:]
+    # Equal within float rounding: FBGEMM's kernel (the default) sums a row's gradient over
+    # the batch before its step, the reference's sparse SGD steps id by id.
+    difference = re.search(r"max \|difference\| = (\S+)", out)
+    assert difference and float(difference.group(1)) < 1e-5, out[-2000:]
     misses = [int(m) for m in re.findall(r"\| critical-path misses (\d+)", out)]
     assert misses and all(m == 0 for m in misses), out[-2000:]
     assert re.search(r"lookahead loads\s+[\d,]+\s+\(\d", out), out[-2000:]
