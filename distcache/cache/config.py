@@ -74,11 +74,13 @@ class CacheConfig:
     table-batched embedding, TBE, run over the cache's slots: one forward and one backward
     kernel per cache, the optimizer fused, the cache its storage; `distcache.cache.tbe`) or
     'torch' (`F.embedding_bag` over the slots, the update by index_add_/index_copy_). Both
-    compute the same update. None (the default): 'fbgemm' where FBGEMM's TBE computes the
-    optimizer as distcache defines it for the cache's rows (fbgemm_gpu installed, with CUDA
-    kernels on a GPU; SGD, Adagrad or row-wise Adagrad, not Adam; a width that is a multiple of
-    4; fp32 or fp16 rows), else 'torch'. 'fbgemm' where it cannot is an error when the cache
-    is built."""
+    compute the same update. None (the default): 'torch' on a CUDA device (there FBGEMM's
+    Python wrapper and backward launcher cost the host more than its kernels save the device:
+    the TBE ran at 0.81 x torch's ops in the H100 headline, README "Results on a GPU"), and on
+    a CPU 'fbgemm' where FBGEMM's TBE computes the optimizer as distcache defines it for the
+    cache's rows (SGD, Adagrad or row-wise Adagrad, not Adam; a width that is a multiple of 4;
+    fp32 or fp16 rows), else 'torch'. 'fbgemm' where it cannot (fbgemm_gpu without CUDA
+    kernels on a GPU, among others) is an error when the cache is built."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
@@ -185,7 +187,7 @@ class CacheConfig:
         Raises:
             DistcacheConfigError: `kernel='fbgemm'` where FBGEMM's TBE cannot serve the cache.
         """
-        if self.kernel == "torch":
+        if self.kernel == "torch" or (self.kernel is None and device.type == "cuda"):
             return "torch"
         reason = tbe_unsupported(optimizer=self.optimizer, dim=dim, dtype=dtype, device=device)
         if reason is None:

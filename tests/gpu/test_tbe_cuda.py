@@ -1,5 +1,5 @@
-"""FBGEMM's TBE over the cache's slots on CUDA (`CacheConfig.kernel='fbgemm'`, the default where
-fbgemm_gpu's CUDA build is installed): it trains as the torch kernel (bitwise where the
+"""FBGEMM's TBE over the cache's slots on CUDA (`CacheConfig.kernel='fbgemm'`, where fbgemm_gpu's
+CUDA build is installed): it trains as the torch kernel (bitwise where the
 arithmetic is exact), padded groups, weighted features, half rows and per-id rows included, and
 its lookups and fused updates do not synchronize the host with the device."""
 
@@ -61,7 +61,9 @@ def test_steady_state_tbe_path_does_not_synchronize(optimizer):
     """enqueue, prefetch, forward (FBGEMM's) and backward (its fused update) under
     `set_sync_debug_mode("error")`, with the cache evicting."""
     tables = make_tables([8, 8, 4], [3000, 2000, 1000], ["sum", "mean", "sum"])
-    config = CacheConfig(capacity=120, lookahead=4, prefetch_depth=1, optimizer=optimizer)
+    config = CacheConfig(
+        capacity=120, lookahead=4, prefetch_depth=1, optimizer=optimizer, kernel="fbgemm"
+    )
     bags = CachedEmbeddingBags(tables, config, device=DEVICE)
     assert [e.kernel for e in bags.engines] == ["fbgemm", "fbgemm"]
     batches = make_batches(tables, batch_size=16, num_batches=30, max_len=3, seed=1)
