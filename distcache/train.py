@@ -43,18 +43,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         # TorchRec logs a dozen INFO lines per rank while sharding: its warnings are enough.
         logging.getLogger("torchrec").setLevel(logging.WARNING)
+        checkpoints = Checkpointer(
+            config.checkpoint_dir, config.checkpoint.every, keep_last=config.checkpoint.keep_last
+        )
+        resume = config.checkpoint
+        if not resume.resume and checkpoints.every:  # never overwrite what this run did not load
+            checkpoints.guard_fresh_start(start_over=resume.start_over)
         if rank == 0:
             write_resolved_config(config)
         data = JobData(config.data, steps=config.train.steps, rank=rank, world_size=world)
         model = shard_model(config, build_model(config, data), data, world, device)
         lr = config.train.dense_learning_rate
         dense = dense_optimizer(model, lambda params: torch.optim.SGD(params, lr=lr))
-        checkpoints = Checkpointer(
-            config.checkpoint_dir, config.checkpoint.every, keep_last=config.checkpoint.keep_last
-        )
-        resume = config.checkpoint
-        start = checkpoints.restore(model, dense, require=resume.require) if resume.resume else 0
-        start = start or 0
+        start = 0
+        if resume.resume:
+            start = checkpoints.restore(model, dense, require=resume.require) or 0
         # The pipeline's look-ahead L and staging depth K: the caches' own.
         skip_nonfinite = config.train.on_nonfinite == "skip"
         pipeline = LookaheadTrainPipeline(model, dense, device, skip_nonfinite=skip_nonfinite)

@@ -19,6 +19,12 @@ missing, truncated or changed) is named with the reason, renamed `step_XXXXXXXX.
 not deleted) and the job falls back to the newest earlier checkpoint that verifies, saying so;
 when none does, restore raises `CheckpointError`. (Keep `keep_last >= 2` to have one to fall
 back to.) A checkpoint written before checksums existed loads unverified, with a warning.
+Without `latest.json` (deleted, or lost with a copy), restore takes the newest checkpoint
+directory that verifies, says so and names it in a new `latest.json`.
+
+A checkpoint is never overwritten by a run that did not load it: a run that starts from step 0
+and saves into a directory holding checkpoints refuses (`guard_fresh_start`, naming them),
+unless told to start over; then they are moved into `superseded.N/` there, not deleted.
 
 Example::
 
@@ -176,6 +182,43 @@ class Checkpointer:
             )
         return step, pointer.get("world_size")
 
+    def steps_on_disk(self) -> list[int]:
+        """The steps of the checkpoint directories here (complete or not), oldest first."""
+        if not self.directory.is_dir():
+            return []
+        names = (_STEP_DIR.fullmatch(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in names if m)
+
+    def guard_fresh_start(self, *, start_over: bool = False) -> None:
+        """Before a run that starts from step 0 and saves here: raise `CheckpointError` when
+        this directory holds checkpoints (they would be overwritten), unless `start_over`:
+        then rank 0 moves them into `superseded.N/` beside them (kept) and says so.
+        Collective (every rank looks before anything moves)."""
+        steps, latest = self.steps_on_disk(), (self.directory / LATEST).is_file()
+        if not steps and not latest:
+            return
+        found = _found(steps, latest)
+        if not start_over:
+            raise CheckpointError(
+                f"{self.directory} holds checkpoints ({found}) that this run, starting from "
+                "step 0, would overwrite: --resume continues from them, --resume=never starts "
+                "over and keeps them in superseded.N/ there, or choose another [checkpoint] dir"
+            )
+        if dist.is_initialized():
+            dist.barrier()
+        if _rank_world()[0] == 0:
+            n = 0
+            while (self.directory / f"superseded.{n}").exists():
+                n += 1
+            target = self.directory / f"superseded.{n}"
+            target.mkdir()
+            for name in [LATEST] * latest + [f"step_{s:08d}" for s in steps]:
+                os.replace(self.directory / name, target / name)
+            log.warning("starting over from step 0: the checkpoints here (%s) moved to %s",
+                        found, target)  # fmt: skip
+        if dist.is_initialized():
+            dist.barrier()
+
     def save(
         self, step: int, model: nn.Module, dense_optimizer: torch.optim.Optimizer | None = None
     ) -> Path:
@@ -270,15 +313,29 @@ class Checkpointer:
         """Load the latest checkpoint into `model` and `dense_optimizer`; returns its step, or
         None when there is none (collective; with `require`, none is a `CheckpointError`)."""
         pointer = self._pointer()
+        named = pointer is not None  # (decided by every rank before rank 0 writes one)
         if pointer is None:
-            if require:
-                raise CheckpointError(
-                    f"--resume=require: no checkpoint in {self.directory} ({LATEST} is missing)"
-                )
-            log.warning("no checkpoint in %s: starting from step 0", self.directory)
-            return None
+            steps = self.steps_on_disk()
+            if not steps:
+                if require:
+                    raise CheckpointError(
+                        f"--resume=require: no checkpoint in {self.directory} (no {LATEST}, "
+                        "no step_* directory)"
+                    )
+                log.warning("no checkpoint in %s: starting from step 0", self.directory)
+                return None
+            log.warning(
+                "%s is missing in %s (%s): resuming from the newest that verifies",
+                LATEST, self.directory, _found(steps, False),
+            )  # fmt: skip
+            pointer = (steps[-1], None)
         step, saved_by = pointer
         step = self._verified(step)
+        if not named:
+            if _rank_world()[0] == 0:
+                self._point_at(step)
+            if dist.is_initialized():
+                dist.barrier()
         source = self.directory / f"step_{step:08d}"
         state = _state(model)
         try:
@@ -299,3 +356,14 @@ class Checkpointer:
         resharded = f", resharded from {saved_by} ranks to {world}" if changed else ""
         log.info("resumed from the checkpoint of step %d (%s)%s", step, source, resharded)
         return step
+
+
+def _found(steps: list[int], latest: bool) -> str:
+    """What a checkpoint directory holds, for a message."""
+    parts = []
+    if steps:
+        many = f"steps {steps[0]} to {steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+        parts.append(f"{len(steps)} checkpoint(s), {many}")
+    if latest:
+        parts.append(LATEST)
+    return ", ".join(parts)

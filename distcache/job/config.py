@@ -249,12 +249,23 @@ class CheckpointConfig:
     """Continue from the latest checkpoint, if any (none: start at step 0, saying so)."""
     require: bool = False
     """With `resume`: a missing checkpoint is an error, not a fresh start (`--resume=require`)."""
+    start_over: bool = False
+    """Without `resume`: start from step 0 even where the checkpoint directory holds
+    checkpoints, which are moved into `superseded.N/` there (`--resume=never`). Otherwise such
+    a run refuses: it would overwrite them."""
     keep_last: int = 0
     """Keep the newest this many checkpoints and delete older ones (0: keep every one)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint", "every", self.every, "an integer >= 0")
         _require(self.keep_last >= 0, "checkpoint", "keep_last", self.keep_last, "an integer >= 0")
+        _require(
+            not (self.resume and self.start_over),
+            "checkpoint",
+            "start_over",
+            self.start_over,
+            "false with resume = true (continue, or start over: not both)",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,15 +458,21 @@ def parse_args(argv: list[str]) -> JobConfig:
         "--resume",
         nargs="?",
         const="latest",
-        choices=("latest", "require"),
-        help="continue from the latest checkpoint; =require: fail if there is none",
+        choices=("latest", "require", "never"),
+        help="continue from the latest checkpoint; =require: fail if there is none; =never: "
+        "start from step 0, moving the checkpoints found into superseded.N/",
     )
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=", 1)[0])]
     if bad:
         parser.error(f"unrecognized arguments {bad}: overrides are --section.key=value")
     config = load_job_config(args.config, overrides)
-    if args.resume:
+    if args.resume == "never":
+        config = dataclasses.replace(
+            config,
+            checkpoint=dataclasses.replace(config.checkpoint, resume=False, start_over=True),
+        )
+    elif args.resume:
         require = config.checkpoint.require or args.resume == "require"
         config = dataclasses.replace(
             config,

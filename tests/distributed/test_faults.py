@@ -5,6 +5,7 @@ trains on to parameters bitwise equal to a clean run's. Faults are injected by
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -86,6 +87,34 @@ def _scribble(path: Path) -> None:
     middle = len(raw) // 2
     raw[middle : middle + 4096] = os.urandom(len(raw[middle : middle + 4096]))
     path.write_bytes(bytes(raw))
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.timeout(600)
+def test_checkpoints_are_never_overwritten_by_a_run_that_did_not_load_them(
+    clean: Path, tmp_path: Path
+):
+    """Without latest.json, --resume continues from the newest checkpoint that verifies; a
+    fresh run in that directory refuses, and leaves every checkpoint file as it was."""
+    run_dir = tmp_path / "run"
+    _ok(_job(run_dir, "--train.steps=20", *EVERY_10))
+    checkpoints = run_dir / "checkpoints"
+    (checkpoints / "latest.json").unlink()
+    before = _digests(checkpoints)
+    refused = _job(run_dir, "--train.steps=30", *EVERY_10)
+    assert refused.returncode != 0
+    assert "holds checkpoints (2 checkpoint(s), steps 10 to 20) that this run" in refused.stderr
+    assert _digests(checkpoints) == before
+    log = _ok(_job(run_dir, "--train.steps=30", *EVERY_10, "--resume"))
+    assert "latest.json is missing" in log and "resumed from the checkpoint of step 20" in log
+    _assert_equal(_params(run_dir, 30, tmp_path), _params(clean, 30, tmp_path))
 
 
 @pytest.mark.timeout(600)

@@ -5,6 +5,7 @@ resume (bitwise equal to an uninterrupted run) is in tests/distributed/test_chec
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -134,3 +135,47 @@ def test_resume_says_where_it_starts(tmp_path: Path, caplog: pytest.LogCaptureFi
 def test_resume_require_refuses_to_start_over(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"--resume=require: no checkpoint in .*latest"):
         Checkpointer(tmp_path / "none").restore(torch.nn.Linear(3, 2), require=True)
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_without_latest_json_resume_takes_the_newest_that_verifies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoints, model = _saved(tmp_path, [1, 2, 3], keep_last=0)
+    (tmp_path / LATEST).unlink()
+    (tmp_path / "step_00000003" / ".metadata").unlink()  # the newest is incomplete
+    with caplog.at_level("WARNING", logger="distcache.job.checkpoint"):
+        assert checkpoints.restore(model) == 2
+    assert f"{LATEST} is missing in {tmp_path} (3 checkpoint(s), steps 1 to 3)" in caplog.text
+    assert torch.equal(model.weight, torch.full((2, 3), 2.0))
+    assert checkpoints.latest() == 2  # named again
+    assert (tmp_path / "step_00000003.corrupt").is_dir()  # kept, set aside
+
+
+def test_a_fresh_start_never_overwrites_checkpoints(tmp_path: Path) -> None:
+    checkpoints, _ = _saved(tmp_path, [10, 20], keep_last=0)
+    before = _digests(tmp_path)
+    found = r"holds checkpoints \(2 checkpoint\(s\), steps 10 to 20, latest.json\) that this"
+    with pytest.raises(CheckpointError, match=found):
+        Checkpointer(tmp_path, every=10).guard_fresh_start()
+    assert _digests(tmp_path) == before
+    (tmp_path / LATEST).unlink()  # checkpoints without a pointer count too
+    with pytest.raises(CheckpointError, match=r"--resume=never starts over"):
+        Checkpointer(tmp_path, every=10).guard_fresh_start()
+    Checkpointer(tmp_path / "empty", every=10).guard_fresh_start()  # nothing there: fine
+
+
+def test_starting_over_keeps_the_old_checkpoints_aside(tmp_path: Path) -> None:
+    for n in range(2):  # a second start-over does not touch the first one's
+        _saved(tmp_path, [10, 20], keep_last=0)
+        before = {k: v for k, v in _digests(tmp_path).items() if not k.startswith("superseded")}
+        Checkpointer(tmp_path, every=10).guard_fresh_start(start_over=True)
+        assert Checkpointer(tmp_path).steps_on_disk() == []
+        assert _digests(tmp_path / f"superseded.{n}") == before

@@ -132,6 +132,10 @@ def test_resume_flags() -> None:
     assert plain.resume and not plain.require
     required = parse_args(["--resume=require"]).checkpoint
     assert required.resume and required.require
+    never = parse_args(["--resume=never"]).checkpoint
+    assert never.start_over and not never.resume
+    with pytest.raises(DistcacheConfigError, match=r"\[checkpoint\] start_over = True is inv"):
+        load_job_config(None, ["--checkpoint.resume=true", "--checkpoint.start_over=true"])
 
 
 def test_weighted_features_need_synthetic_data():
