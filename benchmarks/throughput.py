@@ -99,6 +99,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "\nor resident in TorchRec's fused kernel (every row in device memory)",
     )
     ap.add_argument("--optimizer", default="sgd", help="embedding optimizer (fused, in backward)")
+    ap.add_argument(
+        "--kernel",
+        choices=("fbgemm", "torch"),
+        default=None,
+        help="distcache's lookup kernel (CacheConfig.kernel; default: per device)",
+    )
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument(
         "--check-ids",
@@ -261,7 +267,10 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
 
     out = []
     base = CacheConfig(
-        lookahead=args.lookahead, prefetch_depth=args.prefetch_depth, check_ids=args.check_ids
+        lookahead=args.lookahead,
+        prefetch_depth=args.prefetch_depth,
+        check_ids=args.check_ids,
+        kernel=args.kernel,
     )
     for cap in args.capacities:
         dmp = cached(dataclasses.replace(base, capacity=cap))
