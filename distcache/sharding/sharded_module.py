@@ -82,6 +82,9 @@ class CachedShardedModule:
         if isinstance(features, KeyedJaggedTensor):
             self._check_batch(features)
         if self.check_ids and isinstance(features, KeyedJaggedTensor):
+            # The batch's own keys travel with its check (the pipeline routes later batches
+            # before this one is looked up).
+            ctx.distcache_keys = features.keys()
             features, ctx.distcache_check = self._check_feature_ids(features)
         if self._hot is not None and isinstance(features, KeyedJaggedTensor):
             features, ctx.distcache_hot = self._hot.split(features)  # hot ids stay here
@@ -92,7 +95,12 @@ class CachedShardedModule:
         check = getattr(ctx, "distcache_check", None)
         if check is not None:
             try:
-                raise_if_invalid(check.read(), self._rows_of_key, self._describe_key)
+                keys = ctx.distcache_keys
+                raise_if_invalid(
+                    check.read(),
+                    lambda k: self._rows_of_key_name(keys[k]),
+                    lambda k: self._describe_key(keys[k]),
+                )
             except InvalidIdError:
                 for kernel in self.cached_kernels():
                     kernel.bags.drop_window()
@@ -317,7 +325,6 @@ class CachedShardedModule:
         """The features with invalid ids replaced by 0, and the invalid-id record on its way to
         the host."""
         keys = features.keys()
-        self._checked_keys = keys
         values = features.values()
         device = values.device
         rows = self._device_ints([self._rows_of_key_name(k) for k in keys], device)
@@ -347,11 +354,7 @@ class CachedShardedModule:
     def _rows_of_key_name(self, key: str) -> int:
         return self._feature_rows().get(key, (None, torch.iinfo(torch.int64).max))[1]
 
-    def _rows_of_key(self, k: int) -> int:
-        return self._rows_of_key_name(self._checked_keys[k])
-
-    def _describe_key(self, k: int) -> str:
-        key = self._checked_keys[k]
+    def _describe_key(self, key: str) -> str:
         table = self._feature_rows().get(key, (None, 0))[0]
         return f"table {table!r} (feature {key!r}, rank {dist.get_rank()})"
 
