@@ -1,5 +1,6 @@
 """distcache: look-ahead embedding caches and throughput planning for TorchRec."""
 
+from distcache import quiet
 from distcache.cache import (
     CacheConfig,
     CachedEmbeddingBags,
@@ -21,6 +22,8 @@ from distcache.errors import (
 )
 
 __version__ = "0.1.0"
+
+quiet.install()  # third-party warnings a user cannot act on (TorchRec's, torch's)
 
 
 def __getattr__(name: str):  # noqa: ANN202

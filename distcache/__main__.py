@@ -18,6 +18,11 @@ from distcache.errors import DistcacheError
 COMMANDS = {
     "demo": ("distcache.job.demo", "main", "the cache at work on a small synthetic job"),
     "train": ("distcache.train", "main", "train a DLRM from a TOML config (see configs/)"),
+    "check": (
+        "distcache.job.config",
+        "check_main",
+        "check train's arguments, config and inputs without training",
+    ),
     "plan": ("distcache.job.plan_cli", "plan_main", "plan a workload on a topology; write JSON"),
     "compare": (
         "distcache.job.plan_cli",
@@ -50,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         # The message names what is wrong and what is allowed: the traceback adds nothing.
-        print(f"distcache {argv[0]}: {type(err).__name__}: {err}", file=sys.stderr)
+        # One write, so that the lines of ranks failing together do not interleave.
+        sys.stderr.write(f"distcache {argv[0]}: {type(err).__name__}: {err}\n")
         return 1
 
 

@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     with process_group(config.train.device) as (rank, world, device):
         logging.basicConfig(
             level=logging.INFO,
-            format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
+            format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
             force=True,
         )
+        logging.captureWarnings(True)  # warnings too, with their level, above the progress bar
         # TorchRec logs a dozen INFO lines per rank while sharding: its warnings are enough.
         logging.getLogger("torchrec").setLevel(logging.WARNING)
         checkpoints = Checkpointer(

@@ -6,7 +6,7 @@ Usage (from the repository root, with the venv's `torchrun` on PATH)::
     torchx run -s local_cwd launch/components.py:train --config configs/criteo_kaggle.toml \\
         --nnodes 2 --nproc 8 --gpu 8
 
-The arguments after `--` are config overrides (`--section.key=value`) or `--resume`.
+The arguments after `--` are config overrides (`--section.key=value`), `--resume` or `--debug`.
 """
 
 from typing import Dict, Optional  # noqa: UP035 (torchx 0.7 reads these names)

@@ -11,7 +11,8 @@
 #   NNODES        nodes; > 1 needs RDZV_ENDPOINT=host:port   default 1 (standalone)
 #   MAX_RESTARTS  torchrun restarts of a failed worker group default 0
 #   PYTHON        interpreter                                default .venv/bin/python if present
-# Extra arguments are config overrides (--section.key=value) or --resume.
+# Extra arguments are config overrides (--section.key=value), --resume[=require|never] or
+# --debug (tracebacks, from the check, the ranks and torchrun).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${NPROC:-2}"
@@ -26,8 +27,10 @@ if [[ "$NNODES" == 1 ]]; then
 else
   RDZV=(--rdzv-backend=c10d "--rdzv-endpoint=${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for NNODES > 1}")
 fi
-# Validate the config once, before any worker starts: a bad key fails here, with its name.
-"$PYTHON" -c 'import sys; from distcache.job.config import check_inputs, parse_args; check_inputs(parse_args(sys.argv[1:]))' --config "$CONFIG" "$@"
+# Check the arguments, config and inputs once, before any worker starts: each mistake is
+# named, on one line (--debug: with the traceback).
+"$PYTHON" -m distcache check --config "$CONFIG" "$@"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC" \
+# torchrun, ending a failed job with one line naming the failed ranks (launch/torchrun.py).
+exec "$PYTHON" launch/torchrun.py "${RDZV[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC" \
   --max-restarts="$MAX_RESTARTS" -m distcache train --config "$CONFIG" "$@"

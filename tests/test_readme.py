@@ -21,21 +21,42 @@ def test_runnable_readme_blocks_execute(capsys):
     assert "critical-path misses 0" in out  # the TorchRec model under the pipeline
 
 
-@pytest.mark.timeout(300)
-def test_the_torchrec_example_runs_unchanged_on_two_ranks(tmp_path):
-    """The same block under torchrun: each rank plans for a world of 2 and trains its part."""
+def _torchrec_block() -> str:
     (block,) = [
         b
         for b in re.findall(r"```python\n(# runnable.*?)```", README.read_text(), flags=re.S)
         if "torchrun" in b.splitlines()[0]
     ]
+    return block
+
+
+@pytest.mark.timeout(300)
+def test_the_torchrec_example_prints_no_warning_the_user_did_not_cause(tmp_path):
+    """As a newcomer runs it, one process: its line, and no warning of TorchRec's or torch's
+    own (`distcache.quiet`), on stdout or stderr."""
+    script = tmp_path / "example.py"
+    script.write_text(_torchrec_block())
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stderr == ""
+    assert done.stdout.startswith("hit rate ") and done.stdout.count("\n") == 1, done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_torchrec_example_runs_unchanged_on_two_ranks(tmp_path):
+    """The same block under torchrun: each rank plans for a world of 2 and trains its part."""
     script = tmp_path / "example.py"
     script.write_text(
-        block.replace(
+        _torchrec_block()
+        .replace(
             "dist.destroy_process_group()",
             'print(f"rank {dist.get_rank()} of {dist.get_world_size()}, '
             'ranks in the plan: {sorted(ranks)}")\ndist.destroy_process_group()',
-        ).replace(
+        )
+        .replace(
             "plan = planner.collective_plan(model, [sharder], dist.group.WORLD)",
             "plan = planner.collective_plan(model, [sharder], dist.group.WORLD)\n"
             "ranks = {r for m in plan.plan.values() for p in m.values() for r in p.ranks}",
@@ -48,5 +69,6 @@ def test_the_torchrec_example_runs_unchanged_on_two_ranks(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert done.stdout.count("critical-path misses 0") == 2, done.stdout
+    assert "warn" not in done.stderr.lower(), done.stderr[-3000:]  # none on either rank
     for rank in (0, 1):  # both ranks, in one plan over both ranks
         assert f"rank {rank} of 2, ranks in the plan: [0, 1]" in done.stdout, done.stdout

@@ -49,6 +49,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from distcache.errors import CheckpointError
 
@@ -338,9 +341,10 @@ class Checkpointer:
                 dist.barrier()
         source = self.directory / f"step_{step:08d}"
         state = _state(model)
+        _check_shapes(state, source)
         try:
             dcp.load(state, checkpoint_id=str(source))
-        except Exception as err:  # DCP's errors name no file and often no cause
+        except (Exception, CheckpointException) as err:  # DCP's name no file, often no cause
             raise CheckpointError(
                 f"loading the checkpoint {source} failed ({type(err).__name__}: "
                 f"{str(err).strip().splitlines()[-1] if str(err).strip() else 'no message'}): was "
@@ -356,6 +360,51 @@ class Checkpointer:
         resharded = f", resharded from {saved_by} ranks to {world}" if changed else ""
         log.info("resumed from the checkpoint of step %d (%s)%s", step, source, resharded)
         return step
+
+
+def _check_shapes(state: dict[str, dict[str, object]], source: Path) -> None:
+    """Raise `CheckpointError` on every rank when the checkpoint in `source` holds tensors
+    of other shapes than `state`'s, or lacks some of them: it was written by another model (a
+    table's rows or width, a layer's size changed). Names the tables (or tensors) and both
+    shapes; DCP itself would fail with a traceback per rank. Collective."""
+    try:
+        saved = dcp.FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: DCP's load says so (every rank still gathers below)
+        saved = None
+    problems = []
+    for key, value in flatten_state_dict(state)[0].items():
+        if saved is None or not isinstance(value, torch.Tensor):
+            continue
+        now = list(value.size())  # a ShardedTensor's or DTensor's: the whole table's
+        there = saved.get(key)
+        if there is None:
+            problems.append(f"{_tensor_name(key)} {now} is not in it")
+        elif isinstance(there, TensorStorageMetadata) and list(there.size) != now:
+            problems.append(f"{_tensor_name(key)} is {list(there.size)} there, {now} here")
+    problems = list(dict.fromkeys(map(str, _gather(problems))))  # in order, once each
+    problems.sort(key=lambda problem: not problem.startswith("table"))  # tables first
+    if problems:
+        more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
+        raise CheckpointError(
+            f"the checkpoint {source} was written by another model: "
+            + "; ".join(problems[:4]) + more + ". Resume with the model it was written "
+            "with, or start over with --resume=never (the checkpoints are kept aside)"
+        )  # fmt: skip
+
+
+_TABLE = re.compile(r"(?:.*\.)?(?:embedding_bags|embeddings)\.(?P<table>[^.]+)\.weight")
+
+
+def _tensor_name(key: str) -> str:
+    """A flattened state key as a reader knows it: "table 't0'" for a table's rows, "the
+    momentum1 of table 't0'" for its optimizer state, else the parameter's name in the model."""
+    head, _, rest = key.partition(".")
+    if head == "fused_optimizer" and rest.startswith("state."):
+        fqn, _, name = rest.removeprefix("state.").rpartition(".")
+        found = _TABLE.fullmatch(fqn.rpartition(".")[0])
+        return f"the {name} of table {found['table']!r}" if found else f"the optimizer state {key}"
+    found = _TABLE.fullmatch(rest)
+    return f"table {found['table']!r}" if head == "model" and found else rest
 
 
 def _found(steps: list[int], latest: bool) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import re
 import tomllib
 import types
@@ -210,6 +211,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate every this many steps (0: at the end only)."""
     progress_bar: bool = True
+    """Rank 0 shows a progress bar, when its stderr is a terminal."""
     tensorboard: bool = False
     device: str = "cpu"
     """'cpu' or 'cuda' (one GPU per rank, LOCAL_RANK)."""
@@ -346,25 +348,54 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
 
 
 def build_job_config(raw: Mapping[str, object]) -> JobConfig:
-    """A `JobConfig` from parsed TOML, strictly: unknown sections and keys are errors."""
-    sections = _section_types()
-    unknown = sorted(set(raw) - set(sections))
-    if unknown:
-        _fail(f"unknown config section(s) {unknown}; allowed sections: {sorted(sections)}")
-    built = {}
-    for name, cls in sections.items():
-        values = raw.get(name, {})
-        if not isinstance(values, dict):
-            _fail(f"[{name}] must be a table of keys, got {values!r}")
-        hints = typing.get_type_hints(cls)
-        allowed = [f.name for f in dataclasses.fields(cls)]
-        bad = sorted(set(values) - set(allowed))
-        if bad:
-            _fail(f"unknown key(s) {bad} in [{name}]; allowed keys: {allowed}")
-        built[name] = _section(
-            name, cls, {k: _coerce(name, k, v, hints[k]) for k, v in values.items()}
+    """A `JobConfig` from parsed TOML, strictly: unknown sections and keys are errors, all
+    of a file's mistakes named in one `DistcacheConfigError`."""
+    sections, problems, built = _section_types(), [], {}
+    if unknown := sorted(set(raw) - set(sections)):
+        problems.append(
+            f"unknown config section(s) {unknown}; allowed sections: {sorted(sections)}"
         )
+    for name, cls in sections.items():
+        built[name], found = _build_section(name, cls, raw.get(name, {}))
+        problems += found
+    _fail_with(problems)
     return JobConfig(**built)
+
+
+def _build_section(name: str, cls: type[_T], values: object) -> tuple[_T | None, list[str]]:
+    """The section `name` from its TOML table, and its mistakes (then None). A value that the
+    section's checks refuse is set back to its default and the checks run again, so that each
+    refused value is named, not only the first."""
+    if not isinstance(values, dict):
+        return None, [f"[{name}] must be a table of keys, got {values!r}"]
+    hints = typing.get_type_hints(cls)
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    problems, typed = [], {}
+    if bad := sorted(set(values) - set(allowed)):
+        problems.append(f"unknown key(s) {bad} in [{name}]; allowed keys: {allowed}")
+    for key in (k for k in values if k in allowed):
+        try:
+            typed[key] = _coerce(name, key, values[key], hints[key])
+        except DistcacheConfigError as err:
+            problems.append(str(err))
+    while True:
+        try:
+            section = _section(name, cls, typed)
+        except DistcacheConfigError as err:
+            problems.append(str(err))
+            refused = re.match(rf"\[{name}\] (\w+) = ", str(err))
+            if refused is None or refused[1] not in typed:  # no value of this file to drop
+                return None, problems
+            del typed[refused[1]]
+        else:
+            return (None if problems else section), problems
+
+
+def _fail_with(problems: list[str]) -> None:
+    """Raise one `DistcacheConfigError` naming every problem (one line), if there are any."""
+    if problems:
+        numbered = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        _fail(problems[0] if len(problems) == 1 else f"{len(problems)} mistakes: {numbered}")
 
 
 def _section(name: str, cls: type[_T], values: dict[str, object]) -> _T:
@@ -385,10 +416,15 @@ def _section(name: str, cls: type[_T], values: dict[str, object]) -> _T:
 def parse_overrides(overrides: list[str]) -> dict[str, dict[str, object]]:
     """`--section.key=value` arguments as nested dicts (values parsed as TOML)."""
     out: dict[str, dict[str, object]] = {}
+    _fail_with(
+        [
+            f"override {arg!r} is invalid: expected --section.key=value"
+            for arg in overrides
+            if "=" not in arg or "." not in arg.removeprefix("--").split("=", 1)[0]
+        ]
+    )
     for arg in overrides:
         text = arg.removeprefix("--")
-        if "=" not in text or "." not in text.split("=", 1)[0]:
-            _fail(f"override {arg!r} is invalid: expected --section.key=value")
         dotted, value = text.split("=", 1)
         section, key = dotted.split(".", 1)
         try:
@@ -482,29 +518,41 @@ def parse_args(argv: list[str]) -> JobConfig:
 
 
 def check_inputs(config: JobConfig) -> None:
-    """Errors a job can know before any process starts: missing files, missing packages."""
-    for path in config.data.paths + config.data.eval_paths:
-        if not Path(path).exists():
-            _fail(f"[data] path {path!r} does not exist")
+    """Errors a job can know before any process starts (missing files, packages, devices),
+    every one of them in one `DistcacheConfigError`."""
+    problems = [
+        f"[data] path {path!r} does not exist"
+        for path in config.data.paths + config.data.eval_paths
+        if not Path(path).exists()
+    ]
     planner = config.plan.planner
     if planner.endswith(".json") and not Path(planner).is_file():
-        _fail(f"[plan] planner file {planner!r} does not exist")
-    plan_topology(config, world_size=1)
+        problems.append(f"[plan] planner file {planner!r} does not exist")
+    try:
+        plan_topology(config, world_size=1)
+    except DistcacheConfigError as err:
+        problems.append(str(err))
     if config.cache.hot_rows:
-        _fail(
+        problems.append(
             f"[cache] hot_rows = {list(config.cache.hot_rows)[:8]} is invalid: hot rows are per "
             "table, and [cache] is every table's; the 'distcache' planner replicates hot rows "
             "itself (synthetic data): leave it []"
         )
-    if config.train.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError as err:
-            raise DistcacheConfigError(
-                "[train] tensorboard = true needs the tensorboard package: pip install tensorboard"
-            ) from err
+    if config.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append(
+            "[train] tensorboard = true needs the tensorboard package: pip install tensorboard"
+        )
     if config.train.device == "cuda" and not torch.cuda.is_available():
-        _fail("[train] device = 'cuda' but CUDA is not available here")
+        problems.append("[train] device = 'cuda' but CUDA is not available here")
+    _fail_with(problems)
+
+
+def check_main(argv: list[str]) -> int:
+    """`python -m distcache check`: check a training job's command line (the arguments of
+    `python -m distcache train`) and its inputs without starting it; silent when they are
+    fine. `launch/torchrun.sh` runs it before it starts any worker."""
+    check_inputs(parse_args(argv))
+    return 0
 
 
 def job_topology(name: str, world_size: int) -> Topology:

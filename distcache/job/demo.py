@@ -1,4 +1,4 @@
-"""`python -m distcache demo`: the cache at work on a small synthetic job, in about 30 seconds.
+"""`python -m distcache demo`: the cache at work on a small synthetic job, in seconds.
 
 Trains a tiny click model whose embedding tables live in host memory behind 2 % caches filled by
 the look-ahead scheduler, then shows (1) the loss falling and what the caches did, (2) that the

@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -82,6 +83,7 @@ from distcache.planner.workloads import workload_preset
 # `compare` and `export` import TorchRec (seconds): they are imported where they are used.
 
 _T = TypeVar("_T")
+_WIDTH = 100  # characters: the plan's reasons and violations are wrapped to it
 _MODEL_KEYS = (
     "name",
     "batch_size_per_rank",
@@ -309,7 +311,10 @@ def format_plan(plan: Plan, workload: Workload) -> str:
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    reasons = [f"  {name}: {text}" for name, text in plan.explanations.items()]
+    reasons = [
+        textwrap.fill(text, _WIDTH, initial_indent=f"  {name}: ", subsequent_indent="    ")
+        for name, text in plan.explanations.items()
+    ]
     if reasons:
         lines += ["", "why:", *reasons]
     return "\n".join(lines)
@@ -331,7 +336,7 @@ def _plan(args: argparse.Namespace) -> int:
         f"host {max(cost.host_memory_bytes) / 1e9:.2f} GB; fits: {'yes' if cost.fits else 'NO'}"
     )
     for violation in cost.violations:
-        print(f"  {violation}")
+        print(textwrap.fill(violation, _WIDTH, initial_indent="  ", subsequent_indent="    "))
     if args.out is not None:
         _flag(f"--out {args.out}", lambda: plan.save(args.out))
         print(f"wrote {args.out}")

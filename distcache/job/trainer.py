@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -135,21 +136,21 @@ class Trainer:
     # ------------------------------------------------------------ loop
     def fit(self, start: int = 0) -> dict[str, float]:
         """Train steps `start .. steps - 1`; returns the last logged metrics and evaluation."""
+        bar = self._progress_bar(start)
         redirect: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-        if self.rank == 0 and self.config.train.progress_bar:
+        if bar is not None:
             from tqdm.contrib.logging import logging_redirect_tqdm
 
             redirect = logging_redirect_tqdm()  # log lines above the bar, not on it
         with redirect:
-            return self._fit(start)
+            return self._fit(start, bar)
 
-    def _fit(self, start: int) -> dict[str, float]:
+    def _fit(self, start: int, bar: tqdm | None) -> dict[str, float]:
         cfg = self.config.train
         if self.rank == 0:
             header = run_header(self.config, start, self.world_size)
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(metrics_line("run", header))
-        bar = self._progress_bar(start)
         step = start
         while step < cfg.steps:
             end = self._segment_end(step)
@@ -326,7 +327,9 @@ class Trainer:
 
     # ------------------------------------------------------------ misc
     def _progress_bar(self, start: int) -> tqdm | None:
-        if self.rank != 0 or not self.config.train.progress_bar:
+        """Rank 0's progress bar, on a terminal only (into a file it would write a line of
+        carriage-return-separated updates between the log lines)."""
+        if self.rank != 0 or not self.config.train.progress_bar or not sys.stderr.isatty():
             return None
         from tqdm import tqdm
 

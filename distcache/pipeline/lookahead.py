@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
-from distcache.sharding.sharded_module import CachedShardedModule
+from distcache.sharding.sharded_module import CachedShardedModule, user_path
 
 log = logging.getLogger(__name__)
 _SUMMED = (
@@ -134,7 +134,7 @@ class LookaheadTrainPipeline:
         skip_nonfinite: bool = False,
     ):
         self._modules = {
-            _user_path(path): m
+            user_path(path): m
             for path, m in model.named_modules()
             if isinstance(m, CachedShardedModule)
         }
@@ -421,14 +421,6 @@ def _reuse_routed(module: Any, routed: _Routed, path: str) -> Callable[..., Any]
         return module.compute_and_output_dist(routed.ctx, routed.routed)
 
     return forward
-
-
-def _user_path(path: str) -> str:
-    """A module's path in the user's model: without DMP's and DDP's wrapper prefixes."""
-    parts = path.split(".")
-    while parts and parts[0] in ("_dmp_wrapped_module", "module"):
-        parts.pop(0)
-    return ".".join(parts)
 
 
 def _window_setting(name: str, value: int | None, default: int, most: int | None = None) -> int:

@@ -26,7 +26,14 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
-from torchrec.distributed.planner.types import ParameterConstraints, ShardEstimator, Topology
+from torchrec.distributed.planner.types import (
+    KernelConfig,
+    ParameterConstraints,
+    ShardEstimator,
+    Topology,
+    TopologyFactory,
+    TrainerConfig,
+)
 from torchrec.distributed.types import ShardingPlan
 
 from distcache.sharding.plan import CACHED_KERNEL, attach_cache_configs
@@ -82,7 +89,9 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
         if topology is None:
             world = dist.get_world_size() if dist.is_initialized() else 1
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            topology = Topology(world_size=world, compute_device=device)
+            topology = TopologyFactory.create_topology(
+                TrainerConfig(world_size=world), kernel_config=KernelConfig(compute_device=device)
+            )
         enumerator = EmbeddingEnumerator(
             topology,
             batch_size,

@@ -471,10 +471,21 @@ class ShardedCachedEmbeddingCollection(CachedShardedModule, ShardedEmbeddingColl
 
 def cache_stats(model: nn.Module) -> dict[str, CacheStats]:
     """Cache counters of this rank for every distcache-sharded module of `model` (e.g. a DMP),
-    keyed by `module path/tables`."""
+    keyed by `module path/tables`, the path as in the user's model (`ebc/user`), as
+    `LookaheadTrainPipeline.stats()` names them."""
     stats = {}
     for path, module in model.named_modules():
         if isinstance(module, CachedShardedModule):
+            prefix = f"{user_path(path)}/" if user_path(path) else ""
             for name, s in module.cache_stats().items():
-                stats[f"{path}/{name}"] = s
+                stats[prefix + name] = s
     return stats
+
+
+def user_path(path: str) -> str:
+    """A module's path in the user's model: without DMP's and DDP's wrapper prefixes
+    (`_dmp_wrapped_module.module.ebc` -> `ebc`)."""
+    parts = path.split(".")
+    while parts and parts[0] in ("_dmp_wrapped_module", "module"):
+        parts.pop(0)
+    return ".".join(parts)

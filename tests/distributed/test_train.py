@@ -197,6 +197,63 @@ def test_bad_config_fails_before_any_worker_starts(tmp_path, override, match):
     assert done.returncode != 0
     assert match in done.stderr, done.stderr[-2000:]
     assert "torch.distributed.run" not in done.stderr  # no worker was launched
+    assert done.stdout == "" and done.stderr.count("\n") == 1, done.stderr[-2000:]  # one line
+    assert done.stderr.startswith("distcache check: DistcacheConfigError: ")
+
+
+@pytest.mark.timeout(300)
+def test_debug_passes_through_the_launcher(tmp_path):
+    """`--debug`: the check's traceback for a bad config; a good job runs with it (its ranks
+    receive it). The progress bar stays off where stderr is no terminal, log lines carry
+    their level, and no third-party warning shows."""
+    bad = _torchrun(tmp_path / "bad", "--cache.capcity=0.1", "--debug", timeout=50)
+    assert bad.returncode != 0
+    assert "Traceback (most recent call last)" in bad.stderr
+    assert "DistcacheConfigError: unknown key(s) ['capcity'] in [cache]" in bad.stderr
+    done = _torchrun(tmp_path / "good", "--train.steps=10", "--debug", "--train.progress_bar=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in _records(tmp_path / "good", "train")] == [10]
+    log = done.stdout + done.stderr
+    assert "\r" not in log and "step/s" not in log  # no progress bar into a pipe
+    assert "INFO [rank 0] distcache.train: train: step 10, loss" in log
+    assert "Warning:" not in log and "py.warnings" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_an_error_on_the_ranks_is_one_line_each_through_the_launcher(tmp_path):
+    """A mistake only the ranks see (a checkpoint this run would overwrite): each rank's
+    one-line error, then the launcher's line naming the failed ranks; no traceback, no
+    torchrun failure block."""
+    (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
+    done = _torchrun(tmp_path, "--checkpoint.every=10", "--train.steps=10", timeout=100)
+    assert done.returncode == 1
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) <= 3, lines  # a line per rank (one may be stopped first), and the last
+    assert all(line.startswith("distcache train: CheckpointError: ") for line in lines[:-1])
+    assert "step 10" in lines[0], lines
+    assert lines[-1].startswith("launch/torchrun.sh: the job failed on rank "), lines
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_resuming_into_a_changed_model_names_the_tables_and_shapes(tmp_path):
+    """A checkpoint of 16-wide tables, resumed by a model of 32-wide ones: one
+    `CheckpointError` line per rank naming the tables and both shapes, instead of DCP's
+    tracebacks ("Size mismatch between saved ... and current ...")."""
+    first = _torchrun(tmp_path, "--train.steps=10", "--checkpoint.every=10")
+    assert first.returncode == 0, first.stderr[-3000:]
+    wider = ["--model.embedding_dim=32", "--model.bottom_mlp=[64,32]"]
+    done = _torchrun(tmp_path, "--train.steps=20", "--checkpoint.every=10", "--resume", *wider)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if "CheckpointError" in line]
+    assert 1 <= len(errors) <= 2, done.stderr[-3000:]
+    assert (
+        f"the checkpoint {tmp_path / 'checkpoints' / 'step_00000010'} was written by "
+        in (errors[0])
+    )
+    assert "table 't0' is [100, 16] there, [100, 32] here" in errors[0]
+    assert "Traceback" not in done.stderr and "Size mismatch" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("launch/torchrun.sh: the job failed")
 
 
 def _plan_file(tmp_path: Path) -> str:

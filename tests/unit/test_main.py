@@ -28,3 +28,15 @@ def test_debug_shows_the_traceback() -> None:
 def test_no_command_prints_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "train" in capsys.readouterr().err
+
+
+def test_check_is_silent_on_a_good_job_and_names_every_mistake(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What `launch/torchrun.sh` runs before it starts any worker."""
+    assert main(["check", "--config", CONFIG, "--train.steps=5", "--resume"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert main(["check", "--config", CONFIG, "--cache.capacty=0.1", "--train.steps=0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("distcache check: DistcacheConfigError: 2 ")
+    assert "['capacty']" in err and "[train] steps = 0 is invalid" in err

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distcache import CheckpointError
-from distcache.job.checkpoint import LATEST, MANIFEST, Checkpointer
+from distcache.job.checkpoint import LATEST, MANIFEST, Checkpointer, _tensor_name
 
 
 def _saved(
@@ -179,3 +179,63 @@ def test_starting_over_keeps_the_old_checkpoints_aside(tmp_path: Path) -> None:
         Checkpointer(tmp_path, every=10).guard_fresh_start(start_over=True)
         assert Checkpointer(tmp_path).steps_on_disk() == []
         assert _digests(tmp_path / f"superseded.{n}") == before
+
+
+class _Tables(torch.nn.Module):
+    """A TorchRec-like model: a table `t0` of `dim` columns beside a dense layer."""
+
+    def __init__(self, dim: int, out: int = 2):
+        super().__init__()
+        self.embedding_bags = torch.nn.ModuleDict({"t0": torch.nn.EmbeddingBag(10, dim)})
+        self.dense = torch.nn.Linear(dim, out)
+
+
+def test_resuming_into_another_model_names_the_tables_and_shapes(tmp_path: Path) -> None:
+    """One `CheckpointError` line before DCP loads anything (DCP's own error is a traceback
+    per rank), the tables first; a model with a tensor the checkpoint lacks is refused too."""
+    Checkpointer(tmp_path, every=1).save(1, _Tables(dim=4))
+    wider = _Tables(dim=8)
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with pytest.raises(CheckpointError) as raised:
+        Checkpointer(tmp_path).restore(wider)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(f"the checkpoint {tmp_path / 'step_00000001'} was written by ")
+    shapes = message.split("another model: ", 1)[1].split(". Resume with")[0]
+    assert shapes == (
+        "table 't0' is [10, 4] there, [10, 8] here; dense.weight is [2, 4] there, [2, 8] here"
+    )
+    assert "--resume=never" in message
+    assert all(torch.equal(v, before[k]) for k, v in wider.state_dict().items())  # untouched
+    grown = _Tables(dim=4)
+    grown.extra = torch.nn.Linear(1, 1)
+    with pytest.raises(CheckpointError, match=r"extra.weight \[1, 1\] is not in it"):
+        Checkpointer(tmp_path).restore(grown)
+
+
+def test_a_model_of_the_same_shapes_loads(tmp_path: Path) -> None:
+    saved = _Tables(dim=4)
+    Checkpointer(tmp_path, every=1).save(1, saved)
+    restored = _Tables(dim=4)
+    assert Checkpointer(tmp_path).restore(restored) == 1
+    assert torch.equal(restored.dense.weight, saved.dense.weight)
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        ("model.model.sparse_arch.embedding_bag_collection.embedding_bags.t3.weight", "table 't3'"),
+        (
+            "fused_optimizer.state.model.sparse_arch.embedding_bag_collection.embedding_bags."
+            "t3.weight.t3.momentum1",
+            "the momentum1 of table 't3'",
+        ),
+        ("model.ec.embeddings.seq.weight", "table 'seq'"),
+        (
+            "model.model.dense_arch.model._mlp.1._linear.bias",
+            "model.dense_arch.model._mlp.1._linear.bias",
+        ),
+    ],
+)
+def test_a_state_key_is_named_as_the_model_names_it(key: str, name: str) -> None:
+    assert _tensor_name(key) == name

@@ -143,3 +143,41 @@ def test_weighted_features_need_synthetic_data():
     with pytest.raises(DistcacheConfigError, match=r"\[data\] weighted = True is invalid"):
         load_job_config(None, [*criteo, "--data.weighted=true"])
     assert load_job_config(None, ["--data.weighted=true"]).data.weighted
+
+
+def test_every_mistake_is_reported_at_once(tmp_path):
+    """Unknown sections and keys, wrong types and refused values, across sections and within
+    one (each refused value is named, not only the first), in one line."""
+    path = tmp_path / "job.toml"
+    path.write_text(
+        "[cach]\nsize = 1\n[cache]\ncapcity = 0.1\npolicy = 'fifo'\n"
+        "[data]\nbatch_size = 0\neval_batches = -1\n[train]\nsteps = 'ten'\n"
+    )
+    with pytest.raises(DistcacheConfigError) as raised:
+        load_job_config(path, ["--model.embedding_dtype=fp8"])
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("7 mistakes: (1) unknown config section")
+    for mistake in [
+        "unknown config section(s) ['cach']",
+        "unknown key(s) ['capcity'] in [cache]",
+        "[cache] policy = 'fifo' is invalid",
+        "[data] batch_size = 0 is invalid",
+        "[data] eval_batches = -1 is invalid",
+        "[train] steps = 'ten' is invalid: expected an integer",
+        "[model] embedding_dtype = 'fp8' is invalid",
+    ]:
+        assert mistake in message, mistake
+
+
+def test_the_inputs_mistakes_are_reported_at_once(tmp_path):
+    config = load_job_config(
+        None,
+        [
+            "--data.source=criteo_tsv",
+            f'--data.paths=["{tmp_path}/a.tsv"]',
+            f'--data.eval_paths=["{tmp_path}/b.tsv"]',
+            f"--plan.planner={tmp_path}/plan.json",
+        ],
+    )
+    with pytest.raises(DistcacheConfigError, match=r"^3 mistakes: \(1\) \[data\] path .*a\.tsv"):
+        check_inputs(config)
