@@ -282,8 +282,9 @@ class JobConfig:
 
     `[cache]` is the caches' own `CacheConfig` (every table's cache; `[plan] planner =
     "distcache"` sizes each table's capacity, L and K itself): its keys, defaults and checks
-    are `distcache.cache.config`'s. In a job file, as everywhere in it, a number in a float
-    key is a float: `capacity = 1` is every row (a fraction), not one row.
+    are `distcache.cache.config`'s, with the same meaning as in Python: `capacity = 0.02` is a
+    fraction of each table's rows, `capacity = 5000` a number of rows (`capacity = 1.0`: every
+    row).
     """
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -307,11 +308,28 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in _SECTIONS}
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+# Per scalar type: what a value must be, and what the message says is allowed.
+_SCALARS: dict[object, tuple[typing.Callable[[object], bool], str]] = {
+    float: (_is_number, "a number"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def _coerce(section: str, key: str, value: object, hint: object) -> object:
-    """Check `value` against the field's type; ints are accepted where floats are expected."""
+    """Check `value` against the field's type; ints are accepted where floats are expected,
+    and kept as written where either is (`float | int`: CacheConfig.capacity, a fraction or a
+    number of rows, as in Python)."""
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union) and float in typing.get_args(hint):
-        hint = float  # `float | int` (CacheConfig.capacity): a job's numbers are fractions
+        allowed = "a number (a float: a fraction of the rows; an int: a number of rows)"
+        _require(_is_number(value), section, key, value, allowed)
+        return value
     if origin is tuple:  # `tuple[int, ...]` (CacheConfig.hot_rows): a list in the file
         _require(isinstance(value, list), section, key, value, f"a list ({hint})")
         item = (typing.get_args(hint) or (object,))[0]
@@ -320,30 +338,10 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
         _require(isinstance(value, list), section, key, value, f"a list ({hint})")
         (item,) = typing.get_args(hint) or (object,)
         return [_coerce(section, key, v, item) for v in value]
-    if hint is float:
-        _require(
-            isinstance(value, int | float) and not isinstance(value, bool),
-            section,
-            key,
-            value,
-            "a number",
-        )
-        return float(value)
-    if hint is int:
-        _require(
-            isinstance(value, int) and not isinstance(value, bool),
-            section,
-            key,
-            value,
-            "an integer",
-        )
-        return value
-    if hint is bool:
-        _require(isinstance(value, bool), section, key, value, "true or false")
-        return value
-    if hint is str:
-        _require(isinstance(value, str), section, key, value, "a string")
-        return value
+    if hint in _SCALARS:
+        check, allowed = _SCALARS[hint]
+        _require(check(value), section, key, value, allowed)
+        return float(value) if hint is float else value
     return value
 
 

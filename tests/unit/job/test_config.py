@@ -53,7 +53,19 @@ def test_device_chosen_defaults_round_trip_left_out_or_set():
 
 
 def test_ints_are_accepted_as_floats():
-    assert load_job_config(None, ["--cache.capacity=1"]).cache.capacity == 1.0
+    assert load_job_config(None, ["--cache.eps=1"]).cache.eps == 1.0
+
+
+def test_capacity_means_what_it_means_in_python():
+    """A float is a fraction of the rows, an int a number of rows, in a job as in Python."""
+    rows = load_job_config(None, ["--cache.capacity=500"]).cache
+    assert rows == CacheConfig(capacity=500) and rows.capacity_rows(10_000) == 500
+    fraction = load_job_config(None, ["--cache.capacity=1.0"]).cache
+    assert fraction == CacheConfig(capacity=1.0) and fraction.capacity_rows(10_000) == 10_000
+    chosen = load_job_config(None, ["--cache.capacity=500"])
+    assert build_job_config(tomllib.loads(dump_toml(chosen))) == chosen  # round-trips as rows
+    with pytest.raises(DistcacheConfigError, match=r"\[cache\] capacity = True is invalid"):
+        load_job_config(None, ["--cache.capacity=true"])
 
 
 @pytest.mark.parametrize(
@@ -61,7 +73,7 @@ def test_ints_are_accepted_as_floats():
     [
         ("--cach.capacity=0.1", r"unknown config section\(s\) \['cach'\]; allowed sections"),
         ("--cache.capcity=0.1", r"unknown key\(s\) \['capcity'\] in \[cache\]; allowed keys"),
-        ("--cache.capacity=0", r"\[cache\] capacity = 0.0 is invalid: expected a fraction"),
+        ("--cache.capacity=0", r"\[cache\] capacity = 0 is invalid: expected an int >= 1 \(rows\)"),
         ("--cache.capacity=1.5", r"expected a fraction in \(0, 1\]"),
         ("--train.steps=2.5", r"\[train\] steps = 2.5 is invalid: expected an integer"),
         ("--train.steps=true", r"expected an integer"),
@@ -100,10 +112,8 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_the_cache_section_is_the_caches_own_config():
     config = load_job_config(
-        None, ["--cache.capacity=1", "--cache.eps=1e-6", "--cache.check_ids=false"]
+        None, ["--cache.capacity=1.0", "--cache.eps=1e-6", "--cache.check_ids=false"]
     )
-    # A job's numbers are fractions: capacity = 1 is every row, not one row.
-    assert isinstance(config.cache.capacity, float)
     assert config.cache == CacheConfig(capacity=1.0, eps=1e-6, check_ids=False)
     with pytest.raises(DistcacheConfigError, match=r"^\[cache\] eps = -1.0 is invalid: expected"):
         load_job_config(None, ["--cache.eps=-1"])
