@@ -44,7 +44,7 @@ class BinnedProfile:
         self.probability = np.asarray(probability, dtype=np.float64)  # [bins]
         self.rows_through = np.cumsum(self.rows_per_bin)  # [bins] rows up to each bin's end
         self.rows = int(round(self.rows_through[-1]))
-        self._memo: dict[tuple, float | np.ndarray] = {}
+        self._memo: dict[tuple | str, float | np.ndarray] = {}
 
     @staticmethod
     def _edges(rows: int) -> np.ndarray:
@@ -121,9 +121,10 @@ class BinnedProfile:
         share of lookups a replica of them serves, and the rows of it a batch touches."""
         key = ("h", int(rows), float(n))
         if key not in self._memo:
+            k = self._head_bin(rows)
             self._memo[key] = (
-                self._head_sum(rows, self.probability),
-                self._head_sum(rows, self._touch(n)),
+                self._head_sum(rows, self.probability, k),
+                self._head_sum(rows, self._touch(n), k),
             )
         return self._memo[key]
 
@@ -141,12 +142,17 @@ class BinnedProfile:
         rows = min(max(int(rows), 0), self.rows)
         return min(mean + math.sqrt(variance) * expected_normal_max(batches), rows, n)
 
-    def _head_sum(self, rows: int, per_row: np.ndarray) -> float:
+    def _head_bin(self, rows: int) -> int:
+        """The bin holding the last of the `rows` likeliest rows."""
+        rows = min(max(int(rows), 0), self.rows)
+        return int(np.searchsorted(self.rows_through, rows, side="left"))
+
+    def _head_sum(self, rows: int, per_row: np.ndarray, k: int | None = None) -> float:
         """The sum over the `rows` likeliest rows of a value given per row of each bin
         (`[bins]`): the bins wholly inside the head, then the head's rows of the bin holding
-        its last rows."""
+        its last rows (bin `k`, `_head_bin`)."""
         rows = min(max(int(rows), 0), self.rows)
-        k = int(np.searchsorted(self.rows_through, rows, side="left"))
+        k = self._head_bin(rows) if k is None else k
         inside = rows - (self.rows_through[k - 1] if k else 0.0)
         whole = float(self.rows_per_bin[:k] @ per_row[:k])
         return whole + (inside * per_row[k] if k < per_row.size else 0.0)
@@ -154,14 +160,21 @@ class BinnedProfile:
     def rows_for_mass(self, mass: float) -> int:
         """The fewest likeliest rows that take at least `mass` of the lookups (all rows for
         a mass of 1 or more)."""
-        through = np.cumsum(self.rows_per_bin * self.probability)  # mass up to each bin's end
+        key = ("m", float(mass))
+        if key in self._memo:
+            return self._memo[key]
+        if "through" not in self._memo:  # mass up to each bin's end
+            self._memo["through"] = np.cumsum(self.rows_per_bin * self.probability)
+        through = self._memo["through"]
         k = int(np.searchsorted(through, mass - 1e-12, side="left"))
         if k >= through.size:
+            self._memo[key] = self.rows
             return self.rows
         before = through[k - 1] if k else 0.0
         start = self.rows_through[k - 1] if k else 0.0
         need = math.ceil((mass - before) / self.probability[k] - 1e-9) if self.probability[k] else 0
-        return int(min(self.rows, start + max(need, 0)))
+        self._memo[key] = int(min(self.rows, start + max(need, 0)))
+        return self._memo[key]
 
     def _lru_loads(self, q: np.ndarray, capacity: int) -> float:
         """Che's approximation: τ with Σ rows·(1 - (1-q)^τ) = capacity; misses q·(1-q)^τ."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from distcache.cache.config import HOT_ALL
 from distcache.planner.dense import all_reduce_s, dense_compute_s, dense_parameter_bytes
-from distcache.planner.ranks import expose_staging, node_layout
+from distcache.planner.ranks import expose_staging, node_layout, traffic_units
 from distcache.planner.shards import ShardTerms, shard_access, shard_terms
 from distcache.planner.types import (
     COLUMN_WISE,
@@ -60,15 +60,16 @@ class Mode:
     hot_reduce: str = HOT_ALL
 
     def describe(self, ranks: tuple[int, ...] = ()) -> str:
-        where = {
-            DATA_PARALLEL: "data_parallel",
-            TABLE_WISE: f"table_wise on rank {ranks[0]}" if ranks else "table_wise",
-            ROW_WISE: f"row_wise on {self.shards} ranks",
-            COLUMN_WISE: f"column_wise on {self.shards} ranks"
-            + (f" {list(ranks)}" if ranks else ""),
-            TABLE_ROW_WISE: f"table_row_wise on {self.shards} ranks"
-            + (f" {list(ranks)}" if ranks else ""),
-        }[self.sharding]
+        if self.sharding == DATA_PARALLEL:
+            where = "data_parallel"
+        elif self.sharding == TABLE_WISE:
+            where = f"table_wise on rank {ranks[0]}" if ranks else "table_wise"
+        elif self.sharding == ROW_WISE:
+            where = f"row_wise on {self.shards} ranks"
+        elif self.sharding in (COLUMN_WISE, TABLE_ROW_WISE):  # the ranks named
+            where = f"{self.sharding} on {self.shards} ranks" + (f" {list(ranks)}" if ranks else "")
+        else:
+            raise KeyError(self.sharding)
         hot = f", {self.hot_rows} hot rows replicated" if self.hot_rows else ""
         if self.hot_rows and self.hot_reduce != HOT_ALL:
             hot += " (touched rows all-gathered)"
@@ -136,19 +137,34 @@ class Problem:
         self.node, self.node_starts, self.node_size = node_layout(topology)
         self.nodes = len(self.node_starts)
         self.same_node = (self.node[None, :] == np.arange(self.nodes)[:, None]).astype(float)
+        self.same_node_pairs = np.eye(self.nodes, dtype=bool)  # [N, N]
         self.device_limit = topology.device_memory_bytes
         self.host_limit = topology.host_memory_bytes
         # [W] seconds per byte a shard on each rank exchanges with every other rank (work).
         self.pair_s = (self.node_size - 1) / topology.intra_node_bw_bytes_per_s + (
             W - self.node_size
         ) / topology.inter_node_bw_bytes_per_s
+        # [1] `pair_s` summed over every rank, as a row of owners prices it (`is_owner @ pair_s`)
+        self.everyone_pair_s = np.ones((1, W)) @ self.pair_s
+        # ([8, N, W] table-row-wise on each node, [8, 6, W]) all-to-all units: `_traffic_templates`
+        self.node_units, self.units = _traffic_templates(self, topology)
+        self.node_ranks = [tuple(int(r) for r in np.flatnonzero(row)) for row in self.same_node]
+        self.cache: dict[tuple, object] = {}  # the stages' constants, built when first asked for
         self.tables = workload.tables
+        self.lookahead_pairs = options.lookahead_pairs()
         self.rejects: list[list[Candidate]] = [[] for _ in workload.tables]
         self.groups = [self._groups(i, t) for i, t in enumerate(workload.tables)]
         self.work = [self._least_work(g) for g in self.groups]
         self.least_memory = [self._least_memory(g) for g in self.groups]
         # Each table's modes by (sharding, shards, storage, fraction, L, K), to reuse for seeds.
         self.known = [{m.key(): m for g in groups for m in g.modes} for groups in self.groups]
+
+    def pair_sum(self, ranks: tuple[int, ...]) -> float:
+        """`pair_s` summed over `ranks` (kept: the same few rank sets come back)."""
+        key = ("pair_s", ranks)
+        if key not in self.cache:
+            self.cache[key] = float(self.pair_s[list(ranks)].sum())
+        return self.cache[key]
 
     def _groups(self, index: int, table: TableStats) -> list[Group]:
         opts, layouts = self.options, []
@@ -194,7 +210,7 @@ class Problem:
         rows, _, unique = shard_access(
             table, self.workload, self.topology, sharding=sharding, shards=shards
         )
-        for L, K in opts.lookahead_pairs():
+        for L, K in self.lookahead_pairs:
             too_small = None
             for fraction in sorted(set(opts.cache_fractions)):
                 cache = (HOST_CACHED, fraction, L, K)
@@ -254,10 +270,11 @@ class Problem:
         """A quick estimate of the least rank time a table adds (summed over ranks, as in
         `State.score`), to order the greedy and bound the work still to place."""
         base = all_reduce_s(self.dense_bytes, self.topology)
+        pair_mean = float(self.pair_s.mean())
         best = math.inf
         for g in groups:
             owners = self.world if g.sharding == DATA_PARALLEL else g.shards
-            links = (g.ids + 2 * g.emb) * owners * float(self.pair_s.mean())
+            links = (g.ids + 2 * g.emb) * owners * pair_mean
             for m, mode in enumerate(g.modes):
                 t = mode.terms
                 compute = self.dense_s + t.lookup_s
@@ -265,6 +282,31 @@ class Problem:
                 reduce = all_reduce_s(self.dense_bytes + t.all_reduce_bytes, self.topology) - base
                 best = min(best, owners * (t.lookup_s + exposed) + links + self.world * reduce)
         return 0.0 if math.isinf(best) else best
+
+
+# The all-to-all templates of `Problem.units`: the `RankTerms.traffic` rows of each rank per
+# byte of ids and of embeddings a consumer exchanges with a shard (`ranks.traffic_units`), for
+# a table with a shard on every rank; table-wise, the others' with the owner on their node or
+# not, and the owner's; table-row-wise, each rank's as an owner and as a consumer.
+EVERYONE, NEAR, FAR, ALONE, NODE_OWNER, NODE_CONSUMER = range(6)
+
+
+def _traffic_templates(p: Problem, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """([8, N, W] the traffic units of a table-row-wise table on each node, [8, 6, W] the
+    templates)."""
+    W = topology.world_size
+    nodes = traffic_units(p.same_node, topology, reduced=True)
+    units = np.zeros((8, 6, W))
+    units[:, EVERYONE] = traffic_units(np.ones(W), topology, reduced=False)
+    units[[0, 6], NEAR] = 1.0  # ids sent, outputs received over NVLink
+    units[[1, 7], FAR] = 1.0  # over the NIC
+    alone = np.broadcast_arrays(0.0, 0.0, p.node_size - 1.0, W - p.node_size)  # all consume
+    units[:, ALONE] = np.stack([*alone, *alone[2:], *alone[:2]])
+    if p.nodes > 1:  # a rank's units depend only on whether its node holds the table
+        ranks = np.arange(W)
+        units[:, NODE_OWNER] = nodes[:, p.node, ranks]
+        units[:, NODE_CONSUMER] = nodes[:, (p.node + 1) % p.nodes, ranks]
+    return nodes, units
 
 
 def kind_text(sharding: str, shards: int, storage: str) -> str:

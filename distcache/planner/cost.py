@@ -327,6 +327,7 @@ def global_terms(
     hot_tables: int = 0,
     gather_bytes: float = 0.0,
     gathered_tables: int = 0,
+    dense_bytes: float | None = None,
 ) -> GlobalTerms:
     """The shared terms of a plan with `dp_bytes` of data-parallel gradients whose tables use
     the collectives `shardings` (the set of their `ShardTerms.collectives`: the sharding types
@@ -336,18 +337,22 @@ def global_terms(
     counts (`hot_bytes` in all) together, one collective whatever their number; the
     `gathered_tables` of them that reduce their touched rows all-gather `gather_bytes` from
     every rank, one collective (and one small all-reduce of its sizes). The all-gather's
-    time is counted in the all-reduce term."""
+    time is counted in the all-reduce term. `dense_bytes`: `dense_parameter_bytes(workload)`,
+    where the caller knows it (the solver prices thousands of plans of one workload)."""
     kinds = set(shardings)
-    routed = len(kinds - {DATA_PARALLEL}) if topology.world_size > 1 else 0
-    all_reduce = all_reduce_s(dense_parameter_bytes(workload) + dp_bytes + hot_bytes, topology)
-    if dp_bytes > 0 and topology.world_size > 1:
-        all_reduce += sync_latency_s(topology)  # the data-parallel tables' own all-reduce
+    several, sync = topology.world_size > 1, sync_latency_s(topology)
+    routed = len(kinds - {DATA_PARALLEL}) if several else 0
+    if dense_bytes is None:
+        dense_bytes = dense_parameter_bytes(workload)
+    all_reduce = all_reduce_s(dense_bytes + dp_bytes + hot_bytes, topology)
+    if dp_bytes > 0 and several:
+        all_reduce += sync  # the data-parallel tables' own all-reduce
     compact_reads = 0
-    if hot_tables and topology.world_size > 1:  # one all-reduce of every replica
+    if hot_tables and several:  # one all-reduce of every replica
         whole = hot_tables > gathered_tables  # some replica all-reduces all its rows
-        all_reduce += (HOT_COLLECTIVES - (not whole)) * sync_latency_s(topology)
+        all_reduce += (HOT_COLLECTIVES - (not whole)) * sync
         if gathered_tables:
-            all_reduce += all_gather_s(gather_bytes, topology) + sync_latency_s(topology)
+            all_reduce += all_gather_s(gather_bytes, topology) + sync
         compact_reads = len(kinds & {TABLE_WISE, COLUMN_WISE})  # their split sizes' reads
     return GlobalTerms(
         all_reduce_s=all_reduce,
@@ -355,10 +360,10 @@ def global_terms(
         # Table-row-wise outputs take two collectives each way: the node's reduce-scatter, then
         # the all-to-all across nodes.
         output_latency_s=OUTPUT_COLLECTIVES
-        * sync_latency_s(topology)
-        * (routed + (TABLE_ROW_WISE in kinds and topology.world_size > 1))
+        * sync
+        * (routed + (TABLE_ROW_WISE in kinds and several))
         + compact_reads * topology.host_to_device_latency_s
-        + topology.row_wise_output_latency_s * (ROW_WISE in kinds and topology.world_size > 1),
+        + topology.row_wise_output_latency_s * (ROW_WISE in kinds and several),
         overhead_s=topology.step_overhead_s
         + topology.sharding_overhead_s * len(kinds)
         + topology.id_overhead_s * sent_bags,

@@ -2,6 +2,9 @@
 other kind (sharding, shard count, storage) with the step the plan would have, or why it does
 not fit — what `Plan.explanations` holds.
 
+Each table's modes are priced against the plan without it, as `evaluate` would, the tables
+of a chunk together (`pricing.price_tables`).
+
 Example::
 
     print(explain(best_state)["t0"])
@@ -10,36 +13,66 @@ Example::
 
 from __future__ import annotations
 
-from distcache.planner.candidates import Candidate
-from distcache.planner.pricing import State, evaluate
+from collections import Counter
+
+import numpy as np
+
+from distcache.planner.candidates import Candidate, Mode
+from distcache.planner.pricing import price_tables
+from distcache.planner.state import State
+
+CHUNK = 64  # tables priced together: their plans' terms, [CHUNK, TERMS, W], stay small
 
 
 def explain(state: State) -> dict[str, str]:
     """Per table: the chosen placement and the best of every other kind (sharding, shards,
     storage) with the step the plan would have, or why it does not fit."""
     p, out = state.p, {}
-    for index, table in enumerate(p.tables):
-        mode, ranks, contrib = state.remove(index)
-        without = state.score()[1]
-        candidates = evaluate(state, index) + p.rejects[index]
-        state.add(index, mode, ranks, contrib)
-        step, total = state.score()
-        best: dict[tuple, Candidate] = {}
-        for c in candidates:
-            kind = (c.mode.sharding, c.mode.shards, c.mode.storage)
-            if (c.mode, c.ranks) != (mode, ranks) and (
-                kind not in best or _rank(c) < _rank(best[kind])
-            ):
-                best[kind] = c
-        rejected = [
-            f"{c.mode.describe(c.ranks)} ({_cost_text(c.step_s, c.work_s - without)})"
-            if c.fits
-            else f"{c.mode.describe()} (does not fit: {c.reason})"
-            for kind, c in sorted(best.items(), key=lambda kc: _rank(kc[1]))
-        ]
-        chosen = f"{mode.describe(ranks)}: {_cost_text(step, total - without)}"
-        out[table.name] = chosen + ("; rejected: " + ", ".join(rejected) if rejected else "")
+    for start in range(0, len(p.tables), CHUNK):
+        chunk = range(start, min(start + CHUNK, len(p.tables)))
+        placed, without, after, kinds_without, kinds_after = [], [], [], [], []
+        for index in chunk:  # each table out and back in, as `remove` and `add` leave the plan
+            mode, ranks, contrib = state.remove(index)
+            without.append(state.flat.copy())
+            kinds_without.append(Counter(state.kinds))
+            state.add(index, mode, ranks, contrib)
+            after.append(state.flat.copy())
+            kinds_after.append(Counter(state.kinds))
+            placed.append((mode, ranks))
+        candidates = price_tables(p, chunk, np.stack(without), kinds_without)
+        bare = state.scores(np.stack(without), kinds_without)
+        full = state.scores(np.stack(after), kinds_after)
+        for j, index in enumerate(chunk):
+            (mode, ranks), (step, total, _) = placed[j], full[j]
+            others = candidates[j] + p.rejects[index]
+            out[p.tables[index].name] = _text(mode, ranks, others, step, total, bare[j][1])
     return out
+
+
+def _text(
+    mode: Mode,
+    ranks: tuple[int, ...],
+    candidates: list[Candidate],
+    step: float,
+    total: float,
+    without: float,
+) -> str:
+    """The chosen placement, then the best candidate of every other kind."""
+    best: dict[tuple, Candidate] = {}
+    for c in candidates:
+        kind = (c.mode.sharding, c.mode.shards, c.mode.storage)
+        if (c.mode, c.ranks) != (mode, ranks) and (
+            kind not in best or _rank(c) < _rank(best[kind])
+        ):
+            best[kind] = c
+    rejected = [
+        f"{c.mode.describe(c.ranks)} ({_cost_text(c.step_s, c.work_s - without)})"
+        if c.fits
+        else f"{c.mode.describe()} (does not fit: {c.reason})"
+        for kind, c in sorted(best.items(), key=lambda kc: _rank(kc[1]))
+    ]
+    chosen = f"{mode.describe(ranks)}: {_cost_text(step, total - without)}"
+    return chosen + ("; rejected: " + ", ".join(rejected) if rejected else "")
 
 
 def _cost_text(step_s: float, added_s: float) -> str:

@@ -26,11 +26,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from distcache.cache.config import HOT_ALL, HOT_REDUCE, HOT_TOUCHED
-from distcache.planner.binned import table_access
+from distcache.planner.binned import BinnedProfile, table_access
 from distcache.planner.candidates import Mode
-from distcache.planner.pricing import State
 from distcache.planner.search import better_state as _better
-from distcache.planner.shards import shard_terms
+from distcache.planner.shards import reduced_as, shard_terms
+from distcache.planner.state import State
 from distcache.planner.types import DATA_PARALLEL
 
 PASSES = 2
@@ -84,19 +84,47 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
     notes: dict[int, str] = {}
     if not shares:
         return notes
-    _same_share_everywhere(state, shares)
+    variants = _Variants(state)
+    _same_share_everywhere(state, shares, variants)
+    tried: dict[int, list[tuple[int, str, float | None]]] = {}  # the last pass's: the notes'
     for _ in range(PASSES):
         changed = False
         for index in _sharded(state):
-            note, moved = _choose_one(state, index, shares)
-            notes[index] = note
+            tried[index], moved = _choose_one(state, index, shares, variants)
             changed |= moved
         if not changed:
             break
+    for index, steps in tried.items():
+        notes[index] = _note(table_access(state.p.tables[index]), state.placed[index][0], steps)
     return notes
 
 
-def _same_share_everywhere(state: State, shares: Sequence[float]) -> None:
+class _Variants:
+    """Each table's mode with each replica, priced once for the whole stage (a table's
+    placement does not change here, so its variants are the same in every pass)."""
+
+    def __init__(self, state: State):
+        self.state = state
+        self.modes: dict[tuple[int, int, str], Mode] = {}
+
+    def get(self, index: int, mode: Mode, hot_rows: int, hot_reduce: str) -> Mode:
+        """`with_hot_rows(state, index, mode, hot_rows, hot_reduce)`: a replica reduced
+        otherwise than 'all' from the one reduced 'all' (only its `hot_*` terms differ)."""
+        key = (index, hot_rows, hot_reduce)
+        if key in self.modes:
+            return self.modes[key]
+        if hot_reduce == HOT_ALL or not hot_rows:
+            variant = with_hot_rows(self.state, index, mode, hot_rows, hot_reduce)
+        else:
+            whole = self.get(index, mode, hot_rows, HOT_ALL)
+            p = self.state.p
+            terms = reduced_as(whole.terms, p.tables[index], p.workload, p.topology, hot_reduce)
+            variant = dataclasses.replace(whole, hot_reduce=hot_reduce, terms=terms)
+        self.modes[key] = variant
+        return variant
+
+
+def _same_share_everywhere(state: State, shares: Sequence[float], variants: _Variants) -> None:
     """Give every sharded table the replica taking the same share of its lookups, reduced the
     same way: each share and reduction tried (and none), the best kept."""
     sharded = _sharded(state)
@@ -107,7 +135,7 @@ def _same_share_everywhere(state: State, shares: Sequence[float]) -> None:
         modes = {}
         for i in sharded:
             mode, ranks = start[i]
-            modes[i] = with_hot_rows(state, i, mode, _replica_rows(state, i, share), reduce)
+            modes[i] = variants.get(i, mode, _replica_rows(state, i, share), reduce)
             state.remove(i)
             state.add(i, modes[i], ranks)
         score = state.score() if state.fits() else None
@@ -118,27 +146,38 @@ def _same_share_everywhere(state: State, shares: Sequence[float]) -> None:
         state.add(i, best[i], start[i][1])
 
 
-def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str, bool]:
-    """Try each replica size for table `index`; keep the best. (note, whether it changed)."""
-    (mode, ranks), contrib = state.placed[index], state.contrib[index]
-    best, best_score = mode, (state.score() if state.fits() else None)
-    tried: list[tuple[int, str, float | None]] = []
-    access = table_access(state.p.tables[index])
+def _choose_one(
+    state: State, index: int, shares: Sequence[float], variants: _Variants
+) -> tuple[list[tuple[int, str, float | None]], bool]:
+    """Try each replica size for table `index` (priced together: `State.trial_scores`); keep
+    the best. ((hot rows, reduction, step or None where it does not fit) of each replica
+    tried, whether the table changed)."""
+    (mode, ranks), now = state.placed[index], state.contrib[index]
     counts = hot_row_counts(state, index, shares)
-    for hot, reduce in ((h, r) for h in counts for r in (HOT_REDUCE if h else (HOT_ALL,))):
-        same = (hot, reduce) == (mode.hot_rows, mode.hot_reduce)
-        variant = mode if same else with_hot_rows(state, index, mode, hot, reduce)
-        state.remove(index)
-        state.add(index, variant, ranks)
-        score = state.score() if state.fits() else None
+    tries = [(h, r) for h in counts for r in (HOT_REDUCE if h else (HOT_ALL,))]
+    modes = [
+        mode if key == (mode.hot_rows, mode.hot_reduce) else variants.get(index, mode, *key)
+        for key in tries
+    ]
+    fresh = iter(state.footprints([m for m in modes if m is not mode], ranks))
+    footprints = [now if m is mode else next(fresh) for m in modes]
+    tried: list[tuple[int, str, float | None]] = []
+    best_score, *scores = state.trial_scores(index, footprints)
+    best, kept = mode, now
+    for (hot, reduce), variant, footprint, score in zip(
+        tries, modes, footprints, scores, strict=True
+    ):
         tried.append((hot, reduce, score[0] if score else None))
         if score is not None and (best_score is None or _better(score, best_score)):
-            best, best_score = variant, score
-        state.remove(index)
-        state.add(index, mode, ranks, contrib)
+            best, best_score, kept = variant, score, footprint
     if best is not mode:
         state.remove(index)
-        state.add(index, best, ranks)
+        state.add(index, best, ranks, kept)
+    return tried, best is not mode
+
+
+def _note(access: BinnedProfile, best: Mode, tried: list[tuple[int, str, float | None]]) -> str:
+    """The replica chosen, then the step of each other replica tried."""
     others = ", ".join(
         f"{h} ({100 * access.head(h)[0]:.3g}% of lookups{_gathered(h, r)}): "
         + (f"{s * 1e3:.4g} ms/step" if s is not None else "does not fit")
@@ -151,7 +190,7 @@ def _choose_one(state: State, index: int, shares: Sequence[float]) -> tuple[str,
         if best.hot_rows
         else "no hot rows"
     )
-    return f"{chosen}; tried {others}", best is not mode
+    return f"{chosen}; tried {others}"
 
 
 def _gathered(hot_rows: int, hot_reduce: str) -> str:

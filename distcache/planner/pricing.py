@@ -1,10 +1,17 @@
-"""The solver's pricing: a partial plan's per-rank terms (`State`), and every mode of one
-table priced against it at its best ranks (`evaluate`), on every rank at once.
+"""The solver's pricing: every mode of a table priced against a partial plan (`State`) at its
+best ranks (`evaluate`), on every rank at once; and the same for many tables, each against a
+plan of its own (`price_tables`: `explain.py` prices every table against the plan without it).
 
 Each candidate's step per rank comes from `ranks.rank_step`, the formula `plan_cost` uses, on
-the state's terms plus the candidate's; each part is computed at the shape it varies with
-([M, W] for M modes, [N, W] when only the owner's node matters). So a candidate's step is the
-step `plan_cost` gives the plan once the table is placed (tests/unit/planner/test_pricing.py).
+the plan's terms plus the candidate's. A table's layouts need a few partial steps each
+(`_NEEDS`) — a shard of each mode on every rank (data parallel, row-wise); each rank as the lone
+owner, and the others with the owner on their node or not (table-wise); each rank as an owner
+and as a consumer (table-row-wise); each rank as the lone owner, then the S ranks chosen
+(column-wise) — and all of them are priced as the rows of one step ([K, R, W] for K tables of
+one layout signature, `_Batch`), each row on its traffic, which the rows of a layout share
+([K, T, W]). The layouts then read their rows (`_everywhere`, `_table_wise`, ...). So a
+candidate's step is the step `plan_cost` gives the plan once the table is placed
+(tests/unit/planner/test_pricing.py).
 
 Example::
 
@@ -18,167 +25,39 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
-from distcache.cache.config import HOT_TOUCHED
-from distcache.planner.candidates import TIE_S, Candidate, Group, Mode, Problem, gb
-from distcache.planner.cost import global_terms
-from distcache.planner.ranks import (
-    Peers,
-    RankStep,
-    RankTerms,
-    Traffic,
-    exchange,
-    peer_counts,
-    rank_step,
-    rank_step_of,
-    reduced_in_node,
-    shard_contribution,
+from distcache.planner.candidates import (
+    ALONE,
+    EVERYONE,
+    FAR,
+    NEAR,
+    NODE_CONSUMER,
+    NODE_OWNER,
+    TIE_S,
+    Candidate,
+    Group,
+    Mode,
+    Problem,
+    gb,
 )
-from distcache.planner.shards import ShardTerms, sent_bags_per_rank
-from distcache.planner.types import (
-    COLUMN_WISE,
-    DATA_PARALLEL,
-    ROW_WISE,
-    TABLE_ROW_WISE,
-    TABLE_WISE,
-    Plan,
-    Topology,
-)
+from distcache.planner.ranks import RANK_TERMS, RankStep, RankTerms, rank_step, traffic_units
+from distcache.planner.state import LINK_WORK, State, shared_s, traffic_work
+from distcache.planner.types import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE
 
+__all__ = ["State", "evaluate", "price_tables", "traffic_work"]
 
-class State:
-    """Accumulated rank terms (`ranks.RankTerms`) of the tables placed so far.
-
-    A state is judged by (step, work): the slowest rank's step, exactly as `plan_cost` prices
-    it, and the rank time summed over ranks with all-to-all bytes counted linearly (half at the
-    sender, half at the receiver). Taking the busier direction per rank, as the step does,
-    would make a lone table-wise shard look twice as costly as it is once ranks both send and
-    receive, and steer the greedy away from table-wise early on.
-    """
-
-    def __init__(self, problem: Problem):
-        self.p = problem
-        self.load = RankTerms.zeros(problem.world)
-        self.dp_bytes = 0.0
-        self.kinds: Counter[str] = Counter()  # tables placed per `ShardTerms.collectives`
-        self.sent_bags = 0.0  # bags each rank sends per step
-        self.hot_bytes = 0.0  # hot-row replicas' gradients and flags all-reduced per step
-        self.hot_tables = 0
-        self.gather_bytes = 0.0  # replicas' touched rows each rank all-gathers per step
-        self.gathered_tables = 0
-        self.link_work_s = 0.0
-        self.placed: list[tuple[Mode, tuple[int, ...]] | None] = [None] * len(problem.tables)
-        self.contrib: list[RankTerms | None] = [None] * len(problem.tables)
-
-    def constant_s(self, mode: Mode | None = None) -> float:
-        """What every rank pays alike (all-reduce, all-to-all latencies, per-sharding-type
-        overheads) if `mode` were added."""
-        dp = self.dp_bytes + (mode.terms.all_reduce_bytes if mode else 0.0)
-        sent = self.sent_bags + (sent_bags_per_rank(mode.terms, mode.shards) if mode else 0.0)
-        kinds = {k for k, n in self.kinds.items() if n > 0}
-        kinds |= {mode.terms.collectives} if mode is not None else set()
-        hot_bytes = self.hot_bytes + (mode.terms.hot_reduce_bytes if mode else 0.0)
-        hot_tables = self.hot_tables + (mode is not None and mode.hot_rows > 0)
-        gather = self.gather_bytes + (mode.terms.hot_gather_bytes if mode else 0.0)
-        gathered = self.gathered_tables + (mode is not None and _gathers(mode))
-        return global_terms(
-            self.p.workload,
-            self.p.topology,
-            dp,
-            kinds,
-            sent,
-            hot_bytes,
-            hot_tables,
-            gather,
-            gathered,
-        ).shared_s
-
-    def step(self) -> RankStep:
-        """[W] parts of the step per rank, without the shared terms (`constant_s`)."""
-        return rank_step_of(self.load, dense_s=self.p.dense_s, topology=self.p.topology)
-
-    def totals(self) -> np.ndarray:
-        """[W] step per rank, as `plan_cost` prices it."""
-        return self.step().total_s(self.constant_s())
-
-    def add(
-        self, index: int, mode: Mode, ranks: tuple[int, ...], contrib: RankTerms | None = None
-    ) -> None:
-        """Place table `index` (`contrib`: its rank terms, if known from an earlier `remove`)."""
-        if contrib is None:
-            contrib = shard_contribution(mode.terms, ranks, self.p.topology)
-        self.load += contrib
-        self.dp_bytes += mode.terms.all_reduce_bytes
-        self.kinds[mode.terms.collectives] += 1
-        self.sent_bags += sent_bags_per_rank(mode.terms, mode.shards)
-        self.hot_bytes += mode.terms.hot_reduce_bytes
-        self.hot_tables += mode.hot_rows > 0
-        self.gather_bytes += mode.terms.hot_gather_bytes
-        self.gathered_tables += _gathers(mode)
-        self.link_work_s += self._link_work(mode, ranks, contrib)
-        self.placed[index], self.contrib[index] = (mode, ranks), contrib
-
-    def remove(self, index: int) -> tuple[Mode, tuple[int, ...], RankTerms]:
-        """Take table `index` out; returns what `add` needs to put it back."""
-        (mode, ranks), contrib = self.placed[index], self.contrib[index]
-        self.load -= contrib
-        self.dp_bytes -= mode.terms.all_reduce_bytes
-        self.kinds[mode.terms.collectives] -= 1
-        self.sent_bags -= sent_bags_per_rank(mode.terms, mode.shards)
-        self.hot_bytes -= mode.terms.hot_reduce_bytes
-        self.hot_tables -= mode.hot_rows > 0
-        self.gather_bytes -= mode.terms.hot_gather_bytes
-        self.gathered_tables -= _gathers(mode)
-        self.link_work_s -= self._link_work(mode, ranks, contrib)
-        self.placed[index] = self.contrib[index] = None
-        return mode, ranks, contrib
-
-    def _link_work(self, mode: Mode, ranks: tuple[int, ...], contrib: RankTerms) -> float:
-        if mode.terms.reduced_in_node:
-            return traffic_work(contrib.ids, contrib.emb, self.p.topology)
-        return _link_work(mode.terms, self.p.pair_s[list(ranks)].sum())
-
-    def score(self) -> tuple[float, float]:
-        """(step, work): see the class docstring."""
-        step, shared = self.step(), self.constant_s()
-        work = step.core_s.sum() + self.link_work_s + self.p.world * shared
-        return float(step.total_s(shared).max()), float(work)
-
-    def fits(self) -> bool:
-        return bool(
-            (self.load.device_memory_bytes <= self.p.device_limit).all()
-            and (self.load.host_memory_bytes <= self.p.host_limit).all()
-        )
-
-    def plan(self, name: str, explanations: dict[str, str]) -> Plan:
-        tables = tuple(
-            mode.table_plan(t.name, ranks)
-            for t, (mode, ranks) in zip(self.p.tables, self.placed, strict=True)
-        )
-        return Plan(name=name, tables=tables, explanations=explanations)
-
-
-def _link_work(terms: ShardTerms, pair_s: float) -> float:
-    """All-to-all seconds of a table summed over ranks, bytes counted linearly: `pair_s` is
-    the sum over its shards of the seconds per byte exchanged with every other rank."""
-    return (terms.ids_bytes_per_peer + 2 * terms.embedding_bytes_per_peer) * pair_s
-
-
-def traffic_work(ids: Traffic, emb: Traffic, topology: Topology) -> float:
-    """All-to-all seconds summed over ranks, bytes counted linearly (half at the sender, half
-    at the receiver), embeddings forward and backward: `_link_work` for any traffic."""
-
-    def seconds(t: Traffic) -> float:
-        intra = (np.sum(t.sent_intra) + np.sum(t.received_intra)) / 2
-        inter = (np.sum(t.sent_inter) + np.sum(t.received_inter)) / 2
-        return float(
-            intra / topology.intra_node_bw_bytes_per_s + inter / topology.inter_node_bw_bytes_per_s
-        )
-
-    return seconds(ids) + 2 * seconds(emb)
+# The partial steps each layout needs: (traffic template of `Problem.units`, whether with a
+# shard of each mode on every rank); a layout's first step is the one with its modes.
+_NEEDS = {
+    DATA_PARALLEL: ((EVERYONE, True),),
+    TABLE_WISE: ((ALONE, True), (NEAR, False), (FAR, False)),
+    ROW_WISE: ((EVERYONE, True),),
+    TABLE_ROW_WISE: ((NODE_OWNER, True), (NODE_CONSUMER, False)),
+    COLUMN_WISE: ((ALONE, True),),
+}
 
 
 def evaluate(
@@ -191,198 +70,376 @@ def evaluate(
     given). With `enough`, stop after data parallel and table-wise when a table-wise
     candidate satisfies it: row- and column-wise move more bytes than table-wise for the same
     lookups, so they only help a table that would be the bottleneck."""
+    table = _Table.of(state.p, index, _NEEDS if kinds is None else kinds)
+    if not table.groups:
+        return []
+    batch = _Batch(state.p, [table], state.flat[None], [state.kinds])
     out: list[Candidate] = []
-    for group in state.p.groups[index]:  # data parallel, table-wise, then the others
-        if kinds is not None and group.sharding not in kinds:
-            continue
+    for j, group in enumerate(table.groups):  # data parallel, table-wise, then the others
         if group.sharding in (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE) and enough is not None:
             if any(c.fits and c.mode.sharding == TABLE_WISE and enough(c) for c in out):
                 break
             enough = None  # decided: the spread layouts are priced
-        if group.sharding == TABLE_WISE:
-            out += _evaluate_table_wise(state, group)
-        elif group.sharding == COLUMN_WISE:
-            out += _evaluate_column_wise(state, group)
-        elif group.sharding == TABLE_ROW_WISE:
-            out += _evaluate_node(state, group)
-        else:
-            out += _evaluate_everywhere(state, group)
+        out += batch.layout(j)[0]
     return out
 
 
-def _step(
-    state: State,
-    ids: Traffic,
-    emb: Traffic,
-    group: Group | None = None,
-    owner: np.ndarray | float = 1.0,
-) -> RankStep:
-    """The state's step parts per rank with extra all-to-all bytes `ids` and `emb` and, with
-    `group`, one shard of each of its modes where `owner` ([M, W] or 1.0: every rank) is 1."""
-    load = state.load
-    lookup, overlapped, exposed = load.lookup_s, load.overlapped_staging_s, load.exposed_staging_s
-    if group is not None:
-        lookup = lookup + group.lookup * owner
-        overlapped = overlapped + group.overlapped * owner
-        exposed = exposed + group.exposed * owner
-    return rank_step(
-        dense_s=state.p.dense_s,
-        lookup_s=lookup,
-        overlapped_staging_s=overlapped,
-        exposed_staging_s=exposed,
-        ids=load.ids.plus(ids),
-        emb=load.emb.plus(emb),
-        topology=state.p.topology,
+def price_tables(
+    problem: Problem, indices: Sequence[int], flats: np.ndarray, kinds: Sequence[Counter[str]]
+) -> list[list[Candidate]]:
+    """`evaluate` of each table `indices[k]` against the plan whose `State.flat` is
+    `flats[k]` and collectives `kinds[k]`; tables of one layout signature priced together."""
+    tables = [_Table.of(problem, index, _NEEDS) for index in indices]
+    batches: dict[tuple, list[int]] = {}
+    for k, table in enumerate(tables):
+        batches.setdefault(table.signature, []).append(k)
+    out: list[list[Candidate]] = [[] for _ in indices]
+    for ks in batches.values():
+        if not tables[ks[0]].groups:
+            continue
+        batch = _Batch(problem, [tables[k] for k in ks], flats[ks], [kinds[k] for k in ks])
+        for j in range(len(tables[ks[0]].groups)):
+            for k, candidates in zip(ks, batch.layout(j), strict=True):
+                out[k] += candidates
+    return out
+
+
+class _Table:
+    """What pricing a table's layouts needs that depends on the table alone, built once per
+    table and set of sharding types (kept in `Problem.cache`): its layouts and their rows
+    (a structure tables of one `signature` share), and its columns."""
+
+    def __init__(self, p: Problem, groups: list[Group]):
+        self.groups = groups
+        self.signature = tuple((g.sharding, g.shards, len(g.modes)) for g in groups)
+        if not groups:
+            return
+        steps = [(j, t, moded) for j, g in enumerate(groups) for t, moded in _NEEDS[g.sharding]]
+        self.templates = np.array([t for _, t, _ in steps], dtype=int)  # [T]
+        ids_emb = np.array([(groups[j].ids, groups[j].emb) for j, _, _ in steps]).T  # [2, T]
+        self.scale = np.repeat(ids_emb, 4, axis=0)[..., None]  # [8, T, 1] bytes per unit
+        order = [k for k, step in enumerate(steps) if step[2]]  # the rows with modes first
+        order += [k for k, step in enumerate(steps) if not step[2]]
+        size = [len(groups[steps[k][0]].modes) if steps[k][2] else 1 for k in order]
+        self.traffic_rows = np.repeat(order, size)  # [R] each row's traffic
+        self.layout_rows = np.repeat([steps[k][0] for k in order], size)  # [R] its layout
+        ends = np.cumsum(size).tolist()
+        self.at = {  # (layout, template) -> its rows
+            steps[k][:2]: slice(end - n, end) for k, n, end in zip(order, size, ends, strict=True)
+        }
+        moded = [groups[steps[k][0]] for k in order if steps[k][2]]
+        zero = np.zeros((len(order) - len(moded), 1))
+        self.lookup, self.overlapped, self.exposed = (
+            np.concatenate([getattr(g, name) for g in moded] + [zero])
+            for name in ("lookup", "overlapped", "exposed")
+        )  # [R, 1]
+        self.device, self.host = (
+            np.concatenate([getattr(g, name) for g in moded]) for name in ("device", "host")
+        )  # [modes, 1], in the order of the rows with modes
+        self.extra = [_extra(p, g) for g in groups]
+
+    @classmethod
+    def of(cls, p: Problem, index: int, kinds: Collection[str]) -> _Table:
+        """Table `index`'s, for its layouts of the sharding types `kinds`."""
+        key = ("pricing", index, frozenset(kinds))
+        if key not in p.cache:
+            p.cache[key] = cls(p, [g for g in p.groups[index] if g.sharding in kinds])
+        return p.cache[key]
+
+    def modes(self, j: int) -> slice:
+        """The rows of layout `j`'s modes."""
+        return self.at[(j, _NEEDS[self.groups[j].sharding][0][0])]
+
+
+def _extra(p: Problem, g: Group) -> np.ndarray | float:
+    """What a layout adds to the work besides its rows' steps that depends on its table
+    alone: its all-to-all work (table-wise per owner rank [W], table-row-wise per node
+    [N, 1], data parallel and row-wise [1]), or column-wise its bytes a pair of ranks
+    exchanges (times the chosen ranks' `pair_s`)."""
+    if g.sharding == TABLE_WISE:
+        return (g.ids + 2 * g.emb) * p.pair_s
+    if g.sharding == TABLE_ROW_WISE:  # the same for tables of the same bytes: kept
+        key = ("table_row_wise work", g.ids, g.emb)
+        if key not in p.cache:
+            bytes_per_unit = np.repeat([g.ids, g.emb], 4)[:, None, None, None]
+            p.cache[key] = traffic_work(p.node_units[:, :, None, :] * bytes_per_unit, p.topology)
+        return p.cache[key]
+    if g.sharding == COLUMN_WISE:
+        return g.ids + 2 * g.emb
+    return (g.ids + 2 * g.emb) * p.everyone_pair_s
+
+
+class _Batch:
+    """K tables of one layout signature priced, each against its plan: every row of their
+    `_Table`s as one step [K, R, W]."""
+
+    def __init__(
+        self,
+        p: Problem,
+        tables: list[_Table],
+        flats: np.ndarray,
+        kinds: Sequence[Counter[str]],
+    ):
+        self.p, self.tables, K, W = p, tables, len(tables), p.world
+        size = len(RANK_TERMS) * W
+        terms = flats[:, :size].reshape(K, len(RANK_TERMS), W).swapaxes(0, 1)
+        self.load = load = RankTerms(terms[:, :, None, :])  # rows of [K, 1, W]
+        self.link_work_s = flats[:, size + LINK_WORK].reshape(K, 1, 1)
+        self.const = np.array(  # [K, layouts] what every rank pays alike with the layout
+            [
+                [shared_s(p, flat[size:], kind, g.modes[0]) for g in table.groups]
+                for flat, kind, table in zip(flats, kinds, tables, strict=True)
+            ]
+        )
+        first = tables[0]
+
+        def stack(name: str) -> np.ndarray:
+            values = [getattr(t, name) for t in tables]
+            return values[0][None] if K == 1 else np.stack(values)
+
+        traffic = p.units[:, first.templates][:, None] * np.stack(  # [8, K, T, W]
+            [t.scale for t in tables], axis=1
+        )
+        self.step = rank_step(
+            dense_s=p.dense_s,
+            lookup_s=load.lookup_s + stack("lookup"),
+            overlapped_staging_s=load.overlapped_staging_s + stack("overlapped"),
+            exposed_staging_s=load.exposed_staging_s + stack("exposed"),
+            traffic=load.traffic + traffic,
+            topology=p.topology,
+            traffic_rows=first.traffic_rows,
+        )
+        self.core = self.step.core_s  # [K, R, W]
+        self.total = self.step.total_s(self.const[:, first.layout_rows, None])
+        self.ok = (load.device_memory_bytes + stack("device") <= p.device_limit) & (
+            load.host_memory_bytes + stack("host") <= p.host_limit
+        )  # [K, modes, W]: whether one more shard of each mode fits each rank
+        self._column_wise: dict[int, list[list[Candidate]]] | None = None
+
+    def layout(self, j: int) -> list[list[Candidate]]:
+        """[K][M] the candidates of each table's layout `j`."""
+        sharding = self.tables[0].groups[j].sharding
+        if sharding == COLUMN_WISE:
+            if self._column_wise is None:
+                self._column_wise = _column_wise(self)
+            return self._column_wise[j]
+        evaluator = {TABLE_WISE: _table_wise, TABLE_ROW_WISE: _table_row_wise}.get(
+            sharding, _everywhere
+        )
+        return evaluator(self, j)
+
+    def rows(self, j: int, template: int) -> slice:
+        return self.tables[0].at[(j, template)]
+
+    def extra(self, j: int) -> np.ndarray:
+        """[K, ...] each table's `_extra` of layout `j`."""
+        return np.array([t.extra[j] for t in self.tables])
+
+    def candidates(
+        self,
+        j: int,
+        ranks: Callable[[int, int], tuple[int, ...] | None],
+        step: list[list[float]],
+        work: list[list[float]],
+    ) -> list[list[Candidate]]:
+        """[K][M]: each mode of layout `j` at `ranks(k, m)` (None: no room) with its `step`
+        and `work`."""
+        out = []
+        for k, table in enumerate(self.tables):
+            row = []
+            for m, mode in enumerate(table.groups[j].modes):
+                where = ranks(k, m)
+                fits = where is not None
+                row.append(
+                    Candidate(mode, where, step[k][m], work[k][m])
+                    if fits
+                    else _no_room(self, k, mode)
+                )
+            out.append(row)
+        return out
+
+
+def _everywhere(batch: _Batch, j: int) -> list[list[Candidate]]:
+    """Data parallel and row-wise: a shard on every rank."""
+    p, at = batch.p, batch.rows(j, EVERYONE)
+    work = (
+        batch.core[:, at].sum(axis=-1)
+        + batch.link_work_s[..., 0]
+        + batch.extra(j).reshape(-1, 1)
+        + p.world * batch.const[:, j, None]
+    ).tolist()
+    highest = batch.total[:, at].max(axis=-1).tolist()
+    ok = batch.ok[:, batch.tables[0].modes(j)].all(axis=-1)
+    everyone = tuple(range(p.world))
+    return batch.candidates(j, lambda k, m: everyone if ok[k, m] else None, highest, work)
+
+
+def _table_wise(batch: _Batch, j: int) -> list[list[Candidate]]:
+    """Each mode on every rank at once: each rank's step as the lone owner, every other
+    rank's from the consumer terms, which depend only on whether the owner is on its node."""
+    p, W = batch.p, batch.p.world
+    near, far = batch.total[:, batch.rows(j, NEAR)][:, 0], batch.total[:, batch.rows(j, FAR)][:, 0]
+    core0 = batch.core[:, batch.rows(j, NEAR)]  # [K, 1, W] the ranks' own work, without it
+    alone = batch.rows(j, ALONE)
+    core, owner = batch.core[:, alone], batch.total[:, alone]  # [K, M, W]
+    ok = batch.ok[:, batch.tables[0].modes(j)]
+    step = np.where(ok, np.maximum(owner, _slowest_other(near, far, p)[:, None, :]), np.inf)
+    const = batch.const[:, j, None, None]
+    work = (
+        core0.sum(axis=-1, keepdims=True) - core0 + core
+        + batch.link_work_s + batch.extra(j)[:, None, :] + W * const
+    )  # fmt: skip
+    best = np.lexsort((owner, np.round(work / TIE_S), np.round(step / TIE_S)), axis=-1)[..., 0]
+    K, M = best.shape
+    at = (np.arange(K)[:, None], np.arange(M), best)
+    fits, best = ok[at].tolist(), best.tolist()
+    return batch.candidates(
+        j,
+        lambda k, m: (best[k][m],) if fits[k][m] else None,
+        step[at].tolist(),
+        work[at].tolist(),
     )
 
 
-def _memory_ok(state: State, group: Group) -> np.ndarray:
-    """[M, W]: whether one more shard of each mode fits each rank."""
-    load, p = state.load, state.p
-    return (load.device_memory_bytes + group.device <= p.device_limit) & (
-        load.host_memory_bytes + group.host <= p.host_limit
+def _slowest_other(near: np.ndarray, far: np.ndarray, p: Problem) -> np.ndarray:
+    """[K, W]: the slowest step among the other ranks when rank r holds a table-wise shard,
+    each rank of r's node taking `near` [K, W], the others `far` [K, W]."""
+    starts, node = p.node_starts, p.node
+    top = np.maximum.reduceat(near, starts, axis=-1)  # [K, N]
+    is_top = near == top[:, node]
+    alone_on_top = np.add.reduceat(is_top, starts, axis=-1)[:, node] == 1
+    below = np.maximum.reduceat(np.where(is_top, -np.inf, near), starts, axis=-1)
+    in_node = np.where(is_top & alone_on_top, below[:, node], top[:, node])
+    far_top = np.maximum.reduceat(far, starts, axis=-1)  # [K, N]
+    elsewhere = np.where(p.same_node_pairs, -np.inf, far_top[:, None, :]).max(axis=-1)
+    return np.maximum(in_node, elsewhere[:, node])
+
+
+def _table_row_wise(batch: _Batch, j: int) -> list[list[Candidate]]:
+    """Table-row-wise: the shards on every rank of one node, each node tried; the node whose
+    step (then work) is least wins. Output traffic as TorchRec runs it (`reduced_in_node`).
+
+    A rank's terms depend only on whether it holds a shard, not on which node does (whole
+    nodes of equal size): each rank is priced as an owner ([K, M, W]) and as a consumer
+    ([K, 1, W]), and a node's step is the slowest of its owners and the other nodes'
+    consumers."""
+    p = batch.p
+    owners, consumer = batch.rows(j, NODE_OWNER), batch.rows(j, NODE_CONSUMER)
+    per_node = (len(batch.tables), -1, p.nodes, p.world // p.nodes)  # [K, M or 1, N, k]
+    owner_max = batch.total[:, owners].reshape(per_node).max(axis=-1).swapaxes(1, 2)
+    consumer_max = batch.total[:, consumer].reshape(per_node).max(axis=-1)  # [K, 1, N]
+    elsewhere = np.where(p.same_node_pairs, -np.inf, consumer_max).max(axis=-1)  # [K, N]
+    totals = np.maximum(owner_max, elsewhere[..., None])  # [K, N, M]
+    core = np.where(
+        p.same_node[:, None, :] > 0, batch.core[:, None, owners], batch.core[:, None, consumer]
+    )  # [K, N, M, W]
+    work = (
+        core.sum(axis=-1)
+        + batch.link_work_s
+        + batch.extra(j)  # [K, N, 1]
+        + p.world * batch.const[:, j, None, None]
+    ).tolist()
+    ok = batch.ok[:, batch.tables[0].modes(j)]
+    fits = np.logical_and.reduceat(ok, p.node_starts, axis=-1).swapaxes(1, 2)  # [K, N, M]
+    totals = np.where(fits, totals, np.inf).tolist()
+    best = [  # [K][M] (step, work, node)
+        [_best_node(steps, works, m) for m in range(len(steps[0]))]
+        for steps, works in zip(totals, work, strict=True)
+    ]
+    return batch.candidates(
+        j,
+        lambda k, m: p.node_ranks[best[k][m][2]] if math.isfinite(best[k][m][0]) else None,
+        [[b[0] for b in row] for row in best],
+        [[b[1] for b in row] for row in best],
     )
 
 
-def _owner_step(state: State, group: Group) -> tuple[np.ndarray, np.ndarray]:
-    """([M, W] core, [M, W] step) of each rank if it alone held one shard of each mode."""
-    p = state.p
-    alone = Peers(0.0, 0.0, p.node_size - 1.0, p.world - p.node_size)  # every rank consumes
-    step = _step(state, *exchange(group.ids, group.emb, alone), group)
-    return step.core_s, step.total_s(state.constant_s(group.modes[0]))
+def _best_node(steps: list[list[float]], works: list[list[float]], m: int) -> tuple:
+    """(step, work, node) of the node of least step (then work) for mode `m`, the nodes
+    compared in order: `steps`, `works` [N][M]."""
+    best_step, best_work, best_node = math.inf, math.inf, 0
+    for n, (step_n, work_n) in enumerate(zip(steps, works, strict=True)):
+        step_s, work_s = step_n[m], work_n[m]
+        tie = math.isfinite(step_s) and step_s <= best_step + TIE_S
+        if step_s < best_step - TIE_S or (tie and work_s < best_work - TIE_S):
+            best_step, best_work, best_node = step_s, work_s, n
+    return best_step, best_work, best_node
 
 
-def _spread(state: State, group: Group, is_owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """([M, W] step per rank, [M] work) with the group's shards where `is_owner` [M, W] is 1."""
-    peers = peer_counts(is_owner, state.p.topology)
-    step = _step(state, *exchange(group.ids, group.emb, peers), group, is_owner)
-    const = state.constant_s(group.modes[0])
-    pair_s = is_owner @ state.p.pair_s  # [M]
+def _column_wise(batch: _Batch) -> dict[int, list[list[Candidate]]]:
+    """Per column-wise layout: the shards go to the S ranks where one shard alone would cost
+    least; then priced exactly, every column-wise layout's modes as the rows of one step."""
+    p, first, load = batch.p, batch.tables[0], batch.load
+    layouts = [j for j, g in enumerate(first.groups) if g.sharding == COLUMN_WISE]
+    owned, chosen = [], []
+    for j in layouts:
+        owner, ok = batch.total[:, batch.rows(j, ALONE)], batch.ok[:, first.modes(j)]
+        chosen.append(np.lexsort((owner, ~ok), axis=-1)[..., : first.groups[j].shards])
+        is_owner = np.zeros(owner.shape)  # [K, M, W]
+        K, M, _ = owner.shape
+        is_owner[np.arange(K)[:, None, None], np.arange(M)[:, None], chosen[-1]] = 1.0
+        owned.append(is_owner)
+    is_owner = np.concatenate(owned, axis=1)  # [K, modes, W]
+
+    def column(name: str) -> np.ndarray:  # [K, modes, 1] (or [8, K, modes, 1] for "scale")
+        values = [[getattr(t.groups[j], name) for j in layouts] for t in batch.tables]
+        return np.stack([np.concatenate(v) for v in values])
+
+    scale = np.array(
+        [[(t.groups[j].ids, t.groups[j].emb) for j in layouts] for t in batch.tables]
+    )  # [K, layouts, 2]
+    sizes = [len(first.groups[j].modes) for j in layouts]
+    scale = np.repeat(np.repeat(scale, sizes, axis=1).transpose(2, 0, 1), 4, axis=0)[..., None]
+    step = rank_step(
+        dense_s=p.dense_s,
+        lookup_s=load.lookup_s + column("lookup") * is_owner,
+        overlapped_staging_s=load.overlapped_staging_s + column("overlapped") * is_owner,
+        exposed_staging_s=load.exposed_staging_s + column("exposed") * is_owner,
+        traffic=load.traffic + traffic_units(is_owner, p.topology, reduced=False) * scale,
+        topology=p.topology,
+    )
+    out, start = {}, 0
+    for j, is_owner_j, chosen_j in zip(layouts, owned, chosen, strict=True):
+        at = slice(start, start + is_owner_j.shape[1])
+        start = at.stop
+        out[j] = _spread(batch, j, RankStep(*(part[:, at] for part in step)), is_owner_j, chosen_j)
+    return out
+
+
+def _spread(
+    batch: _Batch, j: int, step: RankStep, is_owner: np.ndarray, chosen: np.ndarray
+) -> list[list[Candidate]]:
+    """Column-wise layout `j`'s candidates from its rows' `step` [K, M, W], its shards on
+    `is_owner` [K, M, W] (the ranks `chosen` [K, M, S])."""
+    p = batch.p
+    const = batch.const[:, j, None]  # [K, 1]
+    pair_s = np.stack([plan @ p.pair_s for plan in is_owner])  # [K, M], as one plan's rows
     work = (
         step.core_s.sum(axis=-1)
-        + state.link_work_s
-        + (group.ids + 2 * group.emb) * pair_s
-        + state.p.world * const
+        + batch.link_work_s[..., 0]
+        + batch.extra(j)[:, None] * pair_s
+        + p.world * const
+    ).tolist()
+    highest = step.total_s(const[..., None]).max(axis=-1).tolist()
+    shards = batch.tables[0].groups[j].shards
+    fits = (batch.ok[:, batch.tables[0].modes(j)].sum(axis=-1) >= shards).tolist()
+    ranks = np.sort(chosen, axis=-1).tolist()
+    return batch.candidates(
+        j, lambda k, m: tuple(ranks[k][m]) if fits[k][m] else None, highest, work
     )
-    return step.total_s(const), work
 
 
-def _evaluate_table_wise(state: State, group: Group) -> list[Candidate]:
-    """Each mode on every rank at once: the owner's step from `_owner_step`, every other
-    rank's from the consumer terms, which depend only on the owner's node."""
-    p, W = state.p, state.p.world
-    i, e = group.ids, group.emb
-    owner_on_node = Peers(p.same_node, 1 - p.same_node, 0.0, 0.0)  # [N, W] by the owner's node
-    consumers = _step(state, *exchange(i, e, owner_on_node))
-    core0, const = consumers.core_s, state.constant_s(group.modes[0])  # [W]
-    others = consumers.total_s(const)  # [N, W] step of each rank when the owner is on node n
-    core, owner = _owner_step(state, group)  # [M, W]
-    ok = _memory_ok(state, group)
-    ranks = np.arange(W)
-    order = np.argsort(others, axis=1)
-    first = others[np.arange(p.nodes), order[:, -1]]
-    second = others[np.arange(p.nodes), order[:, -2]] if W > 1 else np.full(p.nodes, -np.inf)
-    rest_max = np.where(order[p.node, -1] == ranks, second[p.node], first[p.node])  # [W]
-    step = np.where(ok, np.maximum(owner, rest_max), np.inf)
-    work = core0.sum() - core0 + core + state.link_work_s + (i + 2 * e) * p.pair_s + W * const
-    best = np.lexsort((owner, np.round(work / TIE_S), np.round(step / TIE_S)), axis=-1)[:, 0]
-    return [
-        Candidate(mode, (int(r),), float(step[m, r]), float(work[m, r]))
-        if ok[m, r]
-        else _no_room(state, mode)
-        for m, (mode, r) in enumerate(zip(group.modes, best, strict=True))
-    ]
-
-
-def _evaluate_everywhere(state: State, group: Group) -> list[Candidate]:
-    """Data parallel and row-wise: a shard on every rank."""
-    p = state.p
-    totals, work = _spread(state, group, np.ones((1, p.world)))  # [M, W], [M]
-    ok = _memory_ok(state, group).all(axis=-1)
-    everyone = tuple(range(p.world))
-    return [
-        Candidate(mode, everyone, float(totals[m].max()), float(work[m]))
-        if ok[m]
-        else _no_room(state, mode)
-        for m, mode in enumerate(group.modes)
-    ]
-
-
-def _evaluate_node(state: State, group: Group) -> list[Candidate]:
-    """Table-row-wise: the shards on every rank of one node, each node tried; the node whose
-    step (then work) is least wins. Output traffic as TorchRec runs it (`reduced_in_node`)."""
-    p = state.p
-    ok = _memory_ok(state, group)  # [M, W]
-    const = state.constant_s(group.modes[0])
-    best_step = np.full(len(group.modes), np.inf)
-    best_work = np.full(len(group.modes), np.inf)
-    best_node = np.zeros(len(group.modes), dtype=int)
-    for n in range(p.nodes):
-        is_owner = p.same_node[n]  # [W]
-        ids, _ = exchange(group.ids, group.emb, peer_counts(is_owner, p.topology))
-        emb = reduced_in_node(group.emb, is_owner, p.topology)
-        step = _step(state, ids, emb, group, is_owner)
-        totals = step.total_s(const).max(axis=-1)  # [M]
-        work = (
-            step.core_s.sum(axis=-1)
-            + state.link_work_s
-            + traffic_work(ids, emb, p.topology)
-            + p.world * const
-        )
-        fits = ok[:, is_owner > 0].all(axis=-1)
-        totals = np.where(fits, totals, np.inf)
-        tie = np.isfinite(totals) & (totals <= best_step + TIE_S)
-        wins = (totals < best_step - TIE_S) | (tie & (work < best_work - TIE_S))
-        best_step = np.where(wins, totals, best_step)
-        best_work = np.where(wins, work, best_work)
-        best_node = np.where(wins, n, best_node)
-    ranks_of = [tuple(int(r) for r in np.flatnonzero(p.same_node[n])) for n in range(p.nodes)]
-    return [
-        Candidate(mode, ranks_of[best_node[m]], float(best_step[m]), float(best_work[m]))
-        if np.isfinite(best_step[m])
-        else _no_room(state, mode)
-        for m, mode in enumerate(group.modes)
-    ]
-
-
-def _evaluate_column_wise(state: State, group: Group) -> list[Candidate]:
-    """Shards go to the S ranks where one shard alone would cost least; then priced exactly."""
-    p, shards = state.p, group.shards
-    _, owner = _owner_step(state, group)
-    ok = _memory_ok(state, group)  # [M, W]
-    chosen = np.lexsort((owner, ~ok), axis=-1)[:, :shards]  # [M, S] cheapest fitting ranks
-    is_owner = np.zeros((len(group.modes), p.world))
-    np.put_along_axis(is_owner, chosen, 1.0, axis=-1)
-    totals, work = _spread(state, group, is_owner)
-    return [
-        Candidate(
-            mode,
-            tuple(sorted(int(r) for r in chosen[m])),
-            float(totals[m].max()),
-            float(work[m]),
-        )
-        if ok[m].sum() >= shards
-        else _no_room(state, mode)
-        for m, mode in enumerate(group.modes)
-    ]
-
-
-def _no_room(state: State, mode: Mode) -> Candidate:
-    """A candidate that does not fit, saying which memory is short on its ranks."""
-    t, p = mode.terms, state.p
+def _no_room(batch: _Batch, k: int, mode: Mode) -> Candidate:
+    """A candidate that does not fit, saying which memory is short on its ranks (plan `k`)."""
+    t, p, load = mode.terms, batch.p, batch.load
     needed = p.world if mode.sharding in (DATA_PARALLEL, ROW_WISE) else mode.shards
     reason = f"no {needed} rank(s) with room for a shard"
     for kind, used, need, limit in (
-        ("device", state.load.device_memory_bytes, t.device_memory_bytes, p.device_limit),
-        ("host", state.load.host_memory_bytes, t.host_memory_bytes, p.host_limit),
+        ("device", load.device_memory_bytes[k, 0], t.device_memory_bytes, p.device_limit),
+        ("host", load.host_memory_bytes[k, 0], t.host_memory_bytes, p.host_limit),
     ):
         free = np.sort(limit - used)[-needed]  # the needed-th most free rank's
         if need > free:
             reason = f"needs {gb(need)} {kind} memory per shard, {gb(max(free, 0))} free"
             break
     return Candidate(mode, (), math.inf, math.inf, reason=reason)
-
-
-def _gathers(mode: Mode) -> bool:
-    """Whether `mode` replicates hot rows whose touched rows are all-gathered."""
-    return mode.hot_rows > 0 and mode.hot_reduce == HOT_TOUCHED

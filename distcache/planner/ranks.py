@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -43,6 +44,17 @@ RANK_TERMS = (
 )
 _IDS = slice(RANK_TERMS.index("ids_sent_intra_bytes"), RANK_TERMS.index("emb_sent_intra_bytes"))
 _EMB = slice(_IDS.stop, RANK_TERMS.index("device_memory_bytes"))
+TRAFFIC = slice(_IDS.start, _EMB.stop)  # the all-to-all rows: ids, then embeddings
+_LOOKUP, _OVERLAPPED, _EXPOSED, _DEVICE, _HOST = (
+    RANK_TERMS.index(name)
+    for name in (
+        "lookup_s",
+        "overlapped_staging_s",
+        "exposed_staging_s",
+        "device_memory_bytes",
+        "host_memory_bytes",
+    )
+)
 
 
 class Traffic(NamedTuple):
@@ -63,15 +75,6 @@ class Traffic(NamedTuple):
             self.received_inter + other.received_inter,
         )
 
-    def time_s(self, topology: Topology) -> np.ndarray:
-        """The all-to-all's time per rank, without latency: links are full duplex and NVLink
-        and the NIC run at once, so the slowest of the four directions and links sets it."""
-        intra = np.maximum(self.sent_intra, self.received_intra)
-        inter = np.maximum(self.sent_inter, self.received_inter)
-        return np.maximum(
-            intra / topology.intra_node_bw_bytes_per_s, inter / topology.inter_node_bw_bytes_per_s
-        )
-
 
 def _row(name: str) -> property:
     index = RANK_TERMS.index(name)
@@ -82,10 +85,12 @@ class RankTerms:
     """What tables put on each rank per step: named rows (`RANK_TERMS`) of one [TERMS, W]
     float64 array, so that adding or removing a table is one array operation."""
 
-    __slots__ = ("emb", "ids", "values")
+    __slots__ = ("emb", "ids", "traffic", "values")
 
     def __init__(self, values: np.ndarray):
         self.values = values  # [TERMS, W] float64
+        self.traffic = values[TRAFFIC]
+        """[8, W] the all-to-alls' rows: `ids`, then `emb`."""
         # Views of `values` (in-place updates keep them current), read on every pricing.
         self.ids = Traffic(*values[_IDS])
         """The input all-to-all's bytes: ids to the shards."""
@@ -189,26 +194,100 @@ def exchange(ids_bytes: float, emb_bytes: float, peers: Peers) -> tuple[Traffic,
 
 def shard_contribution(terms: ShardTerms, ranks: tuple[int, ...], topology: Topology) -> RankTerms:
     """The rank terms of a table whose identical shards sit on `ranks`."""
-    load = RankTerms.zeros(topology.world_size)
-    owners = list(ranks)
-    load.lookup_s[owners] = terms.lookup_s
-    staged = load.overlapped_staging_s if terms.staging_overlapped else load.exposed_staging_s
-    staged[owners] = terms.staging_s
-    load.device_memory_bytes[owners] = terms.device_memory_bytes
-    load.host_memory_bytes[owners] = terms.host_memory_bytes
-    ids_bytes, emb_bytes = terms.ids_bytes_per_peer, terms.embedding_bytes_per_peer
-    if ids_bytes or emb_bytes:  # sharded: ids and embeddings routed (not data parallel)
-        is_owner = np.zeros(topology.world_size)  # [W]
-        is_owner[owners] = 1.0
-        ids, emb = exchange(ids_bytes, emb_bytes, peer_counts(is_owner, topology))
-        if terms.reduced_in_node:
-            emb = reduced_in_node(emb_bytes, is_owner, topology)
-        for row, value in zip((*load.ids, *load.emb), (*ids, *emb), strict=True):
-            row[:] = value
-    if terms.hot_rows:  # the replica of its hot rows, on every rank
-        load.lookup_s[:] += terms.hot_lookup_s
-        load.device_memory_bytes[:] += terms.hot_device_bytes
-    return load
+    return RankTerms(shard_contributions([terms], ranks, topology)[0])
+
+
+def shard_contributions(
+    terms: Sequence[ShardTerms], ranks: tuple[int, ...], topology: Topology
+) -> np.ndarray:
+    """[V, TERMS, W]: `shard_contribution` of a table on `ranks` as each of `terms` (V ways to
+    place one layout: a sharding and shard count)."""
+    if len(terms) > 1:  # each column for all at once (for one, row by row costs less)
+        return _contributions(terms, ranks, topology)
+    values = np.zeros((len(terms), len(RANK_TERMS), topology.world_size))
+    owners = _owner_index(tuple(ranks))
+    for out, t in zip(values, terms, strict=True):
+        out[_LOOKUP, owners] = t.lookup_s
+        out[_OVERLAPPED if t.staging_overlapped else _EXPOSED, owners] = t.staging_s
+        out[_DEVICE, owners] = t.device_memory_bytes
+        out[_HOST, owners] = t.host_memory_bytes
+        if t.ids_bytes_per_peer or t.embedding_bytes_per_peer:  # sharded: ids, outputs routed
+            units = owner_units(tuple(ranks), topology, t.reduced_in_node)  # [8, W]
+            np.multiply(units[:4], t.ids_bytes_per_peer, out=out[_IDS])
+            np.multiply(units[4:], t.embedding_bytes_per_peer, out=out[_EMB])
+        if t.hot_rows:  # the replica of its hot rows, on every rank
+            out[_LOOKUP] += t.hot_lookup_s
+            out[_DEVICE] += t.hot_device_bytes
+    return values
+
+
+def _contributions(
+    terms: Sequence[ShardTerms], ranks: tuple[int, ...], topology: Topology
+) -> np.ndarray:
+    """`shard_contributions` of several `terms`, each term's column at once."""
+    values = np.zeros((len(terms), len(RANK_TERMS), topology.world_size))
+    columns = np.array(  # [V, 9, 1]
+        [
+            (
+                t.lookup_s,
+                t.staging_s if t.staging_overlapped else 0.0,
+                0.0 if t.staging_overlapped else t.staging_s,
+                t.device_memory_bytes,
+                t.host_memory_bytes,
+                t.ids_bytes_per_peer,
+                t.embedding_bytes_per_peer,
+                t.hot_lookup_s,  # 0 without a replica: x + 0 is x
+                t.hot_device_bytes,
+            )
+            for t in terms
+        ],
+        dtype=np.float64,
+    )[..., None]
+    owners = _owner_index(tuple(ranks))
+    values[:, : _IDS.start, owners] = columns[:, :3]  # lookups, overlapped, exposed staging
+    values[:, _DEVICE:, owners] = columns[:, 3:5]
+    if columns[:, 5:7].any():  # sharded: ids and outputs routed (not data parallel)
+        units = owner_units(tuple(ranks), topology, terms[0].reduced_in_node)  # [8, W]
+        values[:, _IDS] = units[:4] * columns[:, 5:6]
+        values[:, _EMB] = units[4:] * columns[:, 6:7]
+    if any(t.hot_rows for t in terms):  # the replica of its hot rows, on every rank
+        values[:, _LOOKUP] += columns[:, 7]
+        values[:, _DEVICE] += columns[:, 8]
+    return values
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner_index(ranks: tuple[int, ...]) -> slice | np.ndarray:
+    """An index of `ranks` along a [W] axis: a slice where they are consecutive."""
+    if ranks and ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
+        return slice(ranks[0], ranks[0] + len(ranks))
+    return np.array(ranks)
+
+
+def traffic_units(is_owner: np.ndarray, topology: Topology, reduced: bool) -> np.ndarray:
+    """[8, ..., W] the `RankTerms` all-to-all rows (ids, then embeddings) of a table whose
+    shards sit where `is_owner` [..., W] is 1, per byte of ids and per byte of embeddings each
+    consumer exchanges with a shard (`exchange`; `reduced_in_node` for table-row-wise): the
+    ids rows times the ids' bytes and the others times the embeddings' are the bytes."""
+    peers = peer_counts(is_owner, topology)
+    ids = (peers.owners_on_node, peers.owners_off_node)
+    ids += (peers.consumers_on_node, peers.consumers_off_node)
+    emb = _reduced_units(is_owner, topology) if reduced else (*ids[2:], *ids[:2])
+    units = np.empty((8, *np.shape(is_owner)))
+    for row, value in zip(units, (*ids, *emb), strict=True):
+        row[...] = value
+    return units
+
+
+@functools.lru_cache(maxsize=1024)
+def owner_units(ranks: tuple[int, ...], topology: Topology, reduced: bool) -> np.ndarray:
+    """`traffic_units` of a table whose shards sit on `ranks` (kept: the solver asks for the
+    same few rank sets again and again)."""
+    is_owner = np.zeros(topology.world_size)  # [W]
+    is_owner[list(ranks)] = 1.0
+    units = traffic_units(is_owner, topology, reduced)
+    units.flags.writeable = False
+    return units
 
 
 def reduced_in_node(emb_bytes: float, is_owner: np.ndarray, topology: Topology) -> Traffic:
@@ -221,18 +300,24 @@ def reduced_in_node(emb_bytes: float, is_owner: np.ndarray, topology: Topology) 
     of another node its share, emb_bytes, over the NIC (TorchRec's cross-node all-to-all among
     the ranks of one local index). Every rank receives emb_bytes from each owner node but its
     own. Backward sends the gradients back the same way."""
+    return Traffic(*(unit * emb_bytes for unit in _reduced_units(is_owner, topology)))
+
+
+def _reduced_units(is_owner: np.ndarray, topology: Topology) -> Traffic:
+    """`reduced_in_node` per byte of partial sums, for owners `is_owner` [..., W] (whole
+    nodes)."""
     node, starts, node_size = node_layout(topology)
     world = topology.world_size
-    owner_nodes = np.unique(node[is_owner > 0])
-    on_owner_node = np.isin(node, owner_nodes).astype(np.float64)  # [W]
-    reduce_scatter = is_owner * (node_size - 1) / node_size * world * emb_bytes
+    owner_nodes = np.add.reduceat(is_owner, starts, axis=-1) > 0  # [..., N]
+    on_owner_node = owner_nodes[..., node].astype(np.float64)  # [..., W]
+    reduce_scatter = is_owner * (node_size - 1) / node_size * world
     # Ranks of my local index on other nodes: one per other node (full nodes).
     others = len(starts) - 1
     return Traffic(
         sent_intra=reduce_scatter,
-        sent_inter=is_owner * others * emb_bytes,
+        sent_inter=is_owner * others,
         received_intra=reduce_scatter,
-        received_inter=(len(owner_nodes) - on_owner_node) * emb_bytes,
+        received_inter=owner_nodes.sum(axis=-1, keepdims=True) - on_owner_node,
     )
 
 
@@ -268,30 +353,50 @@ def expose_staging(
     return np.maximum(overlapped_s - compute_s, 0.0) + exposed_s
 
 
+def all_to_all_s(traffic: np.ndarray, topology: Topology) -> np.ndarray:
+    """[2, ..., W]: the input (ids) and output (embeddings) all-to-alls' time per rank,
+    without latency, of `traffic` [8, ..., W] (`RankTerms.traffic`): links are full duplex and
+    NVLink and the NIC run at once, so the slowest of the four directions and links sets each."""
+    # [collective, direction (sent, received), link (intra, inter), ..., W]
+    by_link = traffic.reshape(2, 2, 2, *traffic.shape[1:])
+    busier = np.maximum(by_link[:, 0], by_link[:, 1])  # [collective, link, ..., W]
+    return np.maximum(
+        busier[:, 0] / topology.intra_node_bw_bytes_per_s,
+        busier[:, 1] / topology.inter_node_bw_bytes_per_s,
+    )
+
+
 def rank_step(
     *,
     dense_s: float,
     lookup_s: np.ndarray,
     overlapped_staging_s: np.ndarray,
     exposed_staging_s: np.ndarray,
-    ids: Traffic,
-    emb: Traffic,
+    traffic: np.ndarray,
     topology: Topology,
+    traffic_rows: np.ndarray | None = None,
 ) -> RankStep:
     """The step per rank from its terms (any shape [..., W]: the solver prices many
     placements at once) — the only place the step's formula is written.
 
     Args:
         dense_s: dense compute per step.
-        lookup_s, overlapped_staging_s, exposed_staging_s, ids, emb: as in `RankTerms`.
+        lookup_s, overlapped_staging_s, exposed_staging_s: as in `RankTerms`.
+        traffic: [8, ..., W] the all-to-alls' bytes, as `RankTerms.traffic`.
         topology: the link rates.
+        traffic_rows: [R] where the terms are rows [..., R, W] sharing fewer traffics
+            [8, ..., T, W]: the traffic of each row.
     """
     compute = dense_s + lookup_s
+    ids_s, emb_s = all_to_all_s(traffic, topology)
+    output = 2 * emb_s
+    if traffic_rows is not None:
+        ids_s, output = (np.take(x, traffic_rows, axis=-2) for x in (ids_s, output))
     return RankStep(
         compute_s=compute,
         exposed_staging_s=expose_staging(compute, overlapped_staging_s, exposed_staging_s),
-        input_all_to_all_s=ids.time_s(topology),
-        output_all_to_all_s=2 * emb.time_s(topology),
+        input_all_to_all_s=ids_s,
+        output_all_to_all_s=output,
     )
 
 
@@ -302,7 +407,6 @@ def rank_step_of(terms: RankTerms, *, dense_s: float, topology: Topology) -> Ran
         lookup_s=terms.lookup_s,
         overlapped_staging_s=terms.overlapped_staging_s,
         exposed_staging_s=terms.exposed_staging_s,
-        ids=terms.ids,
-        emb=terms.emb,
+        traffic=terms.traffic,
         topology=topology,
     )

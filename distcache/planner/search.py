@@ -27,11 +27,13 @@ from collections.abc import Callable, Collection, Iterable
 
 import numpy as np
 
+from distcache.cache.config import HOT_ALL
 from distcache.errors import DistcacheConfigError
 from distcache.planner.candidates import TIE_S, Candidate, Problem, gb, kind_text
 from distcache.planner.cost import global_terms
-from distcache.planner.pricing import State, evaluate
+from distcache.planner.pricing import evaluate
 from distcache.planner.ranks import RankTerms, Traffic
+from distcache.planner.state import State
 from distcache.planner.types import HOST_CACHED, TABLE_WISE, Plan
 
 log = logging.getLogger(__name__)
@@ -241,7 +243,8 @@ def _load_plan(problem: Problem, plan: Plan) -> State | None:
     for index, (table, tp) in enumerate(zip(problem.tables, plan.tables, strict=True)):
         cache = (tp.storage, tp.cache_fraction, tp.lookahead, tp.prefetch_depth)
         key = (tp.sharding, len(tp.ranks), *cache)
-        mode = problem.known[index].get(key) or problem.mode(table, *key[:2], cache)
+        known = problem.known[index].get((*key, 0, HOT_ALL))  # a menu mode, no replica
+        mode = known or problem.mode(table, *key[:2], cache)
         state.add(index, mode, tp.ranks)
         if not mode.terms.fits_working_set or not state.fits():
             return None

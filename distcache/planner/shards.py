@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -303,6 +304,17 @@ def shard_terms(
         collectives=collective_kind(sharding, table.pooled),
         **_hot_terms(table, workload, topology, hot_rows, hot_mass, hot_reduce),
     )
+
+
+def reduced_as(
+    terms: ShardTerms, table: TableStats, workload: Workload, topology: Topology, hot_reduce: str
+) -> ShardTerms:
+    """`terms` (`shard_terms` of `table`) with the replica's gradient summed as `hot_reduce`
+    (`TablePlan.hot_reduce`): only the `hot_*` terms depend on it."""
+    if not terms.hot_rows:
+        return terms
+    hot = _hot_terms(table, workload, topology, terms.hot_rows, terms.hot_fraction, hot_reduce)
+    return dataclasses.replace(terms, **hot)
 
 
 def on_distcache_kernel(table: TableStats, storage: str, hot_rows: int) -> bool:

@@ -2,11 +2,11 @@
 over ranks, minimizing the modelled step time (the slowest rank's) under the memory limits.
 
 Every cost comes from `cost.py`, on the per-rank terms `plan_cost` uses; a state is judged
-by (step, work), work being the rank time summed over ranks (see `pricing.State`). The stages
-live in their own files: the menu (step 1) in `candidates.py`, the pricing of a table's modes
-against a partial plan in `pricing.py`, the greedy passes and local search (steps 2-4) in
-`search.py`, the hot rows (step 5) in `hot.py`, the explanations (step 6) in `explain.py`;
-this file holds the entry point.
+by (step, work), work being the rank time summed over ranks (see `state.State`). The stages
+live in their own files: the menu (step 1) in `candidates.py`, a partial plan in `state.py`,
+the pricing of a table's modes against it in `pricing.py`, the greedy passes and local search
+(steps 2-4) in `search.py`, the hot rows (step 5) in `hot.py`, the explanations (step 6) in
+`explain.py`; this file holds the entry point.
 
 1. Menu: per table, every allowed mode — data parallel; table-wise, row-wise (all ranks),
    column-wise (S ranks, S dividing the dim) — with device storage or a host store plus a
