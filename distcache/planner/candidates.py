@@ -66,10 +66,8 @@ class Mode:
             where = f"table_wise on rank {ranks[0]}" if ranks else "table_wise"
         elif self.sharding == ROW_WISE:
             where = f"row_wise on {self.shards} ranks"
-        elif self.sharding in (COLUMN_WISE, TABLE_ROW_WISE):  # the ranks named
+        else:  # column-wise and table-row-wise: the ranks named
             where = f"{self.sharding} on {self.shards} ranks" + (f" {list(ranks)}" if ranks else "")
-        else:
-            raise KeyError(self.sharding)
         hot = f", {self.hot_rows} hot rows replicated" if self.hot_rows else ""
         if self.hot_rows and self.hot_reduce != HOT_ALL:
             hot += " (touched rows all-gathered)"
