@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+from _headline_step import dense_and_backward, phase
 from torch import nn
 
 from distcache import CacheConfig, TableSpec
@@ -163,28 +163,11 @@ def _make_tbe(name, capacity, tables, config, device):
     )
 
 
-def _phase(name: str):
-    return torch.profiler.record_function(f"## headline:{name} ##")
-
-
-def _train(t, pooled, data, dense_model, dense_opt) -> torch.Tensor:
-    """The dense part and the backward (the TBE's rows update inside it) of batch t."""
-    with _phase("dense"):
-        loss = F.binary_cross_entropy_with_logits(
-            dense_model(data.dense[t], pooled), data.labels[t]
-        )
-    with _phase("backward"):
-        dense_opt.zero_grad()
-        loss.backward()
-        dense_opt.step()
-    return loss.detach()
-
-
 def _step(tbe, data, dense_model, dense_opt) -> Callable[[int], torch.Tensor]:
     def step(t: int) -> torch.Tensor:
-        with _phase("forward"):
+        with phase("forward"):
             pooled = tbe(data.values(t), data.offsets)  # [B, F * D]
-        return _train(t, pooled, data, dense_model, dense_opt)
+        return dense_and_backward(t, pooled, data, dense_model, dense_opt)
 
     return step
 
@@ -199,7 +182,7 @@ def _prefetching_step(tbe, data, dense_model, dense_opt, device) -> Callable[[in
     ahead: list[int | None] = [None]  # the batch whose rows are prefetched
 
     def prefetch(t: int) -> None:
-        with _phase("stage"), torch.cuda.stream(side):
+        with phase("stage"), torch.cuda.stream(side):
             tbe.prefetch(data.values(t), data.offsets, forward_stream=compute)
         ahead[0] = t
 
@@ -208,12 +191,12 @@ def _prefetching_step(tbe, data, dense_model, dense_opt, device) -> Callable[[in
             prefetch(t)  # the first batch
         elif ahead[0] != t:
             raise RuntimeError(f"batch {ahead[0]} is prefetched, but batch {t} trains")
-        with _phase("forward"):
+        with phase("forward"):
             compute.wait_stream(side)
             pooled = tbe(data.values(t), data.offsets)  # [B, F * D]
         ahead[0] = None
         if t + 1 < batches:
             prefetch(t + 1)
-        return _train(t, pooled, data, dense_model, dense_opt)
+        return dense_and_backward(t, pooled, data, dense_model, dense_opt)
 
     return step

@@ -150,16 +150,16 @@ class Replay:
         self.t += 1
 
 
-def bench_scheduler(args) -> list[dict]:
-    trace = list(
-        zipf_trace(
-            rows=args.sched_rows,
-            alpha=args.alpha,
-            batch=args.sched_batch,
-            batches=args.sched_batches,
-            seed=0,
-        )
+def _sched_trace(args, batch: int, seed: int) -> list[torch.Tensor]:
+    """--sched-batches power-law batches of `batch` ids over --sched-rows rows (cycled)."""
+    trace = zipf_trace(
+        rows=args.sched_rows, alpha=args.alpha, batch=batch, batches=args.sched_batches, seed=seed
     )
+    return list(trace)
+
+
+def bench_scheduler(args) -> list[dict]:
+    trace = _sched_trace(args, args.sched_batch, seed=0)
     capacity = int(args.sched_capacity * args.sched_rows)
     variants = {f"lookahead L={la}": ("lookahead", la) for la in (8, 64, 256)}
     variants["lru"] = ("lru", 64)
@@ -195,15 +195,7 @@ def bench_scheduler(args) -> list[dict]:
 def bench_capacity(args) -> list[dict]:
     """Section 6: the scheduler's time per batch at several cache sizes of one table, each cache
     first filled with rows the batches do not need, so every timed batch evicts."""
-    trace = list(
-        zipf_trace(
-            rows=args.sched_rows,
-            alpha=args.alpha,
-            batch=args.cap_batch,
-            batches=args.sched_batches,
-            seed=2,
-        )
-    )
+    trace = _sched_trace(args, args.cap_batch, seed=2)
     replays = {}
     for fraction in (float(f) for f in args.cap_fractions.split(",")):
         capacity = int(fraction * args.sched_rows)

@@ -85,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _fbgemm_variants as fbgemm  # noqa: E402  (imports fbgemm_gpu only when building)
 from _common import print_table, write_json  # noqa: E402
 from _fbgemm_variants import FBGEMM_CACHED, FBGEMM_VARIANTS  # noqa: E402
+from _headline_step import dense_and_backward, phase  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
 from distcache.cache.config import DEFAULT_LOOKAHEAD  # noqa: E402
@@ -369,10 +370,6 @@ class Run:
         self.info: dict = {}
 
 
-def _phase(name: str):
-    return torch.profiler.record_function(f"## headline:{name} ##")
-
-
 def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
     lookahead = name != "lru"
     config = CacheConfig(
@@ -394,26 +391,18 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
     def step(t: int) -> torch.Tensor:
         nonlocal enqueued
         if lookahead:
-            with _phase("enqueue"):
+            with phase("enqueue"):
                 while enqueued < n and enqueued <= t + config.lookahead:
                     bags.enqueue(data.values(enqueued), data.offsets)
                     enqueued += 1
-            with _phase("stage"):
+            with phase("stage"):
                 bags.prefetch()
-        with _phase("forward"):
+        with phase("forward"):
             pooled = bags(data.values(t), data.offsets)
         if lookahead:
-            with _phase("stage"):
+            with phase("stage"):
                 bags.prefetch()  # the next batches' rows move while this one trains
-        with _phase("dense"):
-            loss = F.binary_cross_entropy_with_logits(
-                dense_model(data.dense[t], pooled), data.labels[t]
-            )
-        with _phase("backward"):
-            dense_opt.zero_grad()
-            loss.backward()  # the rows' SGD step happens here, in the cache
-            dense_opt.step()
-        return loss.detach()
+        return dense_and_backward(t, pooled, data, dense_model, dense_opt)  # rows update in it
 
     run = Run(name, capacity, step)
     run.bags = bags
@@ -429,12 +418,12 @@ def plain_run(name, tables, data, dense_model, args, device) -> Run:
     ids = data.ids if where.type == "cpu" else data.ids_dev
 
     def step(t: int) -> torch.Tensor:
-        with _phase("forward"):
+        with phase("forward"):
             pooled = bags(ids[t]).to(device)  # cpu_embeddings: [B, F * D] cross to the device
             loss = F.binary_cross_entropy_with_logits(
                 dense_model(data.dense[t], pooled), data.labels[t]
             )
-        with _phase("backward"):
+        with phase("backward"):
             sparse_opt.zero_grad()
             dense_opt.zero_grad()
             loss.backward()

@@ -39,8 +39,6 @@ from distcache.cache.residency import NO_USE
 from distcache.cache.select import pack
 from distcache.errors import LookaheadWindowError
 
-__all__ = ["NO_USE", "Window", "WindowBatch"]
-
 # torch's CPU sort of an integer tensor is a radix sort from 32,768 elements (ATen's grain
 # size) and a comparison sort below, several times slower per element from a few thousand
 # (torch 2.13, 1 thread, int32: 13,312 ids 506 us, the same padded to 32,768 221 us; 8,000
