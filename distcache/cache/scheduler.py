@@ -146,6 +146,7 @@ class Scheduler:
         self.exact = exact
         self.residency = Residency(num_rows, capacity, device)
         self.window = Window(num_rows, device)
+        self.victims = Victims(self.residency, policy)
         self._totals = torch.zeros(_PLANS + NUM_COUNTS, dtype=torch.int64, device=device)
         # Ones and minus ones to count with (`index_add_` of a stride-0 view: no fill per batch).
         self._one = torch.ones(1, dtype=torch.int32, device=device)
@@ -257,6 +258,7 @@ class Scheduler:
         valid: torch.Tensor,
         positions: torch.Tensor,
         at: torch.Tensor,
+        *,
         fill: bool = False,
         scan: int = 0,
     ) -> tuple[torch.Tensor, ...]:
@@ -364,7 +366,7 @@ class Scheduler:
         self.residency.clear()
         self.window.clear()
         self.policy.bind(self.residency, self.lookahead)
-        self.victims = Victims(self.residency, self.policy)
+        self.victims.clear()
         self._unstaged.clear()
         self._staged.clear()
         self._next_seq = 0  # the policy was re-bound: sequence numbers start again

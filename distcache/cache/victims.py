@@ -45,9 +45,9 @@ class Victims:
         self.policy = policy
         device = residency.row_of.device
         self.queue = ExpiryQueue(residency.capacity, device)
-        # The seq of the batch whose candidates 2 and 3 offered the slot (4 skips those).
+        # The seq of the batch whose queue candidates (2) offered the slot (the sweep skips those).
         self._offered = torch.full((residency.capacity + 2,), -1, dtype=torch.int32, device=device)
-        self._hand = torch.zeros((), dtype=torch.int64, device=device)  # where sweep 4 resumes
+        self._hand = torch.zeros((), dtype=torch.int64, device=device)  # the sweep (3) resumes here
 
     def clear(self) -> None:
         self.queue.clear()
