@@ -6,9 +6,9 @@ bags. Each feature looks up one table (`feature_table_map`, by default feature i
 several features may share a table, as in TorchRec). The output is `[B, sum of the features'
 dims]`, features side by side in order.
 
-Tables of the same width and dtype share one `CacheEngine` (one cache, rows concatenated);
-other tables get their own. Rows are updated in backward by the configured fused optimizer, so the
-module has no parameters for a dense optimizer.
+Tables of the same width and dtype share one `CacheEngine` (one cache, rows concatenated, as
+large as their caches together); other tables get their own. Rows are updated in backward by
+the configured fused optimizer, so the module has no parameters for a dense optimizer.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distcache.cache.capacity import log_shortfalls, per_table, shared_capacity
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import ROW_DTYPES, CacheEngine, CacheStats
 from distcache.cache.graphs import GraphCache
@@ -136,6 +138,10 @@ class CachedEmbeddingBags(nn.Module):
         seed: seed of the default initialization, uniform(-1/sqrt(rows), 1/sqrt(rows)) as in
             TorchRec.
         feature_table_map: the table of each input feature (default: one feature per table).
+        ids_per_batch: the most ids a batch holds for each table (all its features), for every
+            table or per table (a sequence, or a mapping by name). With it, a cache that cannot
+            hold its batches in flight is raised before the first batch, with a warning
+            (`cache.capacity`); without it, such a batch raises `CacheCapacityError`.
 
     Example::
 
@@ -160,6 +166,7 @@ class CachedEmbeddingBags(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         feature_table_map: list[int] | None = None,
+        ids_per_batch: float | Sequence[float] | Mapping[str, float] | None = None,
     ):
         super().__init__()
         if not tables:
@@ -184,19 +191,23 @@ class CachedEmbeddingBags(nn.Module):
         self._mean = torch.tensor([tables[t].pooling == "mean" for t in fmap], device=self.device)
         self._groups: list[_Group] = []
         num_features = len(fmap)
+        ids = per_table(ids_per_batch, names)
         for dim, dtype in dict.fromkeys((t.embedding_dim, t.dtype) for t in tables):
             members = [
                 i for i, t in enumerate(tables) if (t.embedding_dim, t.dtype) == (dim, dtype)
             ]
             sizes = [tables[i].num_embeddings for i in members]
+            capacity, short = shared_capacity(
+                config, [(names[i], sizes[k], ids[i]) for k, i in enumerate(members)]
+            )
+            log_shortfalls(short, "CachedEmbeddingBags")
             engine = CacheEngine(
                 num_rows=sum(sizes),
                 dim=dim,
                 config=config,
                 device=self.device,
                 name="+".join(tables[i].name for i in members),
-                # The tables share one cache as large as their own caches together.
-                capacity=sum(config.capacity_rows(n) for n in sizes),
+                capacity=capacity,
                 dtype=dtype,
                 pooled=self._pooled,
             )

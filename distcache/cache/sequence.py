@@ -13,6 +13,8 @@ grouping gives a kernel one dtype), so the tables share one cache.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,7 @@ class CachedEmbeddings(CachedEmbeddingBags):
         device: torch.device | str = "cpu",
         seed: int = 0,
         feature_table_map: list[int] | None = None,
+        ids_per_batch: float | Sequence[float] | Mapping[str, float] | None = None,
     ):
         kinds = sorted({(t.embedding_dim, str(t.dtype)) for t in tables})
         if len(kinds) > 1:
@@ -58,7 +61,12 @@ class CachedEmbeddings(CachedEmbeddingBags):
                 "need one width and dtype for all tables (as TorchRec's EmbeddingCollection)"
             )
         super().__init__(
-            tables, config, device=device, seed=seed, feature_table_map=feature_table_map
+            tables,
+            config,
+            device=device,
+            seed=seed,
+            feature_table_map=feature_table_map,
+            ids_per_batch=ids_per_batch,
         )
 
     def forward(  # type: ignore[override]

@@ -56,6 +56,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from distcache.cache.capacity import pinned_batches, shortfall
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.sharding import (
@@ -224,12 +225,6 @@ def apply_embedding_optimizer(model: nn.Module, optimizer: str = "sgd", **kwargs
     apply_optimizer_in_backward(EMBEDDING_OPTIMIZERS[optimizer], params, kwargs)
 
 
-def pinned_batches(config: CacheConfig) -> int:
-    """Batches whose rows a cache holds at once: the training one and K staged ahead of it
-    (reactive policies stage a batch only when it is looked up)."""
-    return 1 if config.is_reactive else config.prefetch_depth + 1
-
-
 def small_tables(
     rows: Sequence[int],
     config: CacheConfig,
@@ -262,10 +257,11 @@ def small_tables(
         raise DistcacheConfigError(
             f"in_flight_ids has {len(in_flight_ids)} entries: expected one per table ({len(rows)})"
         )
+    pinned = pinned_batches(config)
     out = []
     for i, (num_rows, ids) in enumerate(zip(rows, in_flight_ids, strict=True)):
         local = math.ceil(num_rows / world_size) if sharding == "row_wise" else num_rows
-        if config.capacity_rows(local) < min(local, ids):
+        if shortfall(table_name(i), config, local, ids / pinned) is not None:
             out.append(table_name(i))
     return out
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from torchrec.distributed.planner import Topology as TorchRecTopology
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.models.dlrm import DLRMTrain
 
+from distcache.cache.capacity import Shortfall, log_shortfalls
 from distcache.cache.config import CacheConfig
 from distcache.data.sample import TableSample, id_counts
 from distcache.data.sources import JobData
@@ -45,6 +46,7 @@ from distcache.sharding import (
     CachedEmbeddingBagCollectionSharder,
     CachedShardingPlanner,
 )
+from distcache.sharding.plan import attach_cache_configs, hold_batches_in_flight
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +93,27 @@ def job_sharding_plan(
     sharder: CachedEmbeddingBagCollectionSharder,
     world_size: int,
     device: torch.device,
-) -> ShardingPlan:
-    """The job's plan for the EBC of `model` (a `DLRMTrain`), per `config.plan.planner`."""
+) -> tuple[ShardingPlan, list[Shortfall]]:
+    """The job's plan for the EBC of `model` (a `DLRMTrain`), per `config.plan.planner`, and
+    the tables whose `[cache]` capacity could not hold the batches in flight (raised in the
+    plan; the 'distcache' planner sizes its caches itself)."""
     planner = config.plan.planner
     ebc = dlrm.embedding_bag_collection(model)
+    # Input dist brings a table's shards every rank's ids: at most this many a batch.
+    ids = world_size * config.data.batch_size * data.max_ids_per_sample
+    in_flight = {dlrm.table_name(i): ids for i in range(len(data.table_sizes))}
     if planner in dlrm.SHARDINGS:
-        return dlrm.sharding_plan(
+        plan = dlrm.sharding_plan(
             ebc, sharder, sharding=planner, world_size=world_size, device_type=device.type
         )
+        return hold_batches_in_flight(attach_cache_configs(plan, sharder, model), in_flight)
     if planner == "torchrec":
         topology = torchrec_job_topology(config, world_size, device)
-        torchrec_planner = CachedShardingPlanner(topology, config.data.batch_size)
-        return torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
+        torchrec_planner = CachedShardingPlanner(
+            topology, config.data.batch_size, ids_per_batch=in_flight
+        )
+        plan = torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
+        return plan, torchrec_planner.shortfalls
     workload = job_workload(config, data)
     box: list[tuple[Plan, dict[str, list[int]]] | DistcacheError | None] = [None]
     if dist.get_rank() == 0:
@@ -122,7 +133,7 @@ def job_sharding_plan(
         lookahead=planned.lookahead,
         prefetch_depth=planned.prefetch_depth,
     )
-    return to_sharding_plan(
+    planned = to_sharding_plan(
         plan,
         workload,
         module_path=dlrm.EBC_PATH,
@@ -131,6 +142,7 @@ def job_sharding_plan(
         base_config=base,
         hot_row_ids=lambda table, count: hot[table.name][:count],
     )
+    return planned, []
 
 
 def plan_on_rank_zero(
@@ -216,12 +228,15 @@ def _hot_rows(
 
 
 def describe_placement(
-    plan: ShardingPlan, sharder: CachedEmbeddingBagCollectionSharder, rows: Sequence[int]
+    plan: ShardingPlan,
+    sharder: CachedEmbeddingBagCollectionSharder,
+    rows: Sequence[int],
+    raised: Collection[str] = (),
 ) -> tuple[list[str], list[str]]:
     """The plan of the job's EBC as a table, one line per table (sharding, ranks, where its rows
-    live, cache rows, L and K), and a warning for each table whose cache differs from the
-    `[cache]` section (cached whole because its cache could not hold the batches in flight, or
-    sized by the planner)."""
+    live, cache rows, L and K), and a warning for each table whose cache the planner sized
+    instead of the `[cache]` section (`raised`: tables whose cache was raised to hold the
+    batches in flight, said already)."""
     module_plan = plan.plan.get(dlrm.EBC_PATH, {})
     lines = [f"{'table':8s} {'sharding':12s} {'ranks':10s} {'rows':>12s} {'storage':38s}"]
     warnings = []
@@ -235,19 +250,15 @@ def describe_placement(
         if p.compute_kernel == CACHED_KERNEL:
             cache = getattr(p, "cache_config", None) or sharder.config_for(name)
             cached = cache.capacity_rows(num_rows)
+            whole = " (whole)" if cached == num_rows else ""
             storage = (
-                f"host + cache of {cached:,} rows ({cached / num_rows:.1%}), "
+                f"host + cache of {cached:,} rows ({cached / num_rows:.1%}){whole}, "
                 f"L={cache.lookahead} K={cache.prefetch_depth}"
             )
-            asked = sharder.cache_config
-            if cache != asked:
-                why = (
-                    f"[cache] capacity = {asked.capacity} ({asked.capacity_rows(num_rows):,} "
-                    "rows) cannot hold the rows of the batches in flight: cached whole"
-                    if cached == num_rows
-                    else f"cache sized by the plan, not by [cache] (capacity {cache.capacity})"
+            if cache != sharder.cache_config and name not in raised:
+                warnings.append(
+                    f"{name}: cache sized by the plan, not by [cache] (capacity {cache.capacity})"
                 )
-                warnings.append(f"{name}: {why}")
         lines.append(f"{name:8s} {p.sharding_type:12s} {ranks:10s} {num_rows:12,d} {storage}")
     return lines, warnings
 
@@ -276,16 +287,13 @@ def shard_model(
     config: JobConfig, model: DLRMTrain, data: JobData, world_size: int, device: torch.device
 ) -> DistributedModelParallel:
     """The model under DMP, placed by the configured planner (`job_sharding_plan`)."""
-    sharder = dlrm.cached_sharder(
-        data.table_sizes,
-        config.cache,
-        world_size=world_size,
-        batch_size=config.data.batch_size,
-        ids_per_sample=data.max_ids_per_sample,
-    )
-    plan = job_sharding_plan(config, model, data, sharder, world_size, device)
+    sharder = CachedEmbeddingBagCollectionSharder(config.cache)
+    plan, raised = job_sharding_plan(config, model, data, sharder, world_size, device)
     if dist.get_rank() == 0:
-        lines, warnings = describe_placement(plan, sharder, data.table_sizes)
+        if config.plan.planner != "torchrec":  # whose planner says it
+            log_shortfalls(raised, "placement")
+        names = {s.table for s in raised}
+        lines, warnings = describe_placement(plan, sharder, data.table_sizes, names)
         log.info("placement (planner %s):\n%s", config.plan.planner, "\n".join(lines))
         for warning in warnings:
             log.warning("placement: %s", warning)

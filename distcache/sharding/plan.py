@@ -9,12 +9,14 @@ plan reproduces them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
+from distcache.cache.capacity import Shortfall, shortfall
 from distcache.cache.config import HOT_ALL, CacheConfig
 
 #: Key of the table's `CacheConfig` in a customized kernel's fused params.
@@ -92,3 +94,41 @@ def attach_cache_configs(plan: ShardingPlan, sharder: Any, module: Any = None) -
             for path, module_plan in plan.plan.items()
         }
     )
+
+
+def hold_batches_in_flight(
+    plan: ShardingPlan, ids_per_batch: Mapping[str, float]
+) -> tuple[ShardingPlan, list[Shortfall]]:
+    """`plan` with each distcache table's cache raised where it cannot hold the rows of its
+    batches in flight (`distcache.cache.capacity`), and the tables that were; the caller says
+    so at warning level (`log_shortfalls`).
+
+    Args:
+        plan: a plan whose distcache tables carry their `CacheConfig` (`attach_cache_configs`).
+        ids_per_batch: by table name, the most ids of the table that one batch brings the rank
+            owning a shard of it (every rank's, since input dist sends a table's ids to its
+            shards). Tables left out are not checked. A row-wise shard is judged as if all of
+            its table's ids fell in it.
+    """
+    shortfalls: list[Shortfall] = []
+    out: dict[str, Any] = {}
+    for path, module_plan in plan.plan.items():
+        shardings = {}
+        for name, p in module_plan.items():
+            config = getattr(p, "cache_config", None)
+            rows = _shard_rows(p)
+            short = None
+            if p.compute_kernel == CACHED_KERNEL and config and rows and name in ids_per_batch:
+                short = shortfall(name, config, rows, ids_per_batch[name])
+            if short is not None:
+                shortfalls.append(short)
+                p = dataclasses.replace(p, cache_config=short.raised(config))
+            shardings[name] = p
+        out[path] = type(module_plan)(shardings)
+    return ShardingPlan(out), shortfalls
+
+
+def _shard_rows(sharding: ParameterSharding) -> int | None:
+    """The rows of the largest shard of a placement (None without a sharding spec)."""
+    shards = getattr(sharding.sharding_spec, "shards", None)
+    return max(s.shard_sizes[0] for s in shards) if shards else None

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -35,8 +36,10 @@ from torchrec.distributed.planner.types import (
     TrainerConfig,
 )
 from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from distcache.sharding.plan import CACHED_KERNEL, attach_cache_configs
+from distcache.cache.capacity import Shortfall, log_shortfalls
+from distcache.sharding.plan import CACHED_KERNEL, attach_cache_configs, hold_batches_in_flight
 from distcache.sharding.sharder import (
     CachedEmbeddingBagCollectionSharder,
     CachedEmbeddingCollectionSharder,
@@ -71,11 +74,17 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
             size, on CUDA if this process has a GPU, else on CPU).
         batch_size: samples per rank per batch, which the estimators price.
         constraints: TorchRec's per-table `ParameterConstraints`.
+        ids_per_batch: by table name, the most ids of the table one batch brings its shards
+            (all ranks' ids); by default estimated as TorchRec does, the batch size times the
+            world size times the pooling factors of the table's features (`constraints`, else
+            1 id per sample and feature).
         **kwargs: the rest of `EmbeddingShardingPlanner`'s arguments (proposer, partitioner,
             storage reservation, ...).
 
     `plan` and `collective_plan` return TorchRec plans whose distcache tables carry their
-    `CacheConfig` (`attach_cache_configs`), so a saved plan reproduces them.
+    `CacheConfig` (`attach_cache_configs`), so a saved plan reproduces them. A cache that
+    cannot hold the rows of its batches in flight is raised to one that can, with a warning
+    naming the capacity that would have done (`hold_batches_in_flight`), before any batch.
     """
 
     def __init__(
@@ -84,6 +93,7 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
         batch_size: int = 512,
         *,
         constraints: dict[str, ParameterConstraints] | None = None,
+        ids_per_batch: Mapping[str, float] | None = None,
         **kwargs: Any,
     ):
         if topology is None:
@@ -92,6 +102,11 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
             topology = TopologyFactory.create_topology(
                 TrainerConfig(world_size=world), kernel_config=KernelConfig(compute_device=device)
             )
+        self._ids_per_batch = ids_per_batch
+        self.shortfalls: list[Shortfall] = []
+        """The tables whose cache the last plan raised to hold their batches in flight."""
+        self._pooling_constraints = constraints or {}
+        self._world_batch = batch_size * topology.world_size
         enumerator = EmbeddingEnumerator(
             topology,
             batch_size,
@@ -107,11 +122,42 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
         )
 
     def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
-        return _with_cache_configs(super().plan(module, sharders), sharders, module)
+        plan = super().plan(module, sharders)
+        return self._held(_with_cache_configs(plan, sharders, module), module)
 
     def collective_plan(self, module: Any, sharders: list[Any], pg: Any = None) -> ShardingPlan:
         plan = super().collective_plan(module, sharders, pg)
-        return _with_cache_configs(plan, sharders, module)
+        return self._held(_with_cache_configs(plan, sharders, module), module)
+
+    def _held(self, plan: ShardingPlan, module: Any) -> ShardingPlan:
+        """`plan` with caches that cannot hold their batches in flight raised, said once."""
+        ids = self._ids_per_batch
+        if ids is None:
+            ids = {
+                name: self._world_batch * sum(self._pooling(name, features))
+                for name, features in _tables(module).items()
+            }
+        plan, self.shortfalls = hold_batches_in_flight(plan, ids)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log_shortfalls(self.shortfalls, "CachedShardingPlanner")
+        return plan
+
+    def _pooling(self, table: str, features: int) -> list[float]:
+        """The pooling factor of each feature of `table` (TorchRec's default: 1.0)."""
+        c = self._pooling_constraints.get(table)
+        factors = list(c.pooling_factors) if c is not None and c.pooling_factors else []
+        return factors if len(factors) == features else [max(factors, default=1.0)] * features
+
+
+def _tables(module: Any) -> dict[str, int]:
+    """The features of each table of the embedding collections in `module`, by table name."""
+    out: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, EmbeddingBagCollection):
+            out.update({c.name: len(c.feature_names) for c in m.embedding_bag_configs()})
+        elif isinstance(m, EmbeddingCollection):
+            out.update({c.name: len(c.feature_names) for c in m.embedding_configs()})
+    return out
 
 
 def _with_cache_configs(plan: ShardingPlan, sharders: list[Any], module: Any) -> ShardingPlan:

@@ -144,10 +144,12 @@ def train_both(
     weights: list[torch.Tensor],
     use_window: bool = True,
     sequence: bool = False,
+    ids_per_batch: float | None = None,
 ):
     """Train cached and reference side by side; returns (cached, reference, outputs pairs).
     `sequence`: per-id rows (`CachedEmbeddings` against `nn.Embedding`s), not pooled bags."""
-    cached = (CachedEmbeddings if sequence else CachedEmbeddingBags)(tables, config)
+    module = CachedEmbeddings if sequence else CachedEmbeddingBags
+    cached = module(tables, config, ids_per_batch=ids_per_batch)
     for t, w in zip(tables, weights, strict=True):
         cached.load_table_weight(t.name, w)
     ref = (ReferenceRows if sequence else ReferenceBags)(tables, weights)

@@ -7,6 +7,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
 from distcache import CacheConfig, DistcacheConfigError
+from distcache.cache.capacity import pinned_batches
 from distcache.job.dlrm import (
     DLRMConfig,
     apply_embedding_optimizer,
@@ -14,7 +15,6 @@ from distcache.job.dlrm import (
     cached_sharder,
     dense_optimizer,
     host_embedding_dlrm,
-    pinned_batches,
     shard_dlrm,
     small_tables,
     whole_tables,

@@ -25,24 +25,37 @@ def test_torchrec_plans_for_the_configured_topology():
     assert [d.storage for d in default.devices] != [d.storage for d in ours.devices]
 
 
-def test_the_placement_table_names_every_table_and_warns_of_whole_caches():
+def test_the_placement_raises_caches_too_small_for_the_batches_in_flight_and_says_so():
     from distcache import CacheConfig
     from distcache.job import dlrm
     from distcache.job.placement import describe_placement
+    from distcache.sharding import CachedEmbeddingBagCollectionSharder
+    from distcache.sharding.plan import attach_cache_configs, hold_batches_in_flight
 
-    rows = (10, 100_000, 50)
+    rows = (10, 100_000, 500)
     model = dlrm.build_dlrm(dlrm.DLRMConfig(rows=rows, dim=4), seed=0)
     config = CacheConfig(capacity=0.01, lookahead=4, prefetch_depth=1)
-    sharder = dlrm.cached_sharder(rows, config, world_size=2, batch_size=64)
+    sharder = CachedEmbeddingBagCollectionSharder(config)
     ebc = dlrm.embedding_bag_collection(model)
     plan = dlrm.sharding_plan(ebc, sharder, world_size=2)
-    lines, warnings = describe_placement(plan, sharder, rows)
-    assert len(lines) == 1 + len(rows)
-    assert "host + cache of 1,000 rows (1.0%), L=4 K=1" in lines[2]  # t1: 1 % of 100,000
-    # t0 and t2 are too small to hold 2 batches x 2 ranks x 64 ids at 1 %: cached whole.
+    ids = {dlrm.table_name(i): 2 * 64 for i in range(len(rows))}  # 2 ranks x 64 samples
+    plan, raised = hold_batches_in_flight(attach_cache_configs(plan, sharder, model), ids)
+    # 2 batches in flight x 128 ids: t0 (10 rows) cached whole, t2 raised to 256 of 500 rows;
+    # t1's 1 % (1,000 rows) holds them.
+    assert [(s.table, s.needed_rows, s.whole) for s in raised] == [
+        ("t0", 10, True),
+        ("t2", 256, False),
+    ]
+    assert "capacity 0.01 holds 5 of its 500 rows" in raised[1].message()
+    assert "Set capacity >= 256 rows" in raised[1].message()
+    lines, warnings = describe_placement(plan, sharder, rows, {s.table for s in raised})
+    assert len(lines) == 1 + len(rows) and warnings == []
+    assert "host + cache of 10 rows (100.0%) (whole)" in lines[1]
+    assert "host + cache of 1,000 rows (1.0%), L=4 K=1" in lines[2]
+    assert "host + cache of 256 rows (51.2%)" in lines[3]
+    # Without the raised names, a cache that is not [cache]'s is called the plan's.
+    _, warnings = describe_placement(plan, sharder, rows)
     assert [w.split(":")[0] for w in warnings] == ["t0", "t2"]
-    assert "[cache] capacity = 0.01 (1 rows) cannot hold" in warnings[0]
-    assert "host + cache of 10 rows (100.0%)" in lines[1]
 
 
 def test_the_model_s_tables_take_the_configured_dtype():

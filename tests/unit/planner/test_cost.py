@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -221,7 +222,14 @@ def test_violations():
         dataclasses.replace(PLAN, tables=(PLAN.tables[0], tiny_cache)), WORKLOAD, TOPOLOGY
     )
     assert not cost.fits
-    assert any("table 'b'" in v and "in flight" in v for v in cost.violations)
+    (said,) = [v for v in cost.violations if "table 'b'" in v]
+    # It names the rows that would do: a cache of exactly those fits, one row fewer does not.
+    need = int(re.search(r"smaller than the (\d+) rows its 2 batches in flight", said)[1])
+    rows = next(t.rows for t in WORKLOAD.tables if t.name == "b")
+    for fraction, fits in ((need / rows, True), ((need - 1) / rows, False)):
+        sized = dataclasses.replace(tiny_cache, cache_fraction=fraction)
+        plan = dataclasses.replace(PLAN, tables=(PLAN.tables[0], sized))
+        assert plan_cost(plan, WORKLOAD, TOPOLOGY).fits is fits
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,14 @@
 """The sharder and planner integration, in one process (no process group needed)."""
 
+import logging
+import math
+
 import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.types import ParameterConstraints
 
 from distcache import CacheConfig, DistcacheConfigError
 from distcache.sharding import (
@@ -68,13 +72,44 @@ def test_the_cached_planner_plans_and_attaches_cache_configs(device):
     topology = Topology(world_size=2, compute_device=device)
     with pytest.raises(ValueError, match="customized_kernel"):
         EmbeddingShardingPlanner(topology=topology).plan(_ebc(), [sharder])
-    plan = CachedShardingPlanner(topology, batch_size=512).plan(_ebc(), [sharder]).plan[""]
+    plan = CachedShardingPlanner(topology, batch_size=4).plan(_ebc(), [sharder]).plan[""]
     assert {p.compute_kernel for p in plan.values()} == {CACHED_KERNEL}
     assert plan["t2"].cache_config.capacity == 0.5
     assert plan["t0"].cache_config == CacheConfig(capacity=0.05)
     assert {r for p in plan.values() for r in p.ranks} == {0, 1}
-    one = CachedShardingPlanner(batch_size=512).plan(_ebc(), [sharder]).plan[""]
+    one = CachedShardingPlanner(batch_size=4).plan(_ebc(), [sharder]).plan[""]
     assert {r for p in one.values() for r in p.ranks} == {0}  # no process group: a world of 1
+
+
+def test_the_cached_planner_raises_caches_too_small_for_the_batches_in_flight(caplog):
+    """Before any batch: 2 ranks x 64 samples x 1.5 ids of a feature, 3 batches in flight
+    (K = 2), use up to 576 rows of a shard; a 30 % cache of a shard under 1,920 rows cannot
+    hold them."""
+    config = CacheConfig(capacity=0.3, lookahead=2, prefetch_depth=2)
+    sharder = CachedEmbeddingBagCollectionSharder(config)
+    topology = Topology(world_size=2, compute_device="cpu")
+    constraints = {f"t{i}": ParameterConstraints(pooling_factors=[1.5]) for i in range(4)}
+    planner = CachedShardingPlanner(topology, batch_size=64, constraints=constraints)
+    with caplog.at_level(logging.WARNING, logger="distcache.cache.capacity"):
+        plan = planner.plan(_ebc(), [sharder]).plan[""]
+    records = [r for r in caplog.records if r.name == "distcache.cache.capacity"]
+    said = " ".join(r.getMessage() for r in records)
+    rows = {name: max(s.shard_sizes[0] for s in p.sharding_spec.shards) for name, p in plan.items()}
+    short = sorted(name for name, n in rows.items() if config.capacity_rows(n) < min(n, 576))
+    assert 0 < len(short) < len(rows) and sorted(s.table for s in planner.shortfalls) == short
+    assert len(records) == len(short)
+    for name, p in plan.items():  # a row-wise shard is judged as if every id fell in it
+        need = min(rows[name], 576)
+        if name in short:
+            assert p.cache_config.capacity_rows(rows[name]) == need, name
+            assert f"table {name!r}: capacity 0.3 holds {math.ceil(rows[name] * 0.3):,} of" in said
+            assert f"Set capacity >= {need} rows" in said
+        else:
+            assert p.cache_config == config
+    # Told the batches' ids, it takes them instead of TorchRec's pooling factors.
+    told = CachedShardingPlanner(topology, batch_size=64, ids_per_batch={"t0": 10})
+    told.plan(_ebc(), [sharder])
+    assert told.shortfalls == []
 
 
 def test_fused_params_set_the_optimizer_the_torchrec_way():
