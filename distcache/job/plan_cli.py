@@ -6,8 +6,10 @@ Both commands take a workload and a topology:
   `synthetic:tables=T,rows=R,dim=D,alpha=A,pooling=P,seed=S,spread=X`), or
   ``--config FILE``: a TOML description (below), or a training job's config (`configs/*.toml`:
   its tables, batch size, MLPs and embedding optimizer, as `python -m distcache train` plans it).
-- ``--topology h100|h200|cpu|PATH.json`` (default h100; a JSON from `save_topology` or
-  `python -m distcache calibrate`), ``--world-size N`` (default 8), ``--ranks-per-node N``,
+- ``--topology h100|h200|cpu|PATH.json`` (a JSON from `save_topology` or `python -m distcache
+  calibrate`; default h100 with ``--world-size`` 8, and for a job's config the job's own: its
+  `[plan] topology`, else its device's, on 2 ranks as `launch/torchrun.sh` starts it, which
+  the first line printed names), ``--world-size N``, ``--ranks-per-node N``,
   ``--device-memory 16GB`` (per rank, for embeddings), ``--host-memory 200GB`` (per rank),
   ``--batch-size N`` (per rank). Sizes read as in `topology.parse_bytes` (GB = 10^9,
   GiB = 2^30).
@@ -130,7 +132,10 @@ def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="workload preset, e.g. criteo-terabyte, synthetic:...")
     source.add_argument("--config", type=Path, help="TOML workload description")
-    parser.add_argument("--topology", default="h100", help="h100, h200, cpu or a JSON file")
+    parser.add_argument(
+        "--topology",
+        help="h100, h200, cpu or a JSON file (default h100; for a job's config, the job's)",
+    )
     parser.add_argument("--world-size", type=_positive_int, help="ranks (default 8)")
     parser.add_argument("--ranks-per-node", type=_positive_int)
     parser.add_argument("--device-memory", type=_byte_size, help="per rank, e.g. 16GB")
@@ -214,6 +219,26 @@ def load_workload_config(path: Path) -> Workload:
 
 
 _JOB_SECTIONS = {"data", "train", "cache", "checkpoint", "plan", "run"}
+_JOB_RANKS = 2  # launch/torchrun.sh's default NPROC
+
+
+def _job_topology(path: Path | None) -> str | None:
+    """For a training job's config, the topology the job plans on: its `[plan] topology`, else
+    its device's (`cpu`, or `h100` for CUDA); None for anything else."""
+    if path is None or not _is_job_config(path):
+        return None
+    from distcache.job.config import load_job_config
+
+    config = load_job_config(path)
+    return config.plan.topology or ("cpu" if config.train.device == "cpu" else "h100")
+
+
+def _is_job_config(path: Path) -> bool:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return False  # reported where the workload is read
+    return "tables" not in data and bool(set(data) & _JOB_SECTIONS)
 
 
 def _job_workload(path: Path) -> Workload:
@@ -234,6 +259,10 @@ def _only(data: Mapping[str, object], allowed: Sequence[str], what: str) -> None
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
+    if args.topology is None:  # a job's config plans for the job's own topology
+        job = _job_topology(args.config)
+        args.topology = job or "h100"
+        args.world_size = args.world_size or (_JOB_RANKS if job else None)
     flag = f"--topology {args.topology}"
     if args.topology in PRESETS:
         topology = _flag(

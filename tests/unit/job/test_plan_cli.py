@@ -175,6 +175,23 @@ def test_a_job_config_plans_as_the_job_does(path: Path, capsys: pytest.CaptureFi
     assert "modelled step" in capsys.readouterr().out
 
 
+def test_a_job_config_plans_for_the_job_s_topology_unless_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The job plans on its [plan] topology, else its device's, on launch/torchrun.sh's 2
+    ranks; the first line says which; --topology and --world-size still choose."""
+    tiny = CONFIGS[[p.stem for p in CONFIGS].index("tiny_cpu")]
+    assert plan_main(["--config", str(tiny)]) == 0
+    assert capsys.readouterr().out.startswith("tiny_cpu on cpux2 (2 ranks")
+    assert plan_main(["--config", str(tiny), "--topology", "h100"]) == 0
+    assert capsys.readouterr().out.startswith("tiny_cpu on h100x8 (8 ranks")
+    on_h200 = tmp_path / "job.toml"
+    planned = 'planner = "distcache"\ntopology = "h200"'
+    on_h200.write_text(tiny.read_text().replace('planner = "table_wise"', planned))
+    assert plan_main(["--config", str(on_h200), "--world-size", "4"]) == 0
+    assert capsys.readouterr().out.startswith("job on h200x4 (4 ranks")
+
+
 def test_a_job_config_with_an_unknown_key_names_it(tmp_path: Path) -> None:
     config = tmp_path / "job.toml"
     config.write_text('[data]\nsource = "synthetic"\n[train]\nstepz = 3\n')
