@@ -1,13 +1,12 @@
 """distcache: look-ahead embedding caches and throughput planning for TorchRec."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from distcache import quiet
-from distcache.cache import (
-    CacheConfig,
-    CachedEmbeddingBags,
-    CachedEmbeddings,
-    CacheStats,
-    TableSpec,
-)
+from distcache.cache.config import CacheConfig
 from distcache.errors import (
     CacheCapacityError,
     CheckpointError,
@@ -26,12 +25,26 @@ __version__ = "0.1.0"
 quiet.install()  # third-party warnings a user cannot act on (TorchRec's, torch's)
 
 
-def __getattr__(name: str):  # noqa: ANN202
-    # The pipeline imports TorchRec (seconds): load it when first asked for.
-    if name == "LookaheadTrainPipeline":
-        from distcache.pipeline import LookaheadTrainPipeline
+if TYPE_CHECKING:
+    from distcache.cache.engine import CacheStats
+    from distcache.cache.module import CachedEmbeddingBags, TableSpec
+    from distcache.cache.sequence import CachedEmbeddings
+    from distcache.pipeline import LookaheadTrainPipeline
 
-        return LookaheadTrainPipeline
+# Loaded when first asked for: the engine imports torch (a second), the pipeline TorchRec
+# (seconds); `python -m distcache plan` needs neither.
+_LAZY = {
+    "CacheStats": "distcache.cache.engine",
+    "CachedEmbeddingBags": "distcache.cache.module",
+    "TableSpec": "distcache.cache.module",
+    "CachedEmbeddings": "distcache.cache.sequence",
+    "LookaheadTrainPipeline": "distcache.pipeline",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'distcache' has no attribute {name!r}")
 
 

@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from distcache.cache.tbe import TBE_OPTIMIZERS, tbe_unsupported
 from distcache.errors import DistcacheConfigError
 
 if TYPE_CHECKING:
@@ -23,6 +22,13 @@ HOT_REDUCE = (HOT_ALL, HOT_TOUCHED)
 DEFAULT_LOOKAHEAD = 64
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 KERNELS = ("fbgemm", "torch")
+#: distcache's optimizers that FBGEMM's TBE computes as distcache defines them -> FBGEMM's
+#: name for each (`EmbOptimType`; `distcache.cache.tbe`).
+TBE_OPTIMIZERS = {
+    "sgd": "EXACT_SGD",
+    "adagrad": "EXACT_ADAGRAD",
+    "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +197,8 @@ class CacheConfig:
         by_default = device.type == "cuda" or self.optimizer == "sgd"
         if self.kernel == "torch" or (self.kernel is None and by_default):
             return "torch"
+        from distcache.cache.tbe import tbe_unsupported  # torch: imported where a kernel is built
+
         reason = tbe_unsupported(optimizer=self.optimizer, dim=dim, dtype=dtype, device=device)
         if reason is None:
             return "fbgemm"

@@ -50,17 +50,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distcache.cache.config import TBE_OPTIMIZERS
+
 if TYPE_CHECKING:
     from distcache.cache.config import CacheConfig
     from distcache.cache.optimizers import RowOptimizer
 
-#: distcache's optimizers (`CacheConfig.optimizer`) that FBGEMM's TBE computes as distcache
-#: defines them -> FBGEMM's name for each (`EmbOptimType`).
-TBE_OPTIMIZERS = {
-    "sgd": "EXACT_SGD",
-    "adagrad": "EXACT_ADAGRAD",
-    "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
-}
 #: At most this many padding ids share a bag (one warp's worth on CUDA).
 PADDING_BAG_IDS = 32
 _CUDA_MAX_DIM = 1024  # the widest rows FBGEMM's CUDA kernels are generated for
