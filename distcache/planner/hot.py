@@ -30,7 +30,7 @@ from distcache.planner.binned import BinnedProfile, table_access
 from distcache.planner.candidates import Mode
 from distcache.planner.search import better_state as _better
 from distcache.planner.shards import reduced_as, shard_terms
-from distcache.planner.state import State
+from distcache.planner.state import Footprint, State
 from distcache.planner.types import DATA_PARALLEL
 
 PASSES = 2
@@ -100,12 +100,25 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
 
 
 class _Variants:
-    """Each table's mode with each replica, priced once for the whole stage (a table's
-    placement does not change here, so its variants are the same in every pass)."""
+    """Each table's mode with each replica, and its footprint, priced once for the whole stage
+    (a table's placement and ranks do not change here, so its variants are the same in every
+    pass)."""
 
     def __init__(self, state: State):
         self.state = state
         self.modes: dict[tuple[int, int, str], Mode] = {}
+        self.footprints: dict[tuple[int, int, str], Footprint] = {}
+
+    def placed(self, index: int, modes: Sequence[Mode]) -> list[Footprint]:
+        """The footprint of table `index` placed on its ranks as each of `modes` (its
+        variants), those not priced yet priced together."""
+        keys = [(index, m.hot_rows, m.hot_reduce) for m in modes]
+        fresh = {k: m for k, m in zip(keys, modes, strict=True) if k not in self.footprints}
+        if fresh:
+            ranks = self.state.placed[index][1]
+            priced = self.state.footprints(list(fresh.values()), ranks)
+            self.footprints.update(zip(fresh, priced, strict=True))
+        return [self.footprints[k] for k in keys]
 
     def get(self, index: int, mode: Mode, hot_rows: int, hot_reduce: str) -> Mode:
         """`with_hot_rows(state, index, mode, hot_rows, hot_reduce)`: a replica reduced
@@ -129,21 +142,27 @@ def _same_share_everywhere(state: State, shares: Sequence[float], variants: _Var
     same way: each share and reduction tried (and none), the best kept."""
     sharded = _sharded(state)
     start = {i: state.placed[i] for i in sharded}
+    now = {i: state.contrib[i] for i in sharded}
     best_score = state.score() if state.fits() else None
     best = {i: start[i][0] for i in sharded}
-    for share, reduce in ((s, r) for s in shares for r in HOT_REDUCE):
-        modes = {}
+    combos = [(share, reduce) for share in shares for reduce in HOT_REDUCE]
+    tried = {}  # table -> its mode and footprint in each combination
+    for i in sharded:
+        mode = start[i][0]
+        modes = [variants.get(i, mode, _replica_rows(state, i, s), r) for s, r in combos]
+        tried[i] = list(zip(modes, variants.placed(i, modes), strict=True))
+    for k in range(len(combos)):
         for i in sharded:
-            mode, ranks = start[i]
-            modes[i] = variants.get(i, mode, _replica_rows(state, i, share), reduce)
             state.remove(i)
-            state.add(i, modes[i], ranks)
+            mode, footprint = tried[i][k]
+            state.add(i, mode, start[i][1], footprint)
         score = state.score() if state.fits() else None
         if score is not None and (best_score is None or _better(score, best_score)):
-            best, best_score = modes, score
+            best, best_score = {i: tried[i][k][0] for i in sharded}, score
     for i in sharded:
+        footprint = now[i] if best[i] is start[i][0] else variants.placed(i, [best[i]])[0]
         state.remove(i)
-        state.add(i, best[i], start[i][1])
+        state.add(i, best[i], start[i][1], footprint)
 
 
 def _choose_one(
@@ -159,7 +178,7 @@ def _choose_one(
         mode if key == (mode.hot_rows, mode.hot_reduce) else variants.get(index, mode, *key)
         for key in tries
     ]
-    fresh = iter(state.footprints([m for m in modes if m is not mode], ranks))
+    fresh = iter(variants.placed(index, [m for m in modes if m is not mode]))
     footprints = [now if m is mode else next(fresh) for m in modes]
     tried: list[tuple[int, str, float | None]] = []
     best_score, *scores = state.trial_scores(index, footprints)
