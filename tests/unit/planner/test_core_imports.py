@@ -63,3 +63,26 @@ def test_no_core_module_imports_torchrec_or_torch_distributed():
         if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
     ]
     assert not bad, bad
+
+
+def test_the_plan_command_imports_no_torch():
+    """`python -m distcache plan` loads numpy, not torch (a second of a plan's time): the
+    package's `__init__` loads the engine lazily and `CacheConfig` imports no torch."""
+    code = (
+        "import io, contextlib, sys\n"
+        "from distcache.__main__ import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    code = main(['plan', '--preset', 'synthetic:tables=4', '--world-size', '2'])\n"
+        "print(code, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torchrec'}))\n"
+    )
+    root = str(CORE.parents[1])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert out.stdout.strip() == "0 []", out.stdout + out.stderr
