@@ -35,24 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from distcache.cache.counters import sum_stats
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
 from distcache.sharding.sharded_module import CachedShardedModule, user_path
 
 log = logging.getLogger(__name__)
-_SUMMED = (
-    "batches",
-    "ids",
-    "unique",
-    "hits",
-    "loads",
-    "writebacks",
-    "evictions",
-    "critical_misses",
-    "bytes_loaded",
-    "bytes_written",
-    "capacity",
-    "num_rows",
-)
 
 
 @dataclass
@@ -253,20 +240,17 @@ class LookaheadTrainPipeline:
         """This rank's cache counters per cache (`module path/tables`; tables of one width
         share a cache) and in total, with the fraction of the pipeline's step time that lookups
         waited on staging."""
-        per_cache = {
-            f"{path}/{name}" if path else name: s.as_dict()
+        stats = {
+            f"{path}/{name}" if path else name: s
             for path, module in self._modules.items()
             for name, s in module.cache_stats().items()
         }
-        total: dict[str, float] = {k: sum(s[k] for s in per_cache.values()) for k in _SUMMED}
-        total["staging_s"] = sum(s["staging_s"] for s in per_cache.values())
-        total["wait_s"] = sum(s["wait_s"] for s in per_cache.values())
-        total["hit_rate"] = total["hits"] / total["unique"] if total["unique"] else 0.0
+        total = sum_stats(stats.values())
         total["trained_batches"] = self._trained
         total["skipped_nonfinite"] = self._skipped_nonfinite
         total["step_s"] = self._step_s
         total["wait_fraction"] = total["wait_s"] / self._step_s if self._step_s else 0.0
-        return {**per_cache, "total": total}
+        return {**{name: s.as_dict() for name, s in stats.items()}, "total": total}
 
     # ------------------------------------------------------------ stages
     def _fill(self, dataloader_iter: Iterator[Any]) -> None:

@@ -25,7 +25,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.cache.config import CacheConfig
-from distcache.cache.engine import CacheStats
+from distcache.cache.counters import CacheStats
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.streams import DeviceInts, HostCopy
 from distcache.errors import InvalidBatchError, InvalidIdError, UnsupportedError

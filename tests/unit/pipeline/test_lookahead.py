@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distcache.cache.counters import COUNTERS, SUMMED
+from distcache.pipeline import LookaheadTrainPipeline
 from tests.distributed.pipeline_case import pipelined_vs_plain
 
 
@@ -33,3 +35,18 @@ def test_pipelined_equals_plain_on_one_rank(one_rank: None, kind: str) -> None:
             assert torch.equal(a, b), name
     assert piped["evictions"] > 0, "the caches never evicted: the case tests too little"
     assert piped["critical"] == 0
+
+
+def test_stats_total_adds_up_every_counter_of_the_caches(one_rank: None) -> None:
+    from tests.unit.pipeline.test_recovery import BAD, _batches, _model, _train  # (a cycle)
+
+    pipeline = LookaheadTrainPipeline(_model(), None, "cpu")
+    assert _train(pipeline, iter(_batches()[:BAD])) == BAD  # the good ones
+    per_cache = pipeline.stats()
+    total = per_cache.pop("total")
+    own = ["trained_batches", "skipped_nonfinite", "step_s", "wait_fraction"]
+    assert list(total) == [*SUMMED, "hit_rate", *own]
+    assert len(per_cache) > 1  # the case adds something up
+    for name in COUNTERS:
+        assert total[name] == sum(s[name] for s in per_cache.values()), name
+    assert total["batches"] == BAD * len(per_cache) and total["trained_batches"] == BAD
