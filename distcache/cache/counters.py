@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 
-# Field metadata. A counter marked `_LOGGED` is in the training job's metrics (summed over the
-# ranks); a field marked `_PER_CACHE` describes one cache and is left out of `sum_stats`.
-_LOGGED = {"logged": True}
-_PER_CACHE = {"per_cache": True}
+# Field metadata. A counter marked `_JOB_METRIC` is in the training job's metrics (summed over the
+# ranks); a field marked `_ONE_CACHE` describes one cache and is left out of `sum_stats`.
+_JOB_METRIC = {"logged": True}
+_ONE_CACHE = {"per_cache": True}
 
 
 @dataclass
@@ -31,13 +31,13 @@ class Counters:
     """Distinct rows of each staged batch, summed over batches."""
     hits: int = 0
     """Of `unique`, the rows already resident when their batch was staged."""
-    loads: int = field(default=0, metadata=_LOGGED)
+    loads: int = field(default=0, metadata=_JOB_METRIC)
     """Rows loaded from the host store into a slot."""
-    writebacks: int = field(default=0, metadata=_LOGGED)
+    writebacks: int = field(default=0, metadata=_JOB_METRIC)
     """Dirty victims written back to the host store (a `flush` not counted)."""
     evictions: int = 0
     """Resident rows whose slot was given to another row."""
-    critical_misses: int = field(default=0, metadata=_LOGGED)
+    critical_misses: int = field(default=0, metadata=_JOB_METRIC)
     """Misses of batches staged only when they were looked up (their loads stall training)."""
 
 
@@ -53,10 +53,10 @@ class CacheStats(Counters):
     """Host time spent planning and queueing batches staged ahead of their lookup."""
     wait_s: float = 0.0
     """Host time lookups spent staging or waiting for rows (the critical path)."""
-    graph_captures: int = field(default=0, metadata=_PER_CACHE)
+    graph_captures: int = field(default=0, metadata=_ONE_CACHE)
     """With `CacheConfig.cuda_graphs`: graphs of the scheduler's work captured (one per batch
     size and call, again after `reset`)."""
-    graph_replays: int = field(default=0, metadata=_PER_CACHE)
+    graph_replays: int = field(default=0, metadata=_ONE_CACHE)
     """With `CacheConfig.cuda_graphs`: the scheduler's calls served by replaying one."""
 
     @property
