@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from distcache import quiet
 from distcache.cache.config import CacheConfig
+from distcache.cache.counters import CacheStats
 from distcache.errors import (
     CacheCapacityError,
     CheckpointError,
@@ -26,7 +27,6 @@ quiet.install()  # third-party warnings a user cannot act on (TorchRec's, torch'
 
 
 if TYPE_CHECKING:
-    from distcache.cache.engine import CacheStats
     from distcache.cache.module import CachedEmbeddingBags, TableSpec
     from distcache.cache.sequence import CachedEmbeddings
     from distcache.pipeline import LookaheadTrainPipeline
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 # Loaded when first asked for: the engine imports torch (a second), the pipeline TorchRec
 # (seconds); `python -m distcache plan` needs neither.
 _LAZY = {
-    "CacheStats": "distcache.cache.engine",
     "CachedEmbeddingBags": "distcache.cache.module",
     "TableSpec": "distcache.cache.module",
     "CachedEmbeddings": "distcache.cache.sequence",

@@ -10,9 +10,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 from distcache.cache.config import OPTIMIZERS, POLICIES, CacheConfig
+from distcache.cache.counters import CacheStats
 
 if TYPE_CHECKING:
-    from distcache.cache.engine import CacheEngine, CacheStats
+    from distcache.cache.engine import CacheEngine
     from distcache.cache.module import CachedEmbeddingBags, TableSpec
     from distcache.cache.scheduler import Scheduler, StagePlan
     from distcache.cache.sequence import CachedEmbeddings
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
 # name -> the module defining it, imported on first use (they import torch)
 _LAZY = {
     "CacheEngine": "distcache.cache.engine",
-    "CacheStats": "distcache.cache.engine",
     "CachedEmbeddingBags": "distcache.cache.module",
     "TableSpec": "distcache.cache.module",
     "Scheduler": "distcache.cache.scheduler",

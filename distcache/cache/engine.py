@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
 from distcache.cache.config import CacheConfig
+from distcache.cache.counters import CacheStats
 from distcache.cache.host_store import HostStore
 from distcache.cache.optimizers import make_optimizer
 from distcache.cache.policies import make_policy
@@ -34,41 +35,6 @@ from distcache.errors import DistcacheConfigError, LookaheadWindowError
 
 #: The dtypes rows may have (a TorchRec table's `data_type`: FP32, FP16, BF16).
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass
-class CacheStats:
-    """Counters of one cache since it was built."""
-
-    batches: int
-    ids: int
-    unique: int
-    hits: int
-    loads: int
-    writebacks: int
-    evictions: int
-    critical_misses: int
-    bytes_loaded: int
-    bytes_written: int
-    capacity: int
-    num_rows: int
-    staging_s: float = 0.0
-    """Host time spent planning and queueing batches staged ahead of their lookup."""
-    wait_s: float = 0.0
-    """Host time lookups spent staging or waiting for rows (the critical path)."""
-    graph_captures: int = 0
-    """With `CacheConfig.cuda_graphs`: graphs of the scheduler's work captured (one per batch
-    size and call, again after `reset`)."""
-    graph_replays: int = 0
-    """With `CacheConfig.cuda_graphs`: the scheduler's calls served by replaying one."""
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of a batch's unique rows found resident when it was staged."""
-        return self.hits / self.unique if self.unique else 0.0
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 class CacheEngine:
@@ -369,14 +335,7 @@ class CacheEngine:
         c = self.scheduler.counters
         row_bytes = self.store.row_bytes
         return CacheStats(
-            batches=c.batches,
-            ids=c.ids,
-            unique=c.unique,
-            hits=c.hits,
-            loads=c.loads,
-            writebacks=c.writebacks,
-            evictions=c.evictions,
-            critical_misses=c.critical_misses,
+            **asdict(c),
             bytes_loaded=c.loads * row_bytes,
             bytes_written=c.writebacks * row_bytes,
             capacity=self.capacity,

@@ -25,7 +25,8 @@ from torch import nn
 
 from distcache.cache.capacity import log_shortfalls, per_table, shared_capacity
 from distcache.cache.config import CacheConfig
-from distcache.cache.engine import ROW_DTYPES, CacheEngine, CacheStats
+from distcache.cache.counters import CacheStats
+from distcache.cache.engine import ROW_DTYPES, CacheEngine
 from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, raise_if_invalid

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from distcache.cache.counters import Counters
 from distcache.cache.graphs import GraphCache
 from distcache.cache.policies import EvictionPolicy
 from distcache.cache.residency import NO_USE, Residency
@@ -80,18 +81,6 @@ class StagePlan:
     def inverse(self) -> torch.Tensor:
         """`[n]` index in `batch.rows` of each id's row (as `unique(return_inverse=True)`)."""
         return self.batch.inv[: self.batch.num_ids]
-
-
-@dataclass
-class SchedulerCounters:
-    batches: int = 0
-    ids: int = 0
-    unique: int = 0
-    hits: int = 0
-    loads: int = 0
-    writebacks: int = 0
-    evictions: int = 0
-    critical_misses: int = 0
 
 
 # `Victims` sweeps at least MIN_SCAN slots: caches up to that size are swept whole (below it a
@@ -378,11 +367,11 @@ class Scheduler:
         self._graphs_window = self.window.generation
 
     @property
-    def counters(self) -> SchedulerCounters:
+    def counters(self) -> Counters:
         """The counters since the scheduler was built (reads the device: not per batch)."""
         totals = self._totals.tolist()
         plans = totals[_PLANS:]
-        return SchedulerCounters(
+        return Counters(
             batches=self._batches,
             ids=totals[_IDS],
             unique=plans[UNIQUE],

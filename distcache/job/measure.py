@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from distcache.cache.counters import COUNTERS
 from distcache.errors import DistcacheConfigError
 from distcache.job.distributed import run_ranks
 from distcache.planner.types import (
@@ -59,7 +60,7 @@ from distcache.planner.types import (
 if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
 
-    from distcache.cache.engine import CacheStats
+    from distcache.cache.counters import CacheStats
     from distcache.data.synthetic import SyntheticClickLog
     from distcache.job.dlrm import DLRMConfig
     from distcache.planner.torchrec.export import HotRowIds
@@ -517,7 +518,8 @@ def _hot_row_ids(workload: Workload, options: MeasureOptions) -> HotRowIds:
     return lambda table, count: log.rows_of_ranks(index[table.name], range(count)).tolist()
 
 
-_COUNTERS = ("ids", "unique", "hits", "loads", "writebacks", "critical_misses")
+# The counters a measurement reports: every one but the batch count and the evictions.
+_COUNTERS = tuple(c for c in COUNTERS if c not in ("batches", "evictions"))
 
 
 def _counters(stats: Mapping[str, CacheStats]) -> dict[str, float]:

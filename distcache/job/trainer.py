@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
 
+from distcache.cache.counters import LOGGED
 from distcache.data.criteo import feature_names
 from distcache.data.sources import JobData
 from distcache.errors import DistcacheConfigError, NonFiniteError
@@ -257,24 +258,20 @@ class Trainer:
         dist.all_reduce(loss)
         auc = _auc(self._window["logits"], self._window["labels"])
         cache = self.pipeline.stats()["total"]
-        counters = torch.tensor(
-            [self._samples, cache["hits"], cache["unique"], cache["loads"],
-             cache["writebacks"], cache["critical_misses"] - self._eval_critical,
-             cache["wait_s"], cache["step_s"]],
-            dtype=torch.float64,
-        )  # fmt: skip
+        cache["critical_misses"] -= self._eval_critical
+        names = ("hits", "unique", *LOGGED, "wait_s", "step_s")
+        counters = torch.tensor([self._samples, *(cache[k] for k in names)], dtype=torch.float64)
         dist.all_reduce(counters)
-        samples, hits, unique, loads, writebacks, critical, wait_s, step_s = counters.tolist()
+        samples, *values = counters.tolist()
+        summed = dict(zip(names, values, strict=True))
         record = {
             "step": step,
             "loss": float(loss) / self.world_size,
             "auc": auc,
             "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
-            "hit_rate": hits / unique if unique else float("nan"),
-            "loads": loads,
-            "writebacks": writebacks,
-            "critical_misses": critical,
-            "wait_fraction": wait_s / step_s if step_s else 0.0,
+            "hit_rate": summed["hits"] / summed["unique"] if summed["unique"] else float("nan"),
+            **{k: summed[k] for k in LOGGED},
+            "wait_fraction": summed["wait_s"] / summed["step_s"] if summed["step_s"] else 0.0,
         }
         if self._skip_bad or self.config.train.on_nonfinite == "skip":
             record.update(self._skipped)  # the same on every rank: the ranks skip together

@@ -3,7 +3,9 @@
 Each batch is routed once, when it enters the window: TorchRec's input distribution sends its
 ids to the ranks that own their rows, and the routed ids enter the caches' look-ahead windows
 through TorchRec's `prefetch` hook. Rows are staged K batches ahead. When the batch trains, its
-sharded modules reuse the routed input instead of routing it again.
+sharded modules reuse the routed input instead of routing it again: the pipeline hands it to
+them for the batch's forward (`CachedShardedModule.routed`), and replaces nothing of the model,
+so outside `progress` (an evaluation) the modules route their input as usual.
 
 Stages, in the order `progress` runs them, with the batch each works on (t = training batch)
 and the stream it uses on CUDA (on CPU everything runs in order on the calling thread):
@@ -28,60 +30,69 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 from torch import nn
 
+from distcache.cache.counters import sum_stats
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
-from distcache.sharding.sharded_module import CachedShardedModule, user_path
+from distcache.sharding.sharded_module import CachedShardedModule, RoutedInput, user_path
+
+if TYPE_CHECKING:
+    from torchrec.distributed.embedding_types import KJTList
+    from torchrec.distributed.types import Awaitable
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from torchrec.streamable import Multistreamable
 
 log = logging.getLogger(__name__)
-_SUMMED = (
-    "batches",
-    "ids",
-    "unique",
-    "hits",
-    "loads",
-    "writebacks",
-    "evictions",
-    "critical_misses",
-    "bytes_loaded",
-    "bytes_written",
-    "capacity",
-    "num_rows",
-)
+
+In = TypeVar("In")  # a batch, as the loader yields it (e.g. TorchRec's `Batch`)
+Out = TypeVar("Out")  # the model's output for a batch, beside its loss
 
 
 @dataclass
-class _Routed:
-    """One sharded module's view of a batch in the window."""
+class _Routing:
+    """One sharded module's part of a batch entering the window, while its input all-to-all
+    runs in two exchanges: the splits' (started with the input dist), then the ids'
+    (`advance`, once the splits arrived); `finish` waits for the ids."""
 
-    sparse: Any  # the KeyedJaggedTensor the module is called with
-    ctx: Any  # the module's context for this batch
-    routed: Any  # its input-dist output (per sharding, this rank's shard-local ids)
+    path: str  # the module's path in the user's model
+    features: KeyedJaggedTensor  # the module's sparse input
+    ctx: Multistreamable  # the module's context for the batch
+    splits: Awaitable[Awaitable[KJTList]]  # the input dist, started: the splits' exchange
+    ids: Awaitable[KJTList] | None = None  # the ids' exchange, once `advance` started it
+
+    def advance(self) -> Awaitable[KJTList]:
+        """Wait for the splits and start the ids' exchange (once)."""
+        if self.ids is None:
+            self.ids = self.splits.wait()
+        return self.ids
+
+    def finish(self) -> RoutedInput:
+        """Wait for the ids: the module's input for the batch, routed."""
+        return RoutedInput(self.features, self.ctx, self.advance().wait(), self.path)
 
 
 @dataclass
-class _Waited:
-    value: Any  # an input dist whose first stage (the splits' exchange) completed
+class _Incoming(Generic[In]):
+    """A batch entering the window: copied, its input all-to-all running."""
+
+    batch: In
+    routing: list[_Routing]  # one per sharded module
 
 
 @dataclass
-class _Incoming:
-    batch: Any
-    started: dict[str, tuple[Any, Any, Any]]  # path -> (features, context, input-dist awaitable)
+class _InFlight(Generic[In]):
+    """A batch in the window: routed, its ids in the caches' look-ahead windows."""
+
+    batch: In
+    routed: dict[str, RoutedInput]  # module path -> the module's routed input
 
 
-@dataclass
-class _InFlight:
-    batch: Any
-    routed: dict[str, _Routed]  # module path -> routed input
-
-
-class LookaheadTrainPipeline:
+class LookaheadTrainPipeline(Generic[In, Out]):
     """TorchRec's train-pipeline contract with a look-ahead window.
 
     Args:
@@ -129,7 +140,8 @@ class LookaheadTrainPipeline:
         *,
         lookahead: int | None = None,
         prefetch_depth: int | None = None,
-        sparse_input: Callable[[Any], Any] | None = None,
+        sparse_input: Callable[[In], KeyedJaggedTensor | Mapping[str, KeyedJaggedTensor]]
+        | None = None,
         log_every: int = 0,
         skip_nonfinite: bool = False,
     ):
@@ -174,7 +186,7 @@ class LookaheadTrainPipeline:
         self._copy_stream = (
             torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
         )
-        self._window: deque[_InFlight] = deque()
+        self._window: deque[_InFlight[In]] = deque()
         left = sum(bags.num_enqueued for bags in self._bags)
         if left:  # an earlier pipeline was left with batches in its window (not trained)
             log.info("dropping %d batch(es) an earlier pipeline left enqueued, untrained", left)
@@ -200,7 +212,7 @@ class LookaheadTrainPipeline:
         """Batches skipped for a non-finite loss so far (with `skip_nonfinite`)."""
         return self._skipped_nonfinite
 
-    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
         """Train the oldest batch in the window; returns the model's output for it.
 
         Raises:
@@ -253,23 +265,20 @@ class LookaheadTrainPipeline:
         """This rank's cache counters per cache (`module path/tables`; tables of one width
         share a cache) and in total, with the fraction of the pipeline's step time that lookups
         waited on staging."""
-        per_cache = {
-            f"{path}/{name}" if path else name: s.as_dict()
+        stats = {
+            f"{path}/{name}" if path else name: s
             for path, module in self._modules.items()
             for name, s in module.cache_stats().items()
         }
-        total: dict[str, float] = {k: sum(s[k] for s in per_cache.values()) for k in _SUMMED}
-        total["staging_s"] = sum(s["staging_s"] for s in per_cache.values())
-        total["wait_s"] = sum(s["wait_s"] for s in per_cache.values())
-        total["hit_rate"] = total["hits"] / total["unique"] if total["unique"] else 0.0
+        total = sum_stats(stats.values())
         total["trained_batches"] = self._trained
         total["skipped_nonfinite"] = self._skipped_nonfinite
         total["step_s"] = self._step_s
         total["wait_fraction"] = total["wait_s"] / self._step_s if self._step_s else 0.0
-        return {**per_cache, "total": total}
+        return {**{name: s.as_dict() for name, s in stats.items()}, "total": total}
 
     # ------------------------------------------------------------ stages
-    def _fill(self, dataloader_iter: Iterator[Any]) -> None:
+    def _fill(self, dataloader_iter: Iterator[In]) -> None:
         """copy + route, batch t + L: keep L batches routed beyond the training one (at the
         start, and after the window drained; in steady state `_start_next` keeps it full)."""
         while not self._exhausted and len(self._window) <= self._lookahead:
@@ -278,14 +287,14 @@ class LookaheadTrainPipeline:
                 break
             self._window.append(self._finish_route(self._start_route(batch)))
 
-    def _next(self, dataloader_iter: Iterator[Any]) -> Any:
+    def _next(self, dataloader_iter: Iterator[In]) -> In | None:
         batch = next(dataloader_iter, None)
         if batch is None:
             self._exhausted = True
             return None
         return self._copy(batch)
 
-    def _start_next(self, dataloader_iter: Iterator[Any]) -> _Incoming | None:
+    def _start_next(self, dataloader_iter: Iterator[In]) -> _Incoming[In] | None:
         """The batch entering the window once batch t trains: read, copied and its input
         all-to-all started now, so the exchange overlaps batch t's forward and backward."""
         if self._exhausted or len(self._window) <= self._lookahead:
@@ -293,7 +302,7 @@ class LookaheadTrainPipeline:
         batch = self._next(dataloader_iter)
         return None if batch is None else self._start_route(batch)
 
-    def _copy(self, batch: Any) -> Any:
+    def _copy(self, batch: In) -> In:
         """copy, batch t + L: to the device; on CUDA on the copy stream, fenced before use."""
         if not hasattr(batch, "to"):
             return batch
@@ -307,7 +316,7 @@ class LookaheadTrainPipeline:
             batch.record_stream(current)
         return batch
 
-    def _start_route(self, batch: Any) -> _Incoming:
+    def _start_route(self, batch: In) -> _Incoming[In]:
         """route (start), batch t + L + 1: start every sharded module's input all-to-all."""
         sparse = self._sparse_input(batch)
         if len(self._modules) == 1 and not isinstance(sparse, dict):
@@ -318,35 +327,34 @@ class LookaheadTrainPipeline:
                 f"sparse_input returned no features for modules {missing}; expected keys "
                 f"{sorted(self._modules)}"
             )
-        started = {}
+        routing = []
         with torch.profiler.record_function("## distcache:route ##"):
             for path, module in self._modules.items():
                 ctx = module.create_context()
-                started[path] = (sparse[path], ctx, module.input_dist(ctx, sparse[path]))
-        return _Incoming(batch, started)
+                splits = module.input_dist(ctx, sparse[path])
+                routing.append(_Routing(path, sparse[path], ctx, splits))
+        return _Incoming(batch, routing)
 
-    def _advance_route(self, incoming: _Incoming | None) -> None:
+    def _advance_route(self, incoming: _Incoming[In] | None) -> None:
         """route (splits received), batch t + L + 1: start the ids' exchange."""
         if incoming is None:
             return
-        for path, (sparse, ctx, pending) in incoming.started.items():
-            incoming.started[path] = (sparse, ctx, _Waited(pending.wait()))
+        for routing in incoming.routing:
+            routing.advance()
 
-    def _finish_route(self, incoming: _Incoming) -> _InFlight:
+    def _finish_route(self, incoming: _Incoming[In]) -> _InFlight[In]:
         """route (finish), batch t + L + 1: the routed ids enter the caches' look-ahead windows
         (TorchRec's prefetch hook), staged up to K ahead."""
         routed = {}
         with torch.profiler.record_function("## distcache:route ##"):
-            for path, (sparse, ctx, pending) in incoming.started.items():
-                module = self._modules[path]
-                ids = (
-                    pending.value.wait() if isinstance(pending, _Waited) else pending.wait().wait()
-                )
-                module.prefetch(dist_input=ids, forward_stream=None, ctx=ctx)
-                routed[path] = _Routed(sparse, ctx, ids)
+            for routing in incoming.routing:
+                part = routing.finish()  # the module's part of the batch, routed
+                module = self._modules[part.path]
+                module.prefetch(dist_input=part.dist_input, forward_stream=None, ctx=part.ctx)
+                routed[part.path] = part
         return _InFlight(incoming.batch, routed)
 
-    def _train(self, current: _InFlight, incoming: _Incoming | None) -> Any:
+    def _train(self, current: _InFlight[In], incoming: _Incoming[In] | None) -> Out:
         """forward (t), stage (t + K), backward and optimizer (t); the incoming batch's
         exchange advances between them."""
         if not self._model.training:
@@ -375,15 +383,12 @@ class LookaheadTrainPipeline:
         return output
 
     @contextlib.contextmanager
-    def _routed_forward(self, current: _InFlight) -> Iterator[None]:
-        """While the batch trains, each sharded module reuses its routed input."""
-        for path, module in self._modules.items():
-            module.forward = _reuse_routed(module, current.routed[path], path)
-        try:
+    def _routed_forward(self, current: _InFlight[In]) -> Iterator[None]:
+        """While the batch trains, each sharded module computes it from its routed input."""
+        with contextlib.ExitStack() as stack:
+            for path, module in self._modules.items():
+                stack.enter_context(module.routed(current.routed[path]))
             yield
-        finally:
-            for module in self._modules.values():
-                del module.forward
 
     def _log(self) -> None:
         total = self.stats()["total"]
@@ -406,21 +411,6 @@ def _finite_everywhere(loss: torch.Tensor) -> bool:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag)
-
-
-def _reuse_routed(module: Any, routed: _Routed, path: str) -> Callable[..., Any]:
-    def forward(features: Any, *args: Any, **kwargs: Any) -> Any:
-        if features is not routed.sparse and (
-            list(features.keys()) != list(routed.sparse.keys())
-            or features.values().numel() != routed.sparse.values().numel()
-        ):
-            raise LookaheadWindowError(
-                f"the sharded module {path!r} was called with features other than the batch's "
-                "sparse input (sparse_input): the pipeline routed a different batch"
-            )
-        return module.compute_and_output_dist(routed.ctx, routed.routed)
-
-    return forward
 
 
 def _window_setting(name: str, value: int | None, default: int, most: int | None = None) -> int:

@@ -2,14 +2,18 @@
 (pooled, `EmbeddingBagCollection`) and `ShardedCachedEmbeddingCollection` (per-id,
 `EmbeddingCollection`).
 
-Input and output distribution are TorchRec's, unchanged; only the lookups differ.
+Input and output distribution are TorchRec's, unchanged; only the lookups differ. A pipeline
+that routes a batch's input ahead hands it to the module with `routed`, and `forward` then
+looks it up without routing it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,18 +21,25 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dp_sequence_sharding import DpSequenceEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Multistreamable
 
 from distcache.cache.config import CacheConfig
-from distcache.cache.engine import CacheStats
+from distcache.cache.counters import CacheStats
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.streams import DeviceInts, HostCopy
-from distcache.errors import InvalidBatchError, InvalidIdError, UnsupportedError
+from distcache.errors import (
+    InvalidBatchError,
+    InvalidIdError,
+    LookaheadWindowError,
+    UnsupportedError,
+)
 from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
 from distcache.sharding.hot_rows import HotRows
 from distcache.sharding.kernel import (
@@ -49,9 +60,21 @@ _SHARDING_TYPE = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutedInput:
+    """A batch's input to one sharded module, routed ahead of the batch's forward (by
+    `LookaheadTrainPipeline`): what the module's `forward` computes within `routed`."""
+
+    features: KeyedJaggedTensor  # the batch's sparse input, as the model calls the module
+    ctx: Multistreamable  # the module's context for the batch (`create_context`)
+    dist_input: KJTList  # what its input dist delivered: this rank's ids, per sharding
+    path: str  # the module's path in the user's model, for messages
+
+
 class CachedShardedModule:
     """What a distcache-sharded collection adds to TorchRec's sharded module (mixed in before
-    it): id checks in `input_dist`, the cached kernels, staging ahead and cache counters.
+    it): id checks in `input_dist`, the cached kernels, staging ahead, cache counters, and a
+    `forward` that uses a batch's input routed ahead (`routed`).
 
     Ids are validated in `input_dist`, on the rank whose batch holds them and before they are
     routed, without reading the device back: an out-of-range or negative id is replaced by row
@@ -72,6 +95,32 @@ class CachedShardedModule:
         return getattr(self, self._configs_attr)
 
     _hot: HotRows | None = None
+    _routed_input: RoutedInput | None = None  # set within `routed`
+
+    @contextlib.contextmanager
+    def routed(self, batch: RoutedInput) -> Iterator[None]:
+        """Within it, `forward` computes `batch` from its input routed ahead instead of routing
+        the features it is called with again (TorchRec's `PipelinedForward` does the same from
+        its pipeline's context). Outside it, `forward` is TorchRec's."""
+        self._routed_input = batch
+        try:
+            yield
+        finally:
+            self._routed_input = None
+
+    def forward(self, features, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        routed = self._routed_input
+        if routed is None:
+            return super().forward(features, *args, **kwargs)  # type: ignore[misc]
+        if features is not routed.features and (
+            list(features.keys()) != list(routed.features.keys())
+            or features.values().numel() != routed.features.values().numel()
+        ):
+            raise LookaheadWindowError(
+                f"the sharded module {routed.path!r} was called with features other than the "
+                "batch's sparse input (sparse_input): the pipeline routed a different batch"
+            )
+        return self.compute_and_output_dist(routed.ctx, routed.dist_input)
 
     @functools.cached_property
     def _device_ints(self) -> DeviceInts:

@@ -15,12 +15,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from distcache.cache.counters import LOGGED
 from distcache.job.config import load_job_config
 from distcache.planner.types import HOST_CACHED, TABLE_WISE, Plan, TablePlan
 
 ROOT = Path(__file__).resolve().parents[2]
 CRITEO_TINY = ROOT.parent / "shared" / "data" / "criteo_tiny" / "train.tiny.tsv"
 SMALL = ["--train.progress_bar=false", "--data.batch_size=32", "--train.log_every=10"]
+# A train record of metrics.jsonl, but for the counters the job logs (`LOGGED`).
+TRAIN_KEYS = ("kind", "step", "loss", "auc", "samples_per_s", "hit_rate", "wait_fraction")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -56,6 +59,7 @@ def test_torchrun_two_ranks_trains_and_logs(tmp_path):
     assert [r["step"] for r in train] == [10, 20, 30, 40]
     assert [r["step"] for r in evals] == [20, 40]
     for r in train:
+        assert list(r) == [*TRAIN_KEYS[:6], *LOGGED, *TRAIN_KEYS[6:]]  # the cache's counters
         assert r["critical_misses"] == 0 and r["loads"] > 0 and 0 < r["hit_rate"] < 1
         assert r["samples_per_s"] > 0 and 0 <= r["auc"] <= 1
     assert all(0 <= r["eval_auc"] <= 1 for r in evals)
