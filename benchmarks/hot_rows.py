@@ -111,13 +111,13 @@ def _rank(rank: int, world: int, args: argparse.Namespace, plans: dict[str, Plan
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from distcache.job.measure import CollectiveBytes, make_whole_caches_resident
     from distcache.planner.torchrec.export import to_sharding_plan
     from distcache.planner.torchrec.modules import workload_ebc, workload_ec
     from distcache.sharding import (
         CachedEmbeddingBagCollectionSharder,
         CachedEmbeddingCollectionSharder,
     )
+    from distcache.tools.measure import CollectiveBytes, make_whole_caches_resident
 
     workload = workload_of(args)
     config = CacheConfig(optimizer="sgd", learning_rate=args.lr)

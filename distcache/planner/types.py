@@ -2,7 +2,7 @@
 `Plan`) and its modelled cost (`PlanCost`). Plain frozen dataclasses, units in field names.
 
 Every planning stage — statistics (`stats.py`), cost model (`cost.py`), solver (`solver.py`),
-export to TorchRec (`torchrec/export.py`), comparison (`distcache/job/compare.py`) — speaks
+export to TorchRec (`torchrec/export.py`), comparison (`distcache/tools/compare.py`) — speaks
 these types only, so a plan from any source (distcache's solver, TorchRec's planner, a JSON
 file) is priced the same way. Like every module of the planner's core, this one imports no
 TorchRec (tests/unit/planner/test_core_imports.py).

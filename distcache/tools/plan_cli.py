@@ -415,7 +415,7 @@ def _read_plan(path: Path) -> Plan:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from distcache.job.compare import compare, format_table, measure_rows, rows_to_json
+    from distcache.tools.compare import compare, format_table, measure_rows, rows_to_json
 
     workload, topology = workload_from_args(args), topology_from_args(args)
     plans = _load_plans(args.plan, workload, topology)
@@ -427,7 +427,7 @@ def _compare(args: argparse.Namespace) -> int:
         torchrec_timeout_s=args.torchrec_timeout,
     )
     if args.measure:
-        from distcache.job.measure import MeasureOptions
+        from distcache.tools.measure import MeasureOptions
 
         options = MeasureOptions(steps=args.measure_steps, warmup=args.measure_warmup)
         rows, skipped = measure_rows(rows, workload, topology, options=options)
