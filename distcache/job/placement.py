@@ -2,16 +2,17 @@
 
 `build_model` builds the job's DLRM (`[model]`, the data's tables) with its embedding optimizer
 (`[cache] optimizer`); `shard_model` puts it under `DistributedModelParallel` with distcache's
-sharder, placed by `job_sharding_plan`: the `[plan]` section as a TorchRec `ShardingPlan`.
+sharder, placed by `job_sharding_plan`: the `[plan]` section as a TorchRec `ShardingPlan`,
+made by the producer that `[plan] planner` names (`plan_producer` picks it, and only there):
 
-- `table_wise`, `row_wise`: every table so, by hand (`distcache.job.dlrm.sharding_plan`);
+- `table_wise`, `row_wise`: every table so, by hand (`hand_plan`, `dlrm.sharding_plan`);
 - `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in, on the
-  `[plan] topology` (`torchrec_job_topology`);
+  `[plan] topology` (`torchrec_job_plan`, `torchrec_job_topology`);
 - `distcache`: the throughput planner (`distcache.planner.solve`) on the `[plan] topology`,
   for the job's tables and access profiles (Criteo: counted on a sample of rank 0's batches,
   `[plan] sample_batches`); rank 0 plans and sends the plan, and the rows it replicates, to
-  the others, so every rank shards alike;
-- a `.json` file written by `python -m distcache plan`.
+  the others, so every rank shards alike (`distcache_job_plan`);
+- a `.json` file written by `python -m distcache plan`, sent so too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -84,6 +85,30 @@ def torchrec_job_topology(
     return torchrec_topology(topology)
 
 
+#: What makes the job's plan for the EBC of its `DLRMTrain`: (config, model, data, sharder,
+#: world size, device) -> TorchRec plan.
+PlanProducer = Callable[
+    [JobConfig, DLRMTrain, JobData, CachedEmbeddingBagCollectionSharder, int, torch.device],
+    ShardingPlan,
+]
+
+
+def plan_producer(planner: str) -> PlanProducer:
+    """The producer of the job's plan that `[plan] planner` names: the one place where the job
+    turns that string into the function it calls.
+
+    - 'table_wise', 'row_wise': `hand_plan`, every table so;
+    - 'torchrec': `torchrec_job_plan`, TorchRec's planner with distcache's kernel priced in;
+    - 'distcache' or a plan `.json` file: `distcache_job_plan`, the plan rank 0 solves (or
+      reads from the file, `plan_on_rank_zero`) sent to every rank.
+    """
+    if planner in dlrm.SHARDINGS:
+        return hand_plan
+    if planner == "torchrec":
+        return torchrec_job_plan
+    return distcache_job_plan
+
+
 def job_sharding_plan(
     config: JobConfig,
     model: DLRMTrain,
@@ -92,17 +117,55 @@ def job_sharding_plan(
     world_size: int,
     device: torch.device,
 ) -> ShardingPlan:
-    """The job's plan for the EBC of `model` (a `DLRMTrain`), per `config.plan.planner`."""
-    planner = config.plan.planner
+    """The job's plan for the EBC of `model` (a `DLRMTrain`), made by the producer that
+    `config.plan.planner` names (`plan_producer`)."""
+    produce = plan_producer(config.plan.planner)
+    return produce(config, model, data, sharder, world_size, device)
+
+
+def hand_plan(
+    config: JobConfig,
+    model: DLRMTrain,
+    data: JobData,
+    sharder: CachedEmbeddingBagCollectionSharder,
+    world_size: int,
+    device: torch.device,
+) -> ShardingPlan:
+    """Every table placed by `[plan] planner`, a sharding of `dlrm.SHARDINGS`
+    (`dlrm.sharding_plan`)."""
     ebc = dlrm.embedding_bag_collection(model)
-    if planner in dlrm.SHARDINGS:
-        return dlrm.sharding_plan(
-            ebc, sharder, sharding=planner, world_size=world_size, device_type=device.type
-        )
-    if planner == "torchrec":
-        topology = torchrec_job_topology(config, world_size, device)
-        torchrec_planner = CachedShardingPlanner(topology, config.data.batch_size)
-        return torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
+    sharding = config.plan.planner
+    return dlrm.sharding_plan(
+        ebc, sharder, sharding=sharding, world_size=world_size, device_type=device.type
+    )
+
+
+def torchrec_job_plan(
+    config: JobConfig,
+    model: DLRMTrain,
+    data: JobData,
+    sharder: CachedEmbeddingBagCollectionSharder,
+    world_size: int,
+    device: torch.device,
+) -> ShardingPlan:
+    """TorchRec's `EmbeddingShardingPlanner` (distcache's kernel priced in) on the job's
+    topology (`torchrec_job_topology`), planned collectively."""
+    topology = torchrec_job_topology(config, world_size, device)
+    torchrec_planner = CachedShardingPlanner(topology, config.data.batch_size)
+    return torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
+
+
+def distcache_job_plan(
+    config: JobConfig,
+    model: DLRMTrain,
+    data: JobData,
+    sharder: CachedEmbeddingBagCollectionSharder,
+    world_size: int,
+    device: torch.device,
+) -> ShardingPlan:
+    """Rank 0's distcache plan (`plan_on_rank_zero`: solved, or read from the plan file), and
+    the hot rows it replicates, sent to every rank and exported as TorchRec's plan; a
+    `DistcacheError` of rank 0 is raised on every rank, so none waits for a plan."""
     workload = job_workload(config, data)
     box: list[tuple[Plan, dict[str, list[int]]] | DistcacheError | None] = [None]
     if dist.get_rank() == 0:

@@ -25,6 +25,20 @@ def test_torchrec_plans_for_the_configured_topology():
     assert [d.storage for d in default.devices] != [d.storage for d in ours.devices]
 
 
+def test_each_planner_name_picks_its_plan_producer():
+    """`plan_producer` is where `[plan] planner` becomes the function the job calls."""
+    from distcache.job import placement
+
+    expected = {
+        "table_wise": placement.hand_plan,
+        "row_wise": placement.hand_plan,
+        "torchrec": placement.torchrec_job_plan,
+        "distcache": placement.distcache_job_plan,
+        "plans/mine.json": placement.distcache_job_plan,
+    }
+    assert {name: placement.plan_producer(name) for name in expected} == expected
+
+
 def test_the_placement_table_names_every_table_and_warns_of_whole_caches():
     from distcache import CacheConfig
     from distcache.job import dlrm
