@@ -36,11 +36,11 @@ from distcache.data.sources import JobData
 from distcache.errors import DistcacheConfigError, DistcacheError
 from distcache.job import dlrm
 from distcache.job.config import JobConfig, job_topology, plan_topology
-from distcache.planner.solver import SolverOptions, solve
+from distcache.planner.solver import solve
 from distcache.planner.stats import fitted_alpha
 from distcache.planner.torchrec.export import to_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_topology
-from distcache.planner.types import Plan, TableStats, Workload
+from distcache.planner.types import Plan, SolverOptions, TableStats, Workload
 from distcache.sharding import (
     CACHED_KERNEL,
     CachedEmbeddingBagCollectionSharder,

@@ -20,7 +20,7 @@ from distcache.planner.cost import (
     table_access,
     validate_plan,
 )
-from distcache.planner.solver import SolverOptions, solve, uniform_plan
+from distcache.planner.solver import solve, uniform_plan
 from distcache.planner.stats import AccessProfile, expected_loads, expected_unique
 from distcache.planner.topology import PRESETS, load_topology, parse_bytes, preset, save_topology
 from distcache.planner.types import (
@@ -36,6 +36,7 @@ from distcache.planner.types import (
     TABLE_WISE,
     Plan,
     PlanCost,
+    SolverOptions,
     StepCost,
     TablePlan,
     TableStats,

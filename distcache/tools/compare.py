@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from distcache.cache.config import HOT_ALL
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import all_to_all_sent_bytes, plan_cost
-from distcache.planner.solver import SolverOptions, solve, uniform_plan
+from distcache.planner.solver import solve, uniform_plan
 from distcache.planner.torchrec.export import from_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
 from distcache.planner.types import (
@@ -56,6 +56,7 @@ from distcache.planner.types import (
     TABLE_WISE,
     Plan,
     PlanCost,
+    SolverOptions,
     StepCost,
     Topology,
     Workload,

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from distcache.planner.solver import SolverOptions, uniform_plan
+from distcache.planner.solver import uniform_plan
 from distcache.planner.topology import preset
 from distcache.planner.torchrec.export import from_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
-from distcache.planner.types import HOST_CACHED, TABLE_WISE
+from distcache.planner.types import HOST_CACHED, TABLE_WISE, SolverOptions
 from distcache.planner.workloads import workload_preset
 from distcache.sharding import CACHED_KERNEL, CachedParameterSharding
 from distcache.tools.compare import (
