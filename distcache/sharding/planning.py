@@ -36,7 +36,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ShardingPlan
 
-from distcache.sharding.plan import CACHED_KERNEL, attach_cache_configs
+from distcache.sharding.parameter_sharding import CACHED_KERNEL, attach_cache_configs
 from distcache.sharding.sharder import (
     CachedEmbeddingBagCollectionSharder,
     CachedEmbeddingCollectionSharder,

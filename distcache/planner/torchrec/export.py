@@ -97,7 +97,11 @@ from distcache.planner.types import (
     TableStats,
     Workload,
 )
-from distcache.sharding.plan import CACHED_KERNEL, FUSED_KERNEL, CachedParameterSharding
+from distcache.sharding.parameter_sharding import (
+    CACHED_KERNEL,
+    FUSED_KERNEL,
+    CachedParameterSharding,
+)
 from distcache.sharding.sharder import (
     CachedEmbeddingBagCollectionSharder,
     CachedEmbeddingCollectionSharder,
