@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from distcache.errors import DistcacheConfigError
-from distcache.planner.cost import ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES
+from distcache.planner.dense import ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES
 from distcache.tools.microbench import FULL, median_seconds
 
 

@@ -11,9 +11,10 @@ import pytest
 
 from distcache.errors import DistcacheConfigError
 from distcache.planner.candidates import Problem
-from distcache.planner.cost import global_terms, plan_cost, shard_terms
+from distcache.planner.cost import global_terms, plan_cost
 from distcache.planner.hot import choose_hot_rows
 from distcache.planner.pricing import State
+from distcache.planner.shards import shard_terms
 from distcache.planner.solver import solve
 from distcache.planner.stats import AccessProfile, expected_unique
 from distcache.planner.topology import preset
