@@ -51,11 +51,8 @@ from _common import print_table, write_json  # noqa: E402
 
 from distcache.cache.config import CacheConfig  # noqa: E402
 from distcache.job.distributed import run_ranks  # noqa: E402
-from distcache.planner.cost import (  # noqa: E402
-    all_to_all_sent_bytes,
-    plan_cost,
-    table_plan_terms,
-)
+from distcache.planner.cost import all_to_all_sent_bytes, plan_cost  # noqa: E402
+from distcache.planner.shards import table_plan_terms  # noqa: E402
 from distcache.planner.solver import solve  # noqa: E402
 from distcache.planner.topology import load_topology, preset  # noqa: E402
 from distcache.planner.torchrec.export import from_sharding_plan  # noqa: E402
@@ -111,13 +108,13 @@ def _rank(rank: int, world: int, args: argparse.Namespace, plans: dict[str, Plan
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from distcache.job.measure import CollectiveBytes, make_whole_caches_resident
     from distcache.planner.torchrec.export import to_sharding_plan
     from distcache.planner.torchrec.modules import workload_ebc, workload_ec
     from distcache.sharding import (
         CachedEmbeddingBagCollectionSharder,
         CachedEmbeddingCollectionSharder,
     )
+    from distcache.tools.measure import CollectiveBytes, make_whole_caches_resident
 
     workload = workload_of(args)
     config = CacheConfig(optimizer="sgd", learning_rate=args.lr)

@@ -3,11 +3,11 @@
 A small DLRM (4 power-law tables of 60k-500k rows, dim 16, DLRM-style MLPs, 512 samples per
 rank) is trained under ten plans on 1 and 2 local gloo ranks — table-, row-, column-wise and
 data-parallel mixes, caches of 100 %, 5 % and 2 % of the rows, prefetch depth K 0 and 1, and a
-reactive LRU cache — each run for real (`distcache.job.measure`: TorchRec's DMP with
+reactive LRU cache — each run for real (`distcache.tools.measure`: TorchRec's DMP with
 distcache's sharder on the plan exported by `to_sharding_plan`, `LookaheadTrainPipeline`,
 `SyntheticClickLog` batches with each table's power-law exponent). Its median step time is
 compared with `plan_cost` on the topology of its world size measured by
-`distcache.job.calibrate` just before (or read from --topology FILE).
+`distcache.tools.calibrate` just before (or read from --topology FILE).
 
 Plans with the same world size train in the same processes, in turns step by step (rotated
 order, each step from a barrier), so the machine's drift touches them alike; the warm-up
@@ -45,9 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table, write_json  # noqa: E402
 
-from distcache.job.calibrate import FULL, QUICK, calibrate, topology_from  # noqa: E402
-from distcache.job.compare import TERMS  # noqa: E402
-from distcache.job.measure import MeasureOptions, measure_plans  # noqa: E402
 from distcache.planner.cost import plan_cost  # noqa: E402
 from distcache.planner.solver import uniform_plan  # noqa: E402
 from distcache.planner.topology import load_topology  # noqa: E402
@@ -62,6 +59,9 @@ from distcache.planner.types import (  # noqa: E402
     Topology,
     Workload,
 )
+from distcache.tools.calibrate import FULL, QUICK, calibrate, topology_from  # noqa: E402
+from distcache.tools.compare import TERMS  # noqa: E402
+from distcache.tools.measure import MeasureOptions, measure_plans  # noqa: E402
 
 TARGET_ERROR = 0.25  # issue 5: modelled step within +-25 % of measured ...
 TARGET_CONFIGS = 6  # ... for at least six configurations

@@ -23,14 +23,14 @@ COMMANDS = {
         "check_main",
         "check train's arguments, config and inputs without training",
     ),
-    "plan": ("distcache.job.plan_cli", "plan_main", "plan a workload on a topology; write JSON"),
+    "plan": ("distcache.tools.plan_cli", "plan_main", "plan a workload on a topology; write JSON"),
     "compare": (
-        "distcache.job.plan_cli",
+        "distcache.tools.plan_cli",
         "compare_main",
         "compare distcache's plan with TorchRec's planner and baselines",
     ),
     "calibrate": (
-        "distcache.job.calibrate",
+        "distcache.tools.calibrate",
         "main",
         "measure this machine and write a topology JSON",
     ),

@@ -8,8 +8,9 @@ data (the ids a batch holds for the table) and treats a cache that cannot hold t
 it raises the cache to the rows the batches in flight can use (the whole table when that is all
 of it) and says so at warning level, naming the capacity that would have done.
 
-Entries: `CachedEmbeddingBags(ids_per_batch=...)`, `sharding.plan.hold_batches_in_flight`
-(used by `CachedShardingPlanner` and the training job).
+Entries: `CachedEmbeddingBags(ids_per_batch=...)`, and
+`sharding.parameter_sharding.hold_batches_in_flight` (used by `CachedShardingPlanner` and the
+training job).
 
 Example::
 

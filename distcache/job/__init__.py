@@ -1,3 +1,4 @@
-"""The training job and the tools that train models: config, placement, trainer, checkpoints,
-the DLRM builder, the rank launcher, and the planner's measuring tools (measure, calibrate,
-compare). The top layer: it may import every other one."""
+"""The training job: config, placement (the model and its plan), trainer, checkpoints, the
+DLRM builder, the batches' checks, process groups and the rank launcher, and the demo. The
+tools that measure machines and compare plans live beside it, in `distcache.tools`; the job
+imports none of them."""

@@ -2,16 +2,17 @@
 
 `build_model` builds the job's DLRM (`[model]`, the data's tables) with its embedding optimizer
 (`[cache] optimizer`); `shard_model` puts it under `DistributedModelParallel` with distcache's
-sharder, placed by `job_sharding_plan`: the `[plan]` section as a TorchRec `ShardingPlan`.
+sharder, placed by `job_sharding_plan`: the `[plan]` section as a TorchRec `ShardingPlan`,
+made by the producer that `[plan] planner` names (`plan_producer` picks it, and only there):
 
-- `table_wise`, `row_wise`: every table so, by hand (`distcache.job.dlrm.sharding_plan`);
+- `table_wise`, `row_wise`: every table so, by hand (`hand_plan`, `dlrm.sharding_plan`);
 - `torchrec`: TorchRec's `EmbeddingShardingPlanner` with distcache's kernel priced in, on the
-  `[plan] topology` (`torchrec_job_topology`);
+  `[plan] topology` (`torchrec_job_plan`, `torchrec_job_topology`);
 - `distcache`: the throughput planner (`distcache.planner.solve`) on the `[plan] topology`,
   for the job's tables and access profiles (Criteo: counted on a sample of rank 0's batches,
   `[plan] sample_batches`); rank 0 plans and sends the plan, and the rows it replicates, to
-  the others, so every rank shards alike;
-- a `.json` file written by `python -m distcache plan`.
+  the others, so every rank shards alike (`distcache_job_plan`);
+- a `.json` file written by `python -m distcache plan`, sent so too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -36,17 +37,17 @@ from distcache.data.sources import JobData
 from distcache.errors import DistcacheConfigError, DistcacheError
 from distcache.job import dlrm
 from distcache.job.config import JobConfig, job_topology, plan_topology
-from distcache.planner.solver import SolverOptions, solve
+from distcache.planner.solver import solve
 from distcache.planner.stats import fitted_alpha
 from distcache.planner.torchrec.export import to_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_topology
-from distcache.planner.types import Plan, TableStats, Workload
+from distcache.planner.types import Plan, SolverOptions, TableStats, Workload
 from distcache.sharding import (
     CACHED_KERNEL,
     CachedEmbeddingBagCollectionSharder,
     CachedShardingPlanner,
 )
-from distcache.sharding.plan import attach_cache_configs, hold_batches_in_flight
+from distcache.sharding.parameter_sharding import attach_cache_configs, hold_batches_in_flight
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,30 @@ def torchrec_job_topology(
     return torchrec_topology(topology)
 
 
+#: What makes the job's plan for the EBC of its `DLRMTrain`: (config, model, data, sharder,
+#: world size, device) -> TorchRec plan.
+PlanProducer = Callable[
+    [JobConfig, DLRMTrain, JobData, CachedEmbeddingBagCollectionSharder, int, torch.device],
+    tuple[ShardingPlan, list[Shortfall]],
+]
+
+
+def plan_producer(planner: str) -> PlanProducer:
+    """The producer of the job's plan that `[plan] planner` names: the one place where the job
+    turns that string into the function it calls.
+
+    - 'table_wise', 'row_wise': `hand_plan`, every table so;
+    - 'torchrec': `torchrec_job_plan`, TorchRec's planner with distcache's kernel priced in;
+    - 'distcache' or a plan `.json` file: `distcache_job_plan`, the plan rank 0 solves (or
+      reads from the file, `plan_on_rank_zero`) sent to every rank.
+    """
+    if planner in dlrm.SHARDINGS:
+        return hand_plan
+    if planner == "torchrec":
+        return torchrec_job_plan
+    return distcache_job_plan
+
+
 def job_sharding_plan(
     config: JobConfig,
     model: DLRMTrain,
@@ -94,26 +119,71 @@ def job_sharding_plan(
     world_size: int,
     device: torch.device,
 ) -> tuple[ShardingPlan, list[Shortfall]]:
-    """The job's plan for the EBC of `model` (a `DLRMTrain`), per `config.plan.planner`, and
-    the tables whose `[cache]` capacity could not hold the batches in flight (raised in the
-    plan; the 'distcache' planner sizes its caches itself)."""
-    planner = config.plan.planner
-    ebc = dlrm.embedding_bag_collection(model)
-    # Input dist brings a table's shards every rank's ids: at most this many a batch.
+    """The job's plan for the EBC of `model` (a `DLRMTrain`), made by the producer that
+    `config.plan.planner` names (`plan_producer`), and the tables whose `[cache]` capacity
+    could not hold the batches in flight (raised in the plan; the 'distcache' planner sizes
+    its caches itself)."""
+    produce = plan_producer(config.plan.planner)
+    return produce(config, model, data, sharder, world_size, device)
+
+
+def _ids_in_flight(config: JobConfig, data: JobData, world_size: int) -> dict[str, int]:
+    """The most ids of each table one batch brings its shards: input dist sends them every
+    rank's."""
     ids = world_size * config.data.batch_size * data.max_ids_per_sample
-    in_flight = {dlrm.table_name(i): ids for i in range(len(data.table_sizes))}
-    if planner in dlrm.SHARDINGS:
-        plan = dlrm.sharding_plan(
-            ebc, sharder, sharding=planner, world_size=world_size, device_type=device.type
-        )
-        return hold_batches_in_flight(attach_cache_configs(plan, sharder, model), in_flight)
-    if planner == "torchrec":
-        topology = torchrec_job_topology(config, world_size, device)
-        torchrec_planner = CachedShardingPlanner(
-            topology, config.data.batch_size, ids_per_batch=in_flight
-        )
-        plan = torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
-        return plan, torchrec_planner.shortfalls
+    return {dlrm.table_name(i): ids for i in range(len(data.table_sizes))}
+
+
+def hand_plan(
+    config: JobConfig,
+    model: DLRMTrain,
+    data: JobData,
+    sharder: CachedEmbeddingBagCollectionSharder,
+    world_size: int,
+    device: torch.device,
+) -> tuple[ShardingPlan, list[Shortfall]]:
+    """Every table placed by `[plan] planner`, a sharding of `dlrm.SHARDINGS`
+    (`dlrm.sharding_plan`), caches raised where they cannot hold the batches in flight."""
+    ebc = dlrm.embedding_bag_collection(model)
+    sharding = config.plan.planner
+    plan = dlrm.sharding_plan(
+        ebc, sharder, sharding=sharding, world_size=world_size, device_type=device.type
+    )
+    in_flight = _ids_in_flight(config, data, world_size)
+    return hold_batches_in_flight(attach_cache_configs(plan, sharder, model), in_flight)
+
+
+def torchrec_job_plan(
+    config: JobConfig,
+    model: DLRMTrain,
+    data: JobData,
+    sharder: CachedEmbeddingBagCollectionSharder,
+    world_size: int,
+    device: torch.device,
+) -> tuple[ShardingPlan, list[Shortfall]]:
+    """TorchRec's `EmbeddingShardingPlanner` (distcache's kernel priced in) on the job's
+    topology (`torchrec_job_topology`), planned collectively; it raises the caches that
+    cannot hold the batches in flight, and says so."""
+    topology = torchrec_job_topology(config, world_size, device)
+    in_flight = _ids_in_flight(config, data, world_size)
+    torchrec_planner = CachedShardingPlanner(
+        topology, config.data.batch_size, ids_per_batch=in_flight
+    )
+    plan = torchrec_planner.collective_plan(model, [sharder], dist.group.WORLD)
+    return plan, torchrec_planner.shortfalls
+
+
+def distcache_job_plan(
+    config: JobConfig,
+    model: DLRMTrain,
+    data: JobData,
+    sharder: CachedEmbeddingBagCollectionSharder,
+    world_size: int,
+    device: torch.device,
+) -> tuple[ShardingPlan, list[Shortfall]]:
+    """Rank 0's distcache plan (`plan_on_rank_zero`: solved, or read from the plan file), and
+    the hot rows it replicates, sent to every rank and exported as TorchRec's plan; a
+    `DistcacheError` of rank 0 is raised on every rank, so none waits for a plan."""
     workload = job_workload(config, data)
     box: list[tuple[Plan, dict[str, list[int]]] | DistcacheError | None] = [None]
     if dist.get_rank() == 0:

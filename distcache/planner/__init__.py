@@ -12,15 +12,10 @@ Example::
     print(plan_cost(plan, workload, topology).samples_per_s, plan.explanations["t0"])
 """
 
-from distcache.planner.cost import (
-    BinnedProfile,
-    ShardTerms,
-    plan_cost,
-    shard_terms,
-    table_access,
-    validate_plan,
-)
-from distcache.planner.solver import SolverOptions, solve, uniform_plan
+from distcache.planner.binned import BinnedProfile, table_access
+from distcache.planner.cost import plan_cost, validate_plan
+from distcache.planner.shards import ShardTerms, shard_terms
+from distcache.planner.solver import solve, uniform_plan
 from distcache.planner.stats import AccessProfile, expected_loads, expected_unique
 from distcache.planner.topology import PRESETS, load_topology, parse_bytes, preset, save_topology
 from distcache.planner.types import (
@@ -36,6 +31,7 @@ from distcache.planner.types import (
     TABLE_WISE,
     Plan,
     PlanCost,
+    SolverOptions,
     StepCost,
     TablePlan,
     TableStats,

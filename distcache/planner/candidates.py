@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,14 +32,12 @@ from distcache.planner.types import (
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
+    SolverOptions,
     TablePlan,
     TableStats,
     Topology,
     Workload,
 )
-
-if TYPE_CHECKING:  # the options are defined with the solver's entry, which imports this file
-    from distcache.planner.solver import SolverOptions
 
 TIE_S = 1e-10  # seconds: step times closer than this are equal
 

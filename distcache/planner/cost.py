@@ -98,8 +98,8 @@ U_table(n) otherwise, from `stats.expected_unique`.
 
 The model is written in four files, each a stage of it: `binned.py` (access statistics),
 `shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
-(per-rank accumulation and the step formula); this file prices whole plans. Every public name
-of those stages is importable from here too.
+(per-rank accumulation and the step formula); this file prices whole plans. Each name is
+imported from the file that defines it.
 
 Statistics come from a `BinnedProfile` of each table (rows grouped into bins of near-equal
 probability), so a 40M-row table costs a few thousand operations per query; it agrees with
@@ -123,47 +123,15 @@ import numpy as np
 
 from distcache.cache.config import HOT_TOUCHED
 from distcache.errors import DistcacheConfigError
-from distcache.planner.binned import BinnedProfile, table_access
 from distcache.planner.dense import (
-    ACTIVATION_IN_PASSES,
-    ACTIVATION_OUT_PASSES,
     all_gather_s,
     all_reduce_s,
     dense_compute_s,
-    dense_flops_per_sample,
-    dense_layers,
     dense_parameter_bytes,
     sync_latency_s,
 )
-from distcache.planner.ranks import (
-    RANK_TERMS,
-    Peers,
-    RankStep,
-    RankTerms,
-    Traffic,
-    exchange,
-    node_layout,
-    peer_counts,
-    rank_step,
-    rank_step_of,
-    shard_contribution,
-)
-from distcache.planner.shards import (
-    ACCESS_BYTES,
-    CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
-    CACHE_ROW_INDEX_BYTES_REACTIVE,
-    CACHE_SLOT_BYTES,
-    DENSE_UPDATE_PASSES,
-    ID_BYTES,
-    ShardTerms,
-    dense_update_time_s,
-    lookup_time_s,
-    sent_bags_per_rank,
-    shard_access,
-    shard_terms,
-    staging_time_s,
-    table_plan_terms,
-)
+from distcache.planner.ranks import RankTerms, rank_step_of, shard_contribution
+from distcache.planner.shards import sent_bags_per_rank, table_plan_terms
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -186,48 +154,12 @@ HOT_COLLECTIVES = 2  # a plan with hot rows: all-reduces of the replicas' gradie
 
 __all__ = [
     "all_to_all_sent_bytes",
-    "ACCESS_BYTES",
-    "ACTIVATION_IN_PASSES",
-    "ACTIVATION_OUT_PASSES",
-    "CACHE_ROW_INDEX_BYTES_LOOKAHEAD",
-    "CACHE_ROW_INDEX_BYTES_REACTIVE",
-    "CACHE_SLOT_BYTES",
-    "DENSE_UPDATE_PASSES",
-    "ID_BYTES",
     "HOT_COLLECTIVES",
     "INPUT_COLLECTIVES",
     "OUTPUT_COLLECTIVES",
-    "RANK_TERMS",
-    "BinnedProfile",
     "GlobalTerms",
-    "Peers",
-    "RankStep",
-    "RankTerms",
-    "ShardTerms",
-    "Traffic",
-    "all_gather_s",
-    "all_reduce_s",
-    "dense_compute_s",
-    "dense_flops_per_sample",
-    "dense_layers",
-    "dense_parameter_bytes",
-    "dense_update_time_s",
-    "exchange",
     "global_terms",
-    "lookup_time_s",
-    "node_layout",
-    "peer_counts",
     "plan_cost",
-    "rank_step",
-    "rank_step_of",
-    "sent_bags_per_rank",
-    "shard_access",
-    "shard_contribution",
-    "shard_terms",
-    "staging_time_s",
-    "sync_latency_s",
-    "table_access",
-    "table_plan_terms",
     "validate_plan",
 ]
 
@@ -425,7 +357,7 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
 def all_to_all_sent_bytes(plan: Plan, workload: Workload, topology: Topology) -> np.ndarray:
     """[W] bytes each rank sends other ranks per step in the ids' and embeddings' collectives
     as the model prices them: ids once, embeddings forward (what its shards send) and backward
-    (the gradients of what it received), what `job.measure.CollectiveBytes` counts on a real
+    (the gradients of what it received), what `tools.measure.CollectiveBytes` counts on a real
     run."""
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}

@@ -6,7 +6,7 @@ by (step, work), work being the rank time summed over ranks (see `state.State`).
 live in their own files: the menu (step 1) in `candidates.py`, a partial plan in `state.py`,
 the pricing of a table's modes against it in `pricing.py`, the greedy passes and local search
 (steps 2-4) in `search.py`, the hot rows (step 5) in `hot.py`, the explanations (step 6) in
-`explain.py`; this file holds the entry point.
+`explain.py`; this file holds the entry point (its options, `SolverOptions`, are in `types.py`).
 
 1. Menu: per table, every allowed mode — data parallel; table-wise, row-wise (all ranks),
    column-wise (S ranks, S dividing the dim) — with device storage or a host store plus a
@@ -53,9 +53,7 @@ import heapq
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from distcache.cache.config import DEFAULT_LOOKAHEAD
 from distcache.errors import DistcacheConfigError
 from distcache.planner.candidates import Problem
 from distcache.planner.explain import explain
@@ -65,94 +63,18 @@ from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
     DEVICE,
-    HOST_CACHED,
     ROW_WISE,
     SOLVER_SHARDINGS,
-    STORAGES,
     TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
+    SolverOptions,
     TablePlan,
     Topology,
     Workload,
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SolverOptions:
-    """What `solve` may choose from, and how far it may search."""
-
-    shardings: tuple[str, ...] = SOLVER_SHARDINGS
-    """Allowed sharding types."""
-    storages: tuple[str, ...] = STORAGES
-    """Allowed storages for sharded tables (data parallel is always on the device)."""
-    cache_fractions: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
-    """Cache sizes tried for host-cached shards, as fractions of the shard's rows."""
-    lookaheads: tuple[int, ...] = (DEFAULT_LOOKAHEAD,)
-    """Look-ahead depths L tried for caches; 0 is a reactive (LRU) cache."""
-    prefetch_depths: tuple[int, ...] = (1,)
-    """Prefetch depths K tried with each L (pairs with K > L are skipped; L = 0 uses K = 0)."""
-    column_wise_shards: tuple[int, ...] = (2, 4)
-    """Shard counts tried for column-wise tables (those dividing the dim, at most the ranks)."""
-    max_moves: int = 1000
-    """Local-search moves tried over all starts (the best start gets twice the others' share).
-    A budget of moves, not seconds, keeps the plan deterministic; the search often stops
-    earlier, when no move helps (1000 synthetic tables on 128 H100s: ~500 moves, ~1.5 s).
-    0: greedy only."""
-    time_limit_s: float = 120.0
-    """Safety limit on the local search's wall time, far above a normal run (1000 tables on
-    128 ranks: ~1.5 s of search, ~5 s in all on 2 shared CPU cores). Only a runaway search
-    reaches it; the plan then depends on the machine's speed, and a warning says so."""
-    hot_row_shares: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)
-    """Per sharded table, replicas tried of the fewest likeliest rows taking each share of its
-    lookups (`hot.py`); () for none."""
-    explain: bool = True
-    """Fill `Plan.explanations` (one more pass over the tables)."""
-
-    def __post_init__(self) -> None:
-        def check(ok: bool, message: str) -> None:
-            if not ok:
-                raise DistcacheConfigError(f"SolverOptions: {message}")
-
-        bad = [s for s in self.shardings if s not in SOLVER_SHARDINGS]
-        check(self.shardings and not bad, f"shardings {bad or '()'} not in {SOLVER_SHARDINGS}")
-        bad = [s for s in self.storages if s not in STORAGES]
-        check(self.storages and not bad, f"storages {bad or '()'} not in {STORAGES}")
-        check(
-            all(0 < f <= 1 for f in self.cache_fractions),
-            f"cache_fractions must lie in (0, 1], got {self.cache_fractions}",
-        )
-        check(
-            HOST_CACHED not in self.storages or bool(self.cache_fractions),
-            "host_cached storage needs at least one cache fraction",
-        )
-        check(all(v >= 0 for v in self.lookaheads), f"lookaheads must be >= 0: {self.lookaheads}")
-        check(
-            bool(self.lookaheads) and bool(self.prefetch_depths),
-            "lookaheads and prefetch_depths must not be empty",
-        )
-        check(
-            all(v >= 0 for v in self.prefetch_depths),
-            f"prefetch_depths must be >= 0: {self.prefetch_depths}",
-        )
-        check(
-            all(s >= 2 for s in self.column_wise_shards),
-            f"column_wise_shards must be >= 2: {self.column_wise_shards}",
-        )
-        check(
-            all(0 < s < 1 for s in self.hot_row_shares),
-            f"hot_row_shares must lie in (0, 1), got {self.hot_row_shares}",
-        )
-        check(self.max_moves >= 0, f"max_moves must be >= 0, got {self.max_moves}")
-        check(self.time_limit_s > 0, f"time_limit_s must be > 0, got {self.time_limit_s}")
-
-    def lookahead_pairs(self) -> tuple[tuple[int, int], ...]:
-        """The (L, K) pairs tried for caches."""
-        pairs = {(L, K) for L in self.lookaheads for K in self.prefetch_depths if K <= L}
-        pairs |= {(0, 0) for L in self.lookaheads if L == 0}
-        return tuple(sorted(pairs))
 
 
 def solve(workload: Workload, topology: Topology, *, options: SolverOptions | None = None) -> Plan:

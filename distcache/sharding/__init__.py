@@ -6,7 +6,7 @@ from distcache.sharding.kernel import (
     CachedEmbeddingKernel,
 )
 from distcache.sharding.lookup import CachedGroupedLookup, CachedGroupedSequenceLookup
-from distcache.sharding.plan import (
+from distcache.sharding.parameter_sharding import (
     CACHED_KERNEL,
     FUSED_KERNEL,
     CachedParameterSharding,

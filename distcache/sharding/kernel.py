@@ -39,7 +39,7 @@ from distcache.cache.engine import ROW_DTYPES
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.cache.sequence import CachedEmbeddings
 from distcache.errors import DistcacheConfigError, UnsupportedError
-from distcache.sharding.plan import CACHE_CONFIG_KEY
+from distcache.sharding.parameter_sharding import CACHE_CONFIG_KEY
 from distcache.sharding.state import host_table, sharded_state, sharded_weight
 
 #: distcache's embedding optimizers (`CacheConfig.optimizer`) -> the optimizer classes TorchRec

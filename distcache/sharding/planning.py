@@ -39,7 +39,11 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from distcache.cache.capacity import Shortfall, log_shortfalls
-from distcache.sharding.plan import CACHED_KERNEL, attach_cache_configs, hold_batches_in_flight
+from distcache.sharding.parameter_sharding import (
+    CACHED_KERNEL,
+    attach_cache_configs,
+    hold_batches_in_flight,
+)
 from distcache.sharding.sharder import (
     CachedEmbeddingBagCollectionSharder,
     CachedEmbeddingCollectionSharder,

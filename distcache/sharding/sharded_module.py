@@ -48,7 +48,11 @@ from distcache.sharding.kernel import (
     cache_config_from_fused_params,
 )
 from distcache.sharding.lookup import CachedGroupedLookup, CachedGroupedSequenceLookup
-from distcache.sharding.plan import CACHED_KERNEL, FUSED_KERNEL, CachedParameterSharding
+from distcache.sharding.parameter_sharding import (
+    CACHED_KERNEL,
+    FUSED_KERNEL,
+    CachedParameterSharding,
+)
 from distcache.sharding.state import shards_pinned_as_they_are
 
 _SHARDING_TYPE = {

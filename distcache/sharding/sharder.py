@@ -29,7 +29,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.sharding.plan import CACHED_KERNEL, with_cache_config
+from distcache.sharding.parameter_sharding import CACHED_KERNEL, with_cache_config
 from distcache.sharding.sharded_module import (
     ShardedCachedEmbeddingBagCollection,
     ShardedCachedEmbeddingCollection,

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
 
-from distcache.job.measure import CollectiveBytes
 from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
+from distcache.tools.measure import CollectiveBytes
 
 
 def compact_equals_torchrec(

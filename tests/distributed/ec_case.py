@@ -441,12 +441,12 @@ def sequence_bytes_match_the_model(rank: int, world: int, sharding: str) -> dict
     (`all_to_all_sent_bytes`) for every sample holding exactly `POOLING` ids a feature."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
-    from distcache.job.measure import CollectiveBytes
     from distcache.planner.cost import all_to_all_sent_bytes
     from distcache.planner.solver import uniform_plan
     from distcache.planner.topology import preset
     from distcache.planner.torchrec.export import to_sharding_plan, workload_ec
     from distcache.planner.types import TableStats, Workload
+    from distcache.tools.measure import CollectiveBytes
 
     batch, pooling, dim = 6, 3, 8
     workload = Workload(

@@ -75,7 +75,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingPlan, Sharding
 
 from distcache.cache.config import HOT_ALL, CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.planner.cost import table_access
+from distcache.planner.binned import table_access
 from distcache.planner.shards import on_distcache_kernel
 from distcache.planner.torchrec.modules import (
     has_pooled_tables,
@@ -97,7 +97,11 @@ from distcache.planner.types import (
     TableStats,
     Workload,
 )
-from distcache.sharding.plan import CACHED_KERNEL, FUSED_KERNEL, CachedParameterSharding
+from distcache.sharding.parameter_sharding import (
+    CACHED_KERNEL,
+    FUSED_KERNEL,
+    CachedParameterSharding,
+)
 from distcache.sharding.sharder import (
     CachedEmbeddingBagCollectionSharder,
     CachedEmbeddingCollectionSharder,

@@ -85,7 +85,7 @@ from distcache.planner.types import (
     Workload,
 )
 from distcache.sharding.kernel import EMBEDDING_OPTIMIZERS
-from distcache.sharding.plan import attach_cache_configs
+from distcache.sharding.parameter_sharding import attach_cache_configs
 from distcache.sharding.planning import cached_estimators
 from distcache.sharding.sharder import (
     CachedEmbeddingBagCollectionSharder,

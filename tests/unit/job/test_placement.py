@@ -25,12 +25,29 @@ def test_torchrec_plans_for_the_configured_topology():
     assert [d.storage for d in default.devices] != [d.storage for d in ours.devices]
 
 
+def test_each_planner_name_picks_its_plan_producer():
+    """`plan_producer` is where `[plan] planner` becomes the function the job calls."""
+    from distcache.job import placement
+
+    expected = {
+        "table_wise": placement.hand_plan,
+        "row_wise": placement.hand_plan,
+        "torchrec": placement.torchrec_job_plan,
+        "distcache": placement.distcache_job_plan,
+        "plans/mine.json": placement.distcache_job_plan,
+    }
+    assert {name: placement.plan_producer(name) for name in expected} == expected
+
+
 def test_the_placement_raises_caches_too_small_for_the_batches_in_flight_and_says_so():
     from distcache import CacheConfig
     from distcache.job import dlrm
     from distcache.job.placement import describe_placement
     from distcache.sharding import CachedEmbeddingBagCollectionSharder
-    from distcache.sharding.plan import attach_cache_configs, hold_batches_in_flight
+    from distcache.sharding.parameter_sharding import (
+        attach_cache_configs,
+        hold_batches_in_flight,
+    )
 
     rows = (10, 100_000, 500)
     model = dlrm.build_dlrm(dlrm.DLRMConfig(rows=rows, dim=4), seed=0)

@@ -7,15 +7,12 @@ import re
 import pytest
 
 from distcache.errors import DistcacheConfigError
-from distcache.planner.cost import (
+from distcache.planner.cost import all_to_all_sent_bytes, global_terms, plan_cost
+from distcache.planner.dense import dense_flops_per_sample, dense_parameter_bytes
+from distcache.planner.shards import (
     CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
     CACHE_SLOT_BYTES,
     DENSE_UPDATE_PASSES,
-    all_to_all_sent_bytes,
-    dense_flops_per_sample,
-    dense_parameter_bytes,
-    global_terms,
-    plan_cost,
     shard_terms,
 )
 from distcache.planner.stats import AccessProfile, expected_loads, expected_unique

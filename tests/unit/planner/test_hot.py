@@ -11,10 +11,11 @@ import pytest
 
 from distcache.errors import DistcacheConfigError
 from distcache.planner.candidates import Problem
-from distcache.planner.cost import global_terms, plan_cost, shard_terms
+from distcache.planner.cost import global_terms, plan_cost
 from distcache.planner.hot import choose_hot_rows
 from distcache.planner.pricing import State
-from distcache.planner.solver import SolverOptions, solve
+from distcache.planner.shards import shard_terms
+from distcache.planner.solver import solve
 from distcache.planner.stats import AccessProfile, expected_unique
 from distcache.planner.topology import preset
 from distcache.planner.torchrec.export import from_sharding_plan, hottest_rows, to_sharding_plan
@@ -26,6 +27,7 @@ from distcache.planner.types import (
     TABLE_ROW_WISE,
     TABLE_WISE,
     Plan,
+    SolverOptions,
     TablePlan,
     TableStats,
     Topology,

@@ -5,8 +5,7 @@ import pytest
 from distcache.planner.candidates import Problem
 from distcache.planner.cost import plan_cost
 from distcache.planner.pricing import State, evaluate
-from distcache.planner.solver import SolverOptions
-from distcache.planner.types import TABLE_ROW_WISE, TABLE_WISE, Topology
+from distcache.planner.types import TABLE_ROW_WISE, TABLE_WISE, SolverOptions, Topology
 from distcache.planner.workloads import workload_preset
 
 QUICK = SolverOptions(cache_fractions=(0.25, 0.5), column_wise_shards=(2,), max_moves=500)

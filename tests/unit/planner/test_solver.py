@@ -9,7 +9,7 @@ import pytest
 from distcache.errors import DistcacheConfigError
 from distcache.planner import solver as solver_module
 from distcache.planner.cost import plan_cost
-from distcache.planner.solver import SolverOptions, solve, uniform_plan
+from distcache.planner.solver import solve, uniform_plan
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -19,6 +19,7 @@ from distcache.planner.types import (
     SOLVER_SHARDINGS,
     TABLE_WISE,
     Plan,
+    SolverOptions,
     TablePlan,
     TableStats,
     Topology,

@@ -25,12 +25,13 @@ import pytest
 
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost
-from distcache.planner.solver import SolverOptions, solve, uniform_plan
+from distcache.planner.solver import solve, uniform_plan
 from distcache.planner.topology import preset
 from distcache.planner.types import (
     HOST_CACHED,
     SOLVER_SHARDINGS,
     Plan,
+    SolverOptions,
     Topology,
     Workload,
 )

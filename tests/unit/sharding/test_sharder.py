@@ -20,7 +20,7 @@ from distcache.sharding import (
     cached_estimators,
 )
 from distcache.sharding.kernel import cache_config_from_fused_params
-from distcache.sharding.plan import CACHE_CONFIG_KEY
+from distcache.sharding.parameter_sharding import CACHE_CONFIG_KEY
 
 
 def _ebc():

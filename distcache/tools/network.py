@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
-from distcache.job.microbench import FULL, MIB, median_seconds
+from distcache.tools.microbench import FULL, MIB, median_seconds
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
 """`python -m distcache calibrate`: measure this machine and write a `Topology` JSON.
 
 Each measurement is a small function returning one number (or one fit), so each can be tested
-and re-used on its own (one rank's compute in `distcache.job.microbench` and, for the dense part,
-`distcache.job.densebench`; the network in `distcache.job.network`; all re-exported here):
+and re-used on its own (one rank's compute in `distcache.tools.microbench` and, for the dense part,
+`distcache.tools.densebench`; the network in `distcache.tools.network`; all re-exported here):
 
 - `measure_copy_bandwidth`: bytes/s of a large tensor copy on the compute device.
 - `measure_host_to_device_bandwidth`: bytes/s from pinned host memory to the GPU (CUDA only).
@@ -28,7 +28,7 @@ and re-used on its own (one rank's compute in `distcache.job.microbench` and, fo
   the local ranks, fitted as `time = latency + bytes / bandwidth` over several message sizes
   (the last two are what TorchRec's row-wise outputs take); `measure_sync_latency`:
   what a collective costs between compute bursts, when peers compete for the cores.
-- `distcache.job.framework_costs.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
+- `distcache.tools.framework_costs.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
   giving the framework's fixed costs per step, per sharding type, per bag routed and per bag
   of a table with hot rows, and the bytes/s of a data-parallel table's dense update.
 
@@ -64,16 +64,18 @@ import torch
 import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
-from distcache.job.densebench import (
+from distcache.job.distributed import run_ranks, single_rank_group
+from distcache.planner.topology import preset
+from distcache.planner.types import Topology
+from distcache.tools.densebench import (
     measure_activation_bandwidth,
     measure_dense_flops,
     measure_dense_layer_overhead,
     measure_interaction_costs,
 )
-from distcache.job.distributed import run_ranks, single_rank_group
-from distcache.job.framework_costs import measure_framework_costs
-from distcache.job.measure import MeasureOptions
-from distcache.job.microbench import (
+from distcache.tools.framework_costs import measure_framework_costs
+from distcache.tools.measure import MeasureOptions
+from distcache.tools.microbench import (
     FULL,
     QUICK,
     CalibrationSizes,
@@ -85,14 +87,12 @@ from distcache.job.microbench import (
     measure_lookup_costs,
     measure_staging_costs,
 )
-from distcache.job.network import (
+from distcache.tools.network import (
     LinkFit,
     fit_latency_bandwidth,
     measure_collectives,
     measure_sync_latency,
 )
-from distcache.planner.topology import preset
-from distcache.planner.types import Topology
 
 __all__ = [
     "FULL",

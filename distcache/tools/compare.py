@@ -46,9 +46,8 @@ from dataclasses import dataclass, replace
 
 from distcache.cache.config import HOT_ALL
 from distcache.errors import DistcacheConfigError
-from distcache.job.measure import MeasureOptions, measure_plans, unmeasurable_reason
 from distcache.planner.cost import all_to_all_sent_bytes, plan_cost
-from distcache.planner.solver import SolverOptions, solve, uniform_plan
+from distcache.planner.solver import solve, uniform_plan
 from distcache.planner.torchrec.export import from_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
 from distcache.planner.types import (
@@ -57,10 +56,12 @@ from distcache.planner.types import (
     TABLE_WISE,
     Plan,
     PlanCost,
+    SolverOptions,
     StepCost,
     Topology,
     Workload,
 )
+from distcache.tools.measure import MeasureOptions, measure_plans, unmeasurable_reason
 
 GB = 10**9  # as `topology.parse_bytes` reads "16GB"
 MODELLED_NOTE = (

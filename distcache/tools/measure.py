@@ -24,7 +24,7 @@ most `MAX_LOCAL_RANKS` ranks, a workload of one embedding dim whose MLPs end as 
 (bottom MLP at the dim, top MLP of >= 2 layers at 1), one integral pooling factor and
 power-law tables (not id counts).
 
-`distcache.job.framework_costs` times tiny plans with `time_plans_here` to fit what the cost
+`distcache.tools.framework_costs` times tiny plans with `time_plans_here` to fit what the cost
 model cannot derive on CPU (`python -m distcache calibrate` runs it).
 
 Example::

@@ -3,7 +3,7 @@
 What a training step costs beyond the priced work (a step's fixed overhead, a sharding type's,
 an id's, and the bytes/s of a data-parallel table's dense update) cannot be derived from the
 calibrated rates; `measure_framework_costs` times four tiny plans that differ in one thing
-each (`distcache.job.measure.time_plans_here`) and subtracts what the cost model prices.
+each (`distcache.tools.measure.time_plans_here`) and subtracts what the cost model prices.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
-from distcache.job.measure import MeasureOptions, time_plans_here
 from distcache.planner.cost import plan_cost
 from distcache.planner.types import (
     DATA_PARALLEL,
@@ -24,6 +23,7 @@ from distcache.planner.types import (
     Topology,
     Workload,
 )
+from distcache.tools.measure import MeasureOptions, time_plans_here
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from distcache.errors import DistcacheConfigError
-from distcache.job.calibrate import (
+from distcache.job.distributed import run_ranks
+from distcache.planner.types import Topology
+from distcache.tools.calibrate import (
     QUICK,
     LinkFit,
     Measurements,
@@ -24,9 +26,7 @@ from distcache.job.calibrate import (
     measure_sync_latency,
     topology_from,
 )
-from distcache.job.densebench import dot_interaction, fit_interaction_costs, sparse_vectors
-from distcache.job.distributed import run_ranks
-from distcache.planner.types import Topology
+from distcache.tools.densebench import dot_interaction, fit_interaction_costs, sparse_vectors
 
 
 def test_quick_run_writes_a_valid_topology(tmp_path, capsys):

@@ -340,10 +340,7 @@ def format_plan(plan: Plan, workload: Workload) -> str:
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    reasons = [
-        _wrap(text, f"  {name}: ", "    ")
-        for name, text in plan.explanations.items()
-    ]
+    reasons = [_wrap(text, f"  {name}: ", "    ") for name, text in plan.explanations.items()]
     if reasons:
         lines += ["", "why:", *reasons]
     return "\n".join(lines)
@@ -468,7 +465,7 @@ def _read_plan(path: Path) -> Plan:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from distcache.job.compare import compare, format_table, measure_rows, rows_to_json
+    from distcache.tools.compare import compare, format_table, measure_rows, rows_to_json
 
     workload, topology = workload_from_args(args), topology_from_args(args)
     plans = _load_plans(args.plan, workload, topology)
@@ -480,7 +477,7 @@ def _compare(args: argparse.Namespace) -> int:
         torchrec_timeout_s=args.torchrec_timeout,
     )
     if args.measure:
-        from distcache.job.measure import MeasureOptions
+        from distcache.tools.measure import MeasureOptions
 
         options = MeasureOptions(steps=args.measure_steps, warmup=args.measure_warmup)
         rows, skipped = measure_rows(rows, workload, topology, options=options)

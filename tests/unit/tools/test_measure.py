@@ -1,4 +1,4 @@
-"""Plans run for real on this machine (`distcache.job.measure`) and `compare --measure`."""
+"""Plans run for real on this machine (`distcache.tools.measure`) and `compare --measure`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ from pathlib import Path
 import pytest
 
 from distcache.errors import DistcacheConfigError
-from distcache.job.measure import (
-    MeasureOptions,
-    measure_plans,
-    runnable_plan,
-    unmeasurable_reason,
-)
-from distcache.job.plan_cli import compare_main
 from distcache.planner.cost import all_to_all_sent_bytes
 from distcache.planner.solver import uniform_plan
 from distcache.planner.topology import preset
@@ -27,6 +20,13 @@ from distcache.planner.types import (
     TableStats,
     Workload,
 )
+from distcache.tools.measure import (
+    MeasureOptions,
+    measure_plans,
+    runnable_plan,
+    unmeasurable_reason,
+)
+from distcache.tools.plan_cli import compare_main
 
 WORKLOAD = Workload(
     name="tiny",

@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from distcache.job.compare import (
+from distcache.planner.solver import uniform_plan
+from distcache.planner.topology import preset
+from distcache.planner.torchrec.export import from_sharding_plan
+from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
+from distcache.planner.types import HOST_CACHED, TABLE_WISE, SolverOptions
+from distcache.planner.workloads import workload_preset
+from distcache.sharding import CACHED_KERNEL, CachedParameterSharding
+from distcache.tools.compare import (
     TERMS,
     ComparisonRow,
     compare,
@@ -15,13 +22,6 @@ from distcache.job.compare import (
     rows_to_json,
     speedups,
 )
-from distcache.planner.solver import SolverOptions, uniform_plan
-from distcache.planner.topology import preset
-from distcache.planner.torchrec.export import from_sharding_plan
-from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
-from distcache.planner.types import HOST_CACHED, TABLE_WISE
-from distcache.planner.workloads import workload_preset
-from distcache.sharding import CACHED_KERNEL, CachedParameterSharding
 
 WORKLOAD = workload_preset("synthetic:tables=6,rows=20000,dim=16,seed=1", batch_size_per_rank=256)
 FAST = SolverOptions(max_moves=100)

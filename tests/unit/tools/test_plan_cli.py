@@ -12,12 +12,12 @@ import torch
 from distcache import DistcacheConfigError
 from distcache.__main__ import main
 from distcache.job.config import load_job_config
-from distcache.job.plan_cli import compare_main, format_plan, load_workload_config, plan_main
 from distcache.planner.solver import solve
 from distcache.planner.topology import preset
 from distcache.planner.types import Plan
 from distcache.planner.workloads import workload_preset
 from distcache.sharding import CACHED_KERNEL
+from distcache.tools.plan_cli import compare_main, format_plan, load_workload_config, plan_main
 
 SPEC = "synthetic:tables=4,rows=5000,dim=16,seed=2"
 SMALL = ["--preset", SPEC, "--topology", "h100", "--world-size", "2", "--batch-size", "128"]

@@ -5,7 +5,7 @@
 - `measure_interaction_costs`: DLRM's dot interaction, per element of its vectors and per
   entry of their products (`fit_interaction_costs`, `dot_interaction`).
 
-Problem sizes: `distcache.job.microbench.CalibrationSizes`.
+Problem sizes: `distcache.tools.microbench.CalibrationSizes`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from distcache.errors import DistcacheConfigError
-from distcache.job.microbench import FULL, median_seconds
-from distcache.planner.cost import ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES
+from distcache.planner.dense import ACTIVATION_IN_PASSES, ACTIVATION_OUT_PASSES
+from distcache.tools.microbench import FULL, median_seconds
 
 
 def measure_dense_flops(

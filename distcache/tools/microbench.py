@@ -1,13 +1,13 @@
 """The timed kernels of `python -m distcache calibrate`: what one rank's compute costs.
 
 Each measurement is a small function returning one number (or one fit), so each can be tested
-and re-used on its own (`distcache.job.calibrate` describes them all and runs them):
+and re-used on its own (`distcache.tools.calibrate` describes them all and runs them):
 
 - `measure_copy_bandwidth`, `measure_host_to_device_bandwidth`, `measure_copy_latency`;
 - `measure_lookup_costs`: a training step of distcache's cache kernel, fitted as
   `seconds = fixed + row accesses / rows_per_s + bytes / bytes_per_s`;
 - `measure_staging_costs`: what a partial cache's misses add to a step;
-- the dense part's (MLPs, DLRM's interaction): `distcache.job.densebench`.
+- the dense part's (MLPs, DLRM's interaction): `distcache.tools.densebench`.
 
 `CalibrationSizes` holds their problem sizes: `FULL` for a real calibration, `QUICK` for tests.
 """
