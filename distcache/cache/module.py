@@ -231,9 +231,8 @@ class CachedEmbeddingBags(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
         self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
         # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
-        self._graphs = GraphCache(
-            self.device, enabled=config.graphs_on(self.device), name="routing"
-        )
+        graphs = config.graphs_on(self.device)
+        self._graphs = GraphCache(self.device, enabled=graphs, name="routing")
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups
