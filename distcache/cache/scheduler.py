@@ -196,13 +196,15 @@ class Scheduler:
 
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
+        self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
+        if self.capacity == self.num_rows:  # no next use is read (`_stage_whole`)
+            return self.window.distinct_device(ids, at)
         rows, inv, valid, positions, fresh = self.window.enter_device(ids, at)
         # The resident rows this batch is the first in the window to use: their next use.
         res = self.residency
         slot = res.slot_of.index_select(0, rows).long()
         into = torch.where(fresh & (slot >= 0), slot, res.trash_slot)
         res.next_use.index_copy_(0, into, at[0].expand(rows.numel()))
-        self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
         return rows, inv, valid, positions
 
     # ---------------------------------------------------------------- staging
@@ -214,7 +216,9 @@ class Scheduler:
         self.window.leave(batch)
         n = batch.size
         inputs = (batch.rows, batch.inv, batch.valid, batch.positions, batch.at)
-        if self._free_slots_suffice(n):  # filling: no victims to choose, not captured
+        if self.capacity == self.num_rows:  # every row has a slot of its own: no victims
+            work = self._current_graphs().run(("whole", n), self._stage_whole, *inputs)
+        elif self._free_slots_suffice(n):  # filling: no victims to choose, not captured
             work = self._stage_device(*inputs, fill=True)
         else:
             scan = self._scan(n)
@@ -302,6 +306,35 @@ class Scheduler:
             victims.index_select(0, wb_at),
             counts,
         )
+
+    def _stage_whole(
+        self,
+        rows: torch.Tensor,
+        inv: torch.Tensor,
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+        at: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """`_stage_device` for a cache that holds every row: row r takes slot r (the sentinel
+        row is the sentinel slot), so a batch only loads the rows it is the first to use, and
+        nothing is evicted, written back or scored, and no next use is kept (the window only
+        deduplicates its batches: `Window.distinct_device`). The same plan tensors and
+        counts."""
+        res, n = self.residency, rows.numel()
+        size = min(n, self.capacity)
+        miss = res.row_of.index_select(0, rows) < 0  # not loaded yet (sentinel: loaded)
+        want = miss.sum()
+        res.pin.index_add_(0, rows, self._one.expand(n))
+        res.slot_of.index_copy_(0, torch.where(miss, rows, res.trash_row), rows.int())
+        res.row_of.index_copy_(0, torch.where(miss, rows, res.trash_slot), rows)
+        rank = miss.cumsum(0, dtype=torch.int32) - 1
+        loads = pack(miss, rank, rows, size, res.sentinel_row)  # row r into slot r
+        none = rows.new_full((size,), res.sentinel_row)  # the sentinel row is its slot too
+        zero, free = torch.zeros_like(want), self.capacity - self._fill  # slots never loaded
+        self._fill.add_(want)
+        counts = torch.stack([valid.sum(), want, want, zero, zero, free])
+        self._totals[_PLANS:].add_(counts)
+        return rows, rows.index_select(0, inv), loads, loads, none, none, counts
 
     def release(self, plan: StagePlan, *, updated: bool = True) -> None:
         """The batch of `plan` is done: unpin its slots; `updated`: it was trained, so its rows
@@ -393,11 +426,11 @@ class Scheduler:
 
     def _free_slots_suffice(self, n: int) -> bool:
         """Host-side: whether the free slots can take a batch of `n` ids' misses, which is
-        known while the cache holds the whole shard, or every batch so far loaded at most its
-        id count (slots are handed out in order and only `clear()` frees them, so the free
-        ones are always [fill, capacity); `_fill_bound` bounds `fill`)."""
+        known while every batch so far loaded at most its id count (slots are handed out in
+        order and only `clear()` frees them, so the free ones are always [fill, capacity);
+        `_fill_bound` bounds `fill`). (A cache of every row stages by `_stage_whole`.)"""
         cap = self.capacity
-        if cap >= self.num_rows or self._fill_bound + n <= cap:
+        if self._fill_bound + n <= cap:
             self._fill_bound = min(self.num_rows, self._fill_bound + n)
             return True
         self._fill_bound = self.num_rows

@@ -113,6 +113,23 @@ class Window:
         its `rows`, `inv`, `valid`, `positions` (`WindowBatch`) and `fresh` `[n]` bool, its rows
         with no occurrence in a batch still waiting to be staged (this batch is their next
         use). Reads the seq and base from `at` only (a graph replays it)."""
+        rows, inv, valid, pos = self.distinct_device(ids, at)
+        n = ids.numel()
+        prev = self.latest.index_select(0, rows)  # [n] latest live position, or -1
+        fresh = valid & (prev < 0)
+        # The previous occurrence learns that this batch uses its row next. (The sentinel
+        # row's `latest` stays -1: it is never written, below.)
+        linked = torch.where(prev >= 0, prev.long(), self.ring_size)
+        self.next_use.index_copy_(0, linked, at[0].expand(n))  # (the trash entry: any of them)
+        # Row k of the batch sits at position base + k from now on.
+        self.next_use.index_fill_(0, pos.long(), NO_USE)
+        self.latest.index_copy_(0, torch.where(valid, rows, self.trash_row), pos)
+        return rows, inv, valid, pos, fresh
+
+    def distinct_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`enter_device`'s first half: the batch's `rows`, `inv`, `valid` and `positions`,
+        without linking next uses (which a cache of every row does not read:
+        `Scheduler._stage_whole`; its batches then need no `leave_device`)."""
         n = ids.numel()
         # Rows fit int32 (`Residency`), which sorts faster than int64 (1.6 x at 200k ids, CPU).
         ordered, order = self._sort(ids.to(torch.int32))  # [n]
@@ -122,17 +139,8 @@ class Window:
         rows = pack(first, rank, ordered, n, self.sentinel_row).long()  # ascending, then sentinels
         inv = torch.empty_like(rank).scatter_(0, order, rank)  # [n] back to input order
         valid = rows != self.sentinel_row
-        prev = self.latest.index_select(0, rows)  # [n] latest live position, or -1
-        fresh = valid & (prev < 0)
-        # The previous occurrence learns that this batch uses its row next. (The sentinel
-        # row's `latest` stays -1: it is never written, below.)
-        linked = torch.where(prev >= 0, prev.long(), self.ring_size)
-        self.next_use.index_copy_(0, linked, at[0].expand(n))  # (the trash entry: any of them)
-        # Row k of the batch sits at position base + k from now on.
         pos = torch.arange(n, dtype=torch.int32, device=self.device).add_(at[1])
-        self.next_use.index_fill_(0, pos.long(), NO_USE)
-        self.latest.index_copy_(0, torch.where(valid, rows, self.trash_row), pos)
-        return rows, inv, valid, pos, fresh
+        return rows, inv, valid, pos
 
     def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`torch.sort` of `[n]` int32 ids; batches of `_PAD_FROM` to `_RADIX_FROM` ids are

@@ -1,5 +1,7 @@
 """The look-ahead scheduler: residency bookkeeping, pins, eviction order, window errors."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -208,3 +210,36 @@ def test_random_stream_keeps_bijection_and_pins(policy, lookahead):
         _check_pins(s)
         assert torch.equal(s.residency.row_of[plan.id_slots], plan.batch.ids)
     assert s.counters.writebacks > 0
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru"])
+def test_a_cache_of_every_row_gives_each_row_its_own_slot(policy):
+    """`_stage_whole`: row r in slot r, loaded by the first batch that uses it and never
+    again; nothing evicted or written back; pins and the bijection as on the general path,
+    and the counters a cache one row short counts while it still has free slots."""
+    gen = torch.Generator().manual_seed(3)
+    whole = Scheduler(300, 300, make_policy(policy), lookahead=2)
+    short = Scheduler(300, 299, make_policy(policy), lookahead=2)  # fills, never evicts here
+    seen: set[int] = set()
+    for _ in range(6):
+        ids = torch.randint(0, 300, (16,), generator=gen)
+        ids[0] = 300  # padding: the sentinel row
+        plans = []
+        for s in (whole, short):
+            s.enqueue(ids)
+            plans.append(s.stage_next())
+        plan, other = plans
+        real = ids[ids != 300]
+        assert torch.equal(plan.id_slots, ids)  # the sentinel row is the sentinel slot
+        assert sorted(_loads(plan)) == sorted(set(real.tolist()) - seen)
+        assert _loads(plan) == _loads(other)  # the same rows, in the same order
+        # The same counts; the free slots offered, one more (the cache one row larger).
+        assert plan.counts.tolist() == [*other.counts.tolist()[:5], int(other.counts[5]) + 1]
+        seen |= set(real.tolist())
+        _check_bijection(whole)
+        _check_pins(whole)
+        for s, p in zip((whole, short), plans, strict=True):
+            s.release(p, updated=True)
+    assert whole.residency.num_pinned() == 0
+    assert torch.equal(whole.residency.dirty_slots(), torch.tensor(sorted(seen)))
+    assert asdict(whole.counters) == asdict(short.counters)
