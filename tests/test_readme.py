@@ -1,4 +1,4 @@
-"""The README's runnable examples run (a newcomer copies them first)."""
+"""The runnable examples of the README and of docs/ run (a newcomer copies them first)."""
 
 import os
 import re
@@ -8,14 +8,23 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("**/*.md"))
+RUNNABLE = r"```python\n(# runnable.*?)```"
 
 
-def test_runnable_readme_blocks_execute(capsys):
-    blocks = re.findall(r"```python\n(# runnable.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 2, "README.md should hold the engine and the TorchRec examples"
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), {"__name__": "readme"})
+def test_runnable_blocks_execute(capsys):
+    """Every `# runnable` block of the README and of docs/, in one process, in that order."""
+    blocks = [
+        (path, block)
+        for path in [README, *DOCS]
+        for block in re.findall(RUNNABLE, path.read_text(), flags=re.S)
+    ]
+    names = {path.relative_to(ROOT).as_posix() for path, _ in blocks}
+    assert {"README.md", "docs/engine.md"} <= names, "the TorchRec and the engine examples"
+    for path, block in blocks:
+        exec(compile(block, str(path), "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
     assert "{'user+item': 0}" in out  # the engine alone: no critical-path miss
     assert "critical-path misses 0" in out  # the TorchRec model under the pipeline
@@ -24,7 +33,7 @@ def test_runnable_readme_blocks_execute(capsys):
 def _torchrec_block() -> str:
     (block,) = [
         b
-        for b in re.findall(r"```python\n(# runnable.*?)```", README.read_text(), flags=re.S)
+        for b in re.findall(RUNNABLE, README.read_text(), flags=re.S)
         if "torchrun" in b.splitlines()[0]
     ]
     return block
