@@ -1,4 +1,5 @@
-"""The runnable examples of the README and of docs/ run (a newcomer copies them first)."""
+"""The README and the documents it links to: their runnable examples run (a newcomer copies
+them first), their relative links lead to files of the repository, and the README stays short."""
 
 import os
 import re
@@ -11,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("**/*.md"))
+MARKDOWN = [README, *DOCS, *sorted((ROOT / "benchmarks").glob("**/README.md"))]
 RUNNABLE = r"```python\n(# runnable.*?)```"
+README_MAX_LINES = 400  # a newcomer reads it in five minutes; the rest lives in docs/
 
 
 def test_runnable_blocks_execute(capsys):
@@ -28,6 +31,33 @@ def test_runnable_blocks_execute(capsys):
     out = capsys.readouterr().out
     assert "{'user+item': 0}" in out  # the engine alone: no critical-path miss
     assert "critical-path misses 0" in out  # the TorchRec model under the pipeline
+
+
+def _relative_links(text: str) -> list[str]:
+    """The targets of `[text](target)` links outside code, less web links and pure #anchors."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    targets = [t.split()[0] for t in re.findall(r"\]\(([^)]+)\)", text)]
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:|#", t)]
+
+
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_lead_to_files_of_the_repository(page):
+    links = _relative_links(page.read_text())
+    missing = [t for t in links if not (page.parent / t.split("#")[0]).resolve().exists()]
+    outside = [t for t in links if ROOT not in (page.parent / t.split("#")[0]).resolve().parents]
+    assert not missing, f"{page.name}: links to no file: {missing}"
+    assert not outside, f"{page.name}: links out of the repository: {outside}"
+
+
+def test_link_finder_sees_what_it_should():
+    text = "[a](docs/a.md) [b](https://x.org) [c](#top) [d](b.md#part) `[e](no.md)`"
+    assert _relative_links(text) == ["docs/a.md", "b.md#part"]
+
+
+def test_the_readme_is_short():
+    lines = README.read_text().count("\n")
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines; move details to docs/"
 
 
 def _torchrec_block() -> str:
