@@ -1,4 +1,5 @@
-"""The README's runnable examples run (a newcomer copies them first)."""
+"""The README and the documents it links to: their runnable examples run (a newcomer copies
+them first), their relative links lead to files of the repository, and the README stays short."""
 
 import os
 import re
@@ -8,23 +9,61 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("**/*.md"))
+MARKDOWN = [README, *DOCS, *sorted((ROOT / "benchmarks").glob("**/README.md"))]
+RUNNABLE = r"```python\n(# runnable.*?)```"
+README_MAX_LINES = 400  # a newcomer reads it in five minutes; the rest lives in docs/
 
 
-def test_runnable_readme_blocks_execute(capsys):
-    blocks = re.findall(r"```python\n(# runnable.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 2, "README.md should hold the engine and the TorchRec examples"
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), {"__name__": "readme"})
+def test_runnable_blocks_execute(capsys):
+    """Every `# runnable` block of the README and of docs/, in one process, in that order."""
+    blocks = [
+        (path, block)
+        for path in [README, *DOCS]
+        for block in re.findall(RUNNABLE, path.read_text(), flags=re.S)
+    ]
+    names = {path.relative_to(ROOT).as_posix() for path, _ in blocks}
+    assert {"README.md", "docs/engine.md"} <= names, "the TorchRec and the engine examples"
+    for path, block in blocks:
+        exec(compile(block, str(path), "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
     assert "{'user+item': 0}" in out  # the engine alone: no critical-path miss
     assert "critical-path misses 0" in out  # the TorchRec model under the pipeline
 
 
+def _relative_links(text: str) -> list[str]:
+    """The targets of `[text](target)` links outside code, less web links and pure #anchors."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    targets = [t.split()[0] for t in re.findall(r"\]\(([^)]+)\)", text)]
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:|#", t)]
+
+
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_lead_to_files_of_the_repository(page):
+    links = _relative_links(page.read_text())
+    missing = [t for t in links if not (page.parent / t.split("#")[0]).resolve().exists()]
+    outside = [t for t in links if ROOT not in (page.parent / t.split("#")[0]).resolve().parents]
+    assert not missing, f"{page.name}: links to no file: {missing}"
+    assert not outside, f"{page.name}: links out of the repository: {outside}"
+
+
+def test_link_finder_sees_what_it_should():
+    text = "[a](docs/a.md) [b](https://x.org) [c](#top) [d](b.md#part) `[e](no.md)`"
+    assert _relative_links(text) == ["docs/a.md", "b.md#part"]
+
+
+def test_the_readme_is_short():
+    lines = README.read_text().count("\n")
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines; move details to docs/"
+
+
 def _torchrec_block() -> str:
     (block,) = [
         b
-        for b in re.findall(r"```python\n(# runnable.*?)```", README.read_text(), flags=re.S)
+        for b in re.findall(RUNNABLE, README.read_text(), flags=re.S)
         if "torchrun" in b.splitlines()[0]
     ]
     return block

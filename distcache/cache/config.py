@@ -72,9 +72,9 @@ class CacheConfig:
     device: no thread waits; `distcache.cache.transfer`). None (the default): 'direct' on a
     CUDA device with Triton installed, 'worker' elsewhere. On an H200 with Criteo Terabyte's
     48 GB of rows at 2 %, training waited on staging 0.5 % of the step with 'direct' and 11-12 %
-    with 'worker' (README, "Results on a GPU"). On CPU both run on the training thread
-    ('worker' copies the rows that move, 'direct' every padded entry): there is no device to
-    wait for, and a second thread would compete for the cores of its OpenMP team."""
+    with 'worker' (benchmarks/results/README.md, "Results on a GPU"). On CPU both run on the
+    training thread ('worker' copies the rows that move, 'direct' every padded entry): there is
+    no device to wait for, and a second thread would compete for the cores of its OpenMP team."""
     kernel: str | None = None
     """What looks rows up and applies the fused optimizer in backward: 'fbgemm' (FBGEMM's
     table-batched embedding, TBE, run over the cache's slots: one forward and one backward
@@ -85,9 +85,9 @@ class CacheConfig:
     as distcache defines them for the cache's rows (a width that is a multiple of 4; fp32 or
     fp16 rows), else 'torch': for SGD (a scatter-add, which FBGEMM's Python wrapper outweighs on
     small batches) and on CUDA devices (there the wrapper and its backward launcher cost the
-    host more than its kernels save the device: README, "Results on a GPU"). 'fbgemm' where it
-    cannot serve (fbgemm_gpu without CUDA kernels on a GPU, Adam, bf16 rows, among others) is
-    an error when the cache is built."""
+    host more than its kernels save the device: benchmarks/results/README.md, "Results on a
+    GPU"). 'fbgemm' where it cannot serve (fbgemm_gpu without CUDA kernels on a GPU, Adam, bf16
+    rows, among others) is an error when the cache is built."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
@@ -100,8 +100,8 @@ class CacheConfig:
     quarter more ids, routed to the sentinel row). A cache keeps 16 graphs; when sizes keep
     changing beyond that, it stops capturing (a warning says so). None (the default): on for a
     CUDA device, off elsewhere (on CPU an emulation replays the recorded ops, slower: for
-    tests). On an H200 at 2 %, 1.35-2.2 x the samples a second without them (README, "Results on
-    a GPU")."""
+    tests). On an H200 at 2 %, 1.35-2.2 x the samples a second without them
+    (benchmarks/results/README.md, "Results on a GPU")."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
