@@ -181,6 +181,7 @@ class CacheEngine:
         plan.host_counts, plan.host_check = self.stager.wait(plan)
         self._wait_s += time.perf_counter() - start
         self._active.append(plan)
+        self.scheduler.note_counts(plan.host_counts)
         error = self.scheduler.capacity_error(plan, plan.host_counts)
         if error is not None:
             self.drop_window()

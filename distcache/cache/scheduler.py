@@ -48,9 +48,11 @@ from distcache.cache.victims import Victims
 from distcache.cache.window import Window, WindowBatch
 from distcache.errors import CacheCapacityError, LookaheadWindowError
 
-# Entries of `StagePlan.counts` (int64, on the device until the stager mirrors them).
-UNIQUE, MISSES, LOADS, WRITEBACKS, EVICTIONS, CANDIDATES = range(6)
-NUM_COUNTS = 6
+# Entries of `StagePlan.counts` (int64, on the device until the stager mirrors them). FREE:
+# the slots never loaded, after the plan; once the host sees 0 (`note_counts`, at a batch's
+# lookup) the cache is full until `clear()`, and `Victims` offers no free slots.
+UNIQUE, MISSES, LOADS, WRITEBACKS, EVICTIONS, CANDIDATES, FREE = range(7)
+NUM_COUNTS = 7
 
 
 @dataclass(eq=False)
@@ -221,9 +223,9 @@ class Scheduler:
         elif self._free_slots_suffice(n):  # filling: no victims to choose, not captured
             work = self._stage_device(*inputs, fill=True)
         else:
-            scan = self._scan(n)
-            key = ("stage", n, scan)
-            stage = functools.partial(self._stage_device, scan=scan)
+            scan, full = self._scan(n), self._full
+            key = ("stage", n, scan, full)
+            stage = functools.partial(self._stage_device, scan=scan, full=full)
             work = self._current_graphs().run(key, stage, *inputs)
         slots, id_slots, load_rows, load_slots, writeback_rows, writeback_slots, counts = work
         if critical:
@@ -254,10 +256,12 @@ class Scheduler:
         *,
         fill: bool = False,
         scan: int = 0,
+        full: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """`stage_next`'s device work for a batch (`WindowBatch`'s tensors): the plan's
         tensors, `StagePlan.slots` to `counts`. `fill`: the misses take free slots in order;
-        else `Victims.choose` picks them, sweeping `scan` slots."""
+        else `Victims.choose` picks them, sweeping `scan` slots (`full`: known to have no
+        free slot left, so none is offered)."""
         res, cap, n = self.residency, self.capacity, rows.numel()
         size = min(n, cap)
         next_use = self.window.leave_device(rows, positions)  # [n] each row's next use
@@ -272,7 +276,9 @@ class Scheduler:
         if fill:
             victims, taken, candidates = self._free_victims(want, size)  # [size + 1]
         else:
-            victims, taken, candidates = self.victims.choose(seq, want, size, self._fill, scan)
+            victims, taken, candidates = self.victims.choose(
+                seq, want, size, self._fill, scan, free=not full
+            )
         rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
         got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
         slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), slot)
@@ -295,7 +301,10 @@ class Scheduler:
         unique = valid.sum()
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
         wb_at = torch.nonzero_static(writeback, size=size, fill_value=size).squeeze(1)
-        counts = torch.stack([unique, want, taken, writeback.sum(), evicted.sum(), candidates])
+        free = self.capacity - self._fill  # (`choose` moved `fill` past the free slots taken)
+        counts = torch.stack(
+            [unique, want, taken, writeback.sum(), evicted.sum(), candidates, free]
+        )
         self._totals[_PLANS:].add_(counts)
         return (
             slot,
@@ -332,7 +341,7 @@ class Scheduler:
         none = rows.new_full((size,), res.sentinel_row)  # the sentinel row is its slot too
         zero, free = torch.zeros_like(want), self.capacity - self._fill  # slots never loaded
         self._fill.add_(want)
-        counts = torch.stack([valid.sum(), want, want, zero, zero, free])
+        counts = torch.stack([valid.sum(), want, want, zero, zero, free, free - want])
         self._totals[_PLANS:].add_(counts)
         return rows, rows.index_select(0, inv), loads, loads, none, none, counts
 
@@ -348,6 +357,13 @@ class Scheduler:
         res.pin.index_add_(0, plan.slots, self._minus_one.expand(plan.slots.numel()))
         if updated:
             res.dirty.index_fill_(0, plan.slots, True)
+
+    def note_counts(self, counts: list[int]) -> None:
+        """A looked-up plan's host-mirrored `counts`: once one leaves no free slot, later
+        batches choose victims without free-slot candidates (slots are freed only by
+        `clear()`)."""
+        if counts[FREE] == 0:
+            self._full = True
 
     def capacity_error(self, plan: StagePlan, counts: list[int]) -> CacheCapacityError | None:
         """The error for a plan whose host-mirrored `counts` show that its misses did not fit,
@@ -396,6 +412,7 @@ class Scheduler:
         # always [fill, capacity); `_fill_bound` bounds `fill` on the host.
         self._fill = torch.zeros((), dtype=torch.int64, device=self.device)
         self._fill_bound = 0
+        self._full = False  # the host has seen a plan leave no free slot (`note_counts`)
         self.graphs.clear()  # they captured the policy's tensors, re-bound above
         self._graphs_window = self.window.generation
 

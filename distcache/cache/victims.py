@@ -5,7 +5,8 @@ Criteo Terabyte has 9.4 M slots, against a few thousand rows loaded a step. So t
 scores only *candidates*, found where good victims are, and `select.select_largest` picks the
 `want` best of them (ties to the earlier candidate):
 
-1. free slots (never loaded since the cache was cleared), the next `size` of them;
+1. free slots (never loaded since the cache was cleared), the next `size` of them, until the
+   host has seen a plan leave none (`Scheduler.note_counts`);
 2. expired rows, oldest first: `2 size` entries from the head of the `ExpiryQueue` (rows
    whose last use in the window has been staged; for reactive policies, every row in the
    order it was last used, which is LRU's order);
@@ -67,6 +68,8 @@ class Victims:
         size: int,
         fill: torch.Tensor,
         scan: int,
+        *,
+        free: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Slots for `want` misses of batch `seq`.
 
@@ -78,6 +81,8 @@ class Victims:
                 past the free slots taken.
             scan: slots swept (3 above); every slot, and nothing else, if at least the
                 capacity.
+            free: offer free slots (1 above); False once the cache is known to be full
+                (`fill` at the capacity, which only `clear()` undoes).
 
         Returns:
             victims: `[size + 1]` int64 the chosen slots first, then the sentinel slot.
@@ -90,8 +95,8 @@ class Victims:
             slots = torch.arange(cap, device=device)
             victims, taken, candidates, _ = self._best(slots, None, slots >= fill, seq, want, size)
         else:
-            free = fill + torch.arange(size, device=device)  # 1: free slots
-            free = torch.where(free < cap, free, res.trash_slot)
+            first = fill + torch.arange(size if free else 0, device=device)  # 1: free slots
+            first = torch.where(first < cap, first, res.trash_slot)
             _, queued, queued_live = self.queue.segment(2 * size)  # 2: expired, oldest first
             if not self.policy.reactive:
                 queued_live &= res.next_use.index_select(0, queued) == NO_USE
@@ -103,14 +108,14 @@ class Victims:
             self._hand.copy_(swept[scan])  # where the next sweep starts
             swept = swept[:scan]
             swept_live = (swept < fill) & (self._offered.index_select(0, swept) != seq)
-            slots = torch.cat([free, queued, swept])
-            live = torch.cat([free < cap, queued_live, swept_live])
+            slots = torch.cat([first, queued, swept])
+            live = torch.cat([first < cap, queued_live, swept_live])
             is_free = torch.zeros_like(live)
-            is_free[:size] = True
+            is_free[: first.numel()] = True
             victims, taken, candidates, chosen = self._best(slots, live, is_free, seq, want, size)
             # The queue keeps the live entries it offered that were not taken.
-            width = queued.numel()
-            self.queue.advance(queued, queued_live & ~chosen[size : size + width])
+            at, width = first.numel(), queued.numel()
+            self.queue.advance(queued, queued_live & ~chosen[at : at + width])
         fill.add_((victims[:-1] >= fill).logical_and_(victims[:-1] < cap).sum())  # free taken
         self.queue.forget(victims)
         return victims, taken, candidates

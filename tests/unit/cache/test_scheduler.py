@@ -233,8 +233,9 @@ def test_a_cache_of_every_row_gives_each_row_its_own_slot(policy):
         assert torch.equal(plan.id_slots, ids)  # the sentinel row is the sentinel slot
         assert sorted(_loads(plan)) == sorted(set(real.tolist()) - seen)
         assert _loads(plan) == _loads(other)  # the same rows, in the same order
-        # The same counts; the free slots offered, one more (the cache one row larger).
-        assert plan.counts.tolist() == [*other.counts.tolist()[:5], int(other.counts[5]) + 1]
+        # The same counts; the free slots offered and left, one more (a cache one row larger).
+        counts, short_counts = plan.counts.tolist(), other.counts.tolist()
+        assert counts == [*short_counts[:5], *(c + 1 for c in short_counts[5:])]
         seen |= set(real.tolist())
         _check_bijection(whole)
         _check_pins(whole)
@@ -243,3 +244,23 @@ def test_a_cache_of_every_row_gives_each_row_its_own_slot(policy):
     assert whole.residency.num_pinned() == 0
     assert torch.equal(whole.residency.dirty_slots(), torch.tensor(sorted(seen)))
     assert asdict(whole.counters) == asdict(short.counters)
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru"])
+def test_a_full_cache_offers_no_free_slots_and_chooses_the_same(policy):
+    """Once the host sees a plan leave no free slot (`note_counts`), victims are chosen
+    without free-slot candidates: the same plans as a scheduler that keeps offering them."""
+    gen = torch.Generator().manual_seed(5)
+    told = Scheduler(20_000, 5_000, make_policy(policy), lookahead=2)
+    untold = Scheduler(20_000, 5_000, make_policy(policy), lookahead=2)
+    for step in range(12):
+        ids = torch.randint(0, 20_000, (1_500,), generator=gen)
+        plans = [s.stage_next() if s.enqueue(ids) >= 0 else None for s in (told, untold)]
+        told.note_counts(plans[0].counts.tolist())
+        for name in ("slots", "load_rows", "load_slots", "writeback_rows", "counts"):
+            assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), (step, name)
+        for s, plan in zip((told, untold), plans, strict=True):
+            s.release(plan, updated=True)
+        _check_bijection(told)
+    assert told._full and not untold._full  # the cache filled, and only one was told
+    assert told.counters.evictions > 0
