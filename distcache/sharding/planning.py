@@ -107,6 +107,7 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
                 TrainerConfig(world_size=world), kernel_config=KernelConfig(compute_device=device)
             )
         self._ids_per_batch = ids_per_batch
+        self._broadcasting = False
         self.shortfalls: list[Shortfall] = []
         """The tables whose cache the last plan raised to hold their batches in flight."""
         self._pooling_constraints = constraints or {}
@@ -127,10 +128,18 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
 
     def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
         plan = super().plan(module, sharders)
+        if self._broadcasting:  # rank 0 inside `collective_plan`: every rank finishes it
+            return plan
         return self._held(_with_cache_configs(plan, sharders, module), module)
 
     def collective_plan(self, module: Any, sharders: list[Any], pg: Any = None) -> ShardingPlan:
-        plan = super().collective_plan(module, sharders, pg)
+        # TorchRec's `collective_plan` runs `plan` on rank 0 and sends its result: each rank
+        # then attaches the configs and raises short caches alike, so each knows `shortfalls`.
+        self._broadcasting = True
+        try:
+            plan = super().collective_plan(module, sharders, pg)
+        finally:
+            self._broadcasting = False
         return self._held(_with_cache_configs(plan, sharders, module), module)
 
     def _held(self, plan: ShardingPlan, module: Any) -> ShardingPlan:

@@ -352,7 +352,10 @@ def planner_plans_bags_and_sequences(rank: int, world: int) -> dict:
     bag_sharder = CachedEmbeddingBagCollectionSharder(config, {"t3": _twice(config)})
     seq_sharder = CachedEmbeddingCollectionSharder(_twice(config))
     sharders = [bag_sharder, seq_sharder]
-    plan = CachedShardingPlanner(batch_size=3).collective_plan(model, sharders, dist.group.WORLD)
+    planner = CachedShardingPlanner(batch_size=3)
+    plan = planner.collective_plan(model, sharders, dist.group.WORLD)
+    # The planner raises a cache that cannot hold 2 batches of 3 samples x 2 ranks.
+    raised = {s.table: s for s in planner.shortfalls}
     configs = {
         f"{path}.{name}": (p.sharding_type, p.compute_kernel, p.cache_config)
         for path, module_plan in plan.plan.items()
@@ -373,11 +376,17 @@ def planner_plans_bags_and_sequences(rank: int, world: int) -> dict:
     return {
         "configs": configs,
         "expected": {
-            **{f"bags.{n}": bag_sharder.config_for(n) for n, *_ in TABLES},
-            **{f"seq.{n}": seq_sharder.config_for(n) for n, *_ in SEQ_TABLES},
+            **{f"bags.{n}": _held(bag_sharder.config_for(n), raised.get(n)) for n, *_ in TABLES},
+            **{f"seq.{n}": _held(seq_sharder.config_for(n), raised.get(n)) for n, *_ in SEQ_TABLES},
         },
+        "raised": sorted(raised),
         "batches": sum(s.batches for s in cache_stats(dmp).values()),
     }
+
+
+def _held(config: CacheConfig, short) -> CacheConfig:  # noqa: ANN001
+    """The sharder's `config`, raised where the planner found it too small (`short`)."""
+    return config if short is None else short.raised(config)
 
 
 def ec_with_bad_id(rank: int, world: int, bad_id: int) -> None:

@@ -88,6 +88,8 @@ def test_planner_gives_ebc_and_ec_tables_the_cached_kernel_and_their_configs():
             assert kernel == CACHED_KERNEL, (table, kernel)
             assert config == result["expected"][table], table
         assert result["batches"] > 0
+    # Some caches cannot hold the 2 batches x 3 samples x 2 ranks in flight: raised alike.
+    assert results[0]["raised"] and results[0]["raised"] == results[1]["raised"]
     assert results[0]["configs"] == results[1]["configs"]  # one plan over both ranks
 
 
