@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# Their home is `distcache.constants`; importable from here too while the planner core's files
+# (`distcache/planner/*.py`, `planner/torchrec/export.py`) still take them from this module.
+from distcache.constants import DEFAULT_LOOKAHEAD, HOT_ALL, HOT_REDUCE, HOT_TOUCHED  # noqa: F401
 from distcache.errors import DistcacheConfigError
 
 if TYPE_CHECKING:
@@ -14,12 +17,6 @@ if TYPE_CHECKING:
 
 POLICIES = ("lookahead", "lru", "lfu")
 STAGING = ("worker", "direct")
-HOT_ALL = "all"  # a replica's gradient: all of its rows all-reduced every step
-HOT_TOUCHED = "touched"  # only the rows each rank touched, all-gathered
-HOT_REDUCE = (HOT_ALL, HOT_TOUCHED)
-# The smallest L within 1.10 x of Belady's optimum on MovieLens-100K (20 %, 30 % of distinct
-# rows) and zipf traces (5 %, 10 %), batches of 64-256 (benchmarks/results/lookahead_sweep_*).
-DEFAULT_LOOKAHEAD = 64
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 KERNELS = ("fbgemm", "torch")
 #: distcache's optimizers that FBGEMM's TBE computes as distcache defines them -> FBGEMM's
