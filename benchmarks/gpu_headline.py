@@ -88,8 +88,8 @@ from _fbgemm_variants import FBGEMM_CACHED, FBGEMM_VARIANTS  # noqa: E402
 from _headline_step import dense_and_backward, phase  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
-from distcache.cache.config import DEFAULT_LOOKAHEAD  # noqa: E402
 from distcache.cache.engine import CacheEngine  # noqa: E402
+from distcache.constants import DEFAULT_LOOKAHEAD  # noqa: E402
 from distcache.data.traces import zipf_trace  # noqa: E402
 
 # The MLPerf DLRM Terabyte table sizes (also `distcache.data.criteo.CRITEO_TERABYTE_TABLE_SIZES`,

@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table, write_json  # noqa: E402
 
-from distcache.cache.config import DEFAULT_LOOKAHEAD  # noqa: E402
+from distcache.constants import DEFAULT_LOOKAHEAD  # noqa: E402
 
 TARGET_CAPACITY = 0.05  # issue 4: distcache at 5 % ...
 TARGET_X_TORCHREC = 0.7  # ... reaches 0.7 x TorchRec's in-memory pipeline (CPU, 2 ranks)

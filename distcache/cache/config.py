@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# Their home is `distcache.constants`; importable from here too while the planner core's files
+# (`distcache/planner/*.py`, `planner/torchrec/export.py`) still take them from this module.
+from distcache.constants import DEFAULT_LOOKAHEAD, HOT_ALL, HOT_REDUCE, HOT_TOUCHED  # noqa: F401
 from distcache.errors import DistcacheConfigError
 
 if TYPE_CHECKING:
@@ -14,12 +17,6 @@ if TYPE_CHECKING:
 
 POLICIES = ("lookahead", "lru", "lfu")
 STAGING = ("worker", "direct")
-HOT_ALL = "all"  # a replica's gradient: all of its rows all-reduced every step
-HOT_TOUCHED = "touched"  # only the rows each rank touched, all-gathered
-HOT_REDUCE = (HOT_ALL, HOT_TOUCHED)
-# The smallest L within 1.10 x of Belady's optimum on MovieLens-100K (20 %, 30 % of distinct
-# rows) and zipf traces (5 %, 10 %), batches of 64-256 (benchmarks/results/lookahead_sweep_*).
-DEFAULT_LOOKAHEAD = 64
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 KERNELS = ("fbgemm", "torch")
 #: distcache's optimizers that FBGEMM's TBE computes as distcache defines them -> FBGEMM's
@@ -70,24 +67,25 @@ class CacheConfig:
     copies them over) or 'direct' (the staging stream copies rows between the cache and the
     page-locked host rows, which it addresses directly, each copy bounded by a count on the
     device: no thread waits; `distcache.cache.transfer`). None (the default): 'direct' on a
-    CUDA device with Triton installed, 'worker' elsewhere. On an H200 with Criteo Terabyte's
-    48 GB of rows at 2 %, training waited on staging 0.5 % of the step with 'direct' and 11-12 %
-    with 'worker' (benchmarks/results/README.md, "Results on a GPU"). On CPU both run on the
-    training thread ('worker' copies the rows that move, 'direct' every padded entry): there is
-    no device to wait for, and a second thread would compete for the cores of its OpenMP team."""
+    CUDA device with Triton installed, 'worker' elsewhere: on a GPU, training waits on staging
+    far less with 'direct' (benchmarks/results/README.md, "Results on a GPU"). On CPU both run
+    on the training thread ('worker' copies the rows that move, 'direct' every padded entry):
+    there is no device to wait for, and a second thread would compete for the cores of its
+    OpenMP team."""
     kernel: str | None = None
     """What looks rows up and applies the fused optimizer in backward: 'fbgemm' (FBGEMM's
     table-batched embedding, TBE, run over the cache's slots: one forward and one backward
     kernel per cache, the optimizer fused, the cache its storage; `distcache.cache.tbe`) or
     'torch' (`F.embedding_bag` over the slots, the update by index_add_/index_copy_). Both
     compute the same update. None (the default): 'fbgemm' on a CPU for the stateful
-    optimizers (Adagrad, row-wise Adagrad: 4-6 x faster there) where FBGEMM's TBE computes them
-    as distcache defines them for the cache's rows (a width that is a multiple of 4; fp32 or
-    fp16 rows), else 'torch': for SGD (a scatter-add, which FBGEMM's Python wrapper outweighs on
-    small batches) and on CUDA devices (there the wrapper and its backward launcher cost the
-    host more than its kernels save the device: benchmarks/results/README.md, "Results on a
-    GPU"). 'fbgemm' where it cannot serve (fbgemm_gpu without CUDA kernels on a GPU, Adam, bf16
-    rows, among others) is an error when the cache is built."""
+    optimizers (Adagrad, row-wise Adagrad: its fused update is faster there) where FBGEMM's
+    TBE computes them as distcache defines them for the cache's rows (a width that is a
+    multiple of 4; fp32 or fp16 rows), else 'torch': for SGD (a scatter-add, which FBGEMM's
+    Python wrapper outweighs on small batches) and on CUDA devices (there the wrapper and its
+    backward launcher cost the host more than its kernels save the device:
+    benchmarks/results/README.md, "Results on a GPU"). 'fbgemm' where it cannot serve
+    (fbgemm_gpu without CUDA kernels on a GPU, Adam, bf16 rows, among others) is an error when
+    the cache is built."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
@@ -100,7 +98,7 @@ class CacheConfig:
     quarter more ids, routed to the sentinel row). A cache keeps 16 graphs; when sizes keep
     changing beyond that, it stops capturing (a warning says so). None (the default): on for a
     CUDA device, off elsewhere (on CPU an emulation replays the recorded ops, slower: for
-    tests). On an H200 at 2 %, 1.35-2.2 x the samples a second without them
+    tests). On a GPU they save the host most of its launches, which otherwise set the pace
     (benchmarks/results/README.md, "Results on a GPU")."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):

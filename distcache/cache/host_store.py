@@ -96,12 +96,10 @@ class HostStore:
 
 
 # Transparent huge pages for the rows (Linux): staging reads and writes rows scattered over
-# the whole store, and with 4 KiB pages nearly every row costs a TLB miss and a page walk. Measured
-# here (2 EPYC cores, THP in `madvise` mode), 5,000 random rows of 64 floats: a 6 GB store
-# gathered in 0.28 ms instead of 0.40, written back in 1.3 ms instead of 2.1; a 1.3 GB store
-# 0.25 instead of 0.29 ms. It costs time once, when the rows are first written: 2.4-6.7 s for
-# the 6 GB store against 1.3-1.6 s with small pages (this machine is a VM). Only an advice:
-# where THP is off or no huge page is free, the kernel uses small pages.
+# the whole store, and with 4 KiB pages nearly every row costs a TLB miss and a page walk. Huge
+# pages make those gathers and write-backs faster and cost time once, when the rows are first
+# written (benchmarks/results/README.md, "The engine"). Only an advice: where THP is off or no
+# huge page is free, the kernel uses small pages.
 _HUGE_PAGE_MIN_BYTES = 32 << 20
 _MADV_HUGEPAGE = 14
 _PAGE = 4096

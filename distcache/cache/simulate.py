@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from distcache.cache.config import DEFAULT_LOOKAHEAD, POLICIES, CacheConfig
+from distcache.cache.config import POLICIES, CacheConfig
 from distcache.cache.engine import CacheEngine
+from distcache.constants import DEFAULT_LOOKAHEAD
 from distcache.errors import DistcacheConfigError
 
 SIM_POLICIES = (*POLICIES, "optimal")

@@ -66,16 +66,9 @@ class Stager:
         direct: stage on the staging stream alone, addressing the host rows from the device
             (no worker thread).
         threaded: execute plans on the worker thread (default: on CUDA, where it waits for the
-            device; on CPU a plan runs when it is submitted). Measured on this project's 2-core
-            machine (`CachedEmbeddingBags`, 5M rows x 64, a 5 % cache, L = 64, forward and
-            backward of 65k ids, separate processes alternated 3 times): 18.7 ms a step with
-            the worker thread, 16.3 ms without, 14.0 ms with no copies at all; at 100 %
-            11.0-18.8 ms with it (in some runs the idle worker still slowed the training
-            thread's team; the cause was not isolated), 11.0-11.7 ms without. On CPU the
-            thread's copies use torch's intra-op threads: a second OpenMP team beside the
-            training thread's, which slows every parallel op of the process (986cc73 ran them
-            single-threaded: 17.5 -> 11.5 ms a step at 100 %; superseded by running them on the
-            training thread).
+            device; on CPU a plan runs when it is submitted: there a worker thread has no
+            device to wait for, and its copies would only compete with the training thread
+            for the cores of its OpenMP team: benchmarks/results/README.md, "The engine").
     """
 
     def __init__(

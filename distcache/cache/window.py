@@ -7,8 +7,8 @@ shapes are known on the host (no `unique`, no read-back):
   the front (`rows`: the batch's distinct rows in ascending order, then the sentinel row, which
   is larger than every row); each id learns its row's index there (`inv`). That is
   `unique(sorted=True, return_inverse=True)` with the padding the host can size. Every later
-  pass over a batch touches per-row arrays in ascending address order (3-4 x faster than random
-  order on a CPU, measured) and the padding hits one cache line.
+  pass over a batch touches per-row arrays in ascending address order (faster than random order
+  on a CPU: benchmarks/results/README.md, "The engine") and the padding hits one cache line.
 - `latest` `[rows + 2]` int32, per row: the position of the row's latest occurrence in a batch
   that is in the window and not yet staged, or -1. Row k of a batch sits at position `base + k`.
 - `next_use` `[ring]` int32, per position: the seq of the next batch that uses the row after this
@@ -40,10 +40,9 @@ from distcache.cache.select import pack
 from distcache.errors import LookaheadWindowError
 
 # torch's CPU sort of an integer tensor is a radix sort from 32,768 elements (ATen's grain
-# size) and a comparison sort below, several times slower per element from a few thousand
-# (torch 2.13, 1 thread, int32: 13,312 ids 506 us, the same padded to 32,768 221 us; 8,000
-# ids 248 against 215 us; 6,000 ids 79 us). So batches in between are padded to it. On CUDA
-# the padding costs one small copy.
+# size) and a comparison sort below, several times slower per element from a few thousand ids
+# (benchmarks/results/README.md, "The engine"). So batches in between are padded to it. On
+# CUDA the padding costs one small copy.
 _RADIX_FROM = 32_768
 _PAD_FROM = 8_192
 

@@ -3,24 +3,20 @@
 glibc serves an allocation of 32 MiB or more (its largest mmap threshold) with a fresh `mmap`
 and unmaps it when it is freed, so a tensor of that size made every step (a collection's pooled
 output at a large batch and dim, its gradient, an all-to-all's buffers) has every page of it
-faulted in again, every step: on this project's CPU machine about as slow as the all-to-all
-that moves it. Measured (2 gloo ranks, 8 tables of 2e5 x 512 table-wise, one id a bag, 2,048
-samples a rank; forward, backward, SGD; two runs each, alternated): TorchRec's plan on its own
-kernels 168-181 ms a step, 75-97 ms with freed memory kept; distcache's plan with hot rows 119
-ms, 68-69 ms.
+faulted in again, every step: on a CPU machine that can cost about as much as the all-to-all
+that moves it (benchmarks/results/README.md, "Host memory of the ranks").
 
 `keep_freed_memory` makes glibc serve every allocation from its heaps and keep what is freed
 there for reuse (`mallopt`: no `mmap` for allocations, trimming only above 2 GiB free, and one
 arena for every thread: a thread's own arena, 64 MiB at most, cannot hold such a tensor and
 gives its memory back when it is freed): a process's memory then stays near its peak, as a
 caching allocator's does, plus what fragmentation keeps (torch aligns its blocks, and a freed
-block fits the next request of its size only once merged with a neighbour): in the runs above
-150-200 MiB more resident memory per rank (2.2-2.3 GiB against 1.9-2.1), reached within 300
-steps and flat over the next 600. distcache's CPU ranks call it when they start (`run_ranks`' gloo
-workers, `process_group` on CPU: the training job, `measure`, `calibrate`, the distributed
-tests and benchmarks; a GPU rank's big tensors live on the device);
-`DISTCACHE_KEEP_FREED_MEMORY=0` leaves glibc's defaults. A process of your own calls it once,
-first thing. It is a no-op off glibc.
+block fits the next request of its size only once merged with a neighbour), a few hundred MiB
+a rank in the runs of the results' README, steady once reached. distcache's CPU ranks call it
+when they start (`run_ranks`' gloo workers, `process_group` on CPU: the training job,
+`measure`, `calibrate`, the distributed tests and benchmarks; a GPU rank's big tensors live on
+the device); `DISTCACHE_KEEP_FREED_MEMORY=0` leaves glibc's defaults. A process of your own
+calls it once, first thing. It is a no-op off glibc.
 """
 
 from __future__ import annotations

@@ -49,9 +49,10 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from distcache.cache.config import HOT_TOUCHED, CacheConfig
+from distcache.cache.config import CacheConfig
 from distcache.cache.optimizers import RowOptimizer, make_optimizer
 from distcache.cache.streams import DeviceInts
+from distcache.constants import HOT_TOUCHED
 from distcache.errors import DistcacheConfigError
 from distcache.sharding.hot_pool import AddColumns, PlaceRows, PooledRows
 from distcache.sharding.hot_reduce import (

@@ -30,7 +30,7 @@ from torchrec.distributed.composable.table_batched_embedding_slice import (
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import data_type_to_dtype
-from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -41,6 +41,7 @@ from distcache.cache.sequence import CachedEmbeddings
 from distcache.errors import DistcacheConfigError, UnsupportedError
 from distcache.sharding.parameter_sharding import CACHE_CONFIG_KEY
 from distcache.sharding.state import host_table, sharded_state, sharded_weight
+from distcache.sharding.torchrec_private import kernel_process_group, mark_updated_in_backward
 
 #: distcache's embedding optimizers (`CacheConfig.optimizer`) -> the optimizer classes TorchRec
 #: takes from `apply_optimizer_in_backward` (and prices in its planner). TorchRec turns each into
@@ -105,16 +106,15 @@ class _CacheOptimizer(FusedOptimizer):
         params: dict[str, torch.Tensor] = {}
         state: dict[Any, Any] = {}
         self._unsupported: list[str] = []
+        pg = kernel_process_group(kernel)
         for table in config.embedding_tables:
-            weight = sharded_weight(table, kernel.bags.table_weight(table.name), kernel._pg)
+            weight = sharded_weight(table, kernel.bags.table_weight(table.name), pg)
             params[f"{table.name}.weight"] = weight
             state[weight] = {}
             local = kernel.bags.table_state(table.name)
             if local.shape[1]:
                 try:
-                    state[weight] = {
-                        f"{table.name}.momentum1": sharded_state(table, local, kernel._pg)
-                    }
+                    state[weight] = {f"{table.name}.momentum1": sharded_state(table, local, pg)}
                 except UnsupportedError as err:  # trains; only checkpointing is refused
                     self._unsupported.append(str(err))
         lr = kernel.cache_config.learning_rate
@@ -201,7 +201,7 @@ class _CachedKernel:
             param = TableBatchedEmbeddingSlice(
                 store.weights.view(-1), lo * store.dim, hi * store.dim, hi - lo, store.dim
             )
-            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward
+            mark_updated_in_backward(param)
             self._param_per_table[spec.name] = param
         self._optim = _CacheOptimizer(self)
         # Called after every flush (the host rows are then up to date: more may be written

@@ -17,7 +17,8 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
 from distcache.cache.capacity import Shortfall, shortfall
-from distcache.cache.config import HOT_ALL, CacheConfig
+from distcache.cache.config import CacheConfig
+from distcache.constants import HOT_ALL
 
 #: Key of the table's `CacheConfig` in a customized kernel's fused params.
 CACHE_CONFIG_KEY = "distcache_cache_config"

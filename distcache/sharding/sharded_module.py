@@ -24,7 +24,6 @@ from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dp_sequence_sharding import DpSequenceEmbeddingSharding
-from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -54,6 +53,17 @@ from distcache.sharding.parameter_sharding import (
     CachedParameterSharding,
 )
 from distcache.sharding.state import shards_pinned_as_they_are
+from distcache.sharding.torchrec_private import (
+    emb_dim_per_rank_per_feature,
+    grouped_configs,
+    kernel_config,
+    output_dist_callbacks,
+    output_dist_codecs,
+    sharding_device,
+    sharding_env,
+    sharding_process_group,
+    with_values,
+)
 
 _SHARDING_TYPE = {
     "TwPooledEmbeddingSharding": ShardingType.TABLE_WISE,
@@ -246,7 +256,7 @@ class CachedShardedModule:
     def _hot_shards(self, kernel: CachedEmbeddingBagKernel | CachedEmbeddingKernel):  # noqa: ANN202
         """(table, first row, first column, host rows, [host state]) of the kernel's shards of
         hot tables (views of the host store, not flushed)."""
-        for table in kernel._config.embedding_tables:
+        for table in kernel_config(kernel).embedding_tables:
             if table.name not in self._hot.tables:
                 continue
             offsets = table.local_metadata.shard_offsets if table.local_metadata else [0, 0]
@@ -262,21 +272,21 @@ class CachedShardedModule:
             old = self._output_dists[i]
             if kind not in (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value):
                 continue
-            if getattr(old, "_codecs", None) is not None:
+            if output_dist_codecs(old) is not None:
                 continue
             # A group of its own: its backward all-to-all may run before or after the other
             # shardings' (autograd's order follows each rank's graph), which on one group
             # would pair different collectives across ranks.
-            pg = sharding._pg
+            pg = sharding_process_group(sharding)
             group = dist.new_group(
                 ranks=dist.get_process_group_ranks(pg), backend=dist.get_backend(pg)
             )
             self._output_dists[i] = CompactPooledEmbeddingDist(
                 group,
                 sharding.feature_names_per_rank(),
-                sharding._emb_dim_per_rank_per_feature(),
+                emb_dim_per_rank_per_feature(sharding),
                 old,
-                getattr(old, "_callbacks", None),
+                output_dist_callbacks(old),
             )
 
     def _hot_learning_rates(self):  # noqa: ANN202
@@ -389,10 +399,8 @@ class CachedShardedModule:
         )
         key_of_id = torch.repeat_interleave(key_of_bag, lengths, output_size=values.numel())
         bad, record = find_invalid(values, key_of_id, rows)
-        checked = copy.copy(features)  # the caller's batch is left as it was
-        checked._values = torch.where(bad, 0, values)
-        checked._jt_dict = None
-        return checked, HostCopy(record)
+        # A copy: the caller's batch is left as it was.
+        return with_values(features, torch.where(bad, 0, values)), HostCopy(record)
 
     def _feature_rows(self) -> dict[str, tuple[str, int]]:
         """Per feature of the collection, in its order: its table's name and rows."""
@@ -484,18 +492,13 @@ class ShardedCachedEmbeddingBagCollection(CachedShardedModule, ShardedEmbeddingB
             if kind is None:  # data parallel: TorchRec's dense lookup, wrapped in DDP later
                 self._lookups.append(sharding.create_lookup())
                 continue
-            configs = (
-                sharding._grouped_embedding_configs_per_rank[sharding._rank]
-                if isinstance(sharding, TwRwPooledEmbeddingSharding)
-                else sharding._grouped_embedding_configs
-            )
             self._lookups.append(
                 CachedGroupedLookup(
-                    grouped_configs=configs,
-                    pg=sharding._pg,
-                    device=self._device or sharding._device,
+                    grouped_configs=grouped_configs(sharding),
+                    pg=sharding_process_group(sharding),
+                    device=self._device or sharding_device(sharding),
                     sharding_type=None if kind == ShardingType.TABLE_WISE else kind,
-                    env=sharding._env,
+                    env=sharding_env(sharding),
                 )
             )
 
@@ -514,10 +517,10 @@ class ShardedCachedEmbeddingCollection(CachedShardedModule, ShardedEmbeddingColl
                 continue
             self._lookups.append(
                 CachedGroupedSequenceLookup(
-                    grouped_configs=sharding._grouped_embedding_configs,
-                    pg=sharding._pg,
-                    device=self._device or sharding._device,
-                    env=sharding._env,
+                    grouped_configs=grouped_configs(sharding),
+                    pg=sharding_process_group(sharding),
+                    device=self._device or sharding_device(sharding),
+                    env=sharding_env(sharding),
                 )
             )
 

@@ -20,6 +20,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from distcache.errors import UnsupportedError
+from distcache.sharding.torchrec_private import sharded_tensor, sharded_tensor_metadata_adjusted
 
 
 def _on_host(shard: ShardMetadata, local: torch.Tensor | None = None) -> ShardMetadata:
@@ -57,7 +58,7 @@ def sharded_weight(
     table: ShardedEmbeddingTable, local: torch.Tensor, pg: dist.ProcessGroup | None
 ) -> ShardedTensor:
     """The table's weights `[num_embeddings, dim]`, this rank holding `local` (a view)."""
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
+    return sharded_tensor(
         [Shard(local, _on_host(table.local_metadata, local))],
         _host_metadata(table.global_metadata, local),
         process_group=pg,
@@ -103,7 +104,7 @@ def sharded_state(
     metadata.tensor_properties.requires_grad = False
     metadata.tensor_properties.pin_memory = local.is_pinned()
     metadata.tensor_properties.dtype = local.dtype  # float32, whatever the rows' dtype
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
+    return sharded_tensor(
         [Shard(local, state_shard(table.local_metadata))], metadata, process_group=pg
     )
 
@@ -118,20 +119,14 @@ def shards_pinned_as_they_are() -> Iterator[None]:
     host rows, which are pinned. Only that property is taken; torch checks every other.
     TorchRec has no per-table hook there, so torch's classmethod is swapped for the call (the
     module's construction, on one thread) and put back after it, whatever happens."""
-    original = ShardedTensor.__dict__["_init_from_local_shards_and_global_metadata"]
 
-    def init(cls, local_shards, sharded_tensor_metadata, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    def adjust(local_shards: list[Shard], metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:
         pinned = {shard.tensor.is_pinned() for shard in local_shards}
-        properties = sharded_tensor_metadata.tensor_properties
+        properties = metadata.tensor_properties
         if len(pinned) == 1 and properties.pin_memory not in pinned:
-            sharded_tensor_metadata = copy.copy(sharded_tensor_metadata)
-            sharded_tensor_metadata.tensor_properties = dataclasses.replace(
-                properties, pin_memory=pinned.pop()
-            )
-        return original.__func__(cls, local_shards, sharded_tensor_metadata, *args, **kwargs)
+            metadata = copy.copy(metadata)
+            metadata.tensor_properties = dataclasses.replace(properties, pin_memory=pinned.pop())
+        return metadata
 
-    ShardedTensor._init_from_local_shards_and_global_metadata = classmethod(init)
-    try:
+    with sharded_tensor_metadata_adjusted(adjust):
         yield
-    finally:
-        ShardedTensor._init_from_local_shards_and_global_metadata = original

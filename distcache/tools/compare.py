@@ -44,7 +44,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 
-from distcache.cache.config import HOT_ALL
+from distcache.constants import HOT_ALL
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import all_to_all_sent_bytes, plan_cost
 from distcache.planner.solver import solve, uniform_plan

@@ -74,7 +74,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from distcache.cache.config import HOT_ALL
+from distcache.constants import HOT_ALL
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost, validate_plan
 from distcache.planner.solver import solve

@@ -17,7 +17,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import CacheParams, ShardingEnv
 
 from distcache import CacheConfig, DistcacheConfigError
-from distcache.cache.config import DEFAULT_LOOKAHEAD
+from distcache.constants import DEFAULT_LOOKAHEAD
 from distcache.planner.solver import uniform_plan
 from distcache.planner.torchrec.export import (
     cache_config_for,
