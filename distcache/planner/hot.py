@@ -62,20 +62,8 @@ def with_hot_rows(
 ) -> Mode:
     """`mode` with `hot_rows` replicated, reduced as `hot_reduce`, its terms priced again."""
     p = state.p
-    terms = shard_terms(
-        p.tables[index],
-        p.workload,
-        p.topology,
-        sharding=mode.sharding,
-        shards=mode.shards,
-        storage=mode.storage,
-        cache_fraction=mode.cache_fraction,
-        lookahead=mode.lookahead,
-        prefetch_depth=mode.prefetch_depth,
-        hot_rows=hot_rows,
-        hot_reduce=hot_reduce,
-    )
-    return dataclasses.replace(mode, hot_rows=hot_rows, hot_reduce=hot_reduce, terms=terms)
+    placement = dataclasses.replace(mode.placement, hot_rows=hot_rows, hot_reduce=hot_reduce)
+    return Mode(placement, shard_terms(p.tables[index], p.workload, p.topology, placement))
 
 
 def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
@@ -132,7 +120,7 @@ class _Variants:
             whole = self.get(index, mode, hot_rows, HOT_ALL)
             p = self.state.p
             terms = reduced_as(whole.terms, p.tables[index], p.workload, p.topology, hot_reduce)
-            variant = dataclasses.replace(whole, hot_reduce=hot_reduce, terms=terms)
+            variant = Mode(dataclasses.replace(whole.placement, hot_reduce=hot_reduce), terms)
         self.modes[key] = variant
         return variant
 

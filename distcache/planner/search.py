@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -241,10 +242,8 @@ def _load_plan(problem: Problem, plan: Plan) -> State | None:
     """A state holding `plan` (a seed); None when it does not fit."""
     state = State(problem)
     for index, (table, tp) in enumerate(zip(problem.tables, plan.tables, strict=True)):
-        cache = (tp.storage, tp.cache_fraction, tp.lookahead, tp.prefetch_depth)
-        key = (tp.sharding, len(tp.ranks), *cache)
-        known = problem.known[index].get((*key, 0, HOT_ALL))  # a menu mode, no replica
-        mode = known or problem.mode(table, *key[:2], cache)
+        placement = dataclasses.replace(tp.placement, hot_rows=0, hot_reduce=HOT_ALL)
+        mode = problem.known[index].get(placement) or problem.mode(table, placement)  # no replica
         state.add(index, mode, tp.ranks)
         if not mode.terms.fits_working_set or not state.fits():
             return None

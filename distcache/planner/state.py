@@ -203,7 +203,7 @@ class State:
 
     def plan(self, name: str, explanations: dict[str, str]) -> Plan:
         tables = tuple(
-            mode.table_plan(t.name, ranks)
+            mode.placement.table_plan(t.name, ranks)
             for t, (mode, ranks) in zip(self.p.tables, self.placed, strict=True)
         )
         return Plan(name=name, tables=tables, explanations=explanations)
