@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -44,34 +43,13 @@ from distcache.planner.types import (
 TIE_S = 1e-10  # seconds: step times closer than this are equal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Mode:
     """One way to place a table, priced per shard (ranks chosen later)."""
 
     placement: Placement
     terms: ShardTerms
     """`shard_terms` of `placement`."""
-
-    # The fields the stages read most, by their names.
-    @property
-    def sharding(self) -> str:
-        return self.placement.sharding
-
-    @property
-    def shards(self) -> int:
-        return self.placement.shards
-
-    @property
-    def storage(self) -> str:
-        return self.placement.storage
-
-    @property
-    def hot_rows(self) -> int:
-        return self.placement.hot_rows
-
-    @property
-    def hot_reduce(self) -> str:
-        return self.placement.hot_reduce
 
     def describe(self, ranks: tuple[int, ...] = ()) -> str:
         p = self.placement
@@ -191,16 +169,25 @@ class Problem:
     ) -> list[Mode]:
         opts = self.options
         modes = []
-        placed = functools.partial(Placement, sharding=sharding, shards=shards)
         if DEVICE in opts.storages or sharding == DATA_PARALLEL:
-            modes.append(self.mode(table, placed()))
+            modes.append(self.mode(table, Placement(sharding=sharding, shards=shards)))
         if HOST_CACHED not in opts.storages or sharding == DATA_PARALLEL:
             return modes
         rows, _, unique = shard_access(
             table, self.workload, self.topology, sharding=sharding, shards=shards
         )
+
+        def cached(fraction: float, lookahead: int, depth: int) -> Placement:
+            return Placement(
+                sharding=sharding,
+                shards=shards,
+                storage=HOST_CACHED,
+                cache_fraction=fraction,
+                lookahead=lookahead,
+                prefetch_depth=depth,
+            )
+
         for L, K in self.lookahead_pairs:
-            cached = functools.partial(placed, storage=HOST_CACHED, lookahead=L, prefetch_depth=K)
             too_small = None
             for fraction in sorted(set(opts.cache_fractions)):
                 if math.ceil(fraction * rows) < math.ceil((K + 1) * unique - 1e-9):
@@ -208,13 +195,13 @@ class Problem:
                     continue
                 if math.ceil(fraction * rows) >= rows and DEVICE in opts.storages:
                     break  # a cache of every row: device storage without the metadata
-                modes.append(self.mode(table, cached(cache_fraction=fraction)))
+                modes.append(self.mode(table, cached(fraction, L, K)))
             if too_small is not None:
                 reason = (
                     f"a cache of {100 * too_small:.3g}% or less holds fewer than the "
                     f"{math.ceil((K + 1) * unique)} rows of {K + 1} batches in flight"
                 )
-                self._reject(index, self.mode(table, cached(cache_fraction=too_small)), reason)
+                self._reject(index, self.mode(table, cached(too_small, L, K)), reason)
         return modes
 
     def mode(self, table: TableStats, placement: Placement) -> Mode:
@@ -238,7 +225,10 @@ class Problem:
     def _least_memory(self, groups: list[Group]) -> tuple[float, float]:
         """(device, host) bytes over all ranks of the table's mode using least device memory."""
         needs = [
-            (m.terms.device_memory_bytes * m.shards, m.terms.host_memory_bytes * m.shards)
+            (
+                m.terms.device_memory_bytes * m.placement.shards,
+                m.terms.host_memory_bytes * m.placement.shards,
+            )
             for g in groups
             for m in g.modes
         ]
@@ -302,7 +292,7 @@ class Group:
 
     def __init__(self, modes: list[Mode]):
         self.modes = modes
-        self.sharding, self.shards = modes[0].sharding, modes[0].shards
+        self.sharding, self.shards = modes[0].placement.sharding, modes[0].placement.shards
         t = [m.terms for m in modes]
         columns = np.array(
             [(x.lookup_s, x.staging_s, x.device_memory_bytes, x.host_memory_bytes) for x in t]

@@ -367,7 +367,7 @@ class TablePlan:
         return Placement(shards=len(self.ranks), **{name: getattr(self, name) for name in _PLACED})
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
     """How one table is placed, short of which ranks hold it: what the cost model prices
     (`shards.shard_terms`) and the solver chooses among (`candidates.Mode`). The fields are
@@ -378,7 +378,8 @@ class Placement:
     sharding: str
     """One of SHARDING_TYPES."""
     shards: int
-    """Shards (ranks) of the table: 1 table-wise; every rank data-parallel and row-wise."""
+    """Shards (ranks) of the table: 1 table-wise, every rank data-parallel and row-wise, a
+    node's ranks table-row-wise."""
     storage: str = DEVICE
     cache_fraction: float = 1.0
     lookahead: int = 0

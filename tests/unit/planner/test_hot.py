@@ -318,13 +318,15 @@ def test_sequence_tables_are_never_table_row_wise_and_their_replicas_run_on_our_
     )
     topology = dataclasses.replace(preset("h100", world_size=16), device_memory_bytes=16 * 10**9)
     layouts = {
-        group.modes[0].sharding
+        group.modes[0].placement.sharding
         for groups in Problem(sequence, topology, SolverOptions()).groups
         for group in groups
     }
     assert TABLE_ROW_WISE not in layouts and ROW_WISE in layouts
     pooled_layouts = {
-        g.modes[0].sharding for gs in Problem(pooled, topology, SolverOptions()).groups for g in gs
+        g.modes[0].placement.sharding
+        for gs in Problem(pooled, topology, SolverOptions()).groups
+        for g in gs
     }
     assert TABLE_ROW_WISE in pooled_layouts
     table = sequence.tables[1]  # 39k rows
