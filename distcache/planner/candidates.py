@@ -1,5 +1,6 @@
-"""The solver's menu: every way each table may be placed (`Mode`: sharding, shard count,
-storage, cache size, look-ahead), priced per shard once, before any search.
+"""The solver's menu: every way each table may be placed (`Mode`: a `Placement` — sharding,
+shard count, storage, cache size, look-ahead — with its terms), priced per shard once, before
+any search.
 
 Modes whose shard cannot fit an empty rank, or whose cache is smaller than its in-flight
 working set, are rejected here with the reason (`Problem.rejects`, shown in the plan's
@@ -32,8 +33,8 @@ from distcache.planner.types import (
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
+    Placement,
     SolverOptions,
-    TablePlan,
     TableStats,
     Topology,
     Workload,
@@ -42,62 +43,32 @@ from distcache.planner.types import (
 TIE_S = 1e-10  # seconds: step times closer than this are equal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Mode:
     """One way to place a table, priced per shard (ranks chosen later)."""
 
-    sharding: str
-    shards: int
-    storage: str
-    cache_fraction: float
-    lookahead: int
-    prefetch_depth: int
+    placement: Placement
     terms: ShardTerms
-    hot_rows: int = 0
-    hot_reduce: str = HOT_ALL
+    """`shard_terms` of `placement`."""
 
     def describe(self, ranks: tuple[int, ...] = ()) -> str:
-        if self.sharding == DATA_PARALLEL:
+        p = self.placement
+        if p.sharding == DATA_PARALLEL:
             where = "data_parallel"
-        elif self.sharding == TABLE_WISE:
+        elif p.sharding == TABLE_WISE:
             where = f"table_wise on rank {ranks[0]}" if ranks else "table_wise"
-        elif self.sharding == ROW_WISE:
-            where = f"row_wise on {self.shards} ranks"
+        elif p.sharding == ROW_WISE:
+            where = f"row_wise on {p.shards} ranks"
         else:  # column-wise and table-row-wise: the ranks named
-            where = f"{self.sharding} on {self.shards} ranks" + (f" {list(ranks)}" if ranks else "")
-        hot = f", {self.hot_rows} hot rows replicated" if self.hot_rows else ""
-        if self.hot_rows and self.hot_reduce != HOT_ALL:
+            where = f"{p.sharding} on {p.shards} ranks" + (f" {list(ranks)}" if ranks else "")
+        hot = f", {p.hot_rows} hot rows replicated" if p.hot_rows else ""
+        if p.hot_rows and p.hot_reduce != HOT_ALL:
             hot += " (touched rows all-gathered)"
-        if self.storage == DEVICE:
+        if p.storage == DEVICE:
             return f"{where}, device{hot}"
         return (
-            f"{where}, host + {100 * self.cache_fraction:.3g}% cache, L={self.lookahead} "
-            f"K={self.prefetch_depth}{hot}"
-        )
-
-    def key(self) -> tuple:
-        return (
-            self.sharding,
-            self.shards,
-            self.storage,
-            self.cache_fraction,
-            self.lookahead,
-            self.prefetch_depth,
-            self.hot_rows,
-            self.hot_reduce,
-        )
-
-    def table_plan(self, table: str, ranks: tuple[int, ...]) -> TablePlan:
-        return TablePlan(
-            table=table,
-            sharding=self.sharding,
-            ranks=ranks,
-            storage=self.storage,
-            cache_fraction=self.cache_fraction if self.storage == HOST_CACHED else 1.0,
-            lookahead=self.lookahead,
-            prefetch_depth=self.prefetch_depth,
-            hot_rows=self.hot_rows,
-            hot_reduce=self.hot_reduce,
+            f"{where}, host + {100 * p.cache_fraction:.3g}% cache, L={p.lookahead} "
+            f"K={p.prefetch_depth}{hot}"
         )
 
 
@@ -151,8 +122,8 @@ class Problem:
         self.groups = [self._groups(i, t) for i, t in enumerate(workload.tables)]
         self.work = [self._least_work(g) for g in self.groups]
         self.least_memory = [self._least_memory(g) for g in self.groups]
-        # Each table's modes by (sharding, shards, storage, fraction, L, K), to reuse for seeds.
-        self.known = [{m.key(): m for g in groups for m in g.modes} for groups in self.groups]
+        # Each table's modes by placement (none with a replica), to reuse for seeds.
+        self.known = [{m.placement: m for g in groups for m in g.modes} for groups in self.groups]
 
     def pair_sum(self, ranks: tuple[int, ...]) -> float:
         """`pair_s` summed over `ranks` (kept: the same few rank sets come back)."""
@@ -199,44 +170,43 @@ class Problem:
         opts = self.options
         modes = []
         if DEVICE in opts.storages or sharding == DATA_PARALLEL:
-            modes.append(self.mode(table, sharding, shards, (DEVICE, 1.0, 0, 0)))
+            modes.append(self.mode(table, Placement(sharding=sharding, shards=shards)))
         if HOST_CACHED not in opts.storages or sharding == DATA_PARALLEL:
             return modes
         rows, _, unique = shard_access(
             table, self.workload, self.topology, sharding=sharding, shards=shards
         )
+
+        def cached(fraction: float, lookahead: int, depth: int) -> Placement:
+            return Placement(
+                sharding=sharding,
+                shards=shards,
+                storage=HOST_CACHED,
+                cache_fraction=fraction,
+                lookahead=lookahead,
+                prefetch_depth=depth,
+            )
+
         for L, K in self.lookahead_pairs:
             too_small = None
             for fraction in sorted(set(opts.cache_fractions)):
-                cache = (HOST_CACHED, fraction, L, K)
                 if math.ceil(fraction * rows) < math.ceil((K + 1) * unique - 1e-9):
-                    too_small = cache  # cheaper to skip here than to price and reject
+                    too_small = fraction  # cheaper to skip here than to price and reject
                     continue
                 if math.ceil(fraction * rows) >= rows and DEVICE in opts.storages:
                     break  # a cache of every row: device storage without the metadata
-                modes.append(self.mode(table, sharding, shards, cache))
+                modes.append(self.mode(table, cached(fraction, L, K)))
             if too_small is not None:
                 reason = (
-                    f"a cache of {100 * too_small[1]:.3g}% or less holds fewer than the "
+                    f"a cache of {100 * too_small:.3g}% or less holds fewer than the "
                     f"{math.ceil((K + 1) * unique)} rows of {K + 1} batches in flight"
                 )
-                self._reject(index, self.mode(table, sharding, shards, too_small), reason)
+                self._reject(index, self.mode(table, cached(too_small, L, K)), reason)
         return modes
 
-    def mode(self, table: TableStats, sharding: str, shards: int, cache: tuple) -> Mode:
-        storage, fraction, lookahead, depth = cache
-        terms = shard_terms(
-            table,
-            self.workload,
-            self.topology,
-            sharding=sharding,
-            shards=shards,
-            storage=storage,
-            cache_fraction=fraction,
-            lookahead=lookahead,
-            prefetch_depth=depth,
-        )
-        return Mode(sharding, shards, storage, fraction, lookahead, depth, terms)
+    def mode(self, table: TableStats, placement: Placement) -> Mode:
+        """`table` placed as `placement`, priced."""
+        return Mode(placement, shard_terms(table, self.workload, self.topology, placement))
 
     def _fits(self, index: int, mode: Mode) -> bool:
         """Whether a shard fits an empty rank (else recorded as rejected, with the reason)."""
@@ -255,7 +225,10 @@ class Problem:
     def _least_memory(self, groups: list[Group]) -> tuple[float, float]:
         """(device, host) bytes over all ranks of the table's mode using least device memory."""
         needs = [
-            (m.terms.device_memory_bytes * m.shards, m.terms.host_memory_bytes * m.shards)
+            (
+                m.terms.device_memory_bytes * m.placement.shards,
+                m.terms.host_memory_bytes * m.placement.shards,
+            )
             for g in groups
             for m in g.modes
         ]
@@ -319,7 +292,7 @@ class Group:
 
     def __init__(self, modes: list[Mode]):
         self.modes = modes
-        self.sharding, self.shards = modes[0].sharding, modes[0].shards
+        self.sharding, self.shards = modes[0].placement.sharding, modes[0].placement.shards
         t = [m.terms for m in modes]
         columns = np.array(
             [(x.lookup_s, x.staging_s, x.device_memory_bytes, x.host_memory_bytes) for x in t]

@@ -60,7 +60,8 @@ def _text(
     """The chosen placement, then the best candidate of every other kind."""
     best: dict[tuple, Candidate] = {}
     for c in candidates:
-        kind = (c.mode.sharding, c.mode.shards, c.mode.storage)
+        p = c.mode.placement
+        kind = (p.sharding, p.shards, p.storage)
         if (c.mode, c.ranks) != (mode, ranks) and (
             kind not in best or _rank(c) < _rank(best[kind])
         ):

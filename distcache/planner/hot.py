@@ -31,7 +31,7 @@ from distcache.planner.candidates import Mode
 from distcache.planner.search import better_state as _better
 from distcache.planner.shards import reduced_as, shard_terms
 from distcache.planner.state import Footprint, State
-from distcache.planner.types import DATA_PARALLEL
+from distcache.planner.types import DATA_PARALLEL, Placement
 
 PASSES = 2
 
@@ -53,7 +53,9 @@ def _sharded(state: State) -> list[int]:
     """The placed tables a replica may serve (all but data-parallel ones). (A device-stored
     sequence table with one is priced on distcache's kernel: `shards.shard_terms`.)"""
     return [
-        i for i, placed in enumerate(state.placed) if placed and placed[0].sharding != DATA_PARALLEL
+        i
+        for i, placed in enumerate(state.placed)
+        if placed and placed[0].placement.sharding != DATA_PARALLEL
     ]
 
 
@@ -62,20 +64,8 @@ def with_hot_rows(
 ) -> Mode:
     """`mode` with `hot_rows` replicated, reduced as `hot_reduce`, its terms priced again."""
     p = state.p
-    terms = shard_terms(
-        p.tables[index],
-        p.workload,
-        p.topology,
-        sharding=mode.sharding,
-        shards=mode.shards,
-        storage=mode.storage,
-        cache_fraction=mode.cache_fraction,
-        lookahead=mode.lookahead,
-        prefetch_depth=mode.prefetch_depth,
-        hot_rows=hot_rows,
-        hot_reduce=hot_reduce,
-    )
-    return dataclasses.replace(mode, hot_rows=hot_rows, hot_reduce=hot_reduce, terms=terms)
+    placement = dataclasses.replace(mode.placement, hot_rows=hot_rows, hot_reduce=hot_reduce)
+    return Mode(placement, shard_terms(p.tables[index], p.workload, p.topology, placement))
 
 
 def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
@@ -95,7 +85,8 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
         if not changed:
             break
     for index, steps in tried.items():
-        notes[index] = _note(table_access(state.p.tables[index]), state.placed[index][0], steps)
+        chosen = state.placed[index][0].placement
+        notes[index] = _note(table_access(state.p.tables[index]), chosen, steps)
     return notes
 
 
@@ -112,7 +103,7 @@ class _Variants:
     def placed(self, index: int, modes: Sequence[Mode]) -> list[Footprint]:
         """The footprint of table `index` placed on its ranks as each of `modes` (its
         variants), those not priced yet priced together."""
-        keys = [(index, m.hot_rows, m.hot_reduce) for m in modes]
+        keys = [(index, m.placement.hot_rows, m.placement.hot_reduce) for m in modes]
         fresh = {k: m for k, m in zip(keys, modes, strict=True) if k not in self.footprints}
         if fresh:
             ranks = self.state.placed[index][1]
@@ -132,7 +123,7 @@ class _Variants:
             whole = self.get(index, mode, hot_rows, HOT_ALL)
             p = self.state.p
             terms = reduced_as(whole.terms, p.tables[index], p.workload, p.topology, hot_reduce)
-            variant = dataclasses.replace(whole, hot_reduce=hot_reduce, terms=terms)
+            variant = Mode(dataclasses.replace(whole.placement, hot_reduce=hot_reduce), terms)
         self.modes[key] = variant
         return variant
 
@@ -174,10 +165,8 @@ def _choose_one(
     (mode, ranks), now = state.placed[index], state.contrib[index]
     counts = hot_row_counts(state, index, shares)
     tries = [(h, r) for h in counts for r in (HOT_REDUCE if h else (HOT_ALL,))]
-    modes = [
-        mode if key == (mode.hot_rows, mode.hot_reduce) else variants.get(index, mode, *key)
-        for key in tries
-    ]
+    now_key = (mode.placement.hot_rows, mode.placement.hot_reduce)
+    modes = [mode if key == now_key else variants.get(index, mode, *key) for key in tries]
     fresh = iter(variants.placed(index, [m for m in modes if m is not mode]))
     footprints = [now if m is mode else next(fresh) for m in modes]
     tried: list[tuple[int, str, float | None]] = []
@@ -195,7 +184,9 @@ def _choose_one(
     return tried, best is not mode
 
 
-def _note(access: BinnedProfile, best: Mode, tried: list[tuple[int, str, float | None]]) -> str:
+def _note(
+    access: BinnedProfile, best: Placement, tried: list[tuple[int, str, float | None]]
+) -> str:
     """The replica chosen, then the step of each other replica tried."""
     others = ", ".join(
         f"{h} ({100 * access.head(h)[0]:.3g}% of lookups{_gathered(h, r)}): "

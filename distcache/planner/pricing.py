@@ -77,7 +77,7 @@ def evaluate(
     out: list[Candidate] = []
     for j, group in enumerate(table.groups):  # data parallel, table-wise, then the others
         if group.sharding in (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE) and enough is not None:
-            if any(c.fits and c.mode.sharding == TABLE_WISE and enough(c) for c in out):
+            if any(c.fits and c.mode.placement.sharding == TABLE_WISE and enough(c) for c in out):
                 break
             enough = None  # decided: the spread layouts are priced
         out += batch.layout(j)[0]
@@ -432,7 +432,8 @@ def _spread(
 def _no_room(batch: _Batch, k: int, mode: Mode) -> Candidate:
     """A candidate that does not fit, saying which memory is short on its ranks (plan `k`)."""
     t, p, load = mode.terms, batch.p, batch.load
-    needed = p.world if mode.sharding in (DATA_PARALLEL, ROW_WISE) else mode.shards
+    sharding, shards = mode.placement.sharding, mode.placement.shards
+    needed = p.world if sharding in (DATA_PARALLEL, ROW_WISE) else shards
     reason = f"no {needed} rank(s) with room for a shard"
     for kind, used, need, limit in (
         ("device", load.device_memory_bytes[k, 0], t.device_memory_bytes, p.device_limit),

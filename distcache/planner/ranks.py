@@ -10,8 +10,8 @@ and the solver's pricing both call it.
 
 Example::
 
-    terms = shard_contribution(shard_terms(table, workload, topology, sharding=TABLE_WISE,
-                                           shards=1), (3,), topology)
+    whole = Placement(sharding=TABLE_WISE, shards=1)
+    terms = shard_contribution(shard_terms(table, workload, topology, whole), (3,), topology)
     step = rank_step_of(terms, dense_s=0.001, topology=topology).total_s()  # [W] seconds
 """
 

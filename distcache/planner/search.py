@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -72,7 +73,7 @@ def _pick(
     near = [c for c in permitted if c.estimate_s <= cutoff]
 
     def key(c: Candidate) -> tuple:
-        staging = c.mode.terms.staging_bytes_per_step * c.mode.shards
+        staging = c.mode.terms.staging_bytes_per_step * c.mode.placement.shards
         tail = (_memory(c), staging) if prefer == "time_memory" else (staging, _memory(c))
         return (round(c.work_s / TIE_S), *tail, c.estimate_s)
 
@@ -81,7 +82,7 @@ def _pick(
 
 def _memory(c: Candidate) -> float:
     """Device bytes a candidate takes over all its ranks."""
-    return c.mode.terms.device_memory_bytes * c.mode.shards
+    return c.mode.terms.device_memory_bytes * c.mode.placement.shards
 
 
 def _greedy(problem: Problem, prefer: str, kinds: Collection[str] | None = None) -> State:
@@ -115,8 +116,8 @@ def _greedy(problem: Problem, prefer: str, kinds: Collection[str] | None = None)
 
         def allowed(c: Candidate, room: np.ndarray = free - reserved) -> bool:
             t = c.mode.terms
-            return t.device_memory_bytes * c.mode.shards <= room[0] and (
-                t.host_memory_bytes * c.mode.shards <= room[1]
+            return t.device_memory_bytes * c.mode.placement.shards <= room[0] and (
+                t.host_memory_bytes * c.mode.placement.shards <= room[1]
             )
 
         def enough(c: Candidate, rest: float = remaining) -> bool:
@@ -134,7 +135,8 @@ def _no_fit_error(state: State, index: int) -> DistcacheConfigError:
     problem, table = state.p, state.p.tables[index]
     reasons: dict[tuple, str] = {}
     for c in problem.rejects[index] + evaluate(state, index):
-        kind = (c.mode.sharding, c.mode.shards, c.mode.storage)
+        p = c.mode.placement
+        kind = (p.sharding, p.shards, p.storage)
         if kind not in reasons or reasons[kind].startswith("a cache of"):
             reasons[kind] = c.reason  # a memory reason says more than a too-small cache
     listed = "; ".join(f"{kind_text(*k)}: {r}" for k, r in reasons.items())
@@ -241,10 +243,10 @@ def _load_plan(problem: Problem, plan: Plan) -> State | None:
     """A state holding `plan` (a seed); None when it does not fit."""
     state = State(problem)
     for index, (table, tp) in enumerate(zip(problem.tables, plan.tables, strict=True)):
-        cache = (tp.storage, tp.cache_fraction, tp.lookahead, tp.prefetch_depth)
-        key = (tp.sharding, len(tp.ranks), *cache)
-        known = problem.known[index].get((*key, 0, HOT_ALL))  # a menu mode, no replica
-        mode = known or problem.mode(table, *key[:2], cache)
+        placement = tp.placement
+        if placement.hot_rows or placement.hot_reduce != HOT_ALL:  # a menu mode: no replica
+            placement = dataclasses.replace(placement, hot_rows=0, hot_reduce=HOT_ALL)
+        mode = problem.known[index].get(placement) or problem.mode(table, placement)
         state.add(index, mode, tp.ranks)
         if not mode.terms.fits_working_set or not state.fits():
             return None
@@ -265,7 +267,7 @@ def starts(problem: Problem, seeds: Iterable[Plan]) -> list[State]:
             states.append(_greedy(problem, prefer))
         except DistcacheConfigError as exc:
             error = error or exc
-        cached = any(m.storage == HOST_CACHED for s in states for m, _ in s.placed)
+        cached = any(m.placement.storage == HOST_CACHED for s in states for m, _ in s.placed)
         if states and not cached:
             break  # memory was not binding: the other passes would find the same plan
     states += _single_type_starts(problem, states)
@@ -296,7 +298,7 @@ def _single_type_starts(problem: Problem, states: list[State]) -> list[State]:
                 out.append(_greedy(problem, prefer, kinds=(sharding,)))
             except DistcacheConfigError:
                 continue  # no fitting placement of this type for some table, this way
-            if not any(m.storage == HOST_CACHED for m, _ in out[-1].placed):
+            if not any(m.placement.storage == HOST_CACHED for m, _ in out[-1].placed):
                 break  # memory did not bind: the other passes would find the same plan
     return out
 

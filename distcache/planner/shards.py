@@ -4,8 +4,9 @@ all-to-all bytes it exchanges with each peer. The formulas are in `cost.py`'s do
 
 Example::
 
-    terms = shard_terms(table, workload, topology, sharding=ROW_WISE, shards=8,
-                        storage=HOST_CACHED, cache_fraction=0.05, lookahead=64, prefetch_depth=1)
+    placement = Placement(sharding=ROW_WISE, shards=8, storage=HOST_CACHED,
+                          cache_fraction=0.05, lookahead=64, prefetch_depth=1)
+    terms = shard_terms(table, workload, topology, placement)
     print(terms.lookup_s, terms.staging_s, terms.device_memory_bytes)
 """
 
@@ -20,12 +21,12 @@ from distcache.planner.binned import table_access
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
-    DEVICE,
     HOST_CACHED,
     OPTIMIZER_STATE,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
+    Placement,
     TablePlan,
     TableStats,
     Topology,
@@ -230,27 +231,18 @@ def shard_terms(
     table: TableStats,
     workload: Workload,
     topology: Topology,
-    *,
-    sharding: str,
-    shards: int,
-    storage: str = DEVICE,
-    cache_fraction: float = 1.0,
-    lookahead: int = 0,
-    prefetch_depth: int = 0,
-    hot_rows: int = 0,
-    hot_reduce: str = HOT_ALL,
+    placement: Placement,
 ) -> ShardTerms:
-    """The terms of one shard of `table` placed as described (see the module docstring).
+    """The terms of one shard of `table` placed as `placement` says (see the module docstring).
 
     Args:
         table: the table.
         workload: batch size, optimizer and dtype.
         topology: rates and world size.
-        sharding: one of `types.SHARDING_TYPES`.
-        shards: number of shards (ranks) of the table; ignored for data parallel.
-        storage, cache_fraction, lookahead, prefetch_depth, hot_rows, hot_reduce: as in
-            `TablePlan`.
+        placement: sharding, shards (ignored for data parallel), storage, cache and replica.
     """
+    sharding, shards, storage = placement.sharding, placement.shards, placement.storage
+    lookahead, prefetch_depth = placement.lookahead, placement.prefetch_depth
     dtype = workload.dtype_bytes
     per_rank_ids = workload.batch_size_per_rank * table.pooling_factor
     pooling = table.pooling_factor if table.pooling_factor > 0 else 1.0  # ids a bag
@@ -260,12 +252,12 @@ def shard_terms(
     element = workload.element_bytes(table)  # the rows' dtype; state and outputs: `dtype`
     row_bytes = dim * element + OPTIMIZER_STATE[workload.optimizer](dim) * dtype
     sharded = sharding != DATA_PARALLEL
-    hot_rows = hot_rows if sharded else 0
+    hot_rows = placement.hot_rows if sharded else 0
     rows, ids, unique = shard_access(
         table, workload, topology, sharding=sharding, shards=shards, hot_rows=hot_rows
     )
     cached = storage == HOST_CACHED
-    cache_rows = min(rows, math.ceil(cache_fraction * rows)) if cached else rows
+    cache_rows = min(rows, math.ceil(placement.cache_fraction * rows)) if cached else rows
     loads = 0.0
     if cached:
         # Row splits: the table's cache is the shards' caches together. Hot rows take no slot:
@@ -302,7 +294,7 @@ def shard_terms(
         reduced_in_node=sharding == TABLE_ROW_WISE,
         pooling_factor=pooling,
         collectives=collective_kind(sharding, table.pooled),
-        **_hot_terms(table, workload, topology, hot_rows, hot_mass, hot_reduce),
+        **_hot_terms(table, workload, topology, hot_rows, hot_mass, placement.hot_reduce),
     )
 
 
@@ -439,19 +431,7 @@ def table_plan_terms(
     table_plan: TablePlan, table: TableStats, workload: Workload, topology: Topology
 ) -> ShardTerms:
     """`shard_terms` of the shards of `table_plan` (every shard of a table is alike)."""
-    return shard_terms(
-        table,
-        workload,
-        topology,
-        sharding=table_plan.sharding,
-        shards=len(table_plan.ranks),
-        storage=table_plan.storage,
-        cache_fraction=table_plan.cache_fraction,
-        lookahead=table_plan.lookahead,
-        prefetch_depth=table_plan.prefetch_depth,
-        hot_rows=table_plan.hot_rows,
-        hot_reduce=table_plan.hot_reduce,
-    )
+    return shard_terms(table, workload, topology, table_plan.placement)
 
 
 def sent_bags_per_rank(terms: ShardTerms, shards: int) -> float:

@@ -117,11 +117,11 @@ class State:
             t = mode.terms
             row[self.size :] = (
                 t.all_reduce_bytes,
-                sent_bags_per_rank(t, mode.shards),
+                sent_bags_per_rank(t, mode.placement.shards),
                 t.hot_reduce_bytes,
-                mode.hot_rows > 0,
+                t.hot_rows > 0,
                 t.hot_gather_bytes,
-                _gathers(mode),
+                _gathers(t),
                 self._link_work(mode, ranks, rank_terms),
             )
             out.append(Footprint(row, rank_terms, t.collectives))
@@ -203,7 +203,7 @@ class State:
 
     def plan(self, name: str, explanations: dict[str, str]) -> Plan:
         tables = tuple(
-            mode.table_plan(t.name, ranks)
+            mode.placement.table_plan(t.name, ranks)
             for t, (mode, ranks) in zip(self.p.tables, self.placed, strict=True)
         )
         return Plan(name=name, tables=tables, explanations=explanations)
@@ -219,12 +219,12 @@ def shared_s(
     if mode is not None:
         t = mode.terms
         dp += t.all_reduce_bytes
-        sent += sent_bags_per_rank(t, mode.shards)
+        sent += sent_bags_per_rank(t, mode.placement.shards)
         used.add(t.collectives)
         hot_bytes += t.hot_reduce_bytes
-        hot_tables += mode.hot_rows > 0
+        hot_tables += t.hot_rows > 0
         gather += t.hot_gather_bytes
-        gathered += _gathers(mode)
+        gathered += _gathers(t)
     return global_terms(
         problem.workload,
         problem.topology,
@@ -265,6 +265,6 @@ def _swapped(kinds: Counter[str], out: str, into: str) -> Counter[str]:
     return kinds - Counter({out: 1}) + Counter({into: 1})
 
 
-def _gathers(mode: Mode) -> bool:
-    """Whether `mode` replicates hot rows whose touched rows are all-gathered."""
-    return mode.hot_rows > 0 and mode.hot_reduce == HOT_TOUCHED
+def _gathers(terms: ShardTerms) -> bool:
+    """Whether a table of `terms` replicates hot rows whose touched rows are all-gathered."""
+    return terms.hot_rows > 0 and terms.hot_reduce == HOT_TOUCHED

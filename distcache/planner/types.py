@@ -13,7 +13,7 @@ TorchRec (tests/unit/planner/test_core_imports.py).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -360,6 +360,42 @@ class TablePlan:
             f"table {t!r}: expected 0 <= prefetch_depth <= lookahead, got "
             f"{self.prefetch_depth} and {self.lookahead}",
         )
+
+    @property
+    def placement(self) -> Placement:
+        """How the table is placed, its ranks counted (`Placement.shards`)."""
+        return Placement(shards=len(self.ranks), **{name: getattr(self, name) for name in _PLACED})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """How one table is placed, short of which ranks hold it: what the cost model prices
+    (`shards.shard_terms`) and the solver chooses among (`candidates.Mode`). The fields are
+    `TablePlan`'s, with the number of its ranks for the ranks themselves. A `TablePlan`, which
+    validates what enters from outside the solver, is a placement on named ranks
+    (`TablePlan.placement`, `Placement.table_plan`)."""
+
+    sharding: str
+    """One of SHARDING_TYPES."""
+    shards: int
+    """Shards (ranks) of the table: 1 table-wise, every rank data-parallel and row-wise, a
+    node's ranks table-row-wise."""
+    storage: str = DEVICE
+    cache_fraction: float = 1.0
+    lookahead: int = 0
+    prefetch_depth: int = 0
+    hot_rows: int = 0
+    hot_reduce: str = HOT_ALL
+
+    def table_plan(self, table: str, ranks: tuple[int, ...]) -> TablePlan:
+        """`table` placed so on `ranks` (`shards` of them)."""
+        return TablePlan(
+            table=table, ranks=ranks, **{name: getattr(self, name) for name in _PLACED}
+        )
+
+
+_PLACED = tuple(f.name for f in fields(Placement) if f.name != "shards")
+"""The fields a `Placement` shares with a `TablePlan`."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -349,6 +349,20 @@ def calibrate(
     return _measurements(device, ranks, threads, figures, per_rank[0].links, seconds)
 
 
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+# The figures `topology_from` passes on as measured, under the same name in `Measurements` and
+# `Topology` (the rates and the framework's overheads); it derives the others.
+_AS_MEASURED = tuple(
+    sorted(
+        (_field_names(Measurements) & _field_names(Topology))
+        - {"device_memory_bytes", "host_memory_bytes", "sync_latency_s"}
+    )
+)
+
+
 def topology_from(m: Measurements, *, name: str) -> Topology:
     """The `Topology` of a calibrated machine.
 
@@ -372,6 +386,7 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
             0.0, m.reduce_scatter.latency_s + m.all_gather.latency_s - 2 * latency
         )
     return Topology(
+        **{figure: getattr(m, figure) for figure in _AS_MEASURED},
         name=name,
         world_size=m.ranks,
         ranks_per_node=m.ranks,
@@ -379,26 +394,9 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
         device_memory_bytes=int(m.device_memory_bytes),
         host_memory_bytes=int(m.host_memory_bytes),
         device_memory_bw_bytes_per_s=2 * m.copy_bw_bytes_per_s,
-        host_to_device_bw_bytes_per_s=m.host_to_device_bw_bytes_per_s,
-        host_to_device_latency_s=m.host_to_device_latency_s,
         intra_node_bw_bytes_per_s=bw,
         inter_node_bw_bytes_per_s=bw,
         network_latency_s=latency,
-        dense_flops_per_s=m.dense_flops_per_s,
-        lookup_rows_per_s=m.lookup_rows_per_s,
-        lookup_bytes_per_s=m.lookup_bytes_per_s,
-        device_lookup_rows_per_s=m.device_lookup_rows_per_s,
-        device_lookup_bytes_per_s=m.device_lookup_bytes_per_s,
-        cache_scan_rows_per_s=m.cache_scan_rows_per_s,
-        dense_update_bytes_per_s=m.dense_update_bytes_per_s,
-        dense_activation_bytes_per_s=m.dense_activation_bytes_per_s,
-        interaction_s_per_element=m.interaction_s_per_element,
-        interaction_s_per_pair=m.interaction_s_per_pair,
-        dense_layer_overhead_s=m.dense_layer_overhead_s,
-        step_overhead_s=m.step_overhead_s,
-        sharding_overhead_s=m.sharding_overhead_s,
-        id_overhead_s=m.id_overhead_s,
-        hot_bag_overhead_s=m.hot_bag_overhead_s,
         row_wise_output_slowdown=row_wise_slowdown,
         row_wise_output_latency_s=row_wise_latency,
         sync_latency_s=None if m.sync_latency_s is None else max(latency, m.sync_latency_s),

@@ -73,7 +73,7 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
-from distcache.cache.config import HOT_ALL, CacheConfig
+from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.planner.binned import table_access
 from distcache.planner.shards import on_distcache_kernel
@@ -87,11 +87,11 @@ from distcache.planner.torchrec.modules import (
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
-    DEVICE,
     HOST_CACHED,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
+    Placement,
     Plan,
     TablePlan,
     TableStats,
@@ -480,28 +480,20 @@ def _table_plan(stats: TableStats, sharding: ParameterSharding, conv: _Conversio
     elif sharding_type == TABLE_ROW_WISE:  # rows over a node's ranks (grid: in every node)
         split = _row_splits(sharding) or len(ranks)
     shard_rows = -(-stats.rows // split)
+    layout = Placement(sharding=sharding_type, shards=len(ranks))
     if kernel == _K.FUSED_UVM.value:  # no cache: model the smallest one the cost model accepts
         touched = table_access(stats).unique(
             conv.workload.batch_size_per_rank * stats.pooling_factor * world_size
         )
-        placement = _cached(min(1.0, math.ceil(touched / split) / shard_rows), 0, 0)
+        placement = _cached(layout, min(1.0, math.ceil(touched / split) / shard_rows), 0, 0)
     else:
-        placement = _storage(
-            stats.name, kernel, sharding, shard_rows, conv.cache_load_factor, conv.default_config
-        )
-    storage, fraction, lookahead, depth = placement
+        placement = _storage(stats.name, layout, kernel, sharding, shard_rows, conv)
     config = getattr(sharding, "cache_config", None)  # distcache's sharding: its hot rows
-    return TablePlan(
-        table=stats.name,
-        sharding=sharding_type,
-        ranks=ranks,
-        storage=storage,
-        cache_fraction=fraction,
-        lookahead=lookahead,
-        prefetch_depth=depth,
-        hot_rows=len(config.hot_rows) if config is not None else 0,
-        hot_reduce=config.hot_reduce if config is not None and config.hot_rows else HOT_ALL,
-    )
+    if config is not None and config.hot_rows:
+        placement = dataclasses.replace(
+            placement, hot_rows=len(config.hot_rows), hot_reduce=config.hot_reduce
+        )
+    return placement.table_plan(stats.name, ranks)
 
 
 def _shard_ranks(table: str, sharding: ParameterSharding) -> tuple[int, ...]:
@@ -534,36 +526,45 @@ def _column_ranks(dim: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
 
 def _storage(
     table: str,
+    layout: Placement,
     kernel: str,
     sharding: ParameterSharding,
     shard_rows: int,
-    cache_load_factor: float,
-    default_config: CacheConfig,
-) -> tuple[str, float, int, int]:
-    """(storage, cache_fraction, lookahead, prefetch_depth) of one TorchRec table."""
+    conv: _Conversion,
+) -> Placement:
+    """`layout` (the table's sharding and shards, on the device) stored as TorchRec's `kernel`
+    stores it: its storage, cache fraction, look-ahead and prefetch depth."""
     if kernel in _DEVICE_KERNELS:
-        return DEVICE, 1.0, 0, 0
+        return layout
     if kernel == _K.FUSED_UVM_CACHING.value or kernel in _OFFLOAD_KERNELS:
         params = sharding.cache_params
-        factor = params.load_factor if params and params.load_factor else cache_load_factor
-        return _cached(min(1.0, float(factor)), 0, 0)
+        factor = params.load_factor if params and params.load_factor else conv.cache_load_factor
+        return _cached(layout, min(1.0, float(factor)), 0, 0)
     if kernel == CACHED_KERNEL:
         config = getattr(sharding, "cache_config", None)
         if not isinstance(sharding, CachedParameterSharding) or config is None:
-            config = default_config
+            config = conv.default_config
         if isinstance(config.capacity, float):  # a fraction, as the plan's (kept exact)
             fraction = config.capacity
         else:
             fraction = config.capacity_rows(shard_rows) / shard_rows
         if config.is_reactive:
-            return _cached(fraction, 0, 0)
-        return _cached(fraction, config.lookahead, config.prefetch_depth)
+            return _cached(layout, fraction, 0, 0)
+        return _cached(layout, fraction, config.lookahead, config.prefetch_depth)
     raise DistcacheConfigError(
         f"table {table!r}: compute kernel {kernel!r} has no distcache equivalent"
     )
 
 
-def _cached(fraction: float, lookahead: int, depth: int) -> tuple[str, float, int, int]:
+def _cached(layout: Placement, fraction: float, lookahead: int, depth: int) -> Placement:
+    """`layout` host-cached with a cache of `fraction` of its rows; on the device (as it is)
+    for a cache of every row."""
     if fraction >= 1.0:
-        return DEVICE, 1.0, 0, 0
-    return HOST_CACHED, fraction, lookahead, depth
+        return layout
+    return dataclasses.replace(
+        layout,
+        storage=HOST_CACHED,
+        cache_fraction=fraction,
+        lookahead=lookahead,
+        prefetch_depth=depth,
+    )

@@ -23,6 +23,7 @@ from distcache.planner.types import (
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
+    Placement,
     Plan,
     TablePlan,
     TableStats,
@@ -122,7 +123,9 @@ def test_reactive_cache_is_priced_with_lru_on_the_critical_path():
 
 
 def _terms(table, topology=TOPOLOGY, **kwargs):
-    return shard_terms(table, WORKLOAD, topology, sharding=TABLE_WISE, shards=1, **kwargs)
+    return shard_terms(
+        table, WORKLOAD, topology, Placement(sharding=TABLE_WISE, shards=1, **kwargs)
+    )
 
 
 def test_bigger_caches_stage_less():
@@ -161,9 +164,9 @@ def test_more_bandwidth_is_never_slower():
 def test_sharding_semantics():
     table = WORKLOAD.tables[0]
     tw = _terms(table)
-    rw = shard_terms(table, WORKLOAD, TOPOLOGY, sharding=ROW_WISE, shards=2)
-    cw = shard_terms(table, WORKLOAD, TOPOLOGY, sharding=COLUMN_WISE, shards=2)
-    dp = shard_terms(table, WORKLOAD, TOPOLOGY, sharding=DATA_PARALLEL, shards=2)
+    rw = shard_terms(table, WORKLOAD, TOPOLOGY, Placement(sharding=ROW_WISE, shards=2))
+    cw = shard_terms(table, WORKLOAD, TOPOLOGY, Placement(sharding=COLUMN_WISE, shards=2))
+    dp = shard_terms(table, WORKLOAD, TOPOLOGY, Placement(sharding=DATA_PARALLEL, shards=2))
     assert (rw.shard_rows, rw.ids_per_step) == (500, tw.ids_per_step / 2)
     assert rw.unique_rows_per_step == pytest.approx(tw.unique_rows_per_step / 2)
     assert rw.embedding_bytes_per_peer == tw.embedding_bytes_per_peer  # partial sums, full dim
@@ -276,11 +279,11 @@ def test_cpu_staging_is_never_hidden():
 
 def test_data_parallel_tables_pay_a_dense_update():
     table = WORKLOAD.tables[0]  # 1000 rows of 16 floats (64 B, 2 sectors), 200 ids per rank
-    dp = shard_terms(table, WORKLOAD, TOPOLOGY, sharding=DATA_PARALLEL, shards=2)
+    dp = shard_terms(table, WORKLOAD, TOPOLOGY, Placement(sharding=DATA_PARALLEL, shards=2))
     lookups = 2 * 200 * 64 / 1e11
     assert dp.lookup_s == pytest.approx(lookups + DENSE_UPDATE_PASSES * 1000 * 64 / 1e11)
     measured = dataclasses.replace(TOPOLOGY, dense_update_bytes_per_s=1e9)
-    dp = shard_terms(table, WORKLOAD, measured, sharding=DATA_PARALLEL, shards=2)
+    dp = shard_terms(table, WORKLOAD, measured, Placement(sharding=DATA_PARALLEL, shards=2))
     assert dp.lookup_s == pytest.approx(lookups + 1000 * 64 / 1e9)
 
 
@@ -398,8 +401,8 @@ def test_half_precision_rows_halve_row_bytes_not_the_state_or_the_wire():
     half = dataclasses.replace(full, row_dtype_bytes=2)
     assert workload.row_bytes(full) == 16 * 4 + 4 and workload.row_bytes(half) == 16 * 2 + 4
     kwargs = dict(storage=HOST_CACHED, cache_fraction=0.05, lookahead=8, prefetch_depth=1)
-    a = shard_terms(full, workload, TOPOLOGY, sharding=ROW_WISE, shards=2, **kwargs)
-    b = shard_terms(half, workload, TOPOLOGY, sharding=ROW_WISE, shards=2, **kwargs)
+    a = shard_terms(full, workload, TOPOLOGY, Placement(sharding=ROW_WISE, shards=2, **kwargs))
+    b = shard_terms(half, workload, TOPOLOGY, Placement(sharding=ROW_WISE, shards=2, **kwargs))
     assert b.loads_per_step == a.loads_per_step
     assert b.staging_bytes_per_step == pytest.approx(a.staging_bytes_per_step * 36 / 68)
     assert b.host_memory_bytes == a.host_memory_bytes * 36 // 68
@@ -499,13 +502,15 @@ def test_sequence_table_outputs_a_row_per_id_by_hand(sharding, ranks, rows_sent)
     slow = dataclasses.replace(TOPOLOGY, row_wise_output_slowdown=4.0)
     width = 16 // (2 if sharding == COLUMN_WISE else 1)
     sequence, pooled = SEQUENCE.tables[0], WORKLOAD.tables[0]
-    terms = shard_terms(sequence, SEQUENCE, slow, sharding=sharding, shards=len(ranks))
+    terms = shard_terms(sequence, SEQUENCE, slow, Placement(sharding=sharding, shards=len(ranks)))
     assert terms.embedding_bytes_per_peer == pytest.approx(rows_sent * width * 4)
     assert terms.collectives == f"{sharding}/sequence"
-    bags = shard_terms(pooled, WORKLOAD, TOPOLOGY, sharding=sharding, shards=len(ranks))
+    bags = shard_terms(pooled, WORKLOAD, TOPOLOGY, Placement(sharding=sharding, shards=len(ranks)))
     assert bags.embedding_bytes_per_peer == 100 * width * 4
     assert bags.collectives == sharding
-    hot = shard_terms(sequence, SEQUENCE, slow, sharding=sharding, shards=len(ranks), hot_rows=30)
+    hot = shard_terms(
+        sequence, SEQUENCE, slow, Placement(sharding=sharding, shards=len(ranks), hot_rows=30)
+    )
     mass = AccessProfile.power_law(1000, 1.0).probabilities[:30].sum()
     assert hot.embedding_bytes_per_peer == pytest.approx(rows_sent * width * 4 * (1 - mass))
     plan = Plan(

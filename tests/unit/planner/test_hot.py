@@ -21,11 +21,11 @@ from distcache.planner.topology import preset
 from distcache.planner.torchrec.export import from_sharding_plan, hottest_rows, to_sharding_plan
 from distcache.planner.types import (
     DATA_PARALLEL,
-    DEVICE,
     HOST_CACHED,
     ROW_WISE,
     TABLE_ROW_WISE,
     TABLE_WISE,
+    Placement,
     Plan,
     SolverOptions,
     TablePlan,
@@ -52,6 +52,7 @@ TABLE = TableStats(name="a", rows=1000, dim=16, pooling_factor=2, alpha=1.2)
 WORKLOAD = Workload(
     name="toy", tables=(TABLE,), batch_size_per_rank=100, bottom_mlp=(8, 16), top_mlp=(4, 1)
 )
+WHOLE = Placement(sharding=TABLE_WISE, shards=1)
 
 
 def _plan(hot: int, **kwargs) -> Plan:
@@ -66,8 +67,8 @@ def test_hot_rows_priced_by_hand() -> None:
     cold_unique = expected_unique(AccessProfile(p), B * P * W) - float(
         (-np.expm1(B * P * W * np.log1p(-p[:H]))).sum()
     )
-    plain = shard_terms(TABLE, WORKLOAD, TOPOLOGY, sharding=TABLE_WISE, shards=1)
-    hot = shard_terms(TABLE, WORKLOAD, TOPOLOGY, sharding=TABLE_WISE, shards=1, hot_rows=H)
+    plain = shard_terms(TABLE, WORKLOAD, TOPOLOGY, WHOLE)
+    hot = shard_terms(TABLE, WORKLOAD, TOPOLOGY, dataclasses.replace(WHOLE, hot_rows=H))
     assert hot.hot_fraction == pytest.approx(h, rel=1e-6)
     assert hot.ids_per_step == pytest.approx(B * P * W * (1 - h), rel=1e-6)
     assert hot.unique_rows_per_step == pytest.approx(cold_unique, rel=1e-3)
@@ -76,10 +77,12 @@ def test_hot_rows_priced_by_hand() -> None:
     assert hot.embedding_bytes_per_peer == pytest.approx(
         plain.embedding_bytes_per_peer * (1 - h**P), rel=1e-9
     )
-    row_wise = {"sharding": ROW_WISE, "shards": 2}
+    row_wise = Placement(sharding=ROW_WISE, shards=2)
     assert (
-        shard_terms(TABLE, WORKLOAD, TOPOLOGY, **row_wise, hot_rows=H).embedding_bytes_per_peer
-        == shard_terms(TABLE, WORKLOAD, TOPOLOGY, **row_wise).embedding_bytes_per_peer
+        shard_terms(TABLE, WORKLOAD, TOPOLOGY, row_wise).embedding_bytes_per_peer
+        == shard_terms(
+            TABLE, WORKLOAD, TOPOLOGY, dataclasses.replace(row_wise, hot_rows=H)
+        ).embedding_bytes_per_peer
     )
     assert hot.hot_reduce_bytes == H * (D + 1) * 4
     assert hot.hot_device_bytes == H * (2 * D * 4)  # sgd: rows and gradient, no state
@@ -109,7 +112,7 @@ def test_touched_rows_all_gathered_priced_by_hand() -> None:
     touched = float(q.sum())
     most = touched + math.sqrt(float((q * (1 - q)).sum())) / math.sqrt(math.pi)
     hot = shard_terms(
-        TABLE, WORKLOAD, TOPOLOGY, sharding=TABLE_WISE, shards=1, hot_rows=H, hot_reduce="touched"
+        TABLE, WORKLOAD, TOPOLOGY, dataclasses.replace(WHOLE, hot_rows=H, hot_reduce="touched")
     )
     assert hot.hot_reduce_bytes == 0.0
     assert hot.hot_gather_bytes == pytest.approx(most * (D + 1) * 4, rel=1e-3)
@@ -154,11 +157,14 @@ def test_the_solver_all_gathers_touched_rows_where_that_is_cheaper() -> None:
 
 def test_a_replica_frees_cache_slots() -> None:
     """Hot rows take no cache slot: a cache of C rows loads as one of C + H did."""
-    cached = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 8, "prefetch_depth": 1}
-    args = {"sharding": TABLE_WISE, "shards": 1, **cached}
-    plain = shard_terms(TABLE, WORKLOAD, TOPOLOGY, **args)
-    hot = shard_terms(TABLE, WORKLOAD, TOPOLOGY, **args, hot_rows=20)
-    bigger = shard_terms(TABLE, WORKLOAD, TOPOLOGY, **{**args, "cache_fraction": 0.07})
+    cached = dataclasses.replace(
+        WHOLE, storage=HOST_CACHED, cache_fraction=0.05, lookahead=8, prefetch_depth=1
+    )
+    plain = shard_terms(TABLE, WORKLOAD, TOPOLOGY, cached)
+    hot = shard_terms(TABLE, WORKLOAD, TOPOLOGY, dataclasses.replace(cached, hot_rows=20))
+    bigger = shard_terms(
+        TABLE, WORKLOAD, TOPOLOGY, dataclasses.replace(cached, cache_fraction=0.07)
+    )
     assert hot.loads_per_step == pytest.approx(bigger.loads_per_step, rel=1e-6)
     assert hot.loads_per_step < plain.loads_per_step
 
@@ -228,16 +234,13 @@ def test_the_hot_path_cost_is_per_bag_and_can_rule_replicas_out() -> None:
     with replicas the model chose 0.89 x the same plan without, before this cost was priced)."""
     costly = dataclasses.replace(TOPOLOGY, hot_bag_overhead_s=1e-6)
     free, paid = (
-        shard_terms(TABLE, WORKLOAD, t, sharding=TABLE_WISE, shards=1, hot_rows=10)
+        shard_terms(TABLE, WORKLOAD, t, dataclasses.replace(WHOLE, hot_rows=10))
         for t in (TOPOLOGY, costly)
     )
     bags = WORKLOAD.batch_size_per_rank  # TABLE has 2 ids a bag: paid per bag, not per id
     assert paid.hot_lookup_s == pytest.approx(free.hot_lookup_s + 1e-6 * bags)
-    plain = shard_terms(TABLE, WORKLOAD, costly, sharding=TABLE_WISE, shards=1)
-    assert (
-        plain.lookup_s
-        == shard_terms(TABLE, WORKLOAD, TOPOLOGY, sharding=TABLE_WISE, shards=1).lookup_s
-    )
+    plain = shard_terms(TABLE, WORKLOAD, costly, WHOLE)
+    assert plain.lookup_s == shard_terms(TABLE, WORKLOAD, TOPOLOGY, WHOLE).lookup_s
     workload, topology = _routing_bound()
     assert any(t.hot_rows for t in solve(workload, topology).tables)
     expensive = dataclasses.replace(topology, hot_bag_overhead_s=4 * topology.id_overhead_s)
@@ -250,9 +253,9 @@ def test_the_solver_state_prices_replicas_as_plan_cost_does() -> None:
     state = State(Problem(workload, topology, SolverOptions()))
     plan = solve(workload, topology, options=SolverOptions(hot_row_shares=()))
     for index, tp in enumerate(plan.tables):
-        mode = next(m for g in state.p.groups[index] for m in g.modes if m.key()[:6] == (
-            tp.sharding, len(tp.ranks), tp.storage, tp.cache_fraction, tp.lookahead,
-            tp.prefetch_depth))  # fmt: skip
+        mode = next(
+            m for g in state.p.groups[index] for m in g.modes if m.placement == tp.placement
+        )
         state.add(index, mode, tp.ranks)
     choose_hot_rows(state, (0.5, 0.9))
     chosen = state.plan("s", {})
@@ -294,8 +297,8 @@ def test_the_framework_cost_is_per_bag_routed() -> None:
         steps[pooling] = (
             plan_cost(plan, workload, cost).per_rank[0].overhead_s
             - plan_cost(plan, workload, TOPOLOGY).per_rank[0].overhead_s,
-            shard_terms(table, workload, cost, sharding=TABLE_WISE, shards=1).lookup_s
-            - shard_terms(table, workload, TOPOLOGY, sharding=TABLE_WISE, shards=1).lookup_s,
+            shard_terms(table, workload, cost, WHOLE).lookup_s
+            - shard_terms(table, workload, TOPOLOGY, WHOLE).lookup_s,
         )
     bags_sent, bags_served = WORKLOAD.batch_size_per_rank, WORKLOAD.batch_size_per_rank * 2
     for pooling in (1.0, 4.0):
@@ -315,22 +318,24 @@ def test_sequence_tables_are_never_table_row_wise_and_their_replicas_run_on_our_
     )
     topology = dataclasses.replace(preset("h100", world_size=16), device_memory_bytes=16 * 10**9)
     layouts = {
-        group.modes[0].sharding
+        group.modes[0].placement.sharding
         for groups in Problem(sequence, topology, SolverOptions()).groups
         for group in groups
     }
     assert TABLE_ROW_WISE not in layouts and ROW_WISE in layouts
     pooled_layouts = {
-        g.modes[0].sharding for gs in Problem(pooled, topology, SolverOptions()).groups for g in gs
+        g.modes[0].placement.sharding
+        for gs in Problem(pooled, topology, SolverOptions()).groups
+        for g in gs
     }
     assert TABLE_ROW_WISE in pooled_layouts
     table = sequence.tables[1]  # 39k rows
-    args = {"sharding": TABLE_WISE, "shards": 1, "storage": DEVICE}
-    plain = shard_terms(table, sequence, topology, **args)
-    hot = shard_terms(table, sequence, topology, **args, hot_rows=100)
-    full = shard_terms(table, sequence, topology, **(args | {"storage": HOST_CACHED}), hot_rows=100)
+    replica = dataclasses.replace(WHOLE, hot_rows=100)
+    plain = shard_terms(table, sequence, topology, WHOLE)
+    hot = shard_terms(table, sequence, topology, replica)
+    full = shard_terms(table, sequence, topology, dataclasses.replace(replica, storage=HOST_CACHED))
     assert plain.host_memory_bytes == 0
     assert hot.host_memory_bytes == full.host_memory_bytes == table.rows * hot.row_bytes
     assert hot.device_memory_bytes == full.device_memory_bytes > plain.device_memory_bytes
-    pooled_hot = shard_terms(pooled.tables[1], pooled, topology, **args, hot_rows=100)
+    pooled_hot = shard_terms(pooled.tables[1], pooled, topology, replica)
     assert pooled_hot.host_memory_bytes == 0  # a bag collection's replica: TorchRec's kernel

@@ -36,7 +36,7 @@ def test_evaluation_agrees_with_plan_cost(world, per_node):
     seen = set()
     for index in range(len(workload.tables)):
         for candidate in evaluate(state, index):
-            seen.add(candidate.mode.sharding)
+            seen.add(candidate.mode.placement.sharding)
             if candidate.fits:
                 state.add(index, candidate.mode, candidate.ranks)
                 step, work = state.score()
@@ -46,7 +46,7 @@ def test_evaluation_agrees_with_plan_cost(world, per_node):
         candidates = [c for c in evaluate(state, index) if c.fits]
         pick = candidates[(3 * index) % len(candidates)]  # a mix of layouts
         if index == 0 and TABLE_ROW_WISE in seen:
-            pick = next(c for c in candidates if c.mode.sharding == TABLE_ROW_WISE)
+            pick = next(c for c in candidates if c.mode.placement.sharding == TABLE_ROW_WISE)
         state.add(index, pick.mode, pick.ranks)
     plan = state.plan("mix", {})
     totals = [c.total_s for c in plan_cost(plan, workload, topology).per_rank]
