@@ -7,9 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-# Their home is `distcache.constants`; importable from here too while the planner core's files
-# (`distcache/planner/*.py`, `planner/torchrec/export.py`) still take them from this module.
-from distcache.constants import DEFAULT_LOOKAHEAD, HOT_ALL, HOT_REDUCE, HOT_TOUCHED  # noqa: F401
+from distcache.constants import DEFAULT_LOOKAHEAD, HOT_ALL, HOT_REDUCE
 from distcache.errors import DistcacheConfigError
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distcache.cache.config import HOT_ALL
+from distcache.constants import HOT_ALL
 from distcache.planner.dense import all_reduce_s, dense_compute_s, dense_parameter_bytes
 from distcache.planner.ranks import expose_staging, node_layout, traffic_units
 from distcache.planner.shards import ShardTerms, shard_access, shard_terms

@@ -121,7 +121,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distcache.cache.config import HOT_TOUCHED
+from distcache.constants import HOT_TOUCHED
 from distcache.errors import DistcacheConfigError
 from distcache.planner.dense import (
     all_gather_s,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from distcache.cache.config import HOT_ALL, HOT_REDUCE, HOT_TOUCHED
+from distcache.constants import HOT_ALL, HOT_REDUCE, HOT_TOUCHED
 from distcache.planner.binned import BinnedProfile, table_access
 from distcache.planner.candidates import Mode
 from distcache.planner.search import better_state as _better

@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Iterable
 
 import numpy as np
 
-from distcache.cache.config import HOT_ALL
+from distcache.constants import HOT_ALL
 from distcache.errors import DistcacheConfigError
 from distcache.planner.candidates import TIE_S, Candidate, Problem, gb, kind_text
 from distcache.planner.cost import global_terms

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from distcache.cache.config import HOT_ALL, HOT_TOUCHED
+from distcache.constants import HOT_ALL, HOT_TOUCHED
 from distcache.planner.binned import table_access
 from distcache.planner.types import (
     COLUMN_WISE,

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from distcache.cache.config import HOT_TOUCHED
+from distcache.constants import HOT_TOUCHED
 from distcache.planner.candidates import Mode, Problem
 from distcache.planner.cost import global_terms
 from distcache.planner.ranks import (

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from distcache.cache.config import DEFAULT_LOOKAHEAD, HOT_ALL, HOT_REDUCE
+from distcache.constants import DEFAULT_LOOKAHEAD, HOT_ALL, HOT_REDUCE
 from distcache.errors import DistcacheConfigError, UnknownTableError
 from distcache.planner.stats import AccessProfile
 
