@@ -184,27 +184,6 @@ class CacheConfig:
         """Whether the per-batch work replays as graphs on `device` (`cuda_graphs`)."""
         return device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
-    def kernel_on(self, device: torch.device, dtype: torch.dtype, dim: int) -> str:
-        """The kernel (`kernel`) that serves a cache of `dim`-wide `dtype` rows on `device`.
-
-        Raises:
-            DistcacheConfigError: `kernel='fbgemm'` where FBGEMM's TBE cannot serve the cache.
-        """
-        by_default = device.type == "cuda" or self.optimizer == "sgd"
-        if self.kernel == "torch" or (self.kernel is None and by_default):
-            return "torch"
-        from distcache.cache.tbe import tbe_unsupported  # torch: imported where a kernel is built
-
-        reason = tbe_unsupported(optimizer=self.optimizer, dim=dim, dtype=dtype, device=device)
-        if reason is None:
-            return "fbgemm"
-        if self.kernel == "fbgemm":
-            raise DistcacheConfigError(
-                f"CacheConfig.kernel='fbgemm' cannot serve {dim}-wide {dtype} rows on "
-                f"{device}: {reason}; use kernel='torch' or None"
-            )
-        return "torch"
-
     @property
     def is_reactive(self) -> bool:
         """True for policies that use no knowledge of future batches."""

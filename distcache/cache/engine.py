@@ -30,7 +30,7 @@ from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler, StagePlan
 from distcache.cache.stager import Stager
 from distcache.cache.streams import Streams
-from distcache.cache.tbe import TbeKernel
+from distcache.cache.tbe import TbeKernel, kernel_for
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
 
 #: The dtypes rows may have (a TorchRec table's `data_type`: FP32, FP16, BF16).
@@ -85,7 +85,7 @@ class CacheEngine:
         # Two more rows: the sentinel slot (padding and invalid ids read its zeros) and the
         # trash slot (direct staging's padding lands there; nothing reads it).
         slots = capacity + 2
-        self.kernel = config.kernel_on(device, dtype, dim)
+        self.kernel = kernel_for(config, device, dtype, dim)
         # FBGEMM's TBE over the slots (`kernel='fbgemm'`): its tensors are the cache's rows.
         self.tbe: TbeKernel | None = None
         if self.kernel == "fbgemm":

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distcache.cache.config import TBE_OPTIMIZERS
+from distcache.errors import DistcacheConfigError
 
 if TYPE_CHECKING:
     from distcache.cache.config import CacheConfig
@@ -77,6 +78,28 @@ def tbe_unsupported(
     if dtype == torch.bfloat16:  # no CPU kernel (fbgemm_gpu 1.8); CUDA asserts (1.6)
         return "FBGEMM's TBE has no bfloat16 rows"
     return _fbgemm_unavailable(device.type)
+
+
+def kernel_for(config: CacheConfig, device: torch.device, dtype: torch.dtype, dim: int) -> str:
+    """The kernel (`CacheConfig.kernel`) that serves a cache of `dim`-wide `dtype` rows on
+    `device`: by default torch's ops on CUDA and for SGD, FBGEMM's TBE where it can serve the
+    cache otherwise.
+
+    Raises:
+        DistcacheConfigError: `kernel='fbgemm'` where FBGEMM's TBE cannot serve the cache.
+    """
+    by_default = device.type == "cuda" or config.optimizer == "sgd"
+    if config.kernel == "torch" or (config.kernel is None and by_default):
+        return "torch"
+    reason = tbe_unsupported(optimizer=config.optimizer, dim=dim, dtype=dtype, device=device)
+    if reason is None:
+        return "fbgemm"
+    if config.kernel == "fbgemm":
+        raise DistcacheConfigError(
+            f"CacheConfig.kernel='fbgemm' cannot serve {dim}-wide {dtype} rows on "
+            f"{device}: {reason}; use kernel='torch' or None"
+        )
+    return "torch"
 
 
 @functools.cache

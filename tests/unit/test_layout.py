@@ -35,13 +35,7 @@ ALLOWED = {
 }
 # Import circles known and kept for now, each with its reason. A circle not listed fails the
 # test, and so does a listed one that is gone (then delete its entry).
-KNOWN_CIRCLES = {
-    # cache/config.py checks a config against what FBGEMM's TBE can serve (`tbe_unsupported`),
-    # and tbe.py names `CacheConfig` and `RowOptimizer` in annotations only (under
-    # TYPE_CHECKING). Splitting tbe.py (the check apart from `TbeKernel`) breaks it; tests/gpu
-    # reach both through `distcache.cache.tbe`, so the split waits for a run of those tests.
-    frozenset({"distcache.cache.config", "distcache.cache.optimizers", "distcache.cache.tbe"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 

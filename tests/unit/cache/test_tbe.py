@@ -211,8 +211,8 @@ def test_which_caches_the_tbe_serves(optimizer, dim, dtype, device, why):
     # its wrapper outweighs a scatter-add, and on CUDA its kernels' savings).
     by_default = why is None and device == "cpu" and optimizer != "sgd"
     expected = "fbgemm" if by_default else "torch"
-    assert config.kernel_on(torch.device(device), dtype, dim) == expected
-    assert dataclasses.replace(config, kernel="torch").kernel_on(CPU, dtype, dim) == "torch"
+    assert tbe.kernel_for(config, torch.device(device), dtype, dim) == expected
+    assert tbe.kernel_for(dataclasses.replace(config, kernel="torch"), CPU, dtype, dim) == "torch"
 
 
 def test_fbgemm_where_it_cannot_serve_is_an_error():
