@@ -30,7 +30,13 @@ def test_importing_the_core_loads_no_torchrec():
         "    importlib.import_module(name)\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torchrec', 'fbgemm_gpu'}))\n"
     )
-    root = str(CORE.parents[1])  # the distcache under test, not another installed copy
+    assert _fresh(code) == "[]"
+
+
+def _fresh(code: str) -> str:
+    """What `code` prints in a fresh interpreter that imports the distcache under test (not
+    another installed copy)."""
+    root = str(CORE.parents[1])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -40,7 +46,7 @@ def test_importing_the_core_loads_no_torchrec():
         timeout=120,
         env={**os.environ, "PYTHONPATH": path},
     )
-    assert out.stdout.strip() == "[]", out.stdout
+    return out.stdout.strip()
 
 
 def _imports(path: Path) -> list[str]:
@@ -75,14 +81,4 @@ def test_the_plan_command_imports_no_torch():
         "    code = main(['plan', '--preset', 'synthetic:tables=4', '--world-size', '2'])\n"
         "print(code, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torchrec'}))\n"
     )
-    root = str(CORE.parents[1])
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": path},
-    )
-    assert out.stdout.strip() == "0 []", out.stdout + out.stderr
+    assert _fresh(code) == "0 []"
