@@ -56,7 +56,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from distcache.cache.capacity import pinned_batches, shortfall
+from distcache.cache.capacity import pinned_batches
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
 from distcache.sharding import (
@@ -257,11 +257,10 @@ def small_tables(
         raise DistcacheConfigError(
             f"in_flight_ids has {len(in_flight_ids)} entries: expected one per table ({len(rows)})"
         )
-    pinned = pinned_batches(config)
     out = []
     for i, (num_rows, ids) in enumerate(zip(rows, in_flight_ids, strict=True)):
         local = math.ceil(num_rows / world_size) if sharding == "row_wise" else num_rows
-        if shortfall(table_name(i), config, local, ids / pinned) is not None:
+        if config.capacity_rows(local) < min(local, ids):
             out.append(table_name(i))
     return out
 

@@ -190,7 +190,7 @@ def load_workload_config(path: Path) -> Workload:
         data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as err:
         raise DistcacheConfigError(f"not valid TOML: {err}") from None
-    if "tables" not in data and set(data) & _JOB_SECTIONS:  # a training job's config
+    if _is_job_data(data):  # a training job's config
         return _job_workload(path)
     _only(data, ("model", "tables"), "top-level sections")
     model = data.get("model", {})
@@ -238,6 +238,11 @@ def _is_job_config(path: Path) -> bool:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError):
         return False  # reported where the workload is read
+    return _is_job_data(data)
+
+
+def _is_job_data(data: Mapping[str, object]) -> bool:
+    """Whether a parsed TOML file is a training job's config, not a workload description."""
     return "tables" not in data and bool(set(data) & _JOB_SECTIONS)
 
 
