@@ -135,6 +135,8 @@ class Scheduler:
         self.policy = policy
         self.device = device
         self.exact = exact
+        # Every row has a slot of its own (row r in slot r): no victims, no next uses.
+        self.whole = capacity == num_rows
         self.residency = Residency(num_rows, capacity, device)
         self.window = Window(num_rows, device)
         self.victims = Victims(self.residency, policy)
@@ -199,7 +201,7 @@ class Scheduler:
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
         self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
-        if self.capacity == self.num_rows:  # no next use is read (`_stage_whole`)
+        if self.whole:  # no next use is read (`_stage_whole`)
             return self.window.distinct_device(ids, at)
         rows, inv, valid, positions, fresh = self.window.enter_device(ids, at)
         # The resident rows this batch is the first in the window to use: their next use.
@@ -218,7 +220,7 @@ class Scheduler:
         self.window.leave(batch)
         n = batch.size
         inputs = (batch.rows, batch.inv, batch.valid, batch.positions, batch.at)
-        if self.capacity == self.num_rows:  # every row has a slot of its own: no victims
+        if self.whole:
             work = self._current_graphs().run(("whole", n), self._stage_whole, *inputs)
         elif self._free_slots_suffice(n):  # filling: no victims to choose, not captured
             work = self._stage_device(*inputs, fill=True)
