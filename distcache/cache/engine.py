@@ -281,6 +281,10 @@ class CacheEngine:
 
     def _stage(self, *, critical: bool) -> StagePlan:
         s = self.streams
+        if self.scheduler.needs_fill:  # a cache of every row: all of them, once (then no loads)
+            self.stager.load_all(self.capacity)
+            with self._on_schedule_after_current():
+                self.scheduler.fill_whole()
         with s.on(s.schedule):
             plan = self.scheduler.stage_next(critical=critical)
             self.stager.submit(plan, self._checks.pop(plan.seq, None))

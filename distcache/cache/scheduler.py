@@ -135,7 +135,8 @@ class Scheduler:
         self.policy = policy
         self.device = device
         self.exact = exact
-        # Every row has a slot of its own (row r in slot r): no victims, no next uses.
+        # Every row has a slot of its own (row r in slot r), all loaded before the first batch
+        # (`fill_whole`): no loads, victims, pins or next uses.
         self.whole = capacity == num_rows
         self.residency = Residency(num_rows, capacity, device)
         self.window = Window(num_rows, device)
@@ -201,7 +202,7 @@ class Scheduler:
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
         self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
-        if self.whole:  # no next use is read (`_stage_whole`)
+        if self.whole:  # no next use is read, no sort (`_stage_whole`)
             return self.window.distinct_device(ids, at)
         rows, inv, valid, positions, fresh = self.window.enter_device(ids, at)
         # The resident rows this batch is the first in the window to use: their next use.
@@ -221,6 +222,11 @@ class Scheduler:
         n = batch.size
         inputs = (batch.rows, batch.inv, batch.valid, batch.positions, batch.at)
         if self.whole:
+            if not self._filled:
+                raise LookaheadWindowError(
+                    f"{self.name}: a cache of every row stages batches once its rows are "
+                    "loaded: call fill_whole() after loading row r into slot r"
+                )
             work = self._current_graphs().run(("whole", n), self._stage_whole, *inputs)
         elif self._free_slots_suffice(n):  # filling: no victims to choose, not captured
             work = self._stage_device(*inputs, fill=True)
@@ -326,26 +332,39 @@ class Scheduler:
         positions: torch.Tensor,
         at: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        """`_stage_device` for a cache that holds every row: row r takes slot r (the sentinel
-        row is the sentinel slot), so a batch only loads the rows it is the first to use, and
-        nothing is evicted, written back or scored, and no next use is kept (the window only
-        deduplicates its batches: `Window.distinct_device`). The same plan tensors and
-        counts."""
-        res, n = self.residency, rows.numel()
-        size = min(n, self.capacity)
-        miss = res.row_of.index_select(0, rows) < 0  # not loaded yet (sentinel: loaded)
-        want = miss.sum()
-        res.pin.index_add_(0, rows, self._one.expand(n))
-        res.slot_of.index_copy_(0, torch.where(miss, rows, res.trash_row), rows.int())
-        res.row_of.index_copy_(0, torch.where(miss, rows, res.trash_slot), rows)
-        rank = miss.cumsum(0, dtype=torch.int32) - 1
-        loads = pack(miss, rank, rows, size, res.sentinel_row)  # row r into slot r
-        none = rows.new_full((size,), res.sentinel_row)  # the sentinel row is its slot too
-        zero, free = torch.zeros_like(want), self.capacity - self._fill  # slots never loaded
-        self._fill.add_(want)
-        counts = torch.stack([valid.sum(), want, want, zero, zero, free, free - want])
+        """`_stage_device` for a cache that holds every row, all loaded (`fill_whole`): row r
+        is in slot r (the sentinel row in the sentinel slot), so a batch's slots are its rows
+        and its plan moves nothing: nothing is loaded, evicted, written back, scored or pinned,
+        and no next use is kept (the window only deduplicates: `Window.distinct_device`). The
+        same plan tensors and counts as `_stage_device`, the transfers empty."""
+        size = min(rows.numel(), self.capacity)
+        none = rows.new_full((size,), self.residency.sentinel_row)  # also the sentinel slot
+        unique = valid.sum()
+        zero = torch.zeros_like(unique)
+        counts = torch.stack([unique, zero, zero, zero, zero, zero, zero])
         self._totals[_PLANS:].add_(counts)
-        return rows, rows.index_select(0, inv), loads, loads, none, none, counts
+        return rows, rows.index_select(0, inv), none, none, none, none, counts
+
+    def fill_whole(self) -> None:
+        """A cache of every row: the caller has loaded row r into slot r for every row (once
+        after `clear()`, before the first batch is staged; O(capacity), on the current stream).
+        From here on no plan loads a row."""
+        if not self.whole:
+            raise CacheCapacityError(
+                f"{self.name}: fill_whole() fills a cache of every row; this one holds "
+                f"{self.capacity} of {self.num_rows}"
+            )
+        res, cap = self.residency, self.capacity
+        every = torch.arange(cap, device=self.device)
+        res.slot_of[:cap].copy_(every)
+        res.row_of[:cap].copy_(every)
+        self._fill.fill_(cap)
+        self._fill_bound, self._full, self._filled = cap, True, True
+
+    @property
+    def needs_fill(self) -> bool:
+        """A cache of every row whose rows have not been loaded since `clear()`."""
+        return self.whole and not self._filled
 
     def release(self, plan: StagePlan, *, updated: bool = True) -> None:
         """The batch of `plan` is done: unpin its slots; `updated`: it was trained, so its rows
@@ -356,7 +375,8 @@ class Scheduler:
             )
         self._staged.popleft()
         res = self.residency
-        res.pin.index_add_(0, plan.slots, self._minus_one.expand(plan.slots.numel()))
+        if not self.whole:  # (a cache of every row pins nothing: it never evicts)
+            res.pin.index_add_(0, plan.slots, self._minus_one.expand(plan.slots.numel()))
         if updated:
             res.dirty.index_fill_(0, plan.slots, True)
 
@@ -415,6 +435,7 @@ class Scheduler:
         self._fill = torch.zeros((), dtype=torch.int64, device=self.device)
         self._fill_bound = 0
         self._full = False  # the host has seen a plan leave no free slot (`note_counts`)
+        self._filled = False  # a cache of every row: its rows are loaded (`fill_whole`)
         self.graphs.clear()  # they captured the policy's tensors, re-bound above
         self._graphs_window = self.window.generation
 

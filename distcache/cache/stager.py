@@ -96,6 +96,7 @@ class Stager:
         # them (CUDA).
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows_read: torch.cuda.Event | None = None
+        self._loaded_all: torch.cuda.Event | None = None  # after `load_all`'s copies (CUDA)
 
     def submit(self, plan: StagePlan, check: torch.Tensor | None = None) -> None:
         """Queue `plan`'s transfers (call on the stream that made the plan); returns at once.
@@ -149,9 +150,24 @@ class Stager:
             self.store.rows_written += counts[WRITEBACKS]
         return counts, check
 
+    def load_all(self, count: int) -> None:
+        """Copy host rows [0, count) into slots [0, count) (a cache of every row, once after it
+        was emptied): on the staging stream, after the slots' last update and before any later
+        plan's copies and ready event; `drain` waits for it before the host rows change."""
+        s = self.streams
+        with s.on(s.staging):
+            s.wait(self.victims_free, s.staging)
+            for cache, host in zip(
+                (self.weights, self.state), (self.store.weights, self.store.state), strict=True
+            ):
+                cache[:count].copy_(host[:count], non_blocking=True)
+            self._loaded_all = s.record(s.staging, host=True)
+        self.store.rows_read += count
+
     def drain(self) -> None:
         """Wait for every submitted plan (host); their rows are in place once the device gets
         there (the current stream waits for them)."""
+        self.streams.host_wait(self._loaded_all)  # the host rows may change after this
         for job, future in list(self._jobs.values()):
             if future is not None:
                 future.result()

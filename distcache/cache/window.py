@@ -9,6 +9,8 @@ shapes are known on the host (no `unique`, no read-back):
   `unique(sorted=True, return_inverse=True)` with the padding the host can size. Every later
   pass over a batch touches per-row arrays in ascending address order (faster than random order
   on a CPU: benchmarks/results/README.md, "The engine") and the padding hits one cache line.
+  (A cache of every row keeps no next uses, so it deduplicates without a sort, in `latest`:
+  `distinct_device`.)
 - `latest` `[rows + 2]` int32, per row: the position of the row's latest occurrence in a batch
   that is in the window and not yet staged, or -1. Row k of a batch sits at position `base + k`.
 - `next_use` `[ring]` int32, per position: the seq of the next batch that uses the row after this
@@ -55,7 +57,8 @@ class WindowBatch:
     base: int  # position of rows[0]; rows[k] sits at base + k
     at: torch.Tensor  # [2] int32 on the device: seq, base (what the device work reads)
     rows: torch.Tensor  # [n] int64 the distinct rows (ascending), then sentinel rows
-    inv: torch.Tensor  # [n] int64 index in `rows` of each id's row
+    # (a cache of every row: in place, not packed: `Window.distinct_device`)
+    inv: torch.Tensor  # [n] int32 index in `rows` of each id's row
     valid: torch.Tensor  # [n] bool rows[k] is a real row (not padding, not the sentinel)
     positions: torch.Tensor  # [n] int32 base + k: where rows[k] sits in the ring
     num_ids: int  # the batch's ids before padding (n when not padded): inv[:num_ids] are theirs
@@ -112,7 +115,7 @@ class Window:
         its `rows`, `inv`, `valid`, `positions` (`WindowBatch`) and `fresh` `[n]` bool, its rows
         with no occurrence in a batch still waiting to be staged (this batch is their next
         use). Reads the seq and base from `at` only (a graph replays it)."""
-        rows, inv, valid, pos = self.distinct_device(ids, at)
+        rows, inv, valid, pos = self._distinct_sorted(ids, at)
         n = ids.numel()
         prev = self.latest.index_select(0, rows)  # [n] latest live position, or -1
         fresh = valid & (prev < 0)
@@ -125,10 +128,9 @@ class Window:
         self.latest.index_copy_(0, torch.where(valid, rows, self.trash_row), pos)
         return rows, inv, valid, pos, fresh
 
-    def distinct_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`enter_device`'s first half: the batch's `rows`, `inv`, `valid` and `positions`,
-        without linking next uses (which a cache of every row does not read:
-        `Scheduler._stage_whole`; its batches then need no `leave_device`)."""
+    def _distinct_sorted(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`enter_device`'s deduplication: the batch's `rows` (ascending, packed), `inv`,
+        `valid` and `positions`."""
         n = ids.numel()
         # Rows fit int32 (`Residency`), which sorts faster than int64 (1.6 x at 200k ids, CPU).
         ordered, order = self._sort(ids.to(torch.int32))  # [n]
@@ -140,6 +142,23 @@ class Window:
         valid = rows != self.sentinel_row
         pos = torch.arange(n, dtype=torch.int32, device=self.device).add_(at[1])
         return rows, inv, valid, pos
+
+    def distinct_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A batch's `rows`, `inv`, `valid` and `positions` for a cache of every row
+        (`Scheduler._stage_whole`), which links no next uses and so leaves `latest` free to
+        deduplicate without sorting, in O(n): each id writes its position into its row's entry,
+        and the occurrence whose position stays there represents the row. `rows[k]` is then the
+        row of id k where id k represents it, else the sentinel row (not packed: a cache of
+        every row moves no rows, and its slots are its rows), and `inv[k]` is the position of
+        id k's representative (so `rows[inv]` is the ids). Its batches need no `leave_device`.
+        """
+        n = ids.numel()
+        here = torch.arange(n, dtype=torch.int32, device=self.device)
+        self.latest.index_copy_(0, ids, here)  # one occurrence of each row wins its entry
+        rep = self.latest.index_select(0, ids)  # [n] each id's representative
+        valid = (rep == here) & (ids != self.sentinel_row)
+        rows = torch.where(valid, ids, self.sentinel_row)
+        return rows, rep, valid, here.add_(at[1])
 
     def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`torch.sort` of `[n]` int32 ids; batches of `_PAD_FROM` to `_RADIX_FROM` ids are

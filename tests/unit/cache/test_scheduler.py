@@ -1,13 +1,11 @@
 """The look-ahead scheduler: residency bookkeeping, pins, eviction order, window errors."""
 
-from dataclasses import asdict
-
 import pytest
 import torch
 
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import LOADS, MISSES, UNIQUE, WRITEBACKS, Scheduler
-from distcache.errors import LookaheadWindowError
+from distcache.errors import CacheCapacityError, LookaheadWindowError
 
 
 def _ids(*rows):
@@ -99,7 +97,7 @@ def test_dedup_at_every_sort_size(n):
     """Batches the window pads for torch's radix sort (`Window._sort`) dedup as `unique`,
     padding ids (the sentinel row) included."""
     gen = torch.Generator().manual_seed(n)
-    s = Scheduler(5_000, 5_000, make_policy("lookahead"), lookahead=1)
+    s = Scheduler(5_000, 4_999, make_policy("lookahead"), lookahead=1)
     ids = torch.randint(0, 5_001, (n,), generator=gen)  # 5_000: the sentinel row
     s.enqueue(ids)
     plan = s.stage_next()
@@ -213,37 +211,40 @@ def test_random_stream_keeps_bijection_and_pins(policy, lookahead):
 
 
 @pytest.mark.parametrize("policy", ["lookahead", "lru"])
-def test_a_cache_of_every_row_gives_each_row_its_own_slot(policy):
-    """`_stage_whole`: row r in slot r, loaded by the first batch that uses it and never
-    again; nothing evicted or written back; pins and the bijection as on the general path,
-    and the counters a cache one row short counts while it still has free slots."""
-    gen = torch.Generator().manual_seed(3)
-    whole = Scheduler(300, 300, make_policy(policy), lookahead=2)
-    short = Scheduler(300, 299, make_policy(policy), lookahead=2)  # fills, never evicts here
+@pytest.mark.parametrize("n", [16, 8_191, 40_000])
+def test_a_cache_of_every_row_stages_batches_in_place(policy, n):
+    """`_stage_whole`: once its rows are loaded (`fill_whole`), row r is in slot r; a plan
+    moves, evicts and pins nothing, its slots are the batch's rows deduplicated without a sort
+    (`Window.distinct_device`) as `unique` would, and it marks the rows it trained dirty."""
+    gen = torch.Generator().manual_seed(n)
+    s = Scheduler(300, 300, make_policy(policy), lookahead=2)
+    s.enqueue(_ids(1, 2))
+    with pytest.raises(LookaheadWindowError, match=r"call fill_whole\(\)"):
+        s.stage_next()
+    s.clear()
+    s.fill_whole()
+    _check_bijection(s)
+    assert s.residency.num_resident() == 300
     seen: set[int] = set()
-    for _ in range(6):
-        ids = torch.randint(0, 300, (16,), generator=gen)
-        ids[0] = 300  # padding: the sentinel row
-        plans = []
-        for s in (whole, short):
-            s.enqueue(ids)
-            plans.append(s.stage_next())
-        plan, other = plans
+    for _ in range(4):
+        ids = torch.randint(0, 301, (n,), generator=gen)  # 300: the sentinel row (padding)
+        s.enqueue(ids)
+        plan = s.stage_next()
         real = ids[ids != 300]
         assert torch.equal(plan.id_slots, ids)  # the sentinel row is the sentinel slot
-        assert sorted(_loads(plan)) == sorted(set(real.tolist()) - seen)
-        assert _loads(plan) == _loads(other)  # the same rows, in the same order
-        # The same counts; the free slots offered and left, one more (a cache one row larger).
-        counts, short_counts = plan.counts.tolist(), other.counts.tolist()
-        assert counts == [*short_counts[:5], *(c + 1 for c in short_counts[5:])]
+        assert torch.equal(plan.batch.ids, ids)
+        distinct = plan.slots[plan.batch.valid]
+        assert sorted(distinct.tolist()) == torch.unique(real).tolist()  # each row once
+        assert torch.equal(plan.batch.rows[plan.inverse], ids)  # each id to its row
+        assert plan.counts.tolist() == [distinct.numel(), 0, 0, 0, 0, 0, 0]
+        assert s.residency.num_pinned() == 0
+        s.release(plan, updated=True)
         seen |= set(real.tolist())
-        _check_bijection(whole)
-        _check_pins(whole)
-        for s, p in zip((whole, short), plans, strict=True):
-            s.release(p, updated=True)
-    assert whole.residency.num_pinned() == 0
-    assert torch.equal(whole.residency.dirty_slots(), torch.tensor(sorted(seen)))
-    assert asdict(whole.counters) == asdict(short.counters)
+    assert torch.equal(s.residency.dirty_slots(), torch.tensor(sorted(seen)))
+    assert s.counters.loads == s.counters.writebacks == 0
+    _check_bijection(s)
+    with pytest.raises(CacheCapacityError, match="fills a cache of every row"):
+        Scheduler(300, 299, make_policy(policy), lookahead=2).fill_whole()
 
 
 @pytest.mark.parametrize("policy", ["lookahead", "lru"])

@@ -74,9 +74,12 @@ def test_cache_as_large_as_the_trace_only_has_compulsory_misses():
     batches = zipf_batches(500, 30, 40, seed=1)
     unique = torch.cat(batches).unique().numel()
     for policy in ("optimal", "lookahead", "lru", "lfu"):
-        r = simulate(batches, num_rows=500, capacity=500, policy=policy)
+        r = simulate(batches, num_rows=600, capacity=500, policy=policy)
         assert r.loads == unique == r.unique_ids
         assert r.writebacks == 0
+        # A cache of every row loads them all before its first batch, none after.
+        r = simulate(batches, num_rows=500, capacity=500, policy=policy)
+        assert (r.loads, r.writebacks, r.unique_ids) == (0, 0, unique)
 
 
 def test_full_window_without_prefetch_matches_optimal():
