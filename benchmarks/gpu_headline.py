@@ -88,6 +88,7 @@ from _fbgemm_variants import FBGEMM_CACHED, FBGEMM_VARIANTS  # noqa: E402
 from _headline_step import dense_and_backward, phase  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
+from distcache.cache import transfer  # noqa: E402
 from distcache.cache.engine import CacheEngine  # noqa: E402
 from distcache.constants import DEFAULT_LOOKAHEAD  # noqa: E402
 from distcache.data.traces import zipf_trace  # noqa: E402
@@ -168,6 +169,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--staging-programs",
+        type=int,
+        default=0,
+        help="thread blocks of direct staging's Triton copy (0: transfer.STAGING_PROGRAMS)",
+    )
+    ap.add_argument(
         "--json", default=None, help="default: benchmarks/results/gpu_headline_<device>.json"
     )
     args = ap.parse_args(argv)
@@ -184,6 +191,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--scale must be > 0, --dim and --steps >= 1, --warmup and --max-warmup >= 0")
     if not 0 <= args.prefetch_depth <= args.lookahead:
         ap.error("expected 0 <= --prefetch-depth <= --lookahead")
+    if args.staging_programs < 0:
+        ap.error("--staging-programs must be >= 0 (0: distcache's default)")
     args.batch = args.batch or max(16, round(4096 / args.scale))
     args.lru_capacities = args.capacities if args.lru_capacities is None else args.lru_capacities
     args.json = args.json or str(
@@ -782,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.staging_programs:  # (read by every copy: issue 33, item 4)
+        transfer.STAGING_PROGRAMS = args.staging_programs
     device = torch.device(args.device)
     rows = tuple(max(3, round(r / args.scale)) for r in TABLE_ROWS[args.tables])
     tables = [

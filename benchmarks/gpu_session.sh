@@ -288,8 +288,26 @@ stage_issue33b() {
     pack_out
 }
 
+# Issue 33, item 4: does direct staging's copy take SMs from training? distcache at 2 % beside
+# FBGEMM's TBE with every row in HBM, its copy limited to 4, 16 (the default) and 128 thread
+# blocks; compare the dense part's device time in each JSON's profile:
+#     run(command="bash benchmarks/gpu_session.sh staging", carry=[".fbg"], timeout_s=420)
+stage_staging() {
+    DEADLINE=$(($(date +%s) + ${STAGING_SECONDS:-380}))
+    install_packages
+    environment
+    for programs in 4 16 128; do
+        step staging_$programs 120 $PY benchmarks/gpu_headline.py --device cuda --batch 4096 \
+            --scale 4 --variants fbgemm_device,distcache --capacities 0.02 \
+            --staging-programs $programs --max-warmup 1500 --warmup 20 --steps 100 \
+            --profile-steps 3 --json "$OUT/headline_staging_$programs.json"
+    done
+    pack_out
+}
+
 case "${1:-}" in
     quick) stage_quick ;;
+    staging) stage_staging ;;
     fbgemm) stage_fbgemm ;;
     issue33) stage_issue33 ;;
     issue33a) stage_issue33a ;;
@@ -300,7 +318,7 @@ case "${1:-}" in
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|fbgemm|issue33|issue33a|issue33b|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|staging|fbgemm|issue33|issue33a|issue33b|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac

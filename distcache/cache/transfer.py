@@ -7,8 +7,9 @@ the plan's counts and no host buffer is filled. A plan's transfers are packed at
 buffers of `size` entries and counted on the device (`StagePlan.counts`), so a copy is bounded by
 a count the host never reads:
 
-- on CUDA with Triton, one program per entry reads the count and copies its row only if it is
-  below it: the padding moves no byte over the host link;
+- on CUDA with Triton, a few programs (`STAGING_PROGRAMS`, so that staging takes few of the
+  GPU's thread blocks from training) read the count and stride over the entries below it, a
+  few rows at a time: the padding moves no byte over the host link;
 - elsewhere (on CPU, which CI tests, or without Triton) the same copy is `index_select` and
   `index_copy_` over all `size` entries, the padding redirected to a *trash* row of the
   destination (and read from a trash row of the source), which nothing else reads.
@@ -29,6 +30,10 @@ from distcache.errors import DistcacheConfigError
 # The rows' dtypes; a view wraps them as integers of their size and retypes them (the array
 # interface has no code for bfloat16).
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: At most this many Triton programs (thread blocks) copy a plan's rows, whatever its size.
+STAGING_PROGRAMS = 16
+_TILE = 4096  # elements a program copies per step: `ROWS` rows of a power-of-two width
 
 
 def device_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -107,13 +112,20 @@ def triton_copy_rows(
     dst: torch.Tensor,
     dst_rows: torch.Tensor,
     count: torch.Tensor,
+    *,
+    programs: int | None = None,
 ) -> None:
-    """`copy_rows` by a Triton kernel: entries from `count` on copy nothing."""
+    """`copy_rows` by a Triton kernel: entries from `count` on copy nothing. `programs`: at
+    most this many thread blocks (default `STAGING_PROGRAMS`), each copying `ROWS` rows a step
+    until the count."""
     width = src.shape[1]
     block = max(16, 1 << (width - 1).bit_length())
-    kernel[(src_rows.numel(),)](
-        src, src_rows, dst, dst_rows, count, width, src.stride(0), dst.stride(0), BLOCK=block
-    )
+    rows = max(1, min(32, _TILE // block))
+    grid = max(1, min(programs or STAGING_PROGRAMS, -(-src_rows.numel() // rows)))
+    kernel[(grid,)](
+        src, src_rows, dst, dst_rows, count, width, src.stride(0), dst.stride(0),
+        BLOCK=block, ROWS=rows,
+    )  # fmt: skip
 
 
 @functools.cache

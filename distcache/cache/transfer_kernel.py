@@ -10,19 +10,37 @@ import triton
 import triton.language as tl
 
 
-# Program `entry` copies row `src_rows[entry]` of `src` to row `dst_rows[entry]` of `dst` if
-# `entry < count[0]`; the others read and write nothing.
+# A few programs (`transfer.STAGING_PROGRAMS`) stride over the entries below `count[0]`, `ROWS`
+# entries at a time: entry e copies row `src_rows[e]` of `src` to row `dst_rows[e]` of `dst`.
+# The entries from `count[0]` on read and write nothing. However many rows a plan moves, the
+# copy holds at most that many thread blocks, leaving the rest of the GPU to training.
 def _copy_rows(
-    src, src_rows, dst, dst_rows, count, width, src_stride, dst_stride, BLOCK: tl.constexpr
+    src,
+    src_rows,
+    dst,
+    dst_rows,
+    count,
+    width,
+    src_stride,
+    dst_stride,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    entry = tl.program_id(0)
-    if entry < tl.load(count):
-        src_row = tl.load(src_rows + entry).to(tl.int64)
-        dst_row = tl.load(dst_rows + entry).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        inside = cols < width
-        values = tl.load(src + src_row * src_stride + cols, mask=inside)
-        tl.store(dst + dst_row * dst_stride + cols, values, mask=inside)
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    n = tl.load(count)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < width
+    first = program * ROWS
+    while first < n:  # (a `range` with these bounds does not run in Triton's interpreter)
+        entries = first + tl.arange(0, ROWS)
+        live = entries < n
+        src_row = tl.load(src_rows + entries, mask=live, other=0).to(tl.int64)
+        dst_row = tl.load(dst_rows + entries, mask=live, other=0).to(tl.int64)
+        mask = live[:, None] & inside[None, :]
+        values = tl.load(src + src_row[:, None] * src_stride + cols[None, :], mask=mask)
+        tl.store(dst + dst_row[:, None] * dst_stride + cols[None, :], values, mask=mask)
+        first += programs * ROWS
 
 
 def build(*, interpret: bool):  # a triton.JITFunction

@@ -60,6 +60,22 @@ def test_the_triton_kernel_copies_the_counted_entries_and_nothing_else(width, co
     assert torch.equal(dst, expected)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize(("width", "programs"), [(16, 1), (16, 3), (1024, 2), (40, 64)])
+def test_a_few_triton_programs_stride_over_every_counted_entry(width, programs):
+    """Fewer programs than entries (each copies `ROWS` rows a step, then strides on): every
+    entry below the count is copied once, the others not at all."""
+    gen = torch.Generator().manual_seed(width)
+    src, dst = torch.randn(700, width, generator=gen), torch.randn(600, width, generator=gen)
+    src_rows, dst_rows = torch.randperm(700, generator=gen)[:500], torch.randperm(600)[:500]
+    count = 437
+    expected = dst.clone()
+    expected[dst_rows[:count]] = src[src_rows[:count]]
+    kernel = _triton_kernel(interpret=True)
+    triton_copy_rows(kernel, src, src_rows, dst, dst_rows, torch.tensor([count]), programs=programs)
+    assert torch.equal(dst, expected)
+
+
 def test_copy_rows_needs_no_value_on_the_host():
     """Under FakeTensorMode (tensors without data: any read of a value raises)."""
     with FakeTensorMode():
