@@ -9,12 +9,16 @@ Data flow of one batch through the scheduler::
     ... the stager executes the plan, the batch is looked up, trained ...
     release(plan)       the batch's slots are unpinned (and marked dirty if it was trained)
 
-Nothing here reads the device back. Every tensor has a shape the host knows (the batch's id count
+Nothing here waits for the device. Every tensor has a shape the host knows (the batch's id count
 n, the cache's capacity C); what only the device knows (how many rows miss, how many victims are
-dirty) stays there as counts, and plans are padded to n entries with the sentinel row and slot
-(`Residency`). Counters accumulate on the device and are read only by `counters`. The per-batch
-work is O(n), plus the victims' histogram of a bounded number of classes once the cache may be
-full (`Victims`: the policy scores a few candidates per id, never every slot); it grows neither
+dirty) stays there as counts, and plans are padded with the sentinel row and slot
+(`Residency`). One count does come to the host: how many distinct rows a batch has, copied when
+it enters the window and read when it is staged, batches later in a pipeline (the newest batch
+in the window is staged without it): its plan then covers its m distinct rows instead of its n
+ids (`_stage_size`; a third of them on a power-law trace). Counters accumulate on the device and
+are read only by `counters`. The per-batch work is O(n) to enter the window and O(m) to stage,
+plus the victims' histogram of a bounded number of classes once the cache may be full
+(`Victims`: the policy scores a few candidates per row, never every slot); it grows neither
 with the window's length nor with the cache's capacity.
 
 Each call is host bookkeeping (the window's deques, seqs, ring positions, which path to take)
@@ -40,10 +44,11 @@ import torch
 import torch.nn.functional as F
 
 from distcache.cache.counters import Counters
-from distcache.cache.graphs import GraphCache
+from distcache.cache.graphs import GraphCache, padded_size
 from distcache.cache.policies import EvictionPolicy
 from distcache.cache.residency import NO_USE, Residency
 from distcache.cache.select import pack
+from distcache.cache.streams import HostCopy
 from distcache.cache.victims import Victims
 from distcache.cache.window import Window, WindowBatch
 from distcache.errors import CacheCapacityError, LookaheadWindowError
@@ -59,7 +64,9 @@ NUM_COUNTS = 7
 class StagePlan:
     """What staging one batch does: the transfers, and the batch's ids remapped to slots.
 
-    Transfers are packed at the front of `size`-entry buffers (`size = min(n, capacity)`); their
+    It covers the first m of the batch's packed rows (`Scheduler._stage_size`: its distinct
+    rows, or all n of them). Transfers are packed at the front of `size`-entry buffers
+    (`size = min(m, capacity)`); their
     counts are `counts[LOADS]` and `counts[WRITEBACKS]`, on the device. The stager must write
     `writeback_*` back before it loads `load_*` (a victim's slot may be reused by a row loaded in
     the same plan).
@@ -67,7 +74,7 @@ class StagePlan:
 
     seq: int
     batch: WindowBatch  # the batch's distinct rows and inverse
-    slots: torch.Tensor  # [n] int64 slot of each of `batch.rows`; sentinel slot for padding
+    slots: torch.Tensor  # [m] int64 slot of each of the first m `batch.rows` (`_stage_size`)
     id_slots: torch.Tensor  # [n] int64 slot of every id, in input order
     load_rows: torch.Tensor  # [size] int64 rows to bring in (first counts[LOADS])
     load_slots: torch.Tensor  # [size] int64 their slots
@@ -188,7 +195,8 @@ class Scheduler:
         base = self.window.reserve(n)
         at = self._device_ints(seq, base)
         work = self._current_graphs().run(("enqueue", n), self._enqueue_device, ids, at)
-        self._unstaged.append(self.window.enter(seq, base, at, work, num_ids))
+        distinct = None if self.whole else HostCopy(work[4])  # read when it is staged
+        self._unstaged.append(self.window.enter(seq, base, at, work[:4], num_ids, distinct))
         self._batches += 1
         return seq
 
@@ -204,23 +212,25 @@ class Scheduler:
         self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
         if self.whole:  # no next use is read, no sort (`_stage_whole`)
             return self.window.distinct_device(ids, at)
-        rows, inv, valid, positions, fresh = self.window.enter_device(ids, at)
+        rows, inv, valid, positions, fresh, distinct = self.window.enter_device(ids, at)
         # The resident rows this batch is the first in the window to use: their next use.
         res = self.residency
         slot = res.slot_of.index_select(0, rows).long()
         into = torch.where(fresh & (slot >= 0), slot, res.trash_slot)
         res.next_use.index_copy_(0, into, at[0].expand(rows.numel()))
-        return rows, inv, valid, positions
+        return rows, inv, valid, positions, distinct
 
     # ---------------------------------------------------------------- staging
     def stage_next(self, *, critical: bool = False) -> StagePlan:
         """Plan the oldest enqueued batch's staging and update residency as if it were done."""
         if not self._unstaged:
             raise LookaheadWindowError(f"{self.name}: no enqueued batch left to stage")
+        newest = self._unstaged[0].seq == self._next_seq - 1
         batch = self._unstaged.popleft()
         self.window.leave(batch)
-        n = batch.size
-        inputs = (batch.rows, batch.inv, batch.valid, batch.positions, batch.at)
+        n = batch.size if newest else self._stage_size(batch)
+        # Its packed rows up to n: the rest is the sentinel row (padding of `Window`'s packing).
+        inputs = (batch.rows[:n], batch.inv, batch.valid[:n], batch.positions[:n], batch.at)
         if self.whole:
             if not self._filled:
                 raise LookaheadWindowError(
@@ -232,7 +242,7 @@ class Scheduler:
             work = self._stage_device(*inputs, fill=True)
         else:
             scan, full = self._scan(n), self._full
-            key = ("stage", n, scan, full)
+            key = ("stage", batch.size, n, scan, full)  # (its ids: `inv`; its rows: n)
             stage = functools.partial(self._stage_device, scan=scan, full=full)
             work = self._current_graphs().run(key, stage, *inputs)
         slots, id_slots, load_rows, load_slots, writeback_rows, writeback_slots, counts = work
@@ -253,6 +263,23 @@ class Scheduler:
         )
         self._staged.append(plan)
         return plan
+
+    def _stage_size(self, batch: WindowBatch) -> int:
+        """How many of a batch's packed rows its plan covers: its distinct rows (and the
+        sentinel row, if it has padding), whose count reached the host when a later batch
+        entered the window (`WindowBatch.distinct`: in a pipeline it was copied batches ago,
+        so reading it waits for nothing); rounded up to a few sizes (`padded_size`) when
+        graphs replay the plans. All of them for a cache of every row, whose rows are not
+        packed. Every pass of the plan then follows the batch's distinct rows, not its ids.
+        The newest batch in the window is staged with all its rows instead (`stage_next`): its
+        count may not have reached the host yet, and reading it then would wait for the
+        device."""
+        if batch.distinct is None:
+            return batch.size
+        distinct = batch.distinct.read()[0]
+        if self.graphs.enabled:
+            distinct = padded_size(distinct)
+        return min(batch.size, distinct)
 
     def _stage_device(
         self,
@@ -488,11 +515,15 @@ class Scheduler:
         return victims, want, free
 
     def _scan(self, n: int) -> int:
-        """Host-side: the slots `Victims` sweeps for a batch of `n` ids: enough that the unpinned
-        ones among them cover its misses (the staged batches pin at most their rows, this batch
-        at most n, and it misses at most n), at least `MIN_SCAN`, at most the whole cache (and
-        the whole cache when `exact`)."""
+        """Host-side: the slots `Victims` sweeps for a plan of `n` rows: enough that the
+        unpinned ones among them cover its misses (the staged plans pin at most their rows,
+        this one at most n, and it misses at most n), at least `MIN_SCAN`; the whole cache
+        when that and the expiry queue's `2 n` candidates would offer as many slots, and when
+        `exact`; a few sizes when graphs replay it."""
         if self.exact:
             return self.capacity
-        pinned = sum(plan.batch.size for plan in self._staged) + n
-        return min(self.capacity, max(MIN_SCAN, pinned + n))
+        pinned = sum(plan.slots.numel() for plan in self._staged) + n
+        scan = padded_size(pinned + n) if self.graphs.enabled else pinned + n  # (few graphs)
+        if scan + 2 * min(n, self.capacity) >= self.capacity:  # the queue's part too: every slot
+            return self.capacity
+        return max(MIN_SCAN, scan)

@@ -39,6 +39,7 @@ import torch
 
 from distcache.cache.residency import NO_USE
 from distcache.cache.select import pack
+from distcache.cache.streams import HostCopy
 from distcache.errors import LookaheadWindowError
 
 # torch's CPU sort of an integer tensor is a radix sort from 32,768 elements (ATen's grain
@@ -62,6 +63,9 @@ class WindowBatch:
     valid: torch.Tensor  # [n] bool rows[k] is a real row (not padding, not the sentinel)
     positions: torch.Tensor  # [n] int32 base + k: where rows[k] sits in the ring
     num_ids: int  # the batch's ids before padding (n when not padded): inv[:num_ids] are theirs
+    # How many of `rows` are distinct (`Window.enter_device`), on its way to the host; None for
+    # a cache of every row, whose rows are not packed.
+    distinct: HostCopy | None = None
 
     @property
     def size(self) -> int:
@@ -99,23 +103,27 @@ class Window:
         at: torch.Tensor,
         device_work: tuple[torch.Tensor, ...],
         num_ids: int,
+        distinct: HostCopy | None = None,
     ) -> WindowBatch:
         """Add batch `seq` at the positions from `base` (`reserve(n)`): `at` `[2]` int32 seq and
-        base on the device, its `enter_device(ids, at)[:4]`, and its id count before padding."""
+        base on the device, its `enter_device(ids, at)[:4]`, its id count before padding, and
+        the host copy of its distinct count (`WindowBatch.distinct`)."""
         rows, inv, valid, positions = device_work
         batch = WindowBatch(
             seq=seq, base=base, at=at, rows=rows, inv=inv, valid=valid, positions=positions,
-            num_ids=num_ids,
+            num_ids=num_ids, distinct=distinct,
         )  # fmt: skip
         self._live.append(batch)
         return batch
 
     def enter_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The device work of a batch's entry, ids `[n]` (int64, in range or the sentinel row):
-        its `rows`, `inv`, `valid`, `positions` (`WindowBatch`) and `fresh` `[n]` bool, its rows
+        its `rows`, `inv`, `valid`, `positions` (`WindowBatch`), `fresh` `[n]` bool, its rows
         with no occurrence in a batch still waiting to be staged (this batch is their next
-        use). Reads the seq and base from `at` only (a graph replays it)."""
-        rows, inv, valid, pos = self._distinct_sorted(ids, at)
+        use), and `distinct` `[1]` int32, how many of `rows` are distinct (the sentinel row
+        included, if the batch has padding): the rest is sentinel rows. Reads the seq and base
+        from `at` only (a graph replays it)."""
+        rows, inv, valid, pos, distinct = self._distinct_sorted(ids, at)
         n = ids.numel()
         prev = self.latest.index_select(0, rows)  # [n] latest live position, or -1
         fresh = valid & (prev < 0)
@@ -126,11 +134,11 @@ class Window:
         # Row k of the batch sits at position base + k from now on.
         self.next_use.index_fill_(0, pos.long(), NO_USE)
         self.latest.index_copy_(0, torch.where(valid, rows, self.trash_row), pos)
-        return rows, inv, valid, pos, fresh
+        return rows, inv, valid, pos, fresh, distinct
 
     def _distinct_sorted(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enter_device`'s deduplication: the batch's `rows` (ascending, packed), `inv`,
-        `valid` and `positions`."""
+        `valid`, `positions` and `distinct`."""
         n = ids.numel()
         # Rows fit int32 (`Residency`), which sorts faster than int64 (1.6 x at 200k ids, CPU).
         ordered, order = self._sort(ids.to(torch.int32))  # [n]
@@ -141,7 +149,7 @@ class Window:
         inv = torch.empty_like(rank).scatter_(0, order, rank)  # [n] back to input order
         valid = rows != self.sentinel_row
         pos = torch.arange(n, dtype=torch.int32, device=self.device).add_(at[1])
-        return rows, inv, valid, pos
+        return rows, inv, valid, pos, rank[-1:] + 1 if n else rank.new_zeros(1)
 
     def distinct_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A batch's `rows`, `inv`, `valid` and `positions` for a cache of every row

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from distcache import CacheConfig, CachedEmbeddingBags, CachedEmbeddings
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler
+from distcache.cache.streams import HostCopy
 from tests.device_audit import SyncAudit
 from tests.unit.cache.reference import loss_of, make_batches, make_tables
 
@@ -116,10 +117,15 @@ def test_the_audit_catches_read_backs():
 
 
 @pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
-def test_scheduler_runs_on_fake_tensors(policy):
+def test_scheduler_runs_on_fake_tensors(policy, monkeypatch):
     """Under FakeTensorMode a tensor has no data: any op that needs its values on the host
     raises, `.tolist()` and `.numpy()` included. The scheduler enqueues, stages (evicting: the
-    cache is smaller than the batches) and releases without one."""
+    cache is smaller than the batches) and releases without one, but for the one host read it
+    makes by design: a batch's distinct count, copied to the host when it entered the window
+    and read when it is staged after a later batch entered (`Scheduler._stage_size`), stood in
+    for here (a fake tensor has no value to copy)."""
+    read = []
+    monkeypatch.setattr(HostCopy, "read", lambda self: read.append(1) or [25])
     with FakeTensorMode():
         s = Scheduler(500, 40, make_policy(policy), lookahead=4)
         plans = []
@@ -131,5 +137,11 @@ def test_scheduler_runs_on_fake_tensors(policy):
             if len(plans) > 1:
                 s.release(plans.pop(0))
             assert plans[-1].id_slots.shape == (30,)
+            assert plans[-1].slots.shape == (25,)  # its distinct rows
+        s.release(plans.pop(0))
+        while s.num_unstaged > 1:
+            s.release(s.stage_next())
+        assert s.stage_next().slots.shape == (30,)  # the newest batch: every row, no read
+    assert len(read) == 14
     with pytest.raises(Exception, match="_local_scalar_dense"), FakeTensorMode():
         _ = Scheduler(500, 40, make_policy(policy), lookahead=4).counters  # a read: caught

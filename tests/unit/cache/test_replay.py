@@ -5,7 +5,8 @@ they read from memory changes. So the scheduler can be captured once per batch s
 its ops, and every host value they take (a Python number, a shape), do not change from batch
 to batch: the seq and the window's positions must reach the device as tensors. `OpRecorder`
 records both for two batches of one size in steady state (the cache full, evicting, writing
-dirty rows back) and they must be equal.
+dirty rows back) and they must be equal. A plan covers the batch's distinct rows, padded to a
+few sizes when graphs are on (`Scheduler._stage_size`): two plans of one such size.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _steady_scheduler(policy: str, n: int, rows: int, capacity: int, lookahead: 
             return fn(*inputs)
 
     scheduler.graphs.run = run
+    scheduler.graphs.enabled = True  # plans cover a few sizes of distinct rows (`_stage_size`)
 
     def batch() -> torch.Tensor:
         return torch.multinomial(weights, n, replacement=True, generator=g)
@@ -59,12 +61,27 @@ def _steady_scheduler(policy: str, n: int, rows: int, capacity: int, lookahead: 
     return scheduler, step
 
 
+def _two_of_a_size(step) -> tuple[list, list[tuple[OpRecorder, OpRecorder]]]:  # noqa: ANN001
+    """Steps recorded until two plans cover the same number of rows (`_stage_size`: the
+    batch's distinct rows, padded to a few sizes): those two plans and their records."""
+    seen: dict[int, tuple] = {}
+    for _ in range(30):
+        enqueue, stage = OpRecorder(), OpRecorder()
+        plan = step(enqueue, stage)
+        size = plan.slots.numel()
+        if size in seen:
+            first_plan, first_record = seen[size]
+            return [first_plan, plan], [first_record, (enqueue, stage)]
+        seen[size] = (plan, (enqueue, stage))
+    raise AssertionError(f"no two plans of one size in 30 steps: {sorted(seen)}")
+
+
 @pytest.mark.parametrize("policy", ["lookahead", "lru", "lfu"])
 @pytest.mark.parametrize("n", [256, _PAD_FROM + 100])  # sorted as is / padded to a radix sort
 def test_every_batch_of_a_size_dispatches_the_same_ops(policy, n):
     _, step = _steady_scheduler(policy, n, rows=8 * n, capacity=3 * n)
-    records = [(OpRecorder(), OpRecorder()) for _ in range(2)]
-    plans = [step(enqueue, stage) for enqueue, stage in records]
+    plans, records = _two_of_a_size(step)
+    assert plans[0].slots.numel() < n  # its distinct rows, not its ids
     for plan in plans:  # steady state: evicting dirty rows
         assert plan.counts[EVICTIONS] > 0 and plan.counts[WRITEBACKS] > 0
     (enqueue_a, stage_a), (enqueue_b, stage_b) = records
@@ -81,8 +98,7 @@ def test_sampled_victims_dispatch_the_same_ops(policy, monkeypatch):
     n = 256
     scheduler, step = _steady_scheduler(policy, n, rows=16 * n, capacity=6 * n)
     assert scheduler._scan(n) < scheduler.capacity
-    records = [(OpRecorder(), OpRecorder()) for _ in range(2)]
-    plans = [step(enqueue, stage) for enqueue, stage in records]
+    plans, records = _two_of_a_size(step)
     for plan in plans:
         assert plan.counts[EVICTIONS] > 0 and plan.counts[WRITEBACKS] > 0
     (enqueue_a, stage_a), (enqueue_b, stage_b) = records

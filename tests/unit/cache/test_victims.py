@@ -100,7 +100,7 @@ def test_sampled_candidates_never_run_short(policy, monkeypatch):
     miss while the cache has room for the batches in flight, and the maps stay consistent."""
     monkeypatch.setattr(scheduler_module, "MIN_SCAN", 1)
     gen = torch.Generator().manual_seed(0)
-    s = Scheduler(3_000, 400, make_policy(policy), lookahead=6)
+    s = Scheduler(3_000, 500, make_policy(policy), lookahead=6)
     in_flight = []
     for _ in range(4):
         s.enqueue(torch.randint(0, 3_000, (60,), generator=gen))
