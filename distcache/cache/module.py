@@ -26,12 +26,13 @@ from torch import nn
 from distcache.cache.capacity import log_shortfalls, per_table, shared_capacity
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
-from distcache.cache.engine import ROW_DTYPES, CacheEngine
+from distcache.cache.engine import CacheEngine
 from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
+from distcache.cache.tables import TableSpec
 from distcache.errors import (
     CacheCapacityError,
     DistcacheConfigError,
@@ -39,39 +40,6 @@ from distcache.errors import (
     InvalidIdError,
     UnknownTableError,
 )
-
-POOLINGS = ("sum", "mean")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TableSpec:
-    """One embedding table: `num_embeddings` rows of width `embedding_dim`."""
-
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    pooling: str = "sum"
-    """How a bag's rows are combined: 'sum' or 'mean' (an empty bag gives zeros)."""
-    dtype: torch.dtype = torch.float32
-    """The rows' dtype: float32, or float16 / bfloat16 (half the host memory and the bytes
-    staged; pooled in float32, updated in float32 and rounded to nearest)."""
-
-    def __post_init__(self) -> None:
-        for field in ("num_embeddings", "embedding_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DistcacheConfigError(
-                    f"table {self.name!r}: {field}={value!r} is invalid: expected an int >= 1"
-                )
-        if self.dtype not in ROW_DTYPES:
-            raise DistcacheConfigError(
-                f"table {self.name!r}: dtype={self.dtype} is invalid: expected one of {ROW_DTYPES}"
-            )
-        if self.pooling not in POOLINGS:
-            raise DistcacheConfigError(
-                f"table {self.name!r}: pooling={self.pooling!r} is invalid: expected one of "
-                f"{POOLINGS}"
-            )
 
 
 @dataclass
