@@ -355,10 +355,11 @@ class CachedEmbeddingBags(nn.Module):
         num_bags = offsets.numel() - 1
         batch_size = num_bags // num_features
         lengths = offsets.diff()  # [F * B]
-        if not padded_ids:
-            bag = torch.arange(num_bags, device=self.device)
-            bag_of_id = torch.repeat_interleave(bag, lengths, output_size=n)
-            feature_of_id = bag_of_id // max(batch_size, 1)
+        if not padded_ids:  # repeat_interleave of counts alone: the index of each id's count
+            bag_of_id = torch.repeat_interleave(lengths, output_size=n)
+            starts = torch.arange(num_features + 1, device=self.device).mul_(batch_size)
+            ids_per_feature = offsets.index_select(0, starts).diff()  # [F]
+            feature_of_id = torch.repeat_interleave(ids_per_feature, output_size=n)
         else:  # ids past the last bag (n is offsets[-1], on the device): bag num_bags
             at = torch.arange(n, device=self.device)
             bag_of_id = torch.searchsorted(offsets[1:], at, right=True)
