@@ -196,6 +196,7 @@ class CachedEmbeddingBags(nn.Module):
                 has_mean=any(tables[fmap[f]].pooling == "mean" for f in features),
             )
             self._groups.append(group)
+        self._in_order = [f for g in self._groups for f in g.features] == list(range(num_features))
         self._anchor = torch.zeros((), requires_grad=True)
         self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
         # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
@@ -250,7 +251,7 @@ class CachedEmbeddingBags(nn.Module):
         routed = self._next_routed(values, offsets)
         batch_size = (offsets.numel() - 1) // len(self.feature_table_map)
         train = self.training and torch.is_grad_enabled()
-        per_feature: list[torch.Tensor | None] = [None] * len(self.feature_table_map)
+        parts = []  # each group's [its features, B, dim]
         for group, batch in zip(self._groups, routed.groups, strict=True):
             engine = group.engine
             plan = self._lookup(engine)
@@ -260,11 +261,16 @@ class CachedEmbeddingBags(nn.Module):
             else:
                 pooled, _ = _pool(engine, plan, batch, id_weights)
                 engine.release(plan)
-            pooled = pooled.view(len(group.features), batch_size, engine.dim)
+            parts.append(pooled.view(len(group.features), batch_size, engine.dim))
+        if self._in_order:  # the groups' features in turn: one copy (and backward) per group
+            parts = [part.transpose(0, 1).flatten(1) for part in parts]  # [B, features * dim]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        per_feature: list[torch.Tensor | None] = [None] * len(self.feature_table_map)
+        for group, part in zip(self._groups, parts, strict=True):
             # unbind: one backward for all features (indexing each would zero-fill a gradient
             # of the whole group per feature)
-            for f, part in zip(group.features, pooled.unbind(0), strict=True):
-                per_feature[f] = part
+            for f, row in zip(group.features, part.unbind(0), strict=True):
+                per_feature[f] = row
         return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
 
     def _next_routed(self, values: torch.Tensor, offsets: torch.Tensor) -> _Batch:
