@@ -1,9 +1,10 @@
 """Id validation without a device read-back: every id must lie in [0, rows) of its feature's table.
 
-`find_invalid` runs on the device with the batch: it returns which ids are invalid (the caller
-redirects them to the sentinel row, so they read zeros and nothing is loaded or updated for
-them) and a record of the first one. The record reaches the host with the batch's plan, and
-`raise_if_invalid` raises before the batch is looked up.
+`find_invalid` (from each id's feature) or `find_invalid_per_feature` (from each feature's id
+count, for feature-major ids) runs on the device with the batch: it returns which ids are
+invalid (the caller redirects them to the sentinel row, so they read zeros and nothing is loaded
+or updated for them) and a record of the first one. The record reaches the host with the
+batch's plan, and `raise_if_invalid` raises before the batch is looked up.
 """
 
 from __future__ import annotations
