@@ -408,7 +408,7 @@ class CachedShardedModule:
         lengths = features.lengths()
         strides = features.stride_per_key()
         if not features.variable_stride_per_key():  # every key has the same bags
-            bags = lengths.view(len(strides), strides[0] if strides else 0)
+            bags = lengths.reshape(len(strides), strides[0] if strides else 0)
             return bags.sum(1, dtype=torch.int64)
         ends = self._device_ints(list(itertools.accumulate(strides)), lengths.device)
         ids_before = F.pad(lengths.cumsum(0, dtype=torch.int64), (1, 0))  # [bags + 1]
