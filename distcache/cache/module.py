@@ -26,12 +26,13 @@ from torch import nn
 from distcache.cache.capacity import log_shortfalls, per_table, shared_capacity
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
-from distcache.cache.engine import ROW_DTYPES, CacheEngine
+from distcache.cache.engine import CacheEngine
 from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, raise_if_invalid
 from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
+from distcache.cache.tables import TableSpec
 from distcache.errors import (
     CacheCapacityError,
     DistcacheConfigError,
@@ -39,39 +40,6 @@ from distcache.errors import (
     InvalidIdError,
     UnknownTableError,
 )
-
-POOLINGS = ("sum", "mean")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TableSpec:
-    """One embedding table: `num_embeddings` rows of width `embedding_dim`."""
-
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    pooling: str = "sum"
-    """How a bag's rows are combined: 'sum' or 'mean' (an empty bag gives zeros)."""
-    dtype: torch.dtype = torch.float32
-    """The rows' dtype: float32, or float16 / bfloat16 (half the host memory and the bytes
-    staged; pooled in float32, updated in float32 and rounded to nearest)."""
-
-    def __post_init__(self) -> None:
-        for field in ("num_embeddings", "embedding_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DistcacheConfigError(
-                    f"table {self.name!r}: {field}={value!r} is invalid: expected an int >= 1"
-                )
-        if self.dtype not in ROW_DTYPES:
-            raise DistcacheConfigError(
-                f"table {self.name!r}: dtype={self.dtype} is invalid: expected one of {ROW_DTYPES}"
-            )
-        if self.pooling not in POOLINGS:
-            raise DistcacheConfigError(
-                f"table {self.name!r}: pooling={self.pooling!r} is invalid: expected one of "
-                f"{POOLINGS}"
-            )
 
 
 @dataclass
@@ -228,6 +196,7 @@ class CachedEmbeddingBags(nn.Module):
                 has_mean=any(tables[fmap[f]].pooling == "mean" for f in features),
             )
             self._groups.append(group)
+        self._in_order = [f for g in self._groups for f in g.features] == list(range(num_features))
         self._anchor = torch.zeros((), requires_grad=True)
         self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
         # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
@@ -282,7 +251,7 @@ class CachedEmbeddingBags(nn.Module):
         routed = self._next_routed(values, offsets)
         batch_size = (offsets.numel() - 1) // len(self.feature_table_map)
         train = self.training and torch.is_grad_enabled()
-        per_feature: list[torch.Tensor | None] = [None] * len(self.feature_table_map)
+        parts = []  # each group's [its features, B, dim]
         for group, batch in zip(self._groups, routed.groups, strict=True):
             engine = group.engine
             plan = self._lookup(engine)
@@ -292,11 +261,16 @@ class CachedEmbeddingBags(nn.Module):
             else:
                 pooled, _ = _pool(engine, plan, batch, id_weights)
                 engine.release(plan)
-            pooled = pooled.view(len(group.features), batch_size, engine.dim)
+            parts.append(pooled.view(len(group.features), batch_size, engine.dim))
+        if self._in_order:  # the groups' features in turn: one copy (and backward) per group
+            parts = [part.transpose(0, 1).flatten(1) for part in parts]  # [B, features * dim]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        per_feature: list[torch.Tensor | None] = [None] * len(self.feature_table_map)
+        for group, part in zip(self._groups, parts, strict=True):
             # unbind: one backward for all features (indexing each would zero-fill a gradient
             # of the whole group per feature)
-            for f, part in zip(group.features, pooled.unbind(0), strict=True):
-                per_feature[f] = part
+            for f, row in zip(group.features, part.unbind(0), strict=True):
+                per_feature[f] = row
         return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
 
     def _next_routed(self, values: torch.Tensor, offsets: torch.Tensor) -> _Batch:
@@ -387,10 +361,11 @@ class CachedEmbeddingBags(nn.Module):
         num_bags = offsets.numel() - 1
         batch_size = num_bags // num_features
         lengths = offsets.diff()  # [F * B]
-        if not padded_ids:
-            bag = torch.arange(num_bags, device=self.device)
-            bag_of_id = torch.repeat_interleave(bag, lengths, output_size=n)
-            feature_of_id = bag_of_id // max(batch_size, 1)
+        if not padded_ids:  # repeat_interleave of counts alone: the index of each id's count
+            bag_of_id = torch.repeat_interleave(lengths, output_size=n)
+            starts = torch.arange(num_features + 1, device=self.device).mul_(batch_size)
+            ids_per_feature = offsets.index_select(0, starts).diff()  # [F]
+            feature_of_id = torch.repeat_interleave(ids_per_feature, output_size=n)
         else:  # ids past the last bag (n is offsets[-1], on the device): bag num_bags
             at = torch.arange(n, device=self.device)
             bag_of_id = torch.searchsorted(offsets[1:], at, right=True)

@@ -13,10 +13,12 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
@@ -31,7 +33,7 @@ from torchrec.streamable import Multistreamable
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
-from distcache.cache.ids import find_invalid, raise_if_invalid
+from distcache.cache.ids import find_invalid_per_feature, raise_if_invalid
 from distcache.cache.streams import DeviceInts, HostCopy
 from distcache.errors import (
     InvalidBatchError,
@@ -140,6 +142,11 @@ class CachedShardedModule:
     def _device_ints(self) -> DeviceInts:
         """Per-feature host ints on the device, built once per value (no host wait)."""
         return DeviceInts()
+
+    @functools.cached_property
+    def _rows_by_keys(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """`_rows_of_keys`' lists, by the batch keys they were made for."""
+        return {}
 
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
         if isinstance(features, KeyedJaggedTensor):
@@ -390,17 +397,32 @@ class CachedShardedModule:
         keys = features.keys()
         values = features.values()
         device = values.device
-        rows = self._device_ints([self._rows_of_key_name(k) for k in keys], device)
-        lengths = features.lengths()
-        key_of_bag = torch.repeat_interleave(
-            torch.arange(len(keys), device=device),
-            self._device_ints(features.stride_per_key(), device),
-            output_size=lengths.numel(),
-        )
-        key_of_id = torch.repeat_interleave(key_of_bag, lengths, output_size=values.numel())
-        bad, record = find_invalid(values, key_of_id, rows)
+        rows = self._device_ints(self._rows_of_keys(keys), device)
+        bad, record = find_invalid_per_feature(values, self._ids_per_key(features), rows)
         # A copy: the caller's batch is left as it was.
         return with_values(features, torch.where(bad, 0, values)), HostCopy(record)
+
+    def _ids_per_key(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """How many ids each key of `features` holds `[keys]` int64, on its device: the sums of
+        its lengths over each key's bags (strides are host ints)."""
+        lengths = features.lengths()
+        strides = features.stride_per_key()
+        if not features.variable_stride_per_key():  # every key has the same bags
+            bags = lengths.reshape(len(strides), strides[0] if strides else 0)
+            return bags.sum(1, dtype=torch.int64)
+        ends = self._device_ints(list(itertools.accumulate(strides)), lengths.device)
+        ids_before = F.pad(lengths.cumsum(0, dtype=torch.int64), (1, 0))  # [bags + 1]
+        return ids_before.index_select(0, ends).diff(prepend=ends.new_zeros(1))
+
+    def _rows_of_keys(self, keys: list[str]) -> tuple[int, ...]:
+        """`_rows_of_key_name` of each key, kept per list of keys (a batch's keys repeat)."""
+        kept = self._rows_by_keys
+        rows = kept.get(tuple(keys))
+        if rows is None:
+            if len(kept) >= 64:
+                kept.clear()
+            rows = kept[tuple(keys)] = tuple(self._rows_of_key_name(k) for k in keys)
+        return rows
 
     def _feature_rows(self) -> dict[str, tuple[str, int]]:
         """Per feature of the collection, in its order: its table's name and rows."""

@@ -1,15 +1,17 @@
 """`cache_stats(model)` names each cache as the user named the module (`ebc/...`), as
-`LookaheadTrainPipeline.stats()` does, not by DMP's wrapped path."""
+`LookaheadTrainPipeline.stats()` does, not by DMP's wrapped path; the id check of a batch's
+keys (`_check_feature_ids`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import cache_stats
-from distcache.sharding.sharded_module import user_path
+from distcache.sharding.sharded_module import CachedShardedModule, user_path
 from tests.distributed.pipeline_sweep_case import sweep_batches
 from tests.unit.pipeline.test_lookahead import one_rank  # noqa: F401 (fixture)
 from tests.unit.pipeline.test_recovery import _model
@@ -45,3 +47,48 @@ def test_cache_stats_and_the_pipeline_name_caches_alike(one_rank: None) -> None:
     names = set(cache_stats(model))
     assert names == set(pipeline.stats()) - {"total"}
     assert names and all(name.startswith("ebc/") for name in names), names
+
+
+class _Rows(CachedShardedModule):
+    """The id check alone: features 'a', 'b', 'c' of tables of 3, 4 and 5 rows."""
+
+    def __init__(self) -> None:
+        self._rows_of_feature = {"a": ("ta", 3), "b": ("tb", 4), "c": ("tc", 5)}
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize(
+    ("strides", "lengths", "values", "record"),
+    [
+        ([2, 2, 2], [1, 2, 0, 0, 1, 1], [2, 3, 0, 4, 4], [1, 1, 3, 0]),  # a has 3 rows
+        ([2, 2, 2], [1, 2, 0, 0, 1, 1], [2, 1, 0, 4, 5], [1, 4, 5, 2]),
+        ([2, 0, 3], [1, 1, 0, 2, 1], [0, 2, 9, -1, 4], [2, 2, 9, 2]),  # b has no bags
+        ([0, 1, 2], [0, 1, 1], [1, 4], [0, 0, 1, 2]),  # a has no bags, b no ids
+        ([1, 1, 1], [0, 0, 0], [], [0, 0, 0, 0]),
+        ([0, 0, 0], [], [], [0, 0, 0, 0]),
+    ],
+)
+def test_check_feature_ids_records_the_first_invalid_id(
+    strides: list[int], lengths: list[int], values: list[int], record: list[int], dtype
+) -> None:
+    """Ids out of their key's rows become 0 and the record names the first; keys may have
+    different strides (variable batch) and no bags or no ids."""
+    variable = len(set(strides)) > 1
+    features = KeyedJaggedTensor(
+        keys=["a", "b", "c"],
+        values=torch.tensor(values, dtype=dtype),
+        lengths=torch.tensor(lengths, dtype=dtype),
+        **({"stride_per_key_per_rank": [[s] for s in strides]} if variable else {}),
+        **({} if variable else {"stride": strides[0]}),
+    )
+    checked, check = _Rows()._check_feature_ids(features)
+    assert check.read() == record
+    want = [v if v >= 0 and v < record_bound else 0 for v, record_bound in _bounds(features)]
+    assert checked.values().tolist() == want and checked.values().dtype == dtype
+    assert features.values().tolist() == values  # the caller's batch is left as it was
+    assert checked.stride_per_key() == strides
+
+
+def _bounds(features: KeyedJaggedTensor) -> list[tuple[int, int]]:
+    rows = {"a": 3, "b": 4, "c": 5}
+    return [(v, rows[key]) for key in features.keys() for v in features[key].values().tolist()]

@@ -1,0 +1,44 @@
+"""`TableSpec`: one embedding table of `CachedEmbeddingBags` (its rows, width, pooling and
+dtype), validated when made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distcache.cache.engine import ROW_DTYPES
+from distcache.errors import DistcacheConfigError
+
+POOLINGS = ("sum", "mean")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    """One embedding table: `num_embeddings` rows of width `embedding_dim`."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    pooling: str = "sum"
+    """How a bag's rows are combined: 'sum' or 'mean' (an empty bag gives zeros)."""
+    dtype: torch.dtype = torch.float32
+    """The rows' dtype: float32, or float16 / bfloat16 (half the host memory and the bytes
+    staged; pooled in float32, updated in float32 and rounded to nearest)."""
+
+    def __post_init__(self) -> None:
+        for field in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DistcacheConfigError(
+                    f"table {self.name!r}: {field}={value!r} is invalid: expected an int >= 1"
+                )
+        if self.dtype not in ROW_DTYPES:
+            raise DistcacheConfigError(
+                f"table {self.name!r}: dtype={self.dtype} is invalid: expected one of {ROW_DTYPES}"
+            )
+        if self.pooling not in POOLINGS:
+            raise DistcacheConfigError(
+                f"table {self.name!r}: pooling={self.pooling!r} is invalid: expected one of "
+                f"{POOLINGS}"
+            )
