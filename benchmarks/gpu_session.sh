@@ -288,6 +288,26 @@ stage_issue33b() {
     pack_out
 }
 
+# Issue 36: what a TorchRec user runs, on one GPU: DMP + LookaheadTrainPipeline against TorchRec's
+# fused (every row in HBM) and fused_uvm_caching under TrainPipelineSparseDist and
+# PrefetchTrainPipelineSparseDist, at Criteo Terabyte's sizes (dim 16: 12 GB of rows per variant
+# in host memory) and Kaggle's; then the training job's GPU test (resume, bitwise):
+#     run(command="bash benchmarks/gpu_session.sh issue36", carry=[".fbg", ".whl"], timeout_s=570)
+stage_issue36() {
+    DEADLINE=$(($(date +%s) + ${ISSUE36_SECONDS:-530}))
+    install_packages
+    environment
+    step throughput_terabyte 240 $PY benchmarks/throughput.py --device cuda --ranks 1 \
+        --tables terabyte --scale 1 --batch 4096 --capacities 0.02 --uvm-capacities 0.02 \
+        --lru-capacities "" --warmup 20 --steps 50 --threads 8 --timeout 230 \
+        --json "$OUT/throughput_cuda_terabyte.json"
+    step throughput_kaggle 120 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
+        --batch 4096 --capacities 1.0,0.05,0.02 --uvm-capacities 0.05,0.02 --lru-capacities "" \
+        --warmup 20 --steps 50 --threads 8 --timeout 110 --json "$OUT/throughput_cuda_kaggle.json"
+    step job_gpu 150 $PY -m pytest tests/gpu/test_job_cuda.py -q -p no:cacheprovider -rs
+    pack_out
+}
+
 # Issue 33, item 4: does direct staging's copy take SMs from training? distcache at 2 % beside
 # FBGEMM's TBE with every row in HBM, its copy limited to 4, 16 (the default) and 128 thread
 # blocks; compare the dense part's device time in each JSON's profile:
@@ -308,6 +328,7 @@ stage_staging() {
 case "${1:-}" in
     quick) stage_quick ;;
     staging) stage_staging ;;
+    issue36) stage_issue36 ;;
     fbgemm) stage_fbgemm ;;
     issue33) stage_issue33 ;;
     issue33a) stage_issue33a ;;
@@ -318,7 +339,7 @@ case "${1:-}" in
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|staging|fbgemm|issue33|issue33a|issue33b|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|staging|issue36|fbgemm|issue33|issue33a|issue33b|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac

@@ -1,6 +1,7 @@
 """Training throughput of a DLRM: distcache's look-ahead caches vs TorchRec, side by side.
 
-The model is torchrec.models.dlrm.DLRM with 26 tables of Criteo-Kaggle sizes divided by --scale,
+The model is torchrec.models.dlrm.DLRM with 26 tables of Criteo's sizes (--tables: Kaggle's,
+or Terabyte's) divided by --scale,
 tables sharded table-wise round-robin over the ranks, fused embedding optimizer in backward, one
 power-law id per feature per sample (like Criteo). Variants, all in one run on the same batches:
 
@@ -16,6 +17,10 @@ power-law id per feature per sample (like Criteo). Variants, all in one run on t
   --hook-capacities (K = 1; every batch is routed twice: ahead, then in forward);
 - torchrec: TorchRec's TrainPipelineSparseDist and default sharder, every row in device memory
   (its fused kernel);
+- torchrec_uvm, torchrec_uvm_prefetch (CUDA only): TorchRec's answer for tables larger than
+  GPU memory, its fused_uvm_caching kernel (FBGEMM's UVM cache, LRU, host-mapped rows) at each
+  --uvm-capacities load factor, under TrainPipelineSparseDist and under
+  PrefetchTrainPipelineSparseDist;
 - cpu_embeddings (CUDA only): TorchRec's fused kernel on the host with the MLPs on the GPU; only
   the pooled embeddings cross to the GPU (`distcache.job.dlrm.host_embedding_dlrm`).
 
@@ -79,7 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU, NCCL on CUDA)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--scale", type=float, default=50, help="table rows = Kaggle rows / scale")
+    ap.add_argument("--tables", choices=("kaggle", "terabyte"), default="kaggle")
+    ap.add_argument("--scale", type=float, default=50, help="table rows = Criteo rows / scale")
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--batch", type=int, default=512, help="samples per rank and step")
     ap.add_argument("--alpha", type=float, default=1.05, help="power-law exponent of the ids")
@@ -87,6 +93,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lru-capacities", type=_capacities, default=[0.05, 0.02])
     ap.add_argument("--sync-capacities", type=_capacities, default=[])
     ap.add_argument("--hook-capacities", type=_capacities, default=[])
+    ap.add_argument(
+        "--uvm-capacities",
+        type=_capacities,
+        default=None,
+        help="TorchRec's fused_uvm_caching at these load factors, under TrainPipelineSparseDist"
+        "\nand PrefetchTrainPipelineSparseDist (CUDA only; default: the --capacities below 1"
+        "\non CUDA, none on CPU)",
+    )
     ap.add_argument(
         "--lookahead", type=int, default=DEFAULT_LOOKAHEAD, help="L: batches routed ahead"
     )
@@ -122,6 +136,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         ap.error(f"--ranks {args.ranks} needs as many GPUs; {torch.cuda.device_count()} found")
+    if args.uvm_capacities is None:
+        cuda = args.device == "cuda"
+        args.uvm_capacities = [c for c in args.capacities if c < 1] if cuda else []
+    if args.uvm_capacities and args.device != "cuda":
+        ap.error(
+            "--uvm-capacities needs --device cuda: TorchRec's fused_uvm_caching keeps its cache "
+            "in GPU memory"
+        )
     return args
 
 
@@ -304,10 +326,43 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
     pipeline = TrainPipelineSparseDist(dmp, dense(dmp), device)
     feed = iter(batches)
     out.append(_Variant("torchrec", None, dmp, lambda: pipeline.progress(feed)[0].detach()))
+    for cap in args.uvm_capacities:
+        out += _uvm_variants(cap, model, dense, batches, device)
     if device.type == "cuda":
         hosted = host_embedding_dlrm(model(), device=device, host_pg=host_pg)
         step = _plain_step(hosted, dense(hosted), iter(batches), None)  # it moves what it needs
         out.append(_Variant("cpu_embeddings", None, hosted, step))
+    return out
+
+
+def _uvm_variants(cap: float, model, dense, batches: list, device: torch.device) -> list:
+    """TorchRec's answer for tables larger than GPU memory at cache fraction `cap`: every table
+    on `fused_uvm_caching` (FBGEMM's UVM cache: LRU, `cap` of its rows in GPU memory, the rest
+    in host-mapped memory) under `TrainPipelineSparseDist`, and under
+    `PrefetchTrainPipelineSparseDist` (the next batch's rows prefetched on a side stream)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.train_pipeline import (
+        PrefetchTrainPipelineSparseDist,
+        TrainPipelineSparseDist,
+    )
+    from torchrec.distributed.types import CacheParams
+
+    from distcache.job.dlrm import shard_dlrm
+
+    out = []
+    for name, pipeline_type, prefetch in (
+        ("torchrec_uvm", TrainPipelineSparseDist, False),
+        ("torchrec_uvm_prefetch", PrefetchTrainPipelineSparseDist, True),
+    ):
+        cache = CacheParams(
+            algorithm=CacheAlgorithm.LRU, load_factor=cap, prefetch_pipeline=prefetch
+        )
+        sharder = EmbeddingBagCollectionSharder(fused_params={"uvm_host_mapped": True})
+        dmp = shard_dlrm(model(), sharder, device=device, uvm_cache=cache)
+        pipeline = pipeline_type(dmp, dense(dmp), device)
+        feed = iter(batches)
+        out.append(_Variant(name, cap, dmp, lambda p=pipeline, f=feed: p.progress(f)[0].detach()))
     return out
 
 
@@ -382,9 +437,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         device = torch.device("cpu")
         host_pg = dist.group.WORLD
     from distcache.job.dlrm import scaled_rows
-    from distcache.planner.workloads import CRITEO_KAGGLE_ROWS
+    from distcache.planner.workloads import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS
 
-    rows = scaled_rows(CRITEO_KAGGLE_ROWS, args.scale)
+    criteo = CRITEO_TERABYTE_ROWS if args.tables == "terabyte" else CRITEO_KAGGLE_ROWS
+    rows = scaled_rows(criteo, args.scale)
     # Pipelines read ahead: enough batches that every timed step is a steady-state one.
     batches = _batches(rank, args, rows, args.warmup + args.steps + args.lookahead + 2)
     variants = _variants(args, rows, batches, device, host_pg)
@@ -453,7 +509,7 @@ def summarize(
 
 def _report(summary: list[dict], args: argparse.Namespace, rows: tuple[int, ...]) -> int:
     print(
-        f"DLRM, {len(rows)} tables ({sum(rows):,} rows x {args.dim}, Criteo Kaggle sizes / "
+        f"DLRM, {len(rows)} tables ({sum(rows):,} rows x {args.dim}, Criteo {args.tables} / "
         f"{args.scale:g}), {args.ranks} rank(s) x {args.batch} samples, {args.device}, "
         f"L={args.lookahead} K={args.prefetch_depth}, small tables {args.small_tables}, "
         f"{args.steps} steps after {args.warmup}"
@@ -496,7 +552,30 @@ def _report(summary: list[dict], args: argparse.Namespace, rows: tuple[int, ...]
             f"staging < {100 * TARGET_WAIT:g} % of step time: "
             f"{100 * target['wait_fraction']:.2f} % ({wait})"
         )
+    for line in against_uvm(summary):
+        print(line)
     return 1 if failed else 0
+
+
+def against_uvm(summary: list[dict]) -> list[str]:
+    """Per capacity with both: distcache against the faster of TorchRec's UVM cache under its
+    two pipelines (issue 36's target: >= 1.2 x, with >= 0.9 x `torchrec`)."""
+    lines = []
+    for r in summary:
+        if r["variant"] != "distcache":
+            continue
+        uvm = [
+            u for u in summary
+            if u["variant"].startswith("torchrec_uvm") and u["capacity"] == r["capacity"]
+        ]  # fmt: skip
+        if uvm:
+            best = max(uvm, key=lambda u: u["steps_per_s"])
+            lines.append(
+                f"distcache at {r['cap']}: {r['steps_per_s'] / best['steps_per_s']:.2f} x "
+                f"{best['variant']} (the faster of TorchRec's UVM cache's two pipelines), "
+                f"{r['x_torchrec']:.2f} x torchrec"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

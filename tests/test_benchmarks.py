@@ -243,3 +243,27 @@ def test_gpu_headline_rowwise_adagrad_on_cpu(tmp_path):
     assert len(by_name["fbgemm_device"]["losses"]) == 13
     for name in ("distcache", "lru"):
         assert by_name[name]["loss_max_diff"] < 1e-5, name
+
+
+def test_throughput_offers_torchrecs_uvm_cache_on_cuda_only():
+    """`--uvm-capacities` (TorchRec's fused_uvm_caching under its two pipelines) is refused on
+    CPU with what it needs; the line that compares distcache with the faster of the two."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert throughput.parse_args(["--device", "cpu"]).uvm_capacities == []
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--device", "cpu", "--uvm-capacities", "0.05"])
+    summary = [
+        {"variant": "distcache", "capacity": 0.02, "cap": "2 %", "steps_per_s": 30.0,
+         "x_torchrec": 0.9},
+        {"variant": "torchrec_uvm", "capacity": 0.02, "steps_per_s": 20.0},
+        {"variant": "torchrec_uvm_prefetch", "capacity": 0.02, "steps_per_s": 24.0},
+        {"variant": "torchrec_uvm", "capacity": 0.05, "steps_per_s": 99.0},
+    ]  # fmt: skip
+    assert throughput.against_uvm(summary) == [
+        "distcache at 2 %: 1.25 x torchrec_uvm_prefetch (the faster of TorchRec's UVM cache's "
+        "two pipelines), 0.90 x torchrec"
+    ]

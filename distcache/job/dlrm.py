@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedTensor
 from torchrec.datasets.utils import Batch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
@@ -49,7 +50,13 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import (
+    CacheParams,
+    ModuleSharder,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingPlan,
+)
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -65,6 +72,9 @@ from distcache.sharding import (
     FUSED_KERNEL,
     CachedEmbeddingBagCollectionSharder,
 )
+
+#: TorchRec's kernel for tables larger than device memory: FBGEMM's UVM cache.
+UVM_CACHING_KERNEL = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 
 #: Path of the `EmbeddingBagCollection` inside a `DLRMTrain`.
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
@@ -320,10 +330,11 @@ def sharding_plan(
     device_type: str = "cpu",
     path: str = EBC_PATH,
     resident_tables: Collection[str] = (),
+    uvm_cache: CacheParams | None = None,
 ) -> ShardingPlan:
     """A hand plan for `ebc`: tables round-robin over the ranks (`table_wise`), or each table
     split over all ranks (`row_wise`). distcache's sharder gets its cached kernel, any other
-    sharder TorchRec's fused kernel.
+    sharder TorchRec's fused kernel (or, with `uvm_cache`, its UVM cache).
 
     Args:
         ebc: the module to shard.
@@ -335,9 +346,17 @@ def sharding_plan(
         path: the module's path in the model given to DMP.
         resident_tables: tables kept in TorchRec's fused kernel (every row in device memory)
             under distcache's sharder, e.g. the `small_tables`.
+        uvm_cache: TorchRec's sharder only: every table on TorchRec's `fused_uvm_caching`
+            kernel (FBGEMM's UVM cache: rows in host memory, `load_factor` of them cached in
+            GPU memory; CUDA only), with these cache parameters.
     """
     _check_sharding(sharding)
     cached = isinstance(sharder, CachedEmbeddingBagCollectionSharder)
+    if uvm_cache is not None and cached:
+        raise DistcacheConfigError(
+            "uvm_cache places tables on TorchRec's fused_uvm_caching kernel: it needs "
+            "TorchRec's EmbeddingBagCollectionSharder, not distcache's"
+        )
     names = list(sharder.shardable_parameters(ebc))
     unknown = sorted(set(resident_tables) - set(names))
     if unknown:
@@ -345,9 +364,19 @@ def sharding_plan(
 
     def placement(i: int, name: str) -> ParameterShardingGenerator:
         kernel = CACHED_KERNEL if cached and name not in resident_tables else FUSED_KERNEL
+        if uvm_cache is not None:
+            kernel = UVM_CACHING_KERNEL
         if sharding == "table_wise":
-            return table_wise(rank=i % world_size, compute_kernel=kernel)
-        return row_wise(compute_kernel=kernel)
+            generate = table_wise(rank=i % world_size, compute_kernel=kernel)
+        else:
+            generate = row_wise(compute_kernel=kernel)
+        if uvm_cache is None:
+            return generate
+
+        def with_cache(*args, **kwargs) -> ParameterSharding:  # noqa: ANN002, ANN003
+            return dataclasses.replace(generate(*args, **kwargs), cache_params=uvm_cache)
+
+        return with_cache
 
     per_table = {name: placement(i, name) for i, name in enumerate(names)}
     module_plan = construct_module_sharding_plan(
@@ -371,6 +400,7 @@ def shard_dlrm(
     path: str = EBC_PATH,
     init_data_parallel: bool = True,
     resident_tables: Collection[str] = (),
+    uvm_cache: CacheParams | None = None,
 ) -> DistributedModelParallel:
     """`model` under `DistributedModelParallel`, its EBC placed by `sharding_plan`.
 
@@ -383,7 +413,7 @@ def shard_dlrm(
         pg: the process group (default: the world).
         path: the EBC's path in `model` ("" when `model` is the EBC).
         init_data_parallel: wrap the dense layers in DDP (TorchRec's default).
-        resident_tables: see `sharding_plan`.
+        resident_tables, uvm_cache: see `sharding_plan`.
     """
     pg = pg or dist.group.WORLD
     sharder = sharder or EmbeddingBagCollectionSharder()
@@ -396,6 +426,7 @@ def shard_dlrm(
         device_type=device.type,
         path=path,
         resident_tables=resident_tables,
+        uvm_cache=uvm_cache,
     )
     return DistributedModelParallel(
         model,

@@ -9,6 +9,8 @@ from torchrec.datasets.utils import Batch
 from distcache import CacheConfig, DistcacheConfigError
 from distcache.cache.capacity import pinned_batches
 from distcache.job.dlrm import (
+    EBC_PATH,
+    UVM_CACHING_KERNEL,
     DLRMConfig,
     apply_embedding_optimizer,
     build_dlrm,
@@ -16,6 +18,7 @@ from distcache.job.dlrm import (
     dense_optimizer,
     host_embedding_dlrm,
     shard_dlrm,
+    sharding_plan,
     small_tables,
     whole_tables,
 )
@@ -85,6 +88,31 @@ def test_tables_too_small_for_the_batches_in_flight_are_cached_whole():
         whole_tables(CONFIG.rows, config, in_flight_ids=1, sharding="column_wise")
     with pytest.raises(DistcacheConfigError, match="embedding optimizer"):
         apply_embedding_optimizer(build_dlrm(CONFIG), "lamb", lr=0.1)
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_a_plan_on_torchrecs_uvm_cache(sharding):
+    """`uvm_cache`: every table on TorchRec's fused_uvm_caching with the cache parameters given
+    (what throughput.py's torchrec_uvm variants train on a GPU); not with distcache's sharder."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import CacheParams
+
+    ebc = build_dlrm(CONFIG).get_submodule(EBC_PATH)
+    cache = CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=0.02, prefetch_pipeline=True)
+    plan = sharding_plan(
+        ebc, EmbeddingBagCollectionSharder(), sharding=sharding, world_size=2,
+        device_type="cuda", uvm_cache=cache,
+    ).plan[EBC_PATH]  # fmt: skip
+    assert sorted(plan) == ["t0", "t1", "t2"]
+    for table in plan.values():
+        assert (table.compute_kernel, table.cache_params) == (UVM_CACHING_KERNEL, cache)
+        assert table.sharding_type == sharding
+    with pytest.raises(DistcacheConfigError, match="EmbeddingBagCollectionSharder"):
+        sharding_plan(
+            ebc, CachedEmbeddingBagCollectionSharder(CacheConfig()), world_size=1,
+            uvm_cache=cache,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
