@@ -24,8 +24,8 @@ U_table(n) otherwise, from `stats.expected_unique`.
   the training thread), fully exposed. The cache must hold the rows of the K + 1 batches in
   flight: cache rows >= (K + 1)·U. On a calibrated CPU the host-device bandwidth is the
   stager's measured rate, its scheduler's work per row included, and a look-ahead cache
-  scores its victims' candidates: + min(cache rows, (K + 4)·U) / cache_scan_rows_per_s (none
-  for a cache of every row; LRU's score is one subtraction per slot, not priced).
+  scores every slot once per step to pick victims: + cache rows / cache_scan_rows_per_s
+  (LRU's score is one subtraction per slot, not priced).
 - all-to-all: each consumer rank sends B·P·8 bytes of ids to each shard (row-wise: /S) and each
   shard sends B·D_shard·dtype bytes of pooled embeddings (row-wise: partial sums, D) to each
   consumer; backward sends the gradients back the same way. Table-row-wise (TorchRec's TWRW and

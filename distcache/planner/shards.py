@@ -154,30 +154,18 @@ def _sectors(num_bytes: int) -> int:
     return -(-num_bytes // ACCESS_BYTES) * ACCESS_BYTES
 
 
-def staging_time_s(staging_bytes: float, topology: Topology, scored: float = 0) -> float:
+def staging_time_s(staging_bytes: float, topology: Topology, cache_rows: int = 0) -> float:
     """Host-device time of a cache's traffic per step: one load and one write-back transfer,
-    and, where the topology measures it, the victim choice scoring `scored` slots
-    (`scored_slots`)."""
+    and, where the topology measures it, the victim choice scoring the cache's `cache_rows`
+    slots."""
     if staging_bytes <= 0:
         return 0.0
-    rate = topology.cache_scan_rows_per_s
-    scan = scored / rate if rate else 0.0
+    scan = cache_rows / topology.cache_scan_rows_per_s if topology.cache_scan_rows_per_s else 0.0
     return (
         staging_bytes / topology.host_to_device_bw_bytes_per_s
         + 2 * topology.host_to_device_latency_s
         + scan
     )
-
-
-def scored_slots(cache_rows: int, rows: int, unique_rows: float, prefetch_depth: int) -> float:
-    """Slots the look-ahead scheduler scores a step to choose victims, as
-    `distcache.cache.victims` does: the candidates of a plan over the batch's U distinct rows
-    (a sweep covering the K staged batches' pins and twice the batch, and twice the batch from
-    the expiry queue: (K + 4) U), or every slot when that is as many; none for a cache of every
-    row, which chooses no victims."""
-    if cache_rows >= rows:
-        return 0.0
-    return min(float(cache_rows), (prefetch_depth + 4) * unique_rows)
 
 
 def output_rate_factor(sharding: str, topology: Topology, pooled: bool = True) -> float:
@@ -295,12 +283,8 @@ def shard_terms(
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
         staging_bytes_per_step=staging_bytes,
-        # LRU's one subtraction a candidate is not priced.
-        staging_s=staging_time_s(
-            staging_bytes,
-            topology,
-            scored_slots(cache_rows, rows, unique, prefetch_depth) if lookahead > 0 else 0,
-        ),
+        # Look-ahead victims are scored over every slot; LRU's one subtraction is not priced.
+        staging_s=staging_time_s(staging_bytes, topology, cache_rows if lookahead > 0 else 0),
         staging_overlapped=min(lookahead, prefetch_depth) > 0 and topology.compute_device == "cuda",
         device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, ours, lookahead),
         host_memory_bytes=rows * row_bytes if ours else 0,

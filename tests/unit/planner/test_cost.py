@@ -381,24 +381,15 @@ def test_latencies_per_routed_sharding_type():
     assert synced.all_reduce_s == pytest.approx(with_dp.all_reduce_s + 2 * 4 * LATENCY)
 
 
-def test_victim_choice_scores_the_candidates_of_the_batch_where_measured():
-    """As `Victims` chooses: (K + 4) U candidates of a batch of U distinct rows, or every slot
-    when that is fewer; a cache of every row chooses none."""
+def test_victim_choice_scans_the_whole_cache_where_measured():
     table = TableStats(name="big", rows=200_000, dim=16, alpha=1.05)
     cache = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 8, "prefetch_depth": 1}
-    measured = dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)
-    plain, scanned = _terms(table, **cache), _terms(table, measured, **cache)
-    unique = plain.unique_rows_per_step
-    assert 5 * unique < 10_000  # the batch's candidates, fewer than the cache's slots
-    assert scanned.staging_s == pytest.approx(plain.staging_s + 5 * unique / 1e7)
-    small = {**cache, "cache_fraction": 0.001}  # 200 slots: every one of them
-    assert _terms(table, measured, **small).staging_s == pytest.approx(
-        _terms(table, **small).staging_s + 200 / 1e7
-    )
-    whole = {**cache, "cache_fraction": 1.0}  # no victims: only the transfers (none here)
-    assert _terms(table, measured, **whole).staging_s == _terms(table, **whole).staging_s
-    assert _terms(table, measured).staging_s == 0
+    plain = _terms(table, **cache)
+    scanned = _terms(table, dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7), **cache)
+    assert scanned.staging_s == pytest.approx(plain.staging_s + 10_000 / 1e7)
+    assert _terms(table, dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)).staging_s == 0
     lru = {**cache, "lookahead": 0, "prefetch_depth": 0}
+    measured = dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)
     assert _terms(table, measured, **lru).staging_s == _terms(table, **lru).staging_s
 
 
