@@ -143,9 +143,10 @@ def test_flush_then_store_equals_reference_and_second_flush_writes_nothing(devic
     assert engine.flush() == 0
 
 
-def test_state_dict_flushes_and_round_trips(device):
+@pytest.mark.parametrize("capacity", [12, 40])  # 40: a cache of every row, loaded up front
+def test_state_dict_flushes_and_round_trips(device, capacity):
     """Invariant 6: `state_dict()` holds every update, also those only in the cache."""
-    tables, config, cached, ref, opt = _setup(capacity=12, device=device)
+    tables, config, cached, ref, opt = _setup(capacity=capacity, device=device)
     batches = make_batches(tables, batch_size=3, num_batches=20, max_len=3, seed=4)
     for batch in batches[:10]:
         loss_of(cached(*_on(batch, device))).backward()
@@ -165,8 +166,34 @@ def test_state_dict_flushes_and_round_trips(device):
     assert torch.equal(fresh.table_weight("t0"), ref.bags[0].weight.data)
 
 
-def test_load_clears_cached_rows(device):
-    tables, config, cached, _, _ = _setup(capacity=12, device=device)
+def test_a_cache_of_every_row_loads_its_rows_again_after_a_load(device):
+    """A cache of every row loads all of them before its first batch (`Stager.load_all`), and
+    again after its rows are overwritten mid-training: the next batches train on the new rows,
+    as the reference does."""
+    tables, config, cached, ref, opt = _setup(capacity=40, device=device)
+    batches = make_batches(tables, batch_size=3, num_batches=10, max_len=3, seed=6)
+
+    def train(some):
+        for batch in some:
+            loss_of(cached(*_on(batch, device))).backward()
+            opt.zero_grad()
+            loss_of(ref(*batch)).backward()
+            opt.step()
+
+    train(batches[:5])
+    (engine,) = cached.engines
+    assert engine.scheduler.residency.num_resident() == 40 and engine.stats().loads == 0
+    new = integer_weights(tables, 7)[0]
+    cached.load_table_weight("t0", new)
+    with torch.no_grad():
+        ref.bags[0].weight.copy_(new)
+    train(batches[5:])
+    assert torch.equal(cached.table_weight("t0"), ref.bags[0].weight.data)
+
+
+@pytest.mark.parametrize("capacity", [12, 40])  # 40: a cache of every row, loaded up front
+def test_load_clears_cached_rows(device, capacity):
+    tables, config, cached, _, _ = _setup(capacity=capacity, device=device)
     batch = _on(make_batches(tables, batch_size=3, num_batches=1, max_len=3, seed=5)[0], device)
     cached.eval()
     cached(*batch)
