@@ -195,7 +195,9 @@ class Scheduler:
         base = self.window.reserve(n)
         at = self._device_ints(seq, base)
         work = self._current_graphs().run(("enqueue", n), self._enqueue_device, ids, at)
-        distinct = None if self.whole else HostCopy(work[4])  # read when it is staged
+        # Read when it is staged after a later batch entered (`_stage_size`): never for a cache
+        # of every row (its rows are not packed), nor in a window of one batch (L = 0).
+        distinct = None if self.whole or not self.lookahead else HostCopy(work[4])
         self._unstaged.append(self.window.enter(seq, base, at, work[:4], num_ids, distinct))
         self._batches += 1
         return seq
@@ -225,10 +227,9 @@ class Scheduler:
         """Plan the oldest enqueued batch's staging and update residency as if it were done."""
         if not self._unstaged:
             raise LookaheadWindowError(f"{self.name}: no enqueued batch left to stage")
-        newest = self._unstaged[0].seq == self._next_seq - 1
         batch = self._unstaged.popleft()
         self.window.leave(batch)
-        n = batch.size if newest else self._stage_size(batch)
+        n = self._stage_size(batch)
         # Its packed rows up to n: the rest is the sentinel row (padding of `Window`'s packing).
         inputs = (batch.rows[:n], batch.inv, batch.valid[:n], batch.positions[:n], batch.at)
         if self.whole:
@@ -269,12 +270,11 @@ class Scheduler:
         sentinel row, if it has padding), whose count reached the host when a later batch
         entered the window (`WindowBatch.distinct`: in a pipeline it was copied batches ago,
         so reading it waits for nothing); rounded up to a few sizes (`padded_size`) when
-        graphs replay the plans. All of them for a cache of every row, whose rows are not
-        packed. Every pass of the plan then follows the batch's distinct rows, not its ids.
-        The newest batch in the window is staged with all its rows instead (`stage_next`): its
-        count may not have reached the host yet, and reading it then would wait for the
-        device."""
-        if batch.distinct is None:
+        graphs replay the plans. Every pass of the plan then follows the batch's distinct rows,
+        not its ids. All of them for a cache of every row, whose rows are not packed, and for
+        the newest batch in the window: its count may not have reached the host yet, and
+        reading it then would wait for the device."""
+        if batch.distinct is None or batch.seq == self._next_seq - 1:
             return batch.size
         distinct = batch.distinct.read()[0]
         if self.graphs.enabled:

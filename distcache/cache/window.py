@@ -63,8 +63,8 @@ class WindowBatch:
     valid: torch.Tensor  # [n] bool rows[k] is a real row (not padding, not the sentinel)
     positions: torch.Tensor  # [n] int32 base + k: where rows[k] sits in the ring
     num_ids: int  # the batch's ids before padding (n when not padded): inv[:num_ids] are theirs
-    # How many of `rows` are distinct (`Window.enter_device`), on its way to the host; None for
-    # a cache of every row, whose rows are not packed.
+    # How many of `rows` are distinct (`Window.enter_device`), on its way to the host; None
+    # where it is never read (`Scheduler.enqueue`).
     distinct: HostCopy | None = None
 
     @property
