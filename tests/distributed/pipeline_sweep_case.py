@@ -177,6 +177,7 @@ def _one_case(
             "critical": sum(s.critical_misses for s in stats),
             "evictions": sum(s.evictions for s in stats),
             "loads": sum(s.loads for s in stats),
+            "whole": all(s.capacity >= s.num_rows for s in stats),  # every cache holds its shard
         }
     dist.barrier()
     return result
