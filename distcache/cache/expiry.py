@@ -56,8 +56,8 @@ class ExpiryQueue:
         rank = keep.cumsum(0) - 1  # int64: [n] the position among the kept
         at = self.tail + rank
         cell = torch.where(keep, at % self.cells, self.cells)  # the last cell: a trash cell
-        self.ring.index_copy_(0, cell, slots.int())
-        self.pos.index_copy_(0, torch.where(keep, slots, self.trash_slot), at)
+        self.ring.scatter_(0, cell, slots.int())
+        self.pos.scatter_(0, torch.where(keep, slots, self.trash_slot), at)
         self.tail.add_(keep.sum())
 
     def segment(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,8 +79,8 @@ class ExpiryQueue:
         start = self.head + width - count  # the new head
         at = start + kept.cumsum(0) - 1
         cell = torch.where(kept, at % self.cells, self.cells)
-        self.ring.index_copy_(0, cell, slots.int())
-        self.pos.index_copy_(0, torch.where(kept, slots, self.trash_slot), at)
+        self.ring.scatter_(0, cell, slots.int())
+        self.pos.scatter_(0, torch.where(kept, slots, self.trash_slot), at)
         # A segment read past the tail moves the tail to its end (what lies between is stale).
         torch.maximum(self.tail, self.head + width, out=self.tail)
         self.head.copy_(start)

@@ -120,7 +120,7 @@ class LRUPolicy(EvictionPolicy):
         self.last_use = torch.full((slots,), -self.classes, dtype=torch.int32, device=device)
 
     def on_stage(self, seq, rows, slots, loaded) -> None:  # noqa: ANN001
-        self.last_use.index_copy_(0, slots, seq.expand(slots.numel()))
+        self.last_use.scatter_(0, slots, seq.expand(slots.numel()))
 
     def keys(self, slots: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
         age = seq - self.last_use.index_select(0, slots)
@@ -146,9 +146,9 @@ class LFUPolicy(EvictionPolicy):
     def on_stage(self, seq, rows, slots, loaded) -> None:  # noqa: ANN001
         rows = torch.where(slots == self.residency.sentinel_slot, self.residency.trash_row, rows)
         count = (self.count.index_select(0, rows) + 1).clamp_(max=(1 << self.COUNT_BITS) - 1)
-        self.count.index_copy_(0, rows, count)
-        self.slot_count.index_copy_(0, slots, count)
-        self.last_use.index_copy_(0, slots, seq.expand(slots.numel()))
+        self.count.scatter_(0, rows, count)
+        self.slot_count.scatter_(0, slots, count)
+        self.last_use.scatter_(0, slots, seq.expand(slots.numel()))
 
     def keys(self, slots: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
         rarity = (1 << self.COUNT_BITS) - 1 - self.slot_count.index_select(0, slots)

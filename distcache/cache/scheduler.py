@@ -219,7 +219,7 @@ class Scheduler:
         res = self.residency
         slot = res.slot_of.index_select(0, rows).long()
         into = torch.where(fresh & (slot >= 0), slot, res.trash_slot)
-        res.next_use.index_copy_(0, into, at[0].expand(rows.numel()))
+        res.next_use.scatter_(0, into, at[0].expand(rows.numel()))
         return rows, inv, valid, positions, distinct
 
     # ---------------------------------------------------------------- staging
@@ -323,13 +323,13 @@ class Scheduler:
         evicted = real & (old >= 0)
         writeback = evicted & res.dirty.index_select(0, victims)
         res.slot_of.index_fill_(0, torch.where(evicted, old, res.trash_row), -1)
-        res.slot_of.index_copy_(0, torch.where(got, rows, res.trash_row), slot.int())
-        res.row_of.index_copy_(0, torch.where(got, slot, res.trash_slot), rows)
+        res.slot_of.scatter_(0, torch.where(got, rows, res.trash_row), slot.int())
+        res.row_of.scatter_(0, torch.where(got, slot, res.trash_slot), rows)
         res.dirty.index_fill_(0, victims, False)
         loaded_slots = torch.where(got, slot, res.sentinel_slot)
         res.pin.index_add_(0, loaded_slots, self._one.expand(n))
         slot = torch.where(slot >= 0, slot, res.sentinel_slot)  # misses without a slot too
-        res.next_use.index_copy_(0, slot, next_use)
+        res.next_use.scatter_(0, slot, next_use)
         self.policy.on_stage(seq, rows, slot, got)
         self.victims.expire(slot, next_use, valid & (slot != res.sentinel_slot))
 

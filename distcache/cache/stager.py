@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from distcache.cache.host_store import HostStore
-from distcache.cache.scheduler import LOADS, NUM_COUNTS, WRITEBACKS, StagePlan
+from distcache.cache.scheduler import LOADS, WRITEBACKS, StagePlan
 from distcache.cache.streams import Streams
 from distcache.cache.transfer import copy_rows
 
@@ -104,24 +104,16 @@ class Stager:
         `check`: device int64 words to bring to the host with the plan's counts.
         """
         s = self.streams
-        size = plan.load_rows.numel()
         rows = not self.direct  # the worker needs the row lists on the host
         job = _Job(
             plan=plan,
-            counts=s.host_buffer((NUM_COUNTS,), torch.int64),
-            load_rows=s.host_buffer((size,), torch.int64) if rows else None,
-            writeback_rows=s.host_buffer((size,), torch.int64) if rows else None,
-            check=None if check is None else s.host_buffer(tuple(check.shape), torch.int64),
-            mirrored=None,
+            counts=s.mirror(plan.counts),
+            load_rows=s.mirror(plan.load_rows) if rows else None,
+            writeback_rows=s.mirror(plan.writeback_rows) if rows else None,
+            check=None if check is None else s.mirror(check),
+            mirrored=s.record(host=True),
             victims_free=self.victims_free,
         )
-        job.counts.copy_(plan.counts, non_blocking=True)
-        if rows:
-            job.load_rows.copy_(plan.load_rows, non_blocking=True)
-            job.writeback_rows.copy_(plan.writeback_rows, non_blocking=True)
-        if check is not None:
-            job.check.copy_(check, non_blocking=True)
-        job.mirrored = s.record(host=True)
         if self.direct:
             self._stage_direct(job)
             self._jobs[plan.seq] = (job, None)

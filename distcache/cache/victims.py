@@ -100,7 +100,7 @@ class Victims:
             _, queued, queued_live = self.queue.segment(2 * size)  # 2: expired, oldest first
             if not self.policy.reactive:
                 queued_live &= res.next_use.index_select(0, queued) == NO_USE
-            self._offered.index_copy_(
+            self._offered.scatter_(
                 0, torch.where(queued_live, queued, res.trash_slot), seq.expand(queued.numel())
             )
             swept = self._hand + torch.arange(scan + 1, device=device)  # 3: a sweep

@@ -130,10 +130,10 @@ class Window:
         # The previous occurrence learns that this batch uses its row next. (The sentinel
         # row's `latest` stays -1: it is never written, below.)
         linked = torch.where(prev >= 0, prev.long(), self.ring_size)
-        self.next_use.index_copy_(0, linked, at[0].expand(n))  # (the trash entry: any of them)
+        self.next_use.scatter_(0, linked, at[0].expand(n))  # (the trash entry: any of them)
         # Row k of the batch sits at position base + k from now on.
         self.next_use.index_fill_(0, pos.long(), NO_USE)
-        self.latest.index_copy_(0, torch.where(valid, rows, self.trash_row), pos)
+        self.latest.scatter_(0, torch.where(valid, rows, self.trash_row), pos)
         return rows, inv, valid, pos, fresh, distinct
 
     def _distinct_sorted(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -162,7 +162,7 @@ class Window:
         """
         n = ids.numel()
         here = torch.arange(n, dtype=torch.int32, device=self.device)
-        self.latest.index_copy_(0, ids, here)  # one occurrence of each row wins its entry
+        self.latest.scatter_(0, ids, here)  # one occurrence of each row wins its entry
         rep = self.latest.index_select(0, ids)  # [n] each id's representative
         valid = (rep == here) & (ids != self.sentinel_row)
         rows = torch.where(valid, ids, self.sentinel_row)
