@@ -3,8 +3,10 @@
 `find_invalid` (from each id's feature) or `find_invalid_per_feature` (from each feature's id
 count, for feature-major ids) runs on the device with the batch: it returns which ids are
 invalid (the caller redirects them to the sentinel row, so they read zeros and nothing is loaded
-or updated for them) and a record of the first one. The record reaches the host with the
-batch's plan, and `raise_if_invalid` raises before the batch is looked up.
+or updated for them) and how many. The count reaches the host with the batch's plan; where it
+is not 0, `first_invalid` finds the first invalid id on the host (the batch's ids were kept
+with it) and `raise_if_invalid` raises before the batch is looked up. So a valid batch costs
+the check, the count and nothing more.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from collections.abc import Callable
 import torch
 
 from distcache.errors import InvalidIdError
-
-RECORD_SIZE = 4  # invalid count, position of the first invalid id, its value, its feature
 
 
 def find_invalid(
@@ -30,21 +30,18 @@ def find_invalid(
 
     Returns:
         bad: `[n]` bool, the ids outside [0, rows of their feature).
-        record: `[4]` int64: how many, the position of the first, its value and its feature.
+        count: `[1]` int64, how many (for the host: `first_invalid` names the first).
     """
     bad = (values < 0) | (values >= rows.index_select(0, feature_of_id))
-    if values.numel() == 0:
-        return bad, _empty_record(values.device)
-    first = _first(bad)
-    return bad, _record(bad, values, first, feature_of_id.index_select(0, first))
+    return bad, bad.sum().view(1)
 
 
 def find_invalid_per_feature(
     values: torch.Tensor, ids_per_feature: torch.Tensor, rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`find_invalid` for ids in feature-major order, from each feature's id count: each id's
-    bound comes from one `repeat_interleave` of the features' rows, and the first invalid id's
-    feature from its position among the features' ends, so no per-id feature is built.
+    bound comes from one `repeat_interleave` of the features' rows, so no per-id feature is
+    built.
 
     Args:
         values: ids `[n]`, all of feature 0, then all of feature 1, ...
@@ -54,38 +51,32 @@ def find_invalid_per_feature(
     Returns:
         As `find_invalid`.
     """
-    n = values.numel()
-    bound = rows.repeat_interleave(ids_per_feature, output_size=n)  # [n]
+    bound = rows.repeat_interleave(ids_per_feature, output_size=values.numel())  # [n]
     bad = (values < 0) | (values >= bound)
-    if n == 0:
-        return bad, _empty_record(values.device)
-    first = _first(bad)
+    return bad, bad.sum().view(1)
+
+
+def first_invalid(
+    values: torch.Tensor, ids_per_feature: torch.Tensor, rows: torch.Tensor
+) -> list[int]:
+    """The record `raise_if_invalid` words its error from, for a batch whose count (from
+    `find_invalid*`) was not 0: how many ids are invalid, the position of the first, its value
+    and its feature (arguments as `find_invalid_per_feature`'s). It reads them on the host: the
+    error path only, where the batch is not trained anyway."""
+    values, ids_per_feature, rows = (t.cpu().long() for t in (values, ids_per_feature, rows))
+    bad, _ = find_invalid_per_feature(values, ids_per_feature, rows)
+    first = int(bad.view(torch.uint8).argmax()) if bad.numel() else 0  # the first of equal maxima
     # The first feature whose ids end past `first` (an empty feature ends where it starts).
-    feature = torch.searchsorted(ids_per_feature.cumsum(0), first, right=True)
-    return bad, _record(bad, values, first, feature)
-
-
-def _empty_record(device: torch.device) -> torch.Tensor:
-    return torch.zeros(RECORD_SIZE, dtype=torch.int64, device=device)
-
-
-def _first(bad: torch.Tensor) -> torch.Tensor:
-    """`[1]` the position of the first true entry of `bad` (0 if none): argmax returns the
-    first of equal maxima; the bools are read as bytes in place."""
-    return bad.view(torch.uint8).argmax().view(1)
-
-
-def _record(
-    bad: torch.Tensor, values: torch.Tensor, first: torch.Tensor, feature: torch.Tensor
-) -> torch.Tensor:
-    """`[4]` int64: the invalid count, the first's position, its value and its feature."""
-    return torch.cat([bad.sum().view(1), first, values.index_select(0, first), feature])
+    ends = ids_per_feature.cumsum(0)
+    feature = int(torch.searchsorted(ends, torch.tensor(first), right=True))
+    value = int(values[first]) if bad.numel() else 0
+    return [int(bad.sum()), first, value, feature]
 
 
 def raise_if_invalid(
     record: list[int], rows_of: Callable[[int], int], describe: Callable[[int], str]
 ) -> None:
-    """Raise `InvalidIdError` if the host copy of a `find_invalid` record counts invalid ids.
+    """Raise `InvalidIdError` if a `first_invalid` record counts invalid ids.
 
     Args:
         record: the record, on the host.

@@ -29,7 +29,7 @@ from distcache.cache.counters import CacheStats
 from distcache.cache.engine import CacheEngine
 from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
-from distcache.cache.ids import find_invalid, raise_if_invalid
+from distcache.cache.ids import find_invalid, first_invalid, raise_if_invalid
 from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
 from distcache.cache.tables import TableSpec
@@ -95,6 +95,8 @@ class _Batch:
     num_ids: int
     num_bags: int
     routed_ids: int  # with padding (`cuda_graphs`, jagged batches); num_ids if none
+    # The ids and offsets as checked (`check_ids`), to name an invalid id on the error path.
+    checked: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class CachedEmbeddingBags(nn.Module):
@@ -254,7 +256,7 @@ class CachedEmbeddingBags(nn.Module):
         parts = []  # each group's [its features, B, dim]
         for group, batch in zip(self._groups, routed.groups, strict=True):
             engine = group.engine
-            plan = self._lookup(engine)
+            plan = self._lookup(engine, routed)
             id_weights = batch.id_weights(weights, routed.routed_ids)
             if train:
                 pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
@@ -297,16 +299,25 @@ class CachedEmbeddingBags(nn.Module):
             )
         return weights.to(self.device, torch.float32, non_blocking=True).reshape(-1)
 
-    def _lookup(self, engine: CacheEngine) -> StagePlan:
-        """The engine's next plan; after an error, the window is dropped, then it is raised."""
+    def _lookup(self, engine: CacheEngine, batch: _Batch) -> StagePlan:
+        """The engine's next plan for `batch`; after an error, the window is dropped, then it
+        is raised."""
         try:
             plan = engine.lookup_plan()
-            if plan.host_check is not None:
-                raise_if_invalid(plan.host_check, self._rows_of, self._describe)
+            if plan.host_check is not None and plan.host_check[0]:  # invalid ids: name one
+                raise_if_invalid(self._first_invalid(batch), self._rows_of, self._describe)
         except (CacheCapacityError, InvalidIdError):
             self.drop_window()
             raise
         return plan
+
+    def _first_invalid(self, batch: _Batch) -> list[int]:
+        """`first_invalid` of a batch whose check counted invalid ids (reads it on the host)."""
+        values, offsets = batch.checked
+        num_features = len(self.feature_table_map)
+        starts = torch.arange(num_features + 1) * (batch.num_bags // num_features)
+        ids_per_feature = offsets.cpu().index_select(0, starts).diff()
+        return first_invalid(values, ids_per_feature, self._rows)
 
     @property
     def num_enqueued(self) -> int:
@@ -348,8 +359,10 @@ class CachedEmbeddingBags(nn.Module):
             keep = (next(flat), next(flat)) if padded else (None, None)
             part = _GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep, padded_ids)
             parts.append(part)
-        check = next(flat) if self.config.check_ids else None
-        return _Batch(parts, n, num_bags, routed), check
+        check, checked = None, None
+        if self.config.check_ids:
+            check, checked = next(flat), (values[:n], offsets)
+        return _Batch(parts, n, num_bags, routed, checked), check
 
     def _route_device(
         self, values: torch.Tensor, offsets: torch.Tensor, *, padded_ids: bool = False

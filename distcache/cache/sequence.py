@@ -80,7 +80,7 @@ class CachedEmbeddings(CachedEmbeddingBags):
         routed = self._next_routed(values, offsets)
         (group,) = self._groups
         engine = group.engine
-        plan = self._lookup(engine)
+        plan = self._lookup(engine, routed)
         # One group, every feature in it: the plan's slots are in input order (then padding,
         # with `cuda_graphs` on jagged batches).
         (batch,) = routed.groups

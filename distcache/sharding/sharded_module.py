@@ -33,7 +33,7 @@ from torchrec.streamable import Multistreamable
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
-from distcache.cache.ids import find_invalid_per_feature, raise_if_invalid
+from distcache.cache.ids import find_invalid_per_feature, first_invalid, raise_if_invalid
 from distcache.cache.streams import DeviceInts, HostCopy
 from distcache.errors import (
     InvalidBatchError,
@@ -155,7 +155,7 @@ class CachedShardedModule:
             # The batch's own keys travel with its check (the pipeline routes later batches
             # before this one is looked up).
             ctx.distcache_keys = features.keys()
-            features, ctx.distcache_check = self._check_feature_ids(features)
+            features, ctx.distcache_check, ctx.distcache_checked = self._check_feature_ids(features)
         if self._hot is not None and isinstance(features, KeyedJaggedTensor):
             features, ctx.distcache_hot = self._hot.split(features)  # hot ids stay here
             ctx.distcache_cold = (features.keys(), features.lengths())
@@ -165,12 +165,13 @@ class CachedShardedModule:
         check = getattr(ctx, "distcache_check", None)
         if check is not None:
             try:
-                keys = ctx.distcache_keys
-                raise_if_invalid(
-                    check.read(),
-                    lambda k: self._rows_of_key_name(keys[k]),
-                    lambda k: self._describe_key(keys[k]),
-                )
+                if check.read()[0]:  # (the error path: the batch's ids are read on the host)
+                    keys = ctx.distcache_keys
+                    raise_if_invalid(
+                        first_invalid(*ctx.distcache_checked),
+                        lambda k: self._rows_of_key_name(keys[k]),
+                        lambda k: self._describe_key(keys[k]),
+                    )
             except InvalidIdError:
                 for kernel in self.cached_kernels():
                     kernel.bags.drop_window()
@@ -391,16 +392,20 @@ class CachedShardedModule:
                     "lengths must be >= 0 and sum to the number of values"
                 )
 
-    def _check_feature_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, HostCopy]:
-        """The features with invalid ids replaced by 0, and the invalid-id record on its way to
-        the host."""
+    def _check_feature_ids(
+        self, features: KeyedJaggedTensor
+    ) -> tuple[KeyedJaggedTensor, HostCopy, tuple[torch.Tensor, ...]]:
+        """The features with invalid ids replaced by 0, the invalid-id count on its way to the
+        host, and what `first_invalid` needs to name the first invalid id, should it be one."""
         keys = features.keys()
         values = features.values()
         device = values.device
         rows = self._device_ints(self._rows_of_keys(keys), device)
-        bad, record = find_invalid_per_feature(values, self._ids_per_key(features), rows)
+        ids_per_key = self._ids_per_key(features)
+        bad, count = find_invalid_per_feature(values, ids_per_key, rows)
         # A copy: the caller's batch is left as it was.
-        return with_values(features, torch.where(bad, 0, values)), HostCopy(record)
+        checked = with_values(features, torch.where(bad, 0, values))
+        return checked, HostCopy(count), (values, ids_per_key, rows)
 
     def _ids_per_key(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """How many ids each key of `features` holds `[keys]` int64, on its device: the sums of
