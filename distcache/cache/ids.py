@@ -1,6 +1,6 @@
 """Id validation without a device read-back: every id must lie in [0, rows) of its feature's table.
 
-`find_invalid` (from each id's feature) or `find_invalid_per_feature` (from each feature's id
+`find_invalid` (from each id's bound) or `find_invalid_per_feature` (from each feature's id
 count, for feature-major ids) runs on the device with the batch: it returns which ids are
 invalid (the caller redirects them to the sentinel row, so they read zeros and nothing is loaded
 or updated for them) and how many. The count reaches the host with the batch's plan; where it
@@ -18,21 +18,18 @@ import torch
 from distcache.errors import InvalidIdError
 
 
-def find_invalid(
-    values: torch.Tensor, feature_of_id: torch.Tensor, rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def find_invalid(values: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Invalid ids of a batch, on the device.
 
     Args:
         values: ids `[n]` int64.
-        feature_of_id: the feature of each id `[n]` int64.
-        rows: table rows of each feature `[features]`.
+        bound: the rows of each id's table `[n]`.
 
     Returns:
-        bad: `[n]` bool, the ids outside [0, rows of their feature).
+        bad: `[n]` bool, the ids outside [0, bound).
         count: `[1]` int64, how many (for the host: `first_invalid` names the first).
     """
-    bad = (values < 0) | (values >= rows.index_select(0, feature_of_id))
+    bad = (values < 0) | (values >= bound)
     return bad, bad.sum().view(1)
 
 
@@ -40,8 +37,7 @@ def find_invalid_per_feature(
     values: torch.Tensor, ids_per_feature: torch.Tensor, rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`find_invalid` for ids in feature-major order, from each feature's id count: each id's
-    bound comes from one `repeat_interleave` of the features' rows, so no per-id feature is
-    built.
+    bound is one `repeat_interleave` of the features' rows.
 
     Args:
         values: ids `[n]`, all of feature 0, then all of feature 1, ...
@@ -51,9 +47,7 @@ def find_invalid_per_feature(
     Returns:
         As `find_invalid`.
     """
-    bound = rows.repeat_interleave(ids_per_feature, output_size=values.numel())  # [n]
-    bad = (values < 0) | (values >= bound)
-    return bad, bad.sum().view(1)
+    return find_invalid(values, rows.repeat_interleave(ids_per_feature, output_size=values.numel()))
 
 
 def first_invalid(

@@ -378,34 +378,41 @@ class CachedEmbeddingBags(nn.Module):
             bag_of_id = torch.repeat_interleave(lengths, output_size=n)
             starts = torch.arange(num_features + 1, device=self.device).mul_(batch_size)
             ids_per_feature = offsets.index_select(0, starts).diff()  # [F]
-            feature_of_id = torch.repeat_interleave(ids_per_feature, output_size=n)
+
+            def per_id(per_feature: torch.Tensor) -> torch.Tensor:  # [F] -> each id's [n]
+                return per_feature.repeat_interleave(ids_per_feature, output_size=n)
+
         else:  # ids past the last bag (n is offsets[-1], on the device): bag num_bags
             at = torch.arange(n, device=self.device)
             bag_of_id = torch.searchsorted(offsets[1:], at, right=True)
             feature_of_id = (bag_of_id // max(batch_size, 1)).clamp_(max=num_features - 1)
+
+            def per_id(per_feature: torch.Tensor) -> torch.Tensor:
+                return per_feature.index_select(0, feature_of_id)
+
         bad, check = None, None
         if self.config.check_ids:
-            bad, check = find_invalid(values, feature_of_id, self._rows)
+            bad, check = find_invalid(values, per_id(self._rows))
         if padded_ids:
             pad = bag_of_id >= num_bags
             bad = pad if bad is None else bad | pad
         out: list[torch.Tensor] = []
         for group in self._groups:
-            ids = values + group.feature_row_offset.index_select(0, feature_of_id)
+            ids = values + per_id(group.feature_row_offset)
             if bad is not None:
                 ids = torch.where(bad, group.sentinel_row, ids)
             padded = len(group.features) < num_features
             if not padded:
                 g_lengths, g_offsets, g_bag_of_id = lengths, offsets, bag_of_id
             else:  # pack the group's ids first (features are feature-major, so bags stay whole)
-                member = group.member.index_select(0, feature_of_id)
+                member = per_id(group.member)
                 if padded_ids:
                     member = member & ~pad
                 rank = member.cumsum(0, dtype=torch.int32) - 1
                 per_feature = lengths.view(num_features, batch_size)
                 g_lengths = per_feature.index_select(0, group.feature_index).reshape(-1)
                 g_offsets = torch.cat([offsets[:1] * 0, g_lengths.cumsum(0)])
-                position = group.position.index_select(0, feature_of_id)
+                position = per_id(group.position)
                 local_bag = position * batch_size + bag_of_id % max(batch_size, 1)
                 ids = pack(member, rank, ids, n, group.sentinel_row)
                 g_bag_of_id = pack(member, rank, local_bag, n, g_lengths.numel())

@@ -47,7 +47,7 @@ def test_per_feature_equals_per_id_and_the_reference(
     values = torch.randint(-2, 7, (sum(counts),), generator=gen, dtype=dtype)
     feature_of_id = torch.repeat_interleave(torch.arange(len(counts)), ids_per_feature)
     bad, count = find_invalid_per_feature(values, ids_per_feature, rows)
-    want_bad, want_count = find_invalid(values, feature_of_id, rows)
+    want_bad, want_count = find_invalid(values, rows.index_select(0, feature_of_id))
     assert torch.equal(bad, want_bad)
     assert count.dtype == torch.int64 and count.tolist() == want_count.tolist()
     want = _reference(values.tolist(), counts, rows.tolist())
