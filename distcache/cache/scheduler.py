@@ -155,6 +155,8 @@ class Scheduler:
         self._unstaged: deque[WindowBatch] = deque()
         self._staged: deque[StagePlan] = deque()
         self._batches = 0
+        # A whole cache's plans' transfer lists, by size: the sentinel row (and slot) alone.
+        self._no_transfers: dict[int, torch.Tensor] = {}
         self.graphs = GraphCache(device, enabled=graphs, name=name)
         self.clear()
 
@@ -365,10 +367,10 @@ class Scheduler:
         and no next use is kept (the window only deduplicates: `Window.distinct_device`). The
         same plan tensors and counts as `_stage_device`, the transfers empty."""
         size = min(rows.numel(), self.capacity)
-        none = rows.new_full((size,), self.residency.sentinel_row)  # also the sentinel slot
-        unique = valid.sum()
-        zero = torch.zeros_like(unique)
-        counts = torch.stack([unique, zero, zero, zero, zero, zero, zero])
+        none = self._no_transfers.get(size)  # (read only, by the stager: made once a size)
+        if none is None:
+            none = self._no_transfers[size] = rows.new_full((size,), self.residency.sentinel_row)
+        counts = F.pad(valid.sum().view(1), (0, NUM_COUNTS - 1))  # unique; nothing else
         self._totals[_PLANS:].add_(counts)
         return rows, rows.index_select(0, inv), none, none, none, none, counts
 
