@@ -213,9 +213,10 @@ class Scheduler:
 
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
-        self._totals.select(0, _IDS).add_((ids != self.residency.sentinel_row).sum())
+        real = ids != self.residency.sentinel_row
+        self._totals.select(0, _IDS).add_(real.sum())
         if self.whole:  # no next use is read, no sort (`_stage_whole`)
-            return self.window.distinct_device(ids, at)
+            return self.window.distinct_device(ids, at, real)
         rows, inv, valid, positions, fresh, distinct = self.window.enter_device(ids, at)
         # The resident rows this batch is the first in the window to use: their next use.
         res = self.residency

@@ -151,7 +151,9 @@ class Window:
         pos = torch.arange(n, dtype=torch.int32, device=self.device).add_(at[1])
         return rows, inv, valid, pos, rank[-1:] + 1 if n else rank.new_zeros(1)
 
-    def distinct_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def distinct_device(
+        self, ids: torch.Tensor, at: torch.Tensor, real: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """A batch's `rows`, `inv`, `valid` and `positions` for a cache of every row
         (`Scheduler._stage_whole`), which links no next uses and so leaves `latest` free to
         deduplicate without sorting, in O(n): each id writes its position into its row's entry,
@@ -159,12 +161,13 @@ class Window:
         row of id k where id k represents it, else the sentinel row (not packed: a cache of
         every row moves no rows, and its slots are its rows), and `inv[k]` is the position of
         id k's representative (so `rows[inv]` is the ids). Its batches need no `leave_device`.
+        `real` `[n]`: which ids are not the sentinel row (the caller counts them too).
         """
         n = ids.numel()
         here = torch.arange(n, dtype=torch.int32, device=self.device)
         self.latest.scatter_(0, ids, here)  # one occurrence of each row wins its entry
         rep = self.latest.index_select(0, ids)  # [n] each id's representative
-        valid = (rep == here) & (ids != self.sentinel_row)
+        valid = (rep == here) & real
         rows = torch.where(valid, ids, self.sentinel_row)
         return rows, rep, valid, here.add_(at[1])
 

@@ -383,7 +383,8 @@ class CachedShardedModule:
                 f"{values.numel()} ids: a weighted feature needs one floating-point weight per id"
             )
         if values.device.type == "cpu" and lengths.device.type == "cpu":
-            total, negative = int(lengths.sum()), bool((lengths < 0).any())
+            total = int(lengths.sum())
+            negative = lengths.numel() > 0 and int(lengths.min()) < 0
             if negative or total != values.numel():
                 raise InvalidBatchError(
                     f"the batch's lengths add up to {total} ids"
