@@ -93,10 +93,9 @@ class Victims:
         device = fill.device
         if scan >= cap:  # every slot: free ones (from `fill` on) first
             slots = torch.arange(cap, device=device)
-            victims, taken, candidates, _ = self._best(slots, None, slots >= fill, seq, want, size)
+            is_free = slots >= fill if free else None
+            victims, taken, candidates, _ = self._best(slots, None, is_free, seq, want, size)
         else:
-            first = fill + torch.arange(size if free else 0, device=device)  # 1: free slots
-            first = torch.where(first < cap, first, res.trash_slot)
             _, queued, queued_live = self.queue.segment(2 * size)  # 2: expired, oldest first
             if not self.policy.reactive:
                 queued_live &= res.next_use.index_select(0, queued) == NO_USE
@@ -107,16 +106,25 @@ class Victims:
             swept = torch.where(swept < cap, swept, swept - cap)  # (hand, scan < cap)
             self._hand.copy_(swept[scan])  # where the next sweep starts
             swept = swept[:scan]
-            swept_live = (swept < fill) & (self._offered.index_select(0, swept) != seq)
-            slots = torch.cat([first, queued, swept])
-            live = torch.cat([first < cap, queued_live, swept_live])
-            is_free = torch.zeros_like(live)
-            is_free[: first.numel()] = True
+            swept_live = self._offered.index_select(0, swept) != seq
+            if free:  # 1: the next free slots, first; the sweep offers only loaded ones
+                first = fill + torch.arange(size, device=device)
+                first = torch.where(first < cap, first, res.trash_slot)
+                swept_live &= swept < fill
+                slots = torch.cat([first, queued, swept])
+                live = torch.cat([first < cap, queued_live, swept_live])
+                is_free = torch.zeros_like(live)
+                is_free[:size] = True
+            else:  # full: every slot is loaded (`fill` is the capacity)
+                slots = torch.cat([queued, swept])
+                live = torch.cat([queued_live, swept_live])
+                is_free = None
             victims, taken, candidates, chosen = self._best(slots, live, is_free, seq, want, size)
             # The queue keeps the live entries it offered that were not taken.
-            at, width = first.numel(), queued.numel()
-            self.queue.advance(queued, queued_live & ~chosen[at : at + width])
-        fill.add_((victims[:-1] >= fill).logical_and_(victims[:-1] < cap).sum())  # free taken
+            at = size if free else 0
+            self.queue.advance(queued, queued_live & ~chosen[at : at + queued.numel()])
+        if free:  # the free slots taken: `fill` moves past them
+            fill.add_((victims[:-1] >= fill).logical_and_(victims[:-1] < cap).sum())
         self.queue.forget(victims)
         return victims, taken, candidates
 
@@ -124,18 +132,21 @@ class Victims:
         self,
         slots: torch.Tensor,
         live: torch.Tensor | None,
-        free: torch.Tensor,
+        free: torch.Tensor | None,
         seq: torch.Tensor,
         want: torch.Tensor,
         size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The `want` best of the candidate `slots` `[m]` that are `live` (None: all) and
-        unpinned: `free` ones `[m]` first, then by the policy's keys, ties to the earlier.
+        unpinned: `free` ones `[m]` (None: none) first, then by the policy's keys, ties to the
+        earlier.
         Returns `choose`'s results and which candidates were chosen `[m + 1]` (bool)."""
         res = self.residency
         unpinned = self.residency.pin.index_select(0, slots) == 0
         live = unpinned if live is None else live & unpinned
-        keys = torch.where(free, self.policy.classes - 1, self.policy.keys(slots, seq))
+        keys = self.policy.keys(slots, seq)
+        if free is not None:
+            keys = torch.where(free, self.policy.classes - 1, keys)
         keys = torch.where(live, keys, -1)
         picked, taken, candidates = select_largest(keys, self.policy.classes, want, size + 1)
         slots = torch.cat([slots, slots.new_full((1,), res.sentinel_slot)])
