@@ -248,14 +248,20 @@ def test_a_cache_of_every_row_stages_batches_in_place(policy, n):
 
 
 @pytest.mark.parametrize("policy", ["lookahead", "lru"])
-def test_a_full_cache_offers_no_free_slots_and_chooses_the_same(policy):
+@pytest.mark.parametrize(
+    ("rows", "capacity", "steps"),
+    [(20_000, 5_000, 12), (100_000, 12_000, 24)],  # every slot scored; the sweep and the queue
+)
+def test_a_full_cache_offers_no_free_slots_and_chooses_the_same(policy, rows, capacity, steps):
     """Once the host sees a plan leave no free slot (`note_counts`), victims are chosen
-    without free-slot candidates: the same plans as a scheduler that keeps offering them."""
+    without free-slot candidates: the same plans as a scheduler that keeps offering them,
+    whether every slot is scored (a small cache) or the candidates (`Scheduler._scan`)."""
     gen = torch.Generator().manual_seed(5)
-    told = Scheduler(20_000, 5_000, make_policy(policy), lookahead=2)
-    untold = Scheduler(20_000, 5_000, make_policy(policy), lookahead=2)
-    for step in range(12):
-        ids = torch.randint(0, 20_000, (1_500,), generator=gen)
+    told = Scheduler(rows, capacity, make_policy(policy), lookahead=2)
+    untold = Scheduler(rows, capacity, make_policy(policy), lookahead=2)
+    assert (told._scan(1_500) < capacity) == (capacity > 5_000)
+    for step in range(steps):
+        ids = torch.randint(0, rows, (1_500,), generator=gen)
         plans = [s.stage_next() if s.enqueue(ids) >= 0 else None for s in (told, untold)]
         told.note_counts(plans[0].counts.tolist())
         for name in ("slots", "load_rows", "load_slots", "writeback_rows", "counts"):
