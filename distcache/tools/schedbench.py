@@ -15,9 +15,11 @@ Problem sizes: `distcache.tools.microbench.CalibrationSizes`.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,11 +53,14 @@ class ScheduleCosts:
 
 
 @dataclass(frozen=True)
-class _Point:
+class SchedulePoint:
+    """One (batch size, capacity) `measure_schedule_costs` times."""
+
     seconds: float  # median per batch
     ids: float
     candidates: float  # slots scored per batch (mean)
     offered: float  # of them unpinned and live (`StagePlan.counts[CANDIDATES]`, mean)
+    distinct: float  # distinct rows of a batch (mean)
 
 
 def measure_schedule_costs(
@@ -73,8 +78,9 @@ def measure_schedule_costs(
 
     Each batch is released (its training done) before the next one enters the window and the
     oldest waiting one is staged, `prefetch_depth` staged ahead of the one training, as the
-    engine runs them. Candidates are the slots `Victims.choose` scores, as the scheduler
-    passes them: every slot when its sweep covers the cache, else the sweep's and the queue's.
+    engine runs them; the points' batches are timed in turns. Candidates are the slots
+    `Victims.choose` scores, as the scheduler passes them: every slot when its sweep covers
+    the cache, else the sweep's and the queue's.
 
     Returns None where the noise leaves a per-id or per-candidate cost non-positive.
 
@@ -91,14 +97,21 @@ def measure_schedule_costs(
     """
     if len(set(points)) < 3:
         raise DistcacheConfigError(f"points must hold >= 3 distinct (ids, slots), got {points}")
-    measured = [
-        _time_batches(
+    runs = [
+        _ScheduleRun(
             rows=rows, ids=n, capacity=c, alpha=alpha, lookahead=lookahead,
-            prefetch_depth=prefetch_depth, steps=8 * repeats, device=device,
+            prefetch_depth=prefetch_depth, device=device,
         )
         for n, c in points
     ]  # fmt: skip
-    return fit_schedule_costs([(p.seconds, p.ids, p.candidates) for p in measured])
+    for run in runs:
+        run.fill()
+    for _ in range(8 * repeats):  # in turns: the machine's drift touches every point alike
+        for run in runs:
+            run.step()
+    return fit_schedule_costs(
+        [(p.seconds, p.ids, p.candidates) for p in (run.point() for run in runs)]
+    )
 
 
 def fit_schedule_costs(points: Sequence[tuple[float, float, float]]) -> ScheduleCosts | None:
@@ -118,56 +131,102 @@ def fit_schedule_costs(points: Sequence[tuple[float, float, float]]) -> Schedule
     )
 
 
-def _time_batches(
-    *, rows: int, ids: int, capacity: int, alpha: float, lookahead: int, prefetch_depth: int,
-    steps: int, device: str,
-) -> _Point:  # fmt: skip
-    """Median seconds of `steps` batches' enqueue + stage_next + release on a full cache."""
-    from distcache.cache.policies import make_policy
-    from distcache.cache.scheduler import CANDIDATES, FREE, Scheduler
+def time_schedule(
+    *, rows: int, ids: int, capacity: int, alpha: float = FULL.lookup_alpha, lookahead: int = 8,
+    prefetch_depth: int = 1, steps: int = 40, device: str = "cpu",
+) -> SchedulePoint:  # fmt: skip
+    """Median seconds of `steps` batches' enqueue + stage_next + release on a full cache of
+    `capacity` slots, with the slots scored (one point of `measure_schedule_costs`)."""
+    run = _ScheduleRun(
+        rows=rows, ids=ids, capacity=capacity, alpha=alpha, lookahead=lookahead,
+        prefetch_depth=prefetch_depth, device=device,
+    )  # fmt: skip
+    run.fill()
+    for _ in range(steps):
+        run.step()
+    return run.point()
+
+
+class _ScheduleRun:
+    """One cache's `Scheduler` (the look-ahead policy, as `CacheEngine` builds it) fed
+    power-law batches as the engine feeds them: the batch training is released, the next one
+    enters the window, the oldest waiting one is staged, `prefetch_depth` staged ahead."""
+
+    def __init__(
+        self, *, rows: int, ids: int, capacity: int, alpha: float, lookahead: int,
+        prefetch_depth: int, device: str,
+    ):  # fmt: skip
+        from distcache.cache.policies import make_policy
+        from distcache.cache.scheduler import Scheduler
+
+        self.dev = torch.device(device)
+        self.ids, self.capacity, self.depth = ids, capacity, prefetch_depth
+        self.sched = Scheduler(
+            rows, capacity, make_policy("lookahead"), lookahead=lookahead, device=self.dev
+        )
+        self._batches = _power_law(rows, alpha, ids, self.dev)
+        self._scored: list[int] = []  # slots `Victims.choose` was asked to score, per batch
+        choose = self.sched.victims.choose
+
+        def counted(seq, want, size, fill, scan, *, free=True):
+            self._scored.append(capacity if scan >= capacity else scan + 2 * size + size * free)
+            return choose(seq, want, size, fill, scan, free=free)
+
+        self.sched.victims.choose = counted  # this instance only: not the per-batch path
+        self._staged: deque = deque()
+        self.full = False  # a plan has left no free slot (the engine's `note_counts`)
+        self.times: list[float] = []  # per batch staged on a full cache
+        self._offered: list[int] = []
+        self._distinct: list[int] = []
+        for _ in range(lookahead - prefetch_depth):
+            self.sched.enqueue(next(self._batches))
+
+    def fill(self) -> None:
+        """Stage batches until the cache is full (the steps after it choose victims)."""
+        for _ in range(MAX_FILL_BATCHES):
+            if self.full:
+                return
+            self.step()
+        raise DistcacheConfigError(
+            f"a cache of {self.capacity} slots did not fill in {MAX_FILL_BATCHES} batches of "
+            f"{self.ids} ids"
+        )
+
+    def step(self) -> None:
+        """One batch through the scheduler, timed once the cache is full."""
+        from distcache.cache.scheduler import CANDIDATES, FREE, UNIQUE
+
+        batch = next(self._batches)
+        _sync(self.dev)
+        start = time.perf_counter()
+        if len(self._staged) > self.depth:  # the batch training: done
+            self.sched.release(self._staged.popleft())
+        self.sched.enqueue(batch)
+        self._staged.append(self.sched.stage_next())
+        _sync(self.dev)
+        seconds = time.perf_counter() - start
+        counts = self._staged[-1].counts.tolist()
+        self.sched.note_counts(counts)  # as the engine does when the plan is looked up
+        if self.full:  # staged on a full cache: victims chosen, no free slot offered
+            self.times.append(seconds)
+            self._offered.append(counts[CANDIDATES])
+            self._distinct.append(counts[UNIQUE])
+        self.full = counts[FREE] == 0
+
+    def point(self) -> SchedulePoint:
+        return SchedulePoint(
+            seconds=statistics.median(self.times),
+            ids=float(self.ids),
+            candidates=statistics.mean(self._scored[-len(self.times) :]),
+            offered=statistics.mean(self._offered),
+            distinct=statistics.mean(self._distinct),
+        )
+
+
+def _power_law(rows: int, alpha: float, ids: int, dev: torch.device) -> Iterator[torch.Tensor]:
+    """Endless power-law batches of `ids` ids `[ids]` int64 on `dev`, drawn 64 at a time."""
     from distcache.data.traces import zipf_trace
 
-    dev = torch.device(device)
-    sched = Scheduler(rows, capacity, make_policy("lookahead"), lookahead=lookahead, device=dev)
-    scored: list[int] = []
-    choose = sched.victims.choose
-
-    def counted(seq, want, size, fill, scan, *, free=True):  # (the slots it will score)
-        scored.append(capacity if scan >= capacity else scan + 2 * size + size * free)
-        return choose(seq, want, size, fill, scan, free=free)
-
-    sched.victims.choose = counted  # this instance only: calibration, not the per-batch path
-    trace = iter(
-        zipf_trace(rows=rows, alpha=alpha, batch=ids, batches=MAX_FILL_BATCHES + steps, seed=3)
-    )
-    for _ in range(lookahead - prefetch_depth):
-        sched.enqueue(next(trace).to(dev))
-    staged, times, offered, full = [], [], [], False
-    for batch in trace:
-        batch = batch.to(dev)
-        _sync(dev)
-        start = time.perf_counter()
-        if len(staged) > prefetch_depth:  # the batch training: done
-            sched.release(staged.pop(0))
-        sched.enqueue(batch)
-        staged.append(sched.stage_next())
-        _sync(dev)
-        seconds = time.perf_counter() - start
-        counts = staged[-1].counts.tolist()
-        sched.note_counts(counts)  # as the engine does when the plan is looked up
-        if full:  # staged on a full cache: victims chosen, no free slot offered
-            times.append(seconds)
-            offered.append(counts[CANDIDATES])
-            if len(times) == steps:
-                break
-        full = counts[FREE] == 0
-    if not times:
-        raise DistcacheConfigError(
-            f"a cache of {capacity} slots did not fill in {MAX_FILL_BATCHES} batches of {ids} ids"
-        )
-    return _Point(
-        seconds=statistics.median(times),
-        ids=float(ids),
-        candidates=statistics.mean(scored[-len(times) :]),
-        offered=statistics.mean(offered),
-    )
+    for seed in itertools.count(3):
+        trace = zipf_trace(rows=rows, alpha=alpha, batch=ids, batches=64, seed=seed)
+        yield from trace.ids.to(dev).view(64, ids)
