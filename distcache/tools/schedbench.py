@@ -39,7 +39,8 @@ def _sync(device: torch.device) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ScheduleCosts:
     """A look-ahead cache's scheduling time per batch: `fixed_s + ids·s_per_id +
-    candidates·s_per_candidate` (`Topology.schedule_*`)."""
+    candidates·s_per_candidate` (the last two: `Topology.schedule_s_per_id`,
+    `Topology.schedule_s_per_candidate`; the fixed part is reported, not priced)."""
 
     fixed_s: float
     s_per_id: float
