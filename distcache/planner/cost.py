@@ -23,9 +23,12 @@ U_table(n) otherwise, from `stats.expected_unique`.
   max(0, staging - compute); else, and always on CPU (the stager copies in program order on
   the training thread), fully exposed. The cache must hold the rows of the K + 1 batches in
   flight: cache rows >= (K + 1)·U. On a calibrated CPU the host-device bandwidth is the
-  stager's measured rate, its scheduler's work per row included, and a look-ahead cache
-  scores every slot once per step to pick victims: + cache rows / cache_scan_rows_per_s
-  (LRU's score is one subtraction per slot, not priced).
+  stager's measured rate, and a look-ahead cache's scheduler adds its measured work per step
+  (`shards.scheduling_time_s`): n·schedule_s_per_id (the ids entering its window) +
+  candidates·schedule_s_per_candidate (the slots its victim choice scores,
+  `shards.scheduled_candidates`: max(4096, (K + 2)·U) + 2·U, or every slot of a small
+  cache); topologies calibrated before those figures price it as every slot scored once a
+  step: + cache rows / cache_scan_rows_per_s. (A reactive LRU cache's scheduler: not priced.)
 - all-to-all: each consumer rank sends B·P·8 bytes of ids to each shard (row-wise: /S) and each
   shard sends B·D_shard·dtype bytes of pooled embeddings (row-wise: partial sums, D) to each
   consumer; backward sends the gradients back the same way. Table-row-wise (TorchRec's TWRW and

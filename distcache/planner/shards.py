@@ -154,18 +154,60 @@ def _sectors(num_bytes: int) -> int:
     return -(-num_bytes // ACCESS_BYTES) * ACCESS_BYTES
 
 
-def staging_time_s(staging_bytes: float, topology: Topology, cache_rows: int = 0) -> float:
+def staging_time_s(staging_bytes: float, topology: Topology, scheduling_s: float = 0.0) -> float:
     """Host-device time of a cache's traffic per step: one load and one write-back transfer,
-    and, where the topology measures it, the victim choice scoring the cache's `cache_rows`
-    slots."""
+    and its scheduler's `scheduling_s` (`scheduling_time_s`), when it moves anything."""
     if staging_bytes <= 0:
         return 0.0
-    scan = cache_rows / topology.cache_scan_rows_per_s if topology.cache_scan_rows_per_s else 0.0
     return (
         staging_bytes / topology.host_to_device_bw_bytes_per_s
         + 2 * topology.host_to_device_latency_s
-        + scan
+        + scheduling_s
     )
+
+
+def scheduling_time_s(
+    topology: Topology, *, cache_rows: int, ids: float, unique_rows: float, prefetch_depth: int
+) -> float:
+    """A look-ahead cache's scheduler time per step, where the topology measures it.
+
+    Calibrated (`Topology.schedule_s_per_id`): the `ids` entering the window plus the slots
+    its victim choice scores (`scheduled_candidates`), each at its measured cost. (The
+    scheduler's fixed cost per batch is not priced: the tables of one width on a rank share
+    one cache engine, whose calls a shard's terms cannot apportion.) Else (presets, topologies
+    calibrated before those figures): every one of the cache's `cache_rows` slots at
+    `cache_scan_rows_per_s`, or nothing where that is None."""
+    per_id, per_candidate = topology.schedule_s_per_id, topology.schedule_s_per_candidate
+    if per_id is None or per_candidate is None:
+        rate = topology.cache_scan_rows_per_s
+        return cache_rows / rate if rate else 0.0
+    candidates = scheduled_candidates(cache_rows, unique_rows, prefetch_depth)
+    return ids * per_id + candidates * per_candidate
+
+
+SCHEDULER_MIN_SCAN = 4096  # `distcache.cache.scheduler.MIN_SCAN`: the shortest sweep
+
+
+def scheduled_candidates(cache_rows: int, unique_rows: float, prefetch_depth: int) -> float:
+    """Slots a look-ahead cache's scheduler scores per batch to choose victims, as the engine
+    offers them (`distcache.cache.victims.Victims.choose`) once the cache is full.
+
+    A batch of U distinct rows is staged while the K batches staged before it are still
+    pinned, so `Scheduler._scan` sweeps their (K + 1)·U pinned rows (its own included) plus
+    U, at least `SCHEDULER_MIN_SCAN` slots, and the expiry queue offers 2·U more: max(4096,
+    (K + 2)·U) + 2·U. Every slot of the cache instead, and nothing else, where the sweep
+    would cover it or the sweep and the queue would offer as many slots as it has.
+
+    Args:
+        cache_rows: the cache's slots.
+        unique_rows: U, the distinct rows of a batch.
+        prefetch_depth: K, the batches staged ahead of the one training.
+    """
+    sweep = max(SCHEDULER_MIN_SCAN, (prefetch_depth + 2) * unique_rows)
+    queue = 2 * unique_rows
+    if sweep >= cache_rows or (prefetch_depth + 2) * unique_rows + queue >= cache_rows:
+        return float(cache_rows)
+    return sweep + queue
 
 
 def output_rate_factor(sharding: str, topology: Topology, pooled: bool = True) -> float:
@@ -258,13 +300,18 @@ def shard_terms(
     )
     cached = storage == HOST_CACHED
     cache_rows = min(rows, math.ceil(placement.cache_fraction * rows)) if cached else rows
-    loads = 0.0
+    loads = scheduling = 0.0
     if cached:
         # Row splits: the table's cache is the shards' caches together. Hot rows take no slot:
         # the cache holds the next likeliest rows, as one of `hot_rows` more slots would.
         slots = cache_rows * rows_split + hot_rows
         model = "frequency" if lookahead > 0 else "lru"
         loads = table_access(table).loads(global_ids, slots, model) / rows_split
+        if lookahead > 0:  # (a reactive LRU cache's scheduler is not priced)
+            scheduling = scheduling_time_s(
+                topology, cache_rows=cache_rows, ids=ids, unique_rows=unique,
+                prefetch_depth=prefetch_depth,
+            )  # fmt: skip
     staging_bytes = 2 * loads * row_bytes
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
     sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
@@ -283,8 +330,7 @@ def shard_terms(
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
         staging_bytes_per_step=staging_bytes,
-        # Look-ahead victims are scored over every slot; LRU's one subtraction is not priced.
-        staging_s=staging_time_s(staging_bytes, topology, cache_rows if lookahead > 0 else 0),
+        staging_s=staging_time_s(staging_bytes, topology, scheduling),
         staging_overlapped=min(lookahead, prefetch_depth) > 0 and topology.compute_device == "cuda",
         device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, ours, lookahead),
         host_memory_bytes=rows * row_bytes if ours else 0,

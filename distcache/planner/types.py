@@ -180,8 +180,19 @@ class Topology:
     device_lookup_bytes_per_s: float | None = None
     """With `device_lookup_rows_per_s`: its per-byte part; None: rows/s alone."""
     cache_scan_rows_per_s: float | None = None
-    """Cache slots per second the look-ahead scheduler scores to pick victims (every slot of a
-    full cache, once per batch with misses); None: not priced (the GPU presets)."""
+    """Cache slots per second a look-ahead cache is priced at as if its scheduler scored every
+    slot once per batch with misses: the pricing of topologies calibrated before the
+    `schedule_*` figures below, used only where those are None; None too: not priced (the GPU
+    presets)."""
+    schedule_s_per_id: float | None = None
+    """Seconds of a look-ahead cache's scheduler per id of a batch (it enters the window:
+    sorted, deduplicated, linked to its rows' earlier uses), measured with the real scheduler
+    by `calibrate` (`distcache.tools.schedbench`); None: not measured (the presets, older
+    calibrations), `cache_scan_rows_per_s` prices the scheduler instead."""
+    schedule_s_per_candidate: float | None = None
+    """With `schedule_s_per_id`: seconds per slot its victim choice scores
+    (`shards.scheduled_candidates`: the sweep's and the expiry queue's, or every slot of a
+    small cache)."""
     dense_update_bytes_per_s: float | None = None
     """Table bytes per second of a data-parallel table's dense gradient and update (fill,
     accumulate, optimizer step over every row); None: device memory bandwidth divided by the
@@ -258,6 +269,8 @@ class Topology:
             "device_lookup_rows_per_s",
             "device_lookup_bytes_per_s",
             "cache_scan_rows_per_s",
+            "schedule_s_per_id",
+            "schedule_s_per_candidate",
             "dense_update_bytes_per_s",
             "dense_activation_bytes_per_s",
             "interaction_s_per_element",
@@ -275,6 +288,11 @@ class Topology:
             "hot_bag_overhead_s",
         ):
             _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _check(
+            (self.schedule_s_per_id is None) == (self.schedule_s_per_candidate is None),
+            "schedule_s_per_id and schedule_s_per_candidate are measured together: both or "
+            f"neither, got {self.schedule_s_per_id} and {self.schedule_s_per_candidate}",
+        )
 
     @property
     def num_nodes(self) -> int:

@@ -22,8 +22,13 @@ and re-used on its own (one rank's compute in `distcache.tools.microbench` and, 
   dims) shapes, fitted per sample as seconds per element of its vectors plus per entry of
   their products (small batched matmuls, far below the MLP's FLOP/s on a CPU).
 - `measure_staging_costs`: what a partial cache's misses add to a step, fitted as bytes
-  moved (loads and write-backs, with the scheduler's work: the host-to-device rate on CPU)
-  plus the slots it scores once per batch to pick victims.
+  moved (loads and write-backs, with the scheduler's work per row: the host-to-device rate
+  on CPU) plus the slots it scores once per batch to pick victims (`cache_scan_rows_per_s`,
+  the pricing of the scheduler where the next figures are missing).
+- `measure_schedule_costs` (CPU): the look-ahead scheduler alone (`distcache.tools.schedbench`),
+  on power-law batches of a few sizes and caches of a few capacities, fitted per batch as
+  `fixed + ids·s_per_id + candidates·s_per_candidate`: the planner prices a look-ahead
+  cache's scheduler from the last two instead of `cache_scan_rows_per_s`.
 - `measure_collectives`: gloo all-to-all, all-reduce, reduce-scatter and all-gather between
   the local ranks, fitted as `time = latency + bytes / bandwidth` over several message sizes
   (the last two are what TorchRec's row-wise outputs take); `measure_sync_latency`:
@@ -93,12 +98,14 @@ from distcache.tools.network import (
     measure_collectives,
     measure_sync_latency,
 )
+from distcache.tools.schedbench import ScheduleCosts, measure_schedule_costs
 
 __all__ = [
     "FULL",
     "QUICK",
     "CalibrationSizes",
     "LinkFit",
+    "ScheduleCosts",
     "Measurements",
     "calibrate",
     "LookupCosts",
@@ -114,6 +121,7 @@ __all__ = [
     "measure_host_to_device_bandwidth",
     "measure_interaction_costs",
     "measure_lookup_costs",
+    "measure_schedule_costs",
     "measure_staging_costs",
     "measure_sync_latency",
     "topology_from",
@@ -136,6 +144,12 @@ class Measurements:
     """TorchRec's fused kernel (FBGEMM's); None where fbgemm_gpu is not installed."""
     device_lookup_bytes_per_s: float | None = None
     cache_scan_rows_per_s: float | None = None
+    """None where the `schedule_*` figures price the scheduler."""
+    schedule_s_per_id: float | None = None
+    """`measure_schedule_costs` (CPU); None where not measured or lost in the noise."""
+    schedule_s_per_candidate: float | None = None
+    schedule_s_per_batch: float | None = None
+    """The fit's fixed part: reported, not priced (`shards.scheduling_time_s`)."""
     dense_flops_per_s: float
     dense_layer_overhead_s: float
     dense_activation_bytes_per_s: float | None
@@ -223,6 +237,14 @@ def _compute(device: str, s: CalibrationSizes) -> dict[str, float | None]:
     # Lost in the noise: the copies alone (the scheduler's share unmeasured).
     out["host_to_device_bw_bytes_per_s"] = staging.bytes_per_s or out["copy_bw_bytes_per_s"]
     out["cache_scan_rows_per_s"] = staging.scan_rows_per_s
+    schedule = measure_schedule_costs(
+        rows=s.schedule_rows, points=s.schedule_points, alpha=s.lookup_alpha, repeats=repeats,
+        device=device,
+    )  # fmt: skip
+    if schedule is not None:  # (else lost in the noise: every slot at the scan rate)
+        out["schedule_s_per_id"] = schedule.s_per_id
+        out["schedule_s_per_candidate"] = schedule.s_per_candidate
+        out["schedule_s_per_batch"] = schedule.fixed_s
     layer = measure_dense_layer_overhead(repeats=repeats, device=device)
     out["dense_layer_overhead_s"] = layer
     out["dense_activation_bytes_per_s"] = measure_activation_bandwidth(
@@ -437,6 +459,9 @@ def _summary(m: Measurements) -> str:
             f"  interaction        {ns(m.interaction_s_per_element)} per sample and element of "
             f"its vectors + {ns(m.interaction_s_per_pair)} per entry of their products",
             f"  dense update (DP)  {si(m.dense_update_bytes_per_s, 'B/s')}",
+            f"  cache scheduler    {ms(1e3 * (m.schedule_s_per_batch or 0))} per batch + "
+            f"{ns(m.schedule_s_per_id)} per id + {ns(m.schedule_s_per_candidate)} per "
+            "candidate slot",
             f"  framework          {ms(1e3 * m.step_overhead_s)} per step, "
             f"{ms(1e3 * m.sharding_overhead_s)} per sharding type, "
             f"{1e9 * m.id_overhead_s:.0f} ns per id routed, "

@@ -50,6 +50,13 @@ class CalibrationSizes:
     """Power-law exponent of the lookup's ids (the planner's default access profile)."""
     staging_capacities: tuple[float, ...] = (0.02, 0.05, 0.1)
     """Cache fractions `measure_staging_costs` times (each must hold 2 batches' rows)."""
+    schedule_rows: int = 500_000
+    schedule_points: tuple[tuple[int, int], ...] = (
+        (512, 1536), (512, 4096), (512, 32768), (2048, 32768), (4096, 7168), (4096, 65536),
+    )  # fmt: skip
+    """(ids per batch, cache slots) `schedbench.measure_schedule_costs` times the scheduler at:
+    small caches scored whole and large ones swept (at least 4096 slots, more for big batches),
+    so that ids and candidates do not move together."""
     mlp_batch: int = 2048
     mlp_widths: tuple[int, ...] = (512, 1024, 1024, 512, 256)
     """Layer widths, input first: an MLP of len - 1 linear layers."""
@@ -112,6 +119,8 @@ QUICK = CalibrationSizes(
     lookup_dims=(8, 32),
     lookup_bags=(64, 256),
     staging_capacities=(0.2, 0.4, 0.8),
+    schedule_rows=20_000,
+    schedule_points=((128, 512), (128, 8192), (1024, 3072), (1024, 12288)),
     mlp_batch=256,
     mlp_widths=(128, 256, 128),
     activation_batch=512,

@@ -13,6 +13,8 @@ from distcache.planner.shards import (
     CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
     CACHE_SLOT_BYTES,
     DENSE_UPDATE_PASSES,
+    SCHEDULER_MIN_SCAN,
+    scheduled_candidates,
     shard_terms,
 )
 from distcache.planner.stats import AccessProfile, expected_loads, expected_unique
@@ -391,6 +393,81 @@ def test_victim_choice_scans_the_whole_cache_where_measured():
     lru = {**cache, "lookahead": 0, "prefetch_depth": 0}
     measured = dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)
     assert _terms(table, measured, **lru).staging_s == _terms(table, **lru).staging_s
+
+
+def test_scheduled_candidates_by_hand():
+    """The sweep of (K + 2)·U slots, at least 4096, plus the queue's 2·U; every slot of a
+    cache the sweep, or the sweep and the queue, would cover."""
+    assert SCHEDULER_MIN_SCAN == 4096
+    assert scheduled_candidates(1_000_000, 100, 1) == 4096 + 200
+    assert scheduled_candidates(1_000_000, 3000, 1) == 9000 + 6000
+    assert scheduled_candidates(1_000_000, 3000, 4) == 18000 + 6000
+    assert scheduled_candidates(4000, 100, 1) == 4000  # the sweep covers it
+    assert scheduled_candidates(14_000, 3000, 1) == 14_000  # sweep + queue: 15000 >= 14000
+
+
+CALIBRATED = dataclasses.replace(
+    TOPOLOGY, cache_scan_rows_per_s=1e7, schedule_s_per_id=5e-8, schedule_s_per_candidate=8e-8
+)
+
+
+def _scheduling_s(table, topology, workload=WORKLOAD, **cache):
+    """The scheduler's share of a cache's staging time: with `topology`'s figures, less
+    without any."""
+    unpriced = dataclasses.replace(
+        topology, cache_scan_rows_per_s=None, schedule_s_per_id=None, schedule_s_per_candidate=None
+    )
+    placement = Placement(sharding=TABLE_WISE, shards=1, **cache)
+    priced = shard_terms(table, workload, topology, placement)
+    plain = shard_terms(table, workload, unpriced, placement)
+    return priced.staging_s - plain.staging_s, plain
+
+
+def test_calibrated_scheduler_is_priced_per_id_and_candidate_not_per_slot():
+    """Where calibrate measured the scheduler, a look-ahead cache's staging adds
+    ids·schedule_s_per_id + candidates·schedule_s_per_candidate (by hand from the formula):
+    more with more ids, the same for every cache the sweep does not cover, however large
+    (the old pricing, every slot at cache_scan_rows_per_s, grows with it)."""
+    table = TableStats(name="big", rows=2_000_000, dim=16, alpha=1.05)
+    cache = {"storage": HOST_CACHED, "lookahead": 8, "prefetch_depth": 1}
+    shares = []
+    for fraction in (0.01, 0.05, 0.2):  # 20k to 400k slots, all of them swept in part
+        share, terms = _scheduling_s(table, CALIBRATED, cache_fraction=fraction, **cache)
+        u, n = terms.unique_rows_per_step, terms.ids_per_step
+        assert n == 200 and 3 * u < 4096  # the sweep's minimum
+        assert share == pytest.approx(n * 5e-8 + (4096 + 2 * u) * 8e-8)
+        scanned = dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)
+        old, _ = _scheduling_s(table, scanned, cache_fraction=fraction, **cache)
+        assert old == pytest.approx(fraction * 2_000_000 / 1e7)
+        shares.append(share)
+    assert shares[0] == pytest.approx(shares[-1])
+    # 20x the ids: U rows a batch past the sweep's minimum, (K + 2)·U + 2·U candidates.
+    bigger = dataclasses.replace(WORKLOAD, batch_size_per_rank=2000)
+    share, terms = _scheduling_s(table, CALIBRATED, bigger, cache_fraction=0.05, **cache)
+    u, n = terms.unique_rows_per_step, terms.ids_per_step
+    assert n == 4000 and 3 * u > 4096 and 5 * u < 100_000
+    assert share == pytest.approx(n * 5e-8 + 5 * u * 8e-8)
+    assert share > shares[0]
+    # A small cache: the sweep covers it, every slot is a candidate.
+    share, terms = _scheduling_s(table, CALIBRATED, cache_fraction=0.001, **cache)
+    assert share == pytest.approx(terms.ids_per_step * 5e-8 + 2000 * 8e-8)
+
+
+def test_calibrated_scheduler_is_not_priced_for_lru_or_a_cache_that_moves_nothing():
+    table = TableStats(name="big", rows=200_000, dim=16, alpha=1.05)
+    lru = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 0, "prefetch_depth": 0}
+    assert _scheduling_s(table, CALIBRATED, **lru)[0] == 0
+    whole = {**lru, "cache_fraction": 1.0, "lookahead": 8, "prefetch_depth": 1}
+    assert _terms(table, CALIBRATED, **whole).staging_s == 0
+
+
+def test_scheduler_figures_come_together():
+    with pytest.raises(DistcacheConfigError, match="schedule_s_per_id"):
+        dataclasses.replace(TOPOLOGY, schedule_s_per_id=5e-8)
+    with pytest.raises(DistcacheConfigError, match="schedule_s_per_candidate"):
+        dataclasses.replace(TOPOLOGY, schedule_s_per_id=5e-8, schedule_s_per_candidate=-1.0)
+    old = {k: v for k, v in TOPOLOGY.to_dict().items() if not k.startswith("schedule_")}
+    assert Topology.from_dict(old).schedule_s_per_id is None  # a file written before them
 
 
 def test_half_precision_rows_halve_row_bytes_not_the_state_or_the_wire():

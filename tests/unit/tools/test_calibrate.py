@@ -50,6 +50,7 @@ def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
     assert topology.interaction_s_per_element and topology.interaction_s_per_pair >= 0
     printed = capsys.readouterr().err
     assert "embedding lookup" in printed and "per sharding type" in printed
+    assert "cache scheduler" in printed
     assert "not measured (one rank)" in printed  # the CPU preset's network figures stand in
 
 
