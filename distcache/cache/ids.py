@@ -51,12 +51,16 @@ def find_invalid_per_feature(
 
 
 def first_invalid(
-    values: torch.Tensor, ids_per_feature: torch.Tensor, rows: torch.Tensor
+    values: torch.Tensor,
+    ids_per_feature: torch.Tensor,
+    rows: torch.Tensor,
+    count: int | None = None,
 ) -> list[int]:
     """The record `raise_if_invalid` words its error from, for a batch whose count (from
     `find_invalid*`) was not 0: how many ids are invalid, the position of the first, its value
     and its feature (arguments as `find_invalid_per_feature`'s). It reads them on the host: the
-    error path only, where the batch is not trained anyway."""
+    error path only, where the batch is not trained anyway. `count`: the device's count, which
+    the record keeps (so the error is raised even if the caller has since changed its ids)."""
     values, ids_per_feature, rows = (t.cpu().long() for t in (values, ids_per_feature, rows))
     bad, _ = find_invalid_per_feature(values, ids_per_feature, rows)
     first = int(bad.view(torch.uint8).argmax()) if bad.numel() else 0  # the first of equal maxima
@@ -64,7 +68,7 @@ def first_invalid(
     ends = ids_per_feature.cumsum(0)
     feature = int(torch.searchsorted(ends, torch.tensor(first), right=True))
     value = int(values[first]) if bad.numel() else 0
-    return [int(bad.sum()), first, value, feature]
+    return [int(bad.sum()) if count is None else count, first, value, feature]
 
 
 def raise_if_invalid(

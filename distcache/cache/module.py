@@ -305,19 +305,21 @@ class CachedEmbeddingBags(nn.Module):
         try:
             plan = engine.lookup_plan()
             if plan.host_check is not None and plan.host_check[0]:  # invalid ids: name one
-                raise_if_invalid(self._first_invalid(batch), self._rows_of, self._describe)
+                record = self._first_invalid(batch, plan.host_check[0])
+                raise_if_invalid(record, self._rows_of, self._describe)
         except (CacheCapacityError, InvalidIdError):
             self.drop_window()
             raise
         return plan
 
-    def _first_invalid(self, batch: _Batch) -> list[int]:
-        """`first_invalid` of a batch whose check counted invalid ids (reads it on the host)."""
+    def _first_invalid(self, batch: _Batch, count: int) -> list[int]:
+        """`first_invalid` of a batch whose check counted `count` invalid ids (reads it on the
+        host)."""
         values, offsets = batch.checked
         num_features = len(self.feature_table_map)
         starts = torch.arange(num_features + 1) * (batch.num_bags // num_features)
         ids_per_feature = offsets.cpu().index_select(0, starts).diff()
-        return first_invalid(values, ids_per_feature, self._rows)
+        return first_invalid(values, ids_per_feature, self._rows, count)
 
     @property
     def num_enqueued(self) -> int:

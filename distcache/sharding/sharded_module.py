@@ -165,10 +165,11 @@ class CachedShardedModule:
         check = getattr(ctx, "distcache_check", None)
         if check is not None:
             try:
-                if check.read()[0]:  # (the error path: the batch's ids are read on the host)
+                count = check.read()[0]
+                if count:  # (the error path: the batch's ids are read on the host)
                     keys = ctx.distcache_keys
                     raise_if_invalid(
-                        first_invalid(*ctx.distcache_checked),
+                        first_invalid(*ctx.distcache_checked, count=count),
                         lambda k: self._rows_of_key_name(keys[k]),
                         lambda k: self._describe_key(keys[k]),
                     )

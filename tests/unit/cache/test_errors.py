@@ -86,6 +86,22 @@ def test_bad_ids_name_table_value_and_range_and_change_nothing(bad, match):
         assert torch.equal(cached.table_weight(t.name), cached2.table_weight(t.name))
 
 
+def test_bad_ids_raise_even_if_the_caller_changes_its_ids_after_enqueue():
+    """The check counts invalid ids on the device when a batch is enqueued, and the message is
+    made from the batch's ids only on the error path: a caller that reuses its id buffer
+    before the lookup still gets the error (with the ids it now holds), and nothing trains."""
+    tables = make_tables([4, 4], [20, 30])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=10, learning_rate=1.0))
+    before = [cached.table_weight(t.name).clone() for t in tables]
+    values, offsets = torch.tensor([1, 2, 31]), torch.tensor([0, 1, 2, 2, 3])
+    cached.enqueue(values, offsets)
+    values[2] = 3  # the buffer reused: valid now
+    with pytest.raises(InvalidIdError, match=r"1 invalid id\(s\) in this batch"):
+        cached(values, offsets)
+    for t, weight in zip(tables, before, strict=True):
+        assert torch.equal(cached.table_weight(t.name), weight)
+
+
 def test_cache_too_small_for_one_batch():
     tables = make_tables([4], [50])
     cached = CachedEmbeddingBags(tables, CacheConfig(capacity=3))
