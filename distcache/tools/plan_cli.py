@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import sys
 import tomllib
@@ -227,10 +228,23 @@ def _job_topology(path: Path | None) -> str | None:
     its device's (`cpu`, or `h100` for CUDA); None for anything else."""
     if path is None or not _is_job_config(path):
         return None
+    config = _job_config(path)
+    return config.plan.topology or ("cpu" if config.train.device == "cpu" else "h100")
+
+
+def _job_config(path: Path):  # noqa: ANN202 (the job's JobConfig, imported late)
+    """A training job's config, read once per command (the topology and the workload both
+    need it; a file changed since is read again)."""
+    stat = Path(path).stat()
+    return _job_config_of(Path(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _job_config_of(path: Path, mtime_ns: int, size: int):  # noqa: ANN202
+    del mtime_ns, size  # (the cache's key)
     from distcache.job.config import load_job_config
 
-    config = load_job_config(path)
-    return config.plan.topology or ("cpu" if config.train.device == "cpu" else "h100")
+    return load_job_config(path)
 
 
 def _is_job_config(path: Path) -> bool:
@@ -249,10 +263,9 @@ def _is_job_data(data: Mapping[str, object]) -> bool:
 def _job_workload(path: Path) -> Workload:
     """The workload a training job's config describes, as the job itself plans it."""
     from distcache.data.sources import JobData
-    from distcache.job.config import load_job_config
     from distcache.job.placement import job_workload
 
-    config = load_job_config(path)
+    config = _job_config(path)
     data = JobData(config.data, steps=config.train.steps, rank=0, world_size=1)
     return dataclasses.replace(job_workload(config, data), name=Path(path).stem)
 
