@@ -24,15 +24,16 @@ default "" for a bare EBC, the `EmbeddingCollection`'s ``--sequence-module-path`
 
 ``compare`` prints distcache's plan, TorchRec's, the all-table-wise and all-row-wise
 baselines and every ``--plan FILE`` (repeatable) side by side (`compare.format_table`), or
-JSON with ``--json``; ``--no-torchrec`` skips TorchRec's planner. Figures are modelled; with
-``--measure`` each plan also runs here for ``--measure-steps`` steps after
-``--measure-warmup`` (`compare.measure_rows`) when the topology fits this machine (``cpu`` or a
-calibrated JSON, at most 2 ranks), next to its modelled step; for larger topologies it says
-why nothing ran and the figures stay modelled. ``--measure --device cuda`` runs them on this
-machine's GPU instead, for a CUDA topology of one rank (``--topology h100 --world-size 1``):
-TorchRec's plan on the kernels its planner chose for ``--device-memory`` (`fused`, its UVM
-cache `fused_uvm_caching`, `fused_uvm`), distcache's through its sharder and look-ahead
-pipeline; on a machine without a GPU it exits with status 2 naming what is missing.
+JSON with ``--json`` (``--json-out FILE`` writes it beside the table); ``--no-torchrec`` skips
+TorchRec's planner. Figures are modelled; with ``--measure`` each plan also runs here for
+``--measure-steps`` steps after ``--measure-warmup`` (`compare.measure_rows`) when the topology
+fits this machine (``cpu`` or a calibrated JSON, at most 2 ranks), next to its modelled step;
+for larger topologies it says why nothing ran and the figures stay modelled.
+``--measure --device cuda`` runs them on this machine's GPU instead, for a CUDA topology of one
+rank (``--topology h100 --world-size 1``): TorchRec's plan on the kernels its planner chose for
+``--device-memory`` (`fused`, its UVM cache `fused_uvm_caching`, `fused_uvm`), distcache's
+through its sharder and look-ahead pipeline; on a machine without a GPU it exits with status 2
+naming what is missing.
 
 Config file (strict: an unknown section or key is an error naming the allowed ones)::
 
@@ -74,6 +75,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -492,10 +494,17 @@ def _compare(args: argparse.Namespace) -> int:
     if args.measure:
         from distcache.tools.measure import MeasureOptions
 
-        options = MeasureOptions(steps=args.measure_steps, warmup=args.measure_warmup)
+        # One rank owns a GPU machine's cores; on CPU, ranks share them (one thread each).
+        threads = (os.cpu_count() or 1) if args.device == "cuda" else 1
+        options = MeasureOptions(
+            steps=args.measure_steps, warmup=args.measure_warmup, threads=threads
+        )
         rows, skipped = measure_rows(rows, workload, topology, options=options, device=args.device)
         if skipped:
             print(f"--measure: {skipped}", file=sys.stderr)
+    if args.json_out is not None:
+        text = rows_to_json(rows, workload=workload, topology=topology)
+        _flag(f"--json-out {args.json_out}", lambda: args.json_out.write_text(text + "\n"))
     if args.json:
         print(rows_to_json(rows, workload=workload, topology=topology))
     else:
@@ -527,6 +536,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         "--torchrec-timeout", type=_positive_int, help="seconds for TorchRec's proposals"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json-out", type=Path, help="also write the JSON to this file")
     parser.add_argument(
         "--measure",
         action="store_true",

@@ -248,3 +248,12 @@ def test_compare_measure_on_cuda_without_it_is_one_line_naming_what_is_missing(
     assert captured.out == ""
     assert compare_main([*args, "--device", "cuda"]) == 2  # nothing to run without --measure
     assert "add --measure" in capsys.readouterr().err
+
+
+def test_compare_writes_its_json_beside_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "compare.json"
+    assert compare_main([*SMALL, "--no-torchrec", "--json-out", str(out)]) == 0
+    assert "step ms" in capsys.readouterr().out  # the table
+    assert {r["name"] for r in json.loads(out.read_text())["rows"]} >= {"distcache"}
