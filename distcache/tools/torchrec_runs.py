@@ -65,7 +65,7 @@ def from_torchrec(sharding_plan: ShardingPlan, workload: Workload) -> ShardingPl
         if sharding.compute_kernel == UVM_CACHING_KERNEL:
             params = sharding.cache_params
             load = params.load_factor if params and params.load_factor else UVM_CACHING_RATIO
-            sharding = dataclasses.replace(sharding, cache_params=lru_cache(load, params))
+            sharding = dataclasses.replace(sharding, cache_params=lru_cache_params(load, params))
         module_plan[dlrm_names[name]] = sharding
     return ShardingPlan({EBC_PATH: module_plan})
 
@@ -101,14 +101,14 @@ def from_plan(plan: Plan, workload: Workload, *, world_size: int, device: str) -
             table = plan.table(name)
             if table.storage == HOST_CACHED:
                 fields["compute_kernel"] = UVM_CACHING_KERNEL
-                fields["cache_params"] = lru_cache(table.cache_fraction)
+                fields["cache_params"] = lru_cache_params(table.cache_fraction)
             elif fields["compute_kernel"] != "dense":
                 fields["compute_kernel"] = FUSED_KERNEL
             module_plan[name] = ParameterSharding(**fields)
     return sharding_plan
 
 
-def lru_cache(load_factor: float, base: CacheParams | None = None) -> CacheParams:
+def lru_cache_params(load_factor: float, base: CacheParams | None = None) -> CacheParams:
     """FBGEMM's UVM cache as TorchRec's side runs it: LRU, `load_factor` of the rows, no
     prefetch pipeline; `base`'s other settings kept."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
