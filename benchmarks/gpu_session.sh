@@ -325,8 +325,34 @@ stage_staging() {
     pack_out
 }
 
+# Issue 35, item 2: plans compared by running them on one GPU, in one process. `compare
+# --measure --device cuda` runs TorchRec's planner's plan on TorchRec's own kernels as it chose
+# them for 16 GB of device memory (fused where rows fit, fused_uvm_caching where they do not:
+# LRU, host-mapped, TrainPipelineSparseDist) beside distcache's plan (its sharder and
+# LookaheadTrainPipeline), on Criteo Terabyte's 26 tables at dim 64 (48 GB of fp32 rows per
+# plan in host memory: the two plans take about 97 GB of the 128 GiB), and prints measured
+# and modelled steps together (the table in compare_terabyte.log, the JSON beside it). Check:
+# both plans measured, distcache's >= 1.2 x TorchRec's, and the model ranks them alike.
+#     run(command="bash benchmarks/gpu_session.sh issue35", carry=[".fbg", ".whl"], timeout_s=570)
+# Budget (ISSUE35_SECONDS, default 530 s; a step's limit is cut to what is left): the path's GPU
+# tests (small tables, a few steps) 120 s, then the comparison 400 s (most of it building two
+# models of 188 M rows; 500 warm-up and 200 timed steps per plan take well under a minute).
+stage_issue35() {
+    DEADLINE=$(($(date +%s) + ${ISSUE35_SECONDS:-530}))
+    install_packages
+    environment
+    step measure_cuda_tests 120 $PY -m pytest tests/gpu/test_measure_cuda.py -v \
+        -p no:cacheprovider -rs
+    step compare_terabyte 400 $PY -m distcache compare \
+        --config configs/criteo_terabyte_synthetic.toml --topology h100 --world-size 1 \
+        --device-memory 16GB --measure --device cuda --measure-warmup 500 --measure-steps 200 \
+        --json-out "$OUT/compare_terabyte_cuda.json"
+    pack_out
+}
+
 case "${1:-}" in
     quick) stage_quick ;;
+    issue35) stage_issue35 ;;
     staging) stage_staging ;;
     issue36) stage_issue36 ;;
     fbgemm) stage_fbgemm ;;
@@ -339,7 +365,7 @@ case "${1:-}" in
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|staging|issue36|fbgemm|issue33|issue33a|issue33b|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac

@@ -360,7 +360,7 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
 def all_to_all_sent_bytes(plan: Plan, workload: Workload, topology: Topology) -> np.ndarray:
     """[W] bytes each rank sends other ranks per step in the ids' and embeddings' collectives
     as the model prices them: ids once, embeddings forward (what its shards send) and backward
-    (the gradients of what it received), what `tools.measure.CollectiveBytes` counts on a real
+    (the gradients of what it received), what `tools.collectives.CollectiveBytes` counts on a real
     run."""
     validate_plan(plan, workload, topology)
     tables = {t.name: t for t in workload.tables}

@@ -58,7 +58,7 @@ _GATHERING = _Gathering()
 
 def in_hot_gather() -> bool:
     """Whether this thread is issuing a replica's all-gather (for counting collectives apart
-    from the all-to-alls: `tools.measure.CollectiveBytes`)."""
+    from the all-to-alls: `tools.collectives.CollectiveBytes`)."""
     return _GATHERING.active
 
 

@@ -15,14 +15,16 @@ the machine this runs on. Rows:
   when that does not fit);
 - any plans the caller passes.
 
-With `measure_rows` (`python -m distcache compare --measure`), every row's plan is also run
-for real on this machine when the topology fits it (a CPU topology of at most
-`measure.MAX_LOCAL_RANKS` ranks; `measure.measure_plans`): TorchRec's plan runs on TorchRec's
-own kernels, sharders and pipeline, as TorchRec runs it (on a CPU topology TorchRec keeps every
-table on the device), the other plans through distcache's path (its sharder and
+With `measure_rows` (`python -m distcache compare --measure`), every row's plan that fits is
+also run for real on this machine when the topology fits it (`measure.measure_plans`; what
+runs: `measured_runs`): TorchRec's plan runs on TorchRec's own kernels, sharders and pipeline,
+as TorchRec runs it, the other plans through distcache's path (its sharder and
 `LookaheadTrainPipeline`; device-stored tables on TorchRec's fused kernel, cached ones on
-distcache's). Larger topologies keep modelled figures
-only, and say why.
+distcache's). On CPU (a CPU topology of at most `measure.MAX_LOCAL_RANKS` ranks) TorchRec keeps
+every table on the device. With `device="cuda"` (a CUDA topology of one rank, on this
+machine's GPU) TorchRec's plan runs as its planner made it (`ComparisonRow.torchrec_sharding`:
+`fused` where rows fit the device memory, its UVM kernels where they do not). Other topologies
+keep modelled figures only, and say why.
 
 The per-term times are those of the rank that sets the step (the slowest), so they add up to
 the step time. "TorchRec est" is TorchRec's own model of the same plan (`torchrec_estimate`;
@@ -42,7 +44,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from distcache.constants import HOT_ALL
 from distcache.errors import DistcacheConfigError
@@ -61,7 +65,15 @@ from distcache.planner.types import (
     Topology,
     Workload,
 )
-from distcache.tools.measure import MeasureOptions, measure_plans, unmeasurable_reason
+from distcache.tools.measure import (
+    Measurement,
+    MeasureOptions,
+    measure_plans,
+    unmeasurable_reason,
+)
+
+if TYPE_CHECKING:
+    from torchrec.distributed.types import ShardingPlan
 
 GB = 10**9  # as `topology.parse_bytes` reads "16GB"
 MODELLED_NOTE = (
@@ -71,10 +83,10 @@ MODELLED_NOTE = (
 )
 MEASURED_NOTE = (
     "Except 'measured ms' and 'measured samples/s': the median step of the plan run on this "
-    "machine (local gloo ranks; TorchRec's plan on TorchRec's own kernels and pipeline, the "
-    "others through distcache's sharder and pipeline), and 'a2a KB/rank': bytes a rank sent "
-    "in one step's all-to-alls (ids; embeddings forward and backward), counted on that run, "
-    "beside the model's figure."
+    "machine (local gloo ranks, or one GPU; TorchRec's plan on TorchRec's own kernels and "
+    "pipeline, the others through distcache's sharder and pipeline), and 'a2a KB/rank': bytes "
+    "a rank sent in one step's all-to-alls (ids; embeddings forward and backward), counted on "
+    "that run, beside the model's figure."
 )
 NO_HOT_ROWS = "distcache without hot rows"
 # (label, StepCost field) of the per-term columns, in step order.
@@ -113,6 +125,9 @@ class ComparisonRow:
     modelled_a2a_bytes: float | None = None
     """The same as the cost model prices it (`cost.all_to_all_sent_bytes`), set beside the
     measured figure."""
+    torchrec_sharding: ShardingPlan | None = None
+    """TorchRec's row: the plan as its planner made it (kernels included), which `plan`
+    approximates for distcache's cost model; what `measure_rows` runs on CUDA."""
 
     @property
     def critical_rank(self) -> int | None:
@@ -283,6 +298,7 @@ def _torchrec_row(workload: Workload, topology: Topology, timeout_s: float | Non
         torchrec_estimate_s=result.estimate_s,
         planning_s=result.planning_s,
         note="; ".join(cost.violations),
+        torchrec_sharding=result.plan,
     )
 
 
@@ -312,12 +328,52 @@ def speedups(rows: list[ComparisonRow], ours: str = "distcache", theirs: str = "
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class MeasuredRuns:
+    """What `measure_rows` runs (`measured_runs`), as `measure.measure_plans` takes it."""
+
+    plans: dict[str, Plan]
+    """The plans of the rows that fit, by row name; and TorchRec's again as `engine_twin`."""
+    torchrec_kernels: tuple[str, ...] = ()
+    """Rows run on TorchRec's own kernels and pipeline: TorchRec's (on CPU only when it keeps
+    every table on the device: TorchRec has no cache there)."""
+    torchrec_plans: dict[str, ShardingPlan] = field(default_factory=dict)
+    """On CUDA, TorchRec's own plan of each of those rows, run with the kernels it chose."""
+    engine_twin: str | None = None
+    """The name under which TorchRec's all-device plan also runs through distcache's path."""
+
+
+def measured_runs(rows: list[ComparisonRow], *, device: str = "cpu") -> MeasuredRuns:
+    """Which rows' plans `measure_rows` runs on `device`, and on whose kernels; nothing runs."""
+    plans = {r.name: r.plan for r in rows if r.plan is not None and r.fits}
+    by_name = {r.name: r for r in rows}
+    on_device = {name: all(t.storage == DEVICE for t in p.tables) for name, p in plans.items()}
+    theirs = tuple(
+        name for name in plans if name == "torchrec" and (device == "cuda" or on_device[name])
+    )
+    torchrec_plans = {
+        name: by_name[name].torchrec_sharding
+        for name in theirs
+        if device == "cuda" and by_name[name].torchrec_sharding is not None
+    }
+    # TorchRec's plan through distcache's path too: its gap to TorchRec's own run is the path's,
+    # its gap to distcache's plan (through the same path) the plan's.
+    twin = None
+    if theirs and on_device[theirs[0]]:
+        twin = f"{theirs[0]} through distcache's path"
+        plans[twin] = plans[theirs[0]]
+    return MeasuredRuns(
+        plans=plans, torchrec_kernels=theirs, torchrec_plans=torchrec_plans, engine_twin=twin
+    )
+
+
 def measure_rows(
     rows: list[ComparisonRow],
     workload: Workload,
     topology: Topology,
     *,
     options: MeasureOptions | None = None,
+    device: str = "cpu",
 ) -> tuple[list[ComparisonRow], str]:
     """`rows` with `measured_step_s` filled in by running their plans here, in turns.
 
@@ -326,58 +382,70 @@ def measure_rows(
     Args:
         rows: from `compare`.
         workload: the rows' workload.
-        topology: the rows' topology; it must fit this machine.
+        topology: the rows' topology; it must fit this machine (`measure.unmeasurable_reason`).
         options: steps and warm-up of each run.
+        device: "cpu" (local gloo ranks) or "cuda" (this machine's GPU, one rank).
 
     Returns:
         (rows, why nothing was measured: "" when something was).
     """
-    reason = unmeasurable_reason(workload, topology)
+    runs = measured_runs(rows, device=device)
+    count = max(1, len(runs.plans))
+    reason = unmeasurable_reason(workload, topology, device=device, plans=count)
     if reason:
         return rows, f"not measured: {reason}; every figure is modelled"
-    runnable = {r.name: r.plan for r in rows if r.plan is not None and r.fits}
-    if not runnable:
+    if not runs.plans:
         return rows, "not measured: no row has a plan that fits the topology"
-    theirs = [
-        name
-        for name, plan in runnable.items()
-        if name == "torchrec" and all(t.storage == DEVICE for t in plan.tables)
-    ]
-    # TorchRec's plan through distcache's path too: its gap to TorchRec's own run is the path's,
-    # its gap to distcache's plan (through the same path) the plan's.
-    engine_twin = f"{theirs[0]} through distcache's path" if theirs else None
-    if engine_twin:
-        runnable[engine_twin] = runnable[theirs[0]]
     results = measure_plans(
-        runnable,
+        runs.plans,
         workload,
         world_size=topology.world_size,
         options=options,
-        torchrec_kernels=theirs,
+        torchrec_kernels=runs.torchrec_kernels,
+        device=device,
+        torchrec_plans=runs.torchrec_plans,
     )
-    out = []
-    for row in rows:
-        if row.name in results:
-            measured = results[row.name]
-            modelled = all_to_all_sent_bytes(row.plan, workload, topology)
-            row = replace(
-                row,
-                measured_step_s=measured.step_s,
-                measured_a2a_bytes=measured.all_to_all_sent_bytes,
-                modelled_a2a_bytes=float(modelled.mean()),
-            )
-            if row.name in theirs and engine_twin:
-                twin = results[engine_twin].step_s
-                row = replace(row, measured_on_distcache_s=twin)
-                row = _with_note(
-                    row,
-                    f"measured on TorchRec's own kernels; the same plan through distcache's path: "
-                    f"{1e3 * twin:.3f} ms ({row.cost.global_batch_size / twin:,.0f} samples/s)",
-                )
-        elif row.plan is not None:
-            row = _with_note(row, "not measured: the plan does not fit the topology")
-        out.append(row)
-    return out, ""
+    return [_measured_row(row, results, runs, workload, topology) for row in rows], ""
+
+
+def _measured_row(
+    row: ComparisonRow,
+    results: dict[str, Measurement],
+    runs: MeasuredRuns,
+    workload: Workload,
+    topology: Topology,
+) -> ComparisonRow:
+    if row.name not in results:
+        if row.plan is None:
+            return row
+        return _with_note(row, "not measured: the plan does not fit the topology")
+    measured = results[row.name]
+    modelled = all_to_all_sent_bytes(row.plan, workload, topology)
+    row = replace(
+        row,
+        measured_step_s=measured.step_s,
+        measured_a2a_bytes=measured.all_to_all_sent_bytes,
+        modelled_a2a_bytes=float(modelled.mean()),
+    )
+    if row.name not in runs.torchrec_kernels:
+        return row
+    note = "measured on TorchRec's own kernels"
+    if row.name in runs.torchrec_plans:
+        note += f" as its planner chose them ({_kernel_counts(runs.torchrec_plans[row.name])})"
+    if runs.engine_twin:
+        twin = results[runs.engine_twin].step_s
+        row = replace(row, measured_on_distcache_s=twin)
+        note += (
+            f"; the same plan through distcache's path: {1e3 * twin:.3f} ms "
+            f"({row.cost.global_batch_size / twin:,.0f} samples/s)"
+        )
+    return _with_note(row, note)
+
+
+def _kernel_counts(sharding_plan: ShardingPlan) -> str:
+    """'fused 15, fused_uvm_caching 3': tables per kernel of a TorchRec plan."""
+    kernels = Counter(s.compute_kernel for m in sharding_plan.plan.values() for s in m.values())
+    return ", ".join(f"{kernel} {count}" for kernel, count in sorted(kernels.items()))
 
 
 def _with_note(row: ComparisonRow, note: str) -> ComparisonRow:

@@ -18,6 +18,16 @@ device-resident kernel, on every sharded table; TorchRec's sharders; trained by 
 distcache's pipeline does here): TorchRec's plan as TorchRec runs it. Such a plan must keep every
 table on the device (TorchRec has no cache on CPU).
 
+With `device="cuda"` (`compare --measure --device cuda`) the plans run on one GPU, `cuda:0`, in
+this process (one rank, a one-rank NCCL group): distcache's plans through distcache's sharder
+and `LookaheadTrainPipeline` on the GPU, TorchRec's on its kernels as its planner chose them
+(`torchrec_runs.from_torchrec`: `fused` where the rows fit the device memory,
+`fused_uvm_caching` or `fused_uvm` where they do not, host-mapped) under TorchRec's
+`TrainPipelineSparseDist`; each step is timed between two `torch.cuda.synchronize`. A CUDA
+topology of one rank runs there, when every plan's rows fit this machine's host memory
+(`unmeasurable_reason`). This path has not run on a GPU yet: `tests/gpu/test_measure_cuda.py`
+and `benchmarks/gpu_session.sh issue35` run it.
+
 The pipeline runs one look-ahead window: every cache at the smallest (L, K) of the plan's
 caches (`runnable_plan`). What can be measured (`unmeasurable_reason`): a CPU topology of at
 most `MAX_LOCAL_RANKS` ranks, a workload of one embedding dim whose MLPs end as DLRM's do
@@ -44,7 +54,6 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from distcache.cache.counters import COUNTERS
 from distcache.errors import DistcacheConfigError
@@ -56,9 +65,12 @@ from distcache.planner.types import (
     Topology,
     Workload,
 )
+from distcache.tools.collectives import CollectiveBytes
+from distcache.tools.machine import cuda_missing, cuda_topology_reason
 
 if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
+    from torchrec.distributed.types import ShardingPlan
 
     from distcache.cache.counters import CacheStats
     from distcache.data.synthetic import SyntheticClickLog
@@ -120,16 +132,32 @@ class Measurement:
         return dataclasses.asdict(self)
 
 
-def unmeasurable_reason(workload: Workload, topology: Topology) -> str | None:
-    """Why plans of `workload` on `topology` cannot run here, or None when they can."""
-    if topology.compute_device != "cpu":
-        return f"topology {topology.name} is a {topology.compute_device} topology; this is a CPU"
-    if topology.world_size > MAX_LOCAL_RANKS:
-        return (
+DEVICES = ("cpu", "cuda")
+"""Where `measure_plans` runs plans: local gloo ranks on CPU, or one rank on one GPU."""
+
+
+def unmeasurable_reason(
+    workload: Workload, topology: Topology, *, device: str = "cpu", plans: int = 1
+) -> str | None:
+    """Why plans of `workload` on `topology` cannot run here on `device`, or None when they can.
+
+    On CUDA: a CUDA topology of one rank, and `plans` copies of every table's rows (each plan
+    keeps its own) within this machine's memory (`machine.cuda_topology_reason`).
+    """
+    if device not in DEVICES:
+        raise DistcacheConfigError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "cuda":
+        reason = cuda_topology_reason(workload, topology, plans)
+    elif topology.compute_device != "cpu":
+        reason = f"topology {topology.name} is a {topology.compute_device} topology; this is a CPU"
+    elif topology.world_size > MAX_LOCAL_RANKS:
+        reason = (
             f"topology {topology.name} has {topology.world_size} ranks; this machine runs at "
             f"most {MAX_LOCAL_RANKS}"
         )
-    return workload_unmeasurable_reason(workload)
+    else:
+        reason = None
+    return reason or workload_unmeasurable_reason(workload)
 
 
 def workload_unmeasurable_reason(workload: Workload) -> str | None:
@@ -185,43 +213,52 @@ def measure_plans(
     world_size: int,
     options: MeasureOptions | None = None,
     torchrec_kernels: Collection[str] = (),
+    device: str = "cpu",
+    torchrec_plans: Mapping[str, ShardingPlan] | None = None,
 ) -> dict[str, Measurement]:
-    """Train every plan of `plans` on `world_size` local gloo ranks, in turns; time them.
+    """Train every plan of `plans` on `world_size` local ranks, in turns; time them.
 
     Args:
         plans: plans of `workload` by name (each placing every table on ranks < world_size).
         workload: tables, batch and MLPs (see `unmeasurable_reason` for what runs).
-        world_size: ranks (1 runs in this process when no process group is up).
+        world_size: ranks (1 runs in this process when no process group is up); 1 on CUDA.
         options: steps, warm-up, threads.
         torchrec_kernels: names of plans to run on TorchRec's own kernels (see the module
-            docstring); their tables must all be on the device.
+            docstring); on CPU their tables must all be on the device.
+        device: "cpu" (gloo ranks) or "cuda" (one GPU; see the module docstring).
+        torchrec_plans: TorchRec's planner's own plan (`torchrec_plan(...).plan`) of a plan
+            named in `torchrec_kernels`, run with the kernels TorchRec chose
+            (`torchrec_runs.from_torchrec`); without one, such a plan runs as
+            `torchrec_runs.from_plan` places it.
 
     Raises:
-        DistcacheConfigError: the workload cannot run here.
+        DistcacheConfigError: the workload cannot run here, or on `device`.
         RankFailed: a rank failed, or the ranks overran `options.timeout_s`.
     """
     options = options or MeasureOptions()
-    reason = workload_unmeasurable_reason(workload)
-    if reason or not 1 <= world_size <= MAX_LOCAL_RANKS:
-        reason = reason or f"{world_size} ranks; this machine runs 1 to {MAX_LOCAL_RANKS}"
-        raise DistcacheConfigError(f"cannot measure here: {reason}")
+    torchrec_plans = dict(torchrec_plans or {})
+    _check_measurable(workload, world_size, device)
     names = list(plans)
     unknown = sorted(set(torchrec_kernels) - set(names))
     if unknown:
         raise DistcacheConfigError(f"torchrec_kernels names {unknown}, which are not plans here")
-    for name in torchrec_kernels:
+    unknown = sorted(set(torchrec_plans) - set(torchrec_kernels))
+    if unknown:
+        raise DistcacheConfigError(f"torchrec_plans names {unknown}, not in torchrec_kernels")
+    for name in torchrec_kernels if device == "cpu" else ():  # TorchRec's caches need CUDA
         cached = [t.table for t in plans[name].tables if t.storage != DEVICE]
         if cached:
             raise DistcacheConfigError(
                 f"plan {name!r} cannot run on TorchRec's kernels here: tables {cached} are in "
                 "host memory behind a cache, and TorchRec has no cache on CPU"
             )
-    kernels = [n in set(torchrec_kernels) for n in names]
+    theirs = [torchrec_plans.get(n, n in set(torchrec_kernels)) for n in names]
     per_rank = run_ranks(
         _rank_main,
         world_size,
-        args=([plans[n] for n in names], workload, options, kernels),
+        args=([plans[n] for n in names], workload, options, theirs, device),
         timeout_s=options.timeout_s,
+        backend="nccl" if device == "cuda" else "gloo",
         env={"OMP_NUM_THREADS": str(options.threads)},
         alone_in_process=True,
     )
@@ -231,16 +268,28 @@ def measure_plans(
     }
 
 
+def _check_measurable(workload: Workload, world_size: int, device: str) -> None:
+    if device not in DEVICES:
+        raise DistcacheConfigError(f"device must be one of {DEVICES}, got {device!r}")
+    ranks = 1 if device == "cuda" else MAX_LOCAL_RANKS
+    reason = (device == "cuda" and cuda_missing()) or workload_unmeasurable_reason(workload)
+    if not reason and not 1 <= world_size <= ranks:
+        reason = f"{world_size} ranks; this machine runs 1 to {ranks} on {device}"
+    if reason:
+        raise DistcacheConfigError(f"cannot measure here: {reason}")
+
+
 def _rank_main(
     rank: int,
     world: int,
     plans: list[Plan],
     workload: Workload,
     options: MeasureOptions,
-    torchrec_kernels: list[bool],
+    torchrec_kernels: list[bool | ShardingPlan],
+    device: str,
 ) -> list[_RankResult]:
     del rank, world  # the default group knows them
-    return _run_here(plans, workload, options, torchrec_kernels)
+    return _run_here(plans, workload, options, torchrec_kernels, device)
 
 
 def time_plans_here(
@@ -261,15 +310,24 @@ def time_plans_here(
 
 
 def _run_here(
-    plans: list[Plan], workload: Workload, options: MeasureOptions, torchrec_kernels: list[bool]
+    plans: list[Plan],
+    workload: Workload,
+    options: MeasureOptions,
+    torchrec_kernels: list[bool | ShardingPlan],
+    device: str = "cpu",
 ) -> list[_RankResult]:
+    """This rank's runs of `plans`; `torchrec_kernels`: each plan through distcache's path
+    (False), on TorchRec's kernels as `torchrec_runs.from_plan` places it (True), or as
+    TorchRec's own plan of it places it."""
+    cuda = device == "cuda"
+    where = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     runs = [
-        _build_torchrec(p, workload, options)
-        if theirs
-        else _build(runnable_plan(p), workload, options)
+        _build(runnable_plan(p), workload, options, where)
+        if theirs is False
+        else _build_torchrec(p, None if theirs is True else theirs, workload, options, where)
         for p, theirs in zip(plans, torchrec_kernels, strict=True)
     ]
-    return _timed(runs, options)
+    return _timed(runs, options, where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,60 +338,6 @@ def _run_here(
 class _Run:
     step: Callable[[], torch.Tensor]
     stats: Callable[[], dict[str, float]]
-
-
-class CollectiveBytes(TorchDispatchMode):
-    """Counts the bytes this rank sends to other ranks in the collectives dispatched while it
-    is active (c10d's ops, as TorchRec and DDP issue them on gloo, and the functional
-    all-to-all of distcache's compact output dist):
-
-    - all-to-all: the input but the rows the rank keeps (its own split);
-    - reduce-scatter: (W - 1) / W of the input; all-gather: the input to each of the W - 1
-      others (row-wise outputs forward and backward);
-    - all-reduce: the tensors reduced (what DDP syncs), counted apart;
-    - the hot-row replicas' all-gather of their touched rows (`sharding.hot_reduce`): the input
-      to each of the W - 1 others, counted apart (`hot_gather`), not as an all-to-all's.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.all_to_all = 0.0
-        self.all_reduce = 0.0
-        self.hot_gather = 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        name = func._schema.name
-        if name.startswith("c10d::") or name == "_c10d_functional::all_to_all_single":
-            self._count(name, args)
-        return func(*args, **(kwargs or {}))
-
-    def _count(self, name: str, args: tuple) -> None:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if name == "c10d::alltoall_base_":
-            source, splits = args[1], list(args[4])
-            total = source.numel() * source.element_size()
-            rows = source.shape[0] if source.dim() else 0
-            own = splits[rank] if splits else rows / world
-            kept = own * (total / rows) if rows else 0.0
-            self.all_to_all += total - kept
-        elif name == "_c10d_functional::all_to_all_single":  # (input, out splits, in splits)
-            source, splits = args[0], list(args[2])
-            element = source.element_size() * (source.numel() / max(sum(splits), 1))
-            self.all_to_all += (sum(splits) - splits[rank]) * element
-        elif name == "c10d::_reduce_scatter_base_":
-            source = args[1]
-            self.all_to_all += source.numel() * source.element_size() * (world - 1) / world
-        elif name == "c10d::_allgather_base_":
-            from distcache.sharding.hot_reduce import in_hot_gather  # (TorchRec: imported late)
-
-            source = args[1]
-            sent = source.numel() * source.element_size() * (world - 1)
-            if in_hot_gather():
-                self.hot_gather += sent
-            else:
-                self.all_to_all += sent
-        elif name == "c10d::allreduce_":
-            self.all_reduce += sum(t.numel() * t.element_size() for t in args[0])
 
 
 class _RankResult(TypedDict):
@@ -376,7 +380,7 @@ def _renamed(plan: Plan, workload: Workload) -> tuple[Plan, Workload]:
     )
 
 
-def _build(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
+def _build(plan: Plan, workload: Workload, options: MeasureOptions, device: torch.device) -> _Run:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import get_default_sharders
     from torchrec.distributed.types import ShardingEnv
@@ -398,10 +402,10 @@ def _build(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
         named,
         module_path=EBC_PATH,
         world_size=world,
+        device=device.type,
         base_config=base,
         hot_row_ids=_hot_row_ids(named, options),
     )
-    device = torch.device("cpu")
     dmp = DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(dist.group.WORLD),
@@ -419,46 +423,45 @@ def _build(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
     )
 
 
-def _build_torchrec(plan: Plan, workload: Workload, options: MeasureOptions) -> _Run:
-    """`plan` on TorchRec's own kernels and sharders, trained by TorchRec's pipeline."""
+def _build_torchrec(
+    plan: Plan,
+    theirs: ShardingPlan | None,
+    workload: Workload,
+    options: MeasureOptions,
+    device: torch.device,
+) -> _Run:
+    """`plan` on TorchRec's own kernels and sharders, trained by TorchRec's pipeline: as
+    TorchRec's own plan of it (`theirs`) places it, else as `torchrec_runs.from_plan` does."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import get_default_sharders
-    from torchrec.distributed.train_pipeline import TrainPipelineBase
-    from torchrec.distributed.types import ParameterSharding, ShardingEnv
+    from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+    from torchrec.distributed.types import ShardingEnv
 
-    from distcache.job.dlrm import (
-        EBC_PATH,
-        apply_embedding_optimizer,
-        build_dlrm,
-        dense_optimizer,
-    )
-    from distcache.planner.torchrec.export import to_sharding_plan
-    from distcache.sharding import CachedParameterSharding
+    from distcache.job.dlrm import apply_embedding_optimizer, build_dlrm, dense_optimizer
+    from distcache.tools import torchrec_runs
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan, named = _renamed(plan, workload)
+    renamed, named = _renamed(plan, workload)
+    if theirs is None:
+        sharding_plan = torchrec_runs.from_plan(
+            renamed, named, world_size=world, device=device.type
+        )
+    else:
+        sharding_plan = torchrec_runs.from_torchrec(theirs, workload)
     model = build_dlrm(dlrm_config(workload), table_device=torch.device("meta"), seed=options.seed)
     apply_embedding_optimizer(model, workload.optimizer, lr=options.learning_rate)
-    sharding_plan = to_sharding_plan(plan, named, module_path=EBC_PATH, world_size=world)
-    # Every table is device-stored, so on TorchRec's fused kernel already; a replica of hot rows
-    # is distcache's, and TorchRec's own run has none.
-    for module_plan in sharding_plan.plan.values():
-        for name, sharding in list(module_plan.items()):
-            if isinstance(sharding, CachedParameterSharding):
-                fields = {
-                    f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)
-                }
-                module_plan[name] = ParameterSharding(**fields)
-    device = torch.device("cpu")
     dmp = DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(dist.group.WORLD),
         device=device,
         plan=sharding_plan,
-        sharders=get_default_sharders(),
+        sharders=torchrec_runs.sharders(device.type),
     )
     optimizer = dense_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=options.learning_rate))
-    pipeline = TrainPipelineBase(dmp, optimizer, device)
+    # On CPU TorchRec's base pipeline runs forward, backward and the optimizer in order, as
+    # distcache's does there; on CUDA its sparse-dist pipeline overlaps the next batch's copy
+    # and input all-to-all with training.
+    pipeline_type = TrainPipelineSparseDist if device.type == "cuda" else TrainPipelineBase
+    pipeline = pipeline_type(dmp, optimizer, device)
     batches = iter(_batches(workload, options, rank, world, 0))
     return _Run(
         step=lambda: pipeline.progress(batches)[0].detach(),
@@ -526,8 +529,13 @@ def _counters(stats: Mapping[str, CacheStats]) -> dict[str, float]:
     return {k: float(sum(s.as_dict()[k] for s in stats.values())) for k in _COUNTERS}
 
 
-def _timed(runs: list[_Run], options: MeasureOptions) -> list[_RankResult]:
-    """Each run trains warmup + steps steps, in turns; per-step times of the timed ones."""
+def _timed(runs: list[_Run], options: MeasureOptions, device: torch.device) -> list[_RankResult]:
+    """Each run trains warmup + steps steps, in turns; per-step times of the timed ones.
+
+    A step starts when every rank is there (CPU: a barrier; CUDA, one rank: the GPU idle) and
+    ends when its work is done (CUDA: synchronized)."""
+    cuda = device.type == "cuda"
+    start_together = (lambda: torch.cuda.synchronize(device)) if cuda else dist.barrier
     times: list[list[float]] = [[] for _ in runs]
     before: list[dict[str, float]] = [{} for _ in runs]
     sent = [[0.0, 0.0, 0.0] for _ in runs]
@@ -536,17 +544,19 @@ def _timed(runs: list[_Run], options: MeasureOptions) -> list[_RankResult]:
             before = [r.stats() for r in runs]
         shift = step % len(runs)  # rotate the order so no run always follows another
         for i in [*range(shift, len(runs)), *range(shift)]:
-            dist.barrier()
+            start_together()
             if step < options.warmup:
                 runs[i].step()
                 continue
             # Counted in a step timed apart (the mode's dispatch would slow the timed one).
             start = time.perf_counter()
             runs[i].step()
+            if cuda:
+                torch.cuda.synchronize(device)
             times[i].append(time.perf_counter() - start)
     after = [r.stats() for r in runs]
     for i, run in enumerate(runs):  # one more step per run, its collectives counted
-        dist.barrier()
+        start_together()
         with CollectiveBytes() as counted:
             run.step()
         sent[i] = [counted.all_to_all, counted.all_reduce, counted.hot_gather]

@@ -24,11 +24,16 @@ default "" for a bare EBC, the `EmbeddingCollection`'s ``--sequence-module-path`
 
 ``compare`` prints distcache's plan, TorchRec's, the all-table-wise and all-row-wise
 baselines and every ``--plan FILE`` (repeatable) side by side (`compare.format_table`), or
-JSON with ``--json``; ``--no-torchrec`` skips TorchRec's planner. Figures are modelled; with
-``--measure`` each plan also runs here for ``--measure-steps`` steps after
-``--measure-warmup`` (`compare.measure_rows`) when the topology fits this machine (``cpu`` or a
-calibrated JSON, at most 2 ranks), next to its modelled step; for larger topologies it says
-why nothing ran and the figures stay modelled.
+JSON with ``--json`` (``--json-out FILE`` writes it beside the table); ``--no-torchrec`` skips
+TorchRec's planner. Figures are modelled; with ``--measure`` each plan also runs here for
+``--measure-steps`` steps after ``--measure-warmup`` (`compare.measure_rows`) when the topology
+fits this machine (``cpu`` or a calibrated JSON, at most 2 ranks), next to its modelled step;
+for larger topologies it says why nothing ran and the figures stay modelled.
+``--measure --device cuda`` runs them on this machine's GPU instead, for a CUDA topology of one
+rank (``--topology h100 --world-size 1``): TorchRec's plan on the kernels its planner chose for
+``--device-memory`` (`fused`, its UVM cache `fused_uvm_caching`, `fused_uvm`), distcache's
+through its sharder and look-ahead pipeline; on a machine without a GPU it exits with status 2
+naming what is missing.
 
 Config file (strict: an unknown section or key is an error naming the allowed ones)::
 
@@ -61,6 +66,8 @@ Example::
     python -m distcache compare --preset criteo-terabyte --world-size 64 --plan plan.json
     python -m distcache compare --config small.toml --topology topology.json --world-size 2 \\
         --measure
+    python -m distcache compare --config configs/criteo_terabyte_synthetic.toml \\
+        --topology h100 --world-size 1 --device-memory 16GB --measure --device cuda
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import os
 import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -486,6 +494,8 @@ def _compare(args: argparse.Namespace) -> int:
     from distcache.tools.compare import compare, format_table, measure_rows, rows_to_json
 
     workload, topology = workload_from_args(args), topology_from_args(args)
+    if args.device == "cuda":
+        _check_cuda(args.measure)
     plans = _load_plans(args.plan, workload, topology)
     rows = compare(
         workload,
@@ -497,15 +507,33 @@ def _compare(args: argparse.Namespace) -> int:
     if args.measure:
         from distcache.tools.measure import MeasureOptions
 
-        options = MeasureOptions(steps=args.measure_steps, warmup=args.measure_warmup)
-        rows, skipped = measure_rows(rows, workload, topology, options=options)
+        # One rank owns a GPU machine's cores; on CPU, ranks share them (one thread each).
+        threads = (os.cpu_count() or 1) if args.device == "cuda" else 1
+        options = MeasureOptions(
+            steps=args.measure_steps, warmup=args.measure_warmup, threads=threads
+        )
+        rows, skipped = measure_rows(rows, workload, topology, options=options, device=args.device)
         if skipped:
             print(f"--measure: {skipped}", file=sys.stderr)
+    if args.json_out is not None:
+        text = rows_to_json(rows, workload=workload, topology=topology)
+        _flag(f"--json-out {args.json_out}", lambda: args.json_out.write_text(text + "\n"))
     if args.json:
         print(rows_to_json(rows, workload=workload, topology=topology))
     else:
         print(format_table(rows, title=f"{workload.name} on {_topology_text(topology)}"))
     return 0
+
+
+def _check_cuda(measure: bool) -> None:
+    """`--device cuda`: only `--measure` runs plans, and it needs what `cuda_missing` names."""
+    if not measure:
+        raise _UsageError("--device cuda: only --measure runs plans; add --measure")
+    from distcache.tools.machine import cuda_missing
+
+    missing = cuda_missing()
+    if missing:
+        raise _UsageError(f"--device cuda: {missing}; allowed here: --device cpu")
 
 
 def compare_main(argv: Sequence[str] | None = None) -> int:
@@ -521,10 +549,19 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         "--torchrec-timeout", type=_positive_int, help="seconds for TorchRec's proposals"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json-out", type=Path, help="also write the JSON to this file")
     parser.add_argument(
         "--measure",
         action="store_true",
-        help="also run each plan here (CPU topologies of <= 2 ranks) and report its step time",
+        help="also run each plan here (CPU topologies of <= 2 ranks; with --device cuda, "
+        "a CUDA topology of 1) and report its step time",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where --measure runs the plans: local gloo ranks (cpu), or this machine's GPU "
+        "(cuda: a CUDA topology of one rank)",
     )
     parser.add_argument(
         "--measure-steps", type=_positive_int, default=20, help="timed steps per plan"

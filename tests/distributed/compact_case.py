@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
 
 from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
-from distcache.tools.measure import CollectiveBytes
+from distcache.tools.collectives import CollectiveBytes
 
 
 def compact_equals_torchrec(

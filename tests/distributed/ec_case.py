@@ -455,7 +455,7 @@ def sequence_bytes_match_the_model(rank: int, world: int, sharding: str) -> dict
     from distcache.planner.topology import preset
     from distcache.planner.torchrec.export import to_sharding_plan, workload_ec
     from distcache.planner.types import TableStats, Workload
-    from distcache.tools.measure import CollectiveBytes
+    from distcache.tools.collectives import CollectiveBytes
 
     batch, pooling, dim = 6, 3, 8
     workload = Workload(

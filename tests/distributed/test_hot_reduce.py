@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distcache.sharding.hot_reduce import Reduction, Span, sum_by_key
-from distcache.tools.measure import CollectiveBytes
+from distcache.tools.collectives import CollectiveBytes
 from tests.distributed.harness import run_ranks
 
 # Two widths (dims 4 and 8); tables (name, width, first row in it, rows).

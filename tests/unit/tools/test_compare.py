@@ -144,3 +144,40 @@ def test_compare_without_torchrec_skips_its_row_and_estimates() -> None:
     rows = compare(WORKLOAD, topology, include_torchrec=False, options=FAST)
     assert [r.name for r in rows] == ["distcache", "all table-wise", "all row-wise"]
     assert all(r.torchrec_estimate_s is None for r in rows)
+
+
+def test_on_cuda_compare_would_run_torchrecs_plan_on_its_uvm_kernels() -> None:
+    """`compare --measure --device cuda` for Criteo Terabyte on one H100 with 16 GB for
+    embeddings (96 GB of rows), planned here without a GPU: TorchRec's plan runs as its planner
+    made it, the large tables in host memory (its UVM cache, LRU, a load factor < 1, or UVM),
+    the small ones on the device; distcache's plan is the one `plan` prints."""
+    from distcache.job.dlrm import EBC_PATH, UVM_CACHING_KERNEL
+    from distcache.planner.solver import solve
+    from distcache.tools.compare import measured_runs
+    from distcache.tools.torchrec_runs import from_torchrec, sharders
+
+    workload = workload_preset("criteo-terabyte")
+    topology = preset("h100", world_size=1, device_memory_bytes=16 * 10**9)
+    runs = measured_runs(compare(workload, topology), device="cuda")
+    assert set(runs.plans) == {"distcache", "torchrec"}  # the uniform plans do not fit
+    assert runs.plans["distcache"] == solve(workload, topology)
+    assert runs.torchrec_kernels == ("torchrec",) and runs.engine_twin is None
+    (placed,) = from_torchrec(runs.torchrec_plans["torchrec"], workload).plan.items()
+    path, shardings = placed
+    assert path == EBC_PATH and sorted(shardings) == sorted(f"t{i}" for i in range(26))
+    rows = {f"t{i}": t.rows for i, t in enumerate(workload.tables)}
+    large = {name for name, n in rows.items() if n > 10**7}  # 5 tables, 20 GB each
+    host = {name for name, s in shardings.items() if s.compute_kernel.startswith("fused_uvm")}
+    assert host == large
+    cached = [s for s in shardings.values() if s.compute_kernel == UVM_CACHING_KERNEL]
+    assert cached, "no table on TorchRec's UVM cache"
+    for sharding in cached:
+        params = sharding.cache_params
+        assert 0 < params.load_factor < 1 and params.algorithm.name == "LRU"
+        assert not params.prefetch_pipeline  # TrainPipelineSparseDist does not prefetch
+    small = {name for name, n in rows.items() if n < 10**6}
+    assert {shardings[name].compute_kernel for name in small} <= {"fused", "dense"}
+    assert "fused" in {shardings[name].compute_kernel for name in small}
+    assert sharders("cuda")[-1].fused_params == {"uvm_host_mapped": True}
+    # On CPU TorchRec has no cache: its plan of host-resident tables is not run on its kernels.
+    assert measured_runs(compare(workload, topology), device="cpu").torchrec_kernels == ()

@@ -179,3 +179,32 @@ def test_all_to_all_bytes_are_counted_and_match_the_model() -> None:
     assert results[DATA_PARALLEL].all_to_all_sent_bytes == 0
     assert results[DATA_PARALLEL].all_reduce_bytes > results[TABLE_WISE].all_reduce_bytes
     assert results["torchrec"].all_to_all_sent_bytes == results[TABLE_WISE].all_to_all_sent_bytes
+
+
+def test_on_cuda_one_rank_of_a_cuda_topology_runs_when_its_rows_fit_host_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h100 = preset("h100", world_size=1)
+    assert unmeasurable_reason(WORKLOAD, h100, device="cuda") is None
+    assert "not a CUDA one" in unmeasurable_reason(
+        WORKLOAD, preset("cpu", world_size=1), device="cuda"
+    )
+    assert "runs one" in unmeasurable_reason(WORKLOAD, preset("h100", world_size=2), device="cuda")
+    rows = 3500 * 8 * 4  # bytes of every row (SGD keeps no state)
+    monkeypatch.setattr("distcache.tools.machine.machine_memory_bytes", lambda: 2 * rows)
+    assert unmeasurable_reason(WORKLOAD, h100, device="cuda", plans=2) is None
+    reason = unmeasurable_reason(WORKLOAD, h100, device="cuda", plans=3)
+    assert "host memory per plan" in reason and "for 3" in reason
+    with pytest.raises(DistcacheConfigError, match="device must be one of"):
+        unmeasurable_reason(WORKLOAD, h100, device="tpu")
+
+
+def test_measuring_on_cuda_without_it_is_refused_naming_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    plan = uniform_plan(WORKLOAD, preset("h100", world_size=1), TABLE_WISE)
+    with pytest.raises(DistcacheConfigError, match="no CUDA device here"):
+        measure_plans({"p": plan}, WORKLOAD, world_size=1, device="cuda")

@@ -234,3 +234,26 @@ def test_sequence_tables_from_a_toml_config_to_a_torchrec_plan(
     config.write_text(CONFIG + 'pooled = "no"\n')
     assert plan_main(base) == 2
     assert "pooled must be true or false, got 'no'" in capsys.readouterr().err
+
+
+def test_compare_measure_on_cuda_without_it_is_one_line_naming_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["--preset", SPEC, "--topology", "h100", "--world-size", "1", "--no-torchrec"]
+    assert compare_main([*args, "--measure", "--device", "cuda"]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert "--device cuda: no CUDA device here" in line and "allowed here: --device cpu" in line
+    assert captured.out == ""
+    assert compare_main([*args, "--device", "cuda"]) == 2  # nothing to run without --measure
+    assert "add --measure" in capsys.readouterr().err
+
+
+def test_compare_writes_its_json_beside_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "compare.json"
+    assert compare_main([*SMALL, "--no-torchrec", "--json-out", str(out)]) == 0
+    assert "step ms" in capsys.readouterr().out  # the table
+    assert {r["name"] for r in json.loads(out.read_text())["rows"]} >= {"distcache"}
