@@ -83,6 +83,7 @@ class StagePlan:
     counts: torch.Tensor  # [NUM_COUNTS] int64 on the device
     critical: bool  # staged when the batch was looked up: its loads stall training
     pinned_batches: int  # batches in flight when it was staged (for error messages)
+    moves: bool = True  # False: a cache of every row's plan, which loads and writes back nothing
     host_counts: list[int] | None = None  # `counts` on the host, once looked up (engine)
     host_check: list[int] | None = None  # the caller's check words, once looked up (engine)
 
@@ -264,6 +265,7 @@ class Scheduler:
             counts=counts,
             critical=critical,
             pinned_batches=len(self._staged),
+            moves=not self.whole,
         )
         self._staged.append(plan)
         return plan

@@ -27,6 +27,10 @@ addressed from the device (`transfer.copy_rows`, bounded by the plan's counts on
 nothing waits for the counts; they reach the host by an asynchronous copy that `wait` reads at
 the batch's lookup, K batches after it was queued. On CPU those copies run in `submit`, on the
 calling thread.
+
+A cache of every row moves nothing after `load_all` (`StagePlan.moves` False): its plans get
+no worker job and no copies, only their counts mirrored and an event after the plan and the
+load.
 """
 
 from __future__ import annotations
@@ -104,6 +108,21 @@ class Stager:
         `check`: device int64 words to bring to the host with the plan's counts.
         """
         s = self.streams
+        if not plan.moves:  # a cache of every row: no transfer, no worker
+            # Ready once the plan is made (this stream) and the rows are in (`load_all`).
+            s.wait(self._loaded_all)
+            job = _Job(
+                plan=plan,
+                counts=s.mirror(plan.counts),
+                load_rows=None,
+                writeback_rows=None,
+                check=None if check is None else s.mirror(check),
+                mirrored=s.record(host=True),
+                victims_free=None,
+            )
+            job.ready = job.mirrored
+            self._jobs[plan.seq] = (job, None)
+            return
         rows = not self.direct  # the worker needs the row lists on the host
         job = _Job(
             plan=plan,
