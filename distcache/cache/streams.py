@@ -63,20 +63,26 @@ class Streams:
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
     def mirror(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor`'s values on the host, for reading later without waiting: an asynchronous
-        copy into a host buffer (pinned) on CUDA; on CPU the tensor itself, already on the host
-        (its makers never write it again: plans and check words are fresh tensors)."""
-        if not tensor.is_cuda:
-            return tensor
-        host = self.host_buffer(tuple(tensor.shape), tensor.dtype)
-        host.copy_(tensor, non_blocking=True)
-        return host
+        """`mirror(tensor)` (on the current stream)."""
+        return mirror(tensor)
 
     def keep_for(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """`tensor`, allocated on another stream, is used on `stream`: keep its memory until
         that use completed."""
         if stream is not None and tensor.is_cuda:
             tensor.record_stream(stream)
+
+
+def mirror(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s values on the host, for reading later without waiting: an asynchronous copy
+    into a pinned host buffer on CUDA (queued on the current stream; read it after an event
+    recorded there); on CPU the tensor itself, already on the host (its makers never write it
+    again: plans, counts and check words are fresh tensors)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 class HostCopy:
@@ -87,13 +93,8 @@ class HostCopy:
     """
 
     def __init__(self, tensor: torch.Tensor):
-        cuda = tensor.is_cuda
-        if cuda:
-            self._host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
-        else:  # on the host already; its maker never writes it again
-            self._host = tensor
-        self._event = torch.cuda.Event() if cuda else None
+        self._host = mirror(tensor)
+        self._event = torch.cuda.Event() if tensor.is_cuda else None
         if self._event is not None:
             self._event.record()
 
