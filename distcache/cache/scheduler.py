@@ -66,10 +66,9 @@ class StagePlan:
 
     It covers the first m of the batch's packed rows (`Scheduler._stage_size`: its distinct
     rows, or all n of them). Transfers are packed at the front of `size`-entry buffers
-    (`size = min(m, capacity)`); their
-    counts are `counts[LOADS]` and `counts[WRITEBACKS]`, on the device. The stager must write
-    `writeback_*` back before it loads `load_*` (a victim's slot may be reused by a row loaded in
-    the same plan).
+    (`size = min(m, capacity)`); their counts are `counts[LOADS]` and `counts[WRITEBACKS]`, on
+    the device. The stager must write `writeback_*` back before it loads `load_*` (a victim's
+    slot may be reused by a row loaded in the same plan).
     """
 
     seq: int

@@ -42,7 +42,7 @@ import torch
 
 from distcache.cache.host_store import HostStore
 from distcache.cache.scheduler import LOADS, WRITEBACKS, StagePlan
-from distcache.cache.streams import Streams
+from distcache.cache.streams import Streams, mirror
 from distcache.cache.transfer import copy_rows
 
 
@@ -108,31 +108,22 @@ class Stager:
         `check`: device int64 words to bring to the host with the plan's counts.
         """
         s = self.streams
-        if not plan.moves:  # a cache of every row: no transfer, no worker
-            # Ready once the plan is made (this stream) and the rows are in (`load_all`).
+        if not plan.moves:  # a cache of every row: its event follows `load_all` too
             s.wait(self._loaded_all)
-            job = _Job(
-                plan=plan,
-                counts=s.mirror(plan.counts),
-                load_rows=None,
-                writeback_rows=None,
-                check=None if check is None else s.mirror(check),
-                mirrored=s.record(host=True),
-                victims_free=None,
-            )
-            job.ready = job.mirrored
-            self._jobs[plan.seq] = (job, None)
-            return
-        rows = not self.direct  # the worker needs the row lists on the host
+        rows = plan.moves and not self.direct  # the worker needs the row lists on the host
         job = _Job(
             plan=plan,
-            counts=s.mirror(plan.counts),
-            load_rows=s.mirror(plan.load_rows) if rows else None,
-            writeback_rows=s.mirror(plan.writeback_rows) if rows else None,
-            check=None if check is None else s.mirror(check),
+            counts=mirror(plan.counts),
+            load_rows=mirror(plan.load_rows) if rows else None,
+            writeback_rows=mirror(plan.writeback_rows) if rows else None,
+            check=None if check is None else mirror(check),
             mirrored=s.record(host=True),
             victims_free=self.victims_free,
         )
+        if not plan.moves:  # no transfer, no worker: ready once the plan and the rows are
+            job.ready = job.mirrored
+            self._jobs[plan.seq] = (job, None)
+            return
         if self.direct:
             self._stage_direct(job)
             self._jobs[plan.seq] = (job, None)

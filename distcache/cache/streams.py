@@ -62,10 +62,6 @@ class Streams:
         """A host tensor for asynchronous copies (pinned on CUDA)."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
-    def mirror(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`mirror(tensor)` (on the current stream)."""
-        return mirror(tensor)
-
     def keep_for(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """`tensor`, allocated on another stream, is used on `stream`: keep its memory until
         that use completed."""
