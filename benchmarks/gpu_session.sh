@@ -74,12 +74,20 @@ PY=${PY:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
+# GPU_SESSION_CHECK=FILE: append each step's command line to FILE (shell-quoted, one a line)
+# instead of running it, and install nothing: tests/test_gpu_session.py checks every stage's
+# commands against the scripts' own argument parsers on a CPU, before they cost device time.
+CHECK=${GPU_SESSION_CHECK:-}
 
 DEADLINE=0  # quick: seconds since the epoch when its budget ends (0: no budget)
 
 step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [ -n "$CHECK" ]; then
+        printf '%q ' "$@" >>"$CHECK" && echo >>"$CHECK"
+        return
+    fi
     if [ "$DEADLINE" -gt 0 ]; then  # cut the limit to the budget left; skip under 30 s
         local left=$((DEADLINE - $(date +%s)))
         if [ "$left" -lt 30 ]; then
@@ -101,6 +109,7 @@ step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NA
 FBG=.fbg/fbgemm_gpu-1.6.0-sm90.tar.zst  # made by ../shared/device/fbgemm_cuda.sh
 
 install_packages() {  # the install prefixes of fbgemm_cuda.sh (.fbg), then of wheels.sh (.whl)
+    [ -n "$CHECK" ] && return
     local fbgemm=0 wheels=()
     mkdir -p /tmp/site
     if [ -s "$FBG" ]; then
@@ -132,6 +141,7 @@ install_packages() {  # the install prefixes of fbgemm_cuda.sh (.fbg), then of w
 }
 
 environment() {
+    [ -n "$CHECK" ] && return
     {
         date
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
@@ -232,6 +242,7 @@ stage_quick() {
 }
 
 pack_out() {  # at most 8 files come back from the device tool: one archive of them all
+    [ -n "$CHECK" ] && return
     (cd "$OUT" && tar czf "../$(basename "$OUT").tgz" . && rm -rf ./* && mv "../$(basename "$OUT").tgz" all.tgz)
 }
 
