@@ -335,7 +335,6 @@ class Scheduler:
         slot = torch.where(slot >= 0, slot, res.sentinel_slot)  # misses without a slot too
         res.next_use.scatter_(0, slot, next_use)
         self.policy.on_stage(seq, rows, slot, got)
-        self.victims.expire(slot, next_use, valid & (slot != res.sentinel_slot))
 
         unique = valid.sum()
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
@@ -447,10 +446,7 @@ class Scheduler:
         self.window.clear()
         res = self.residency
         res.unpin_all()
-        # No batch uses a row now: every resident row is expired, in slot order.
-        res.next_use.fill_(NO_USE)
-        slots = torch.arange(self.capacity, device=self.device)
-        self.victims.queue.push(slots, res.row_of[: self.capacity] >= 0)
+        res.next_use.fill_(NO_USE)  # no batch uses a row now
 
     def clear(self) -> None:
         """Forget every resident row and every batch in the window (after a reload)."""
@@ -522,12 +518,12 @@ class Scheduler:
         """Host-side: the slots `Victims` sweeps for a plan of `n` rows: enough that the
         unpinned ones among them cover its misses (the staged plans pin at most their rows,
         this one at most n, and it misses at most n), at least `MIN_SCAN`; the whole cache
-        when that and the expiry queue's `2 n` candidates would offer as many slots, and when
-        `exact`; a few sizes when graphs replay it."""
+        when that would be within 2 n of it (scoring every slot then costs little more, and is
+        the policy's exact choice), and when `exact`; a few sizes when graphs replay it."""
         if self.exact:
             return self.capacity
         pinned = sum(plan.slots.numel() for plan in self._staged) + n
         scan = padded_size(pinned + n) if self.graphs.enabled else pinned + n  # (few graphs)
-        if scan + 2 * min(n, self.capacity) >= self.capacity:  # the queue's part too: every slot
+        if scan + 2 * min(n, self.capacity) >= self.capacity:  # every slot
             return self.capacity
         return max(MIN_SCAN, scan)

@@ -92,8 +92,8 @@ def test_every_batch_of_a_size_dispatches_the_same_ops(policy, n):
 
 @pytest.mark.parametrize("policy", ["lookahead", "lru"])
 def test_sampled_victims_dispatch_the_same_ops(policy, monkeypatch):
-    """With a cache larger than the victims' sweep (`Victims`: free slots, expiry queue,
-    sweep), every batch of a size still dispatches the same ops."""
+    """With a cache larger than the victims' sweep (`Victims`: free slots, sweep), every
+    batch of a size still dispatches the same ops."""
     monkeypatch.setattr(scheduler_module, "MIN_SCAN", 1)
     n = 256
     scheduler, step = _steady_scheduler(policy, n, rows=16 * n, capacity=6 * n)

@@ -1,4 +1,4 @@
-"""Victim selection (`Victims`, `ExpiryQueue`) against a brute-force look-ahead policy.
+"""Victim selection (`Victims`) against a brute-force look-ahead policy.
 
 The reference sees exactly what the scheduler's window sees: when batch s is staged, the
 batches enqueued after it and not yet staged. It scores every evictable row (resident, not
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import distcache.cache.scheduler as scheduler_module
-from distcache.cache.expiry import ExpiryQueue
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import LOADS, MISSES, Scheduler
 
@@ -120,26 +119,6 @@ def test_sampled_candidates_never_run_short(policy, monkeypatch):
     assert s.counters.evictions > 1_000
 
 
-def test_the_expiry_queue_offers_expired_rows_the_sweep_misses(monkeypatch):
-    """Rows no batch in the window uses go first, oldest first, although the sweep (cut to 8
-    slots here) only reaches rows the window still needs."""
-    monkeypatch.setattr(scheduler_module.Scheduler, "_scan", lambda self, n: 8)
-    s = Scheduler(2_000, 300, make_policy("lookahead"), lookahead=6)
-    warm, cold = torch.arange(0, 200), torch.arange(400, 500)
-    for batch in (warm, cold, torch.arange(1000, 1010), warm, torch.arange(1010, 1020), warm):
-        s.enqueue(batch)
-    for _ in range(2):  # warm rows in slots 0-199 (used again by batch 3), cold in 200-299
-        s.release(s.stage_next())
-    for k in range(2):
-        plan = s.stage_next()  # 10 new rows: the cache is full
-        assert int(plan.counts[LOADS]) == int(plan.counts[MISSES]) == 10
-        evicted = [r for r in range(400, 500) if s.residency.slot_of[r] < 0]
-        assert evicted == list(range(400, 410 + 10 * k))  # the cold rows, in the order staged
-        s.release(plan)
-        s.release(s.stage_next())  # warm: all hits
-    assert all(int(s.residency.slot_of[r]) >= 0 for r in range(200))
-
-
 def test_staging_work_follows_the_batch_not_the_capacity():
     """The elements a steady-state staging reads and writes are the same for a cache ten times
     larger: no pass over every slot."""
@@ -187,21 +166,3 @@ class _Work(torch.utils._python_dispatch.TorchDispatchMode):
             sizes = [o.numel() for o in outs if isinstance(o, torch.Tensor)] or [0]
         self.ops.append((name, max(sizes)))
         return out
-
-
-def test_expiry_queue_order_staleness_and_overflow():
-    q = ExpiryQueue(10, torch.device("cpu"), cells=8)
-    q.push(torch.tensor([3, 1, 4, 5]), torch.tensor([True, True, False, True]))
-    at, slots, live = q.segment(4)
-    assert slots[live].tolist() == [3, 1, 5]
-    q.push(torch.tensor([1]), torch.tensor([True]))  # 1 again: its first entry goes stale
-    at, slots, live = q.segment(5)
-    assert slots[live].tolist() == [3, 5, 1]
-    q.advance(slots, live & (slots != 3))  # 3 taken; 5 and 1 kept, in order
-    at, slots, live = q.segment(3)
-    assert slots[live].tolist() == [5, 1]
-    q.forget(torch.tensor([5]))
-    assert q.segment(3)[1][q.segment(3)[2]].tolist() == [1]
-    q.push(torch.arange(9), torch.ones(9, dtype=torch.bool))  # past the 8 cells: oldest lost
-    at, slots, live = q.segment(8)
-    assert slots[live].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
