@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 from gpu_headline import BOTTOM, DENSE_FEATURES, TOP  # noqa: E402
 
-from distcache.planner.binned import shared_loads, table_access  # noqa: E402
+from distcache.planner.binned import CacheShare, shared_loads, table_access  # noqa: E402
 from distcache.planner.cost import plan_cost  # noqa: E402
 from distcache.planner.shards import table_plan_terms  # noqa: E402
 from distcache.planner.solver import uniform_plan  # noqa: E402
@@ -75,7 +75,8 @@ def plan_loads(plan: Plan, workload: Workload, topology: Topology) -> tuple[floa
     per_table = sum(t.loads_per_step for t in terms)
     accesses = [table_access(tables[tp.table]) for tp in plan.tables]
     capacity = sum(t.cache_rows for t in terms)
-    return per_table, shared_loads(accesses, workload.batch_size_per_rank, capacity)
+    shares = [CacheShare(profile=a, lookups=workload.batch_size_per_rank) for a in accesses]
+    return per_table, float(shared_loads(shares, capacity, "frequency").sum())
 
 
 def compare(results: dict, topology: Topology) -> list[dict]:
