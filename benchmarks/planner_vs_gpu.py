@@ -6,11 +6,10 @@ capacities), the planner prices the same workload (the headline's tables, dim, b
 law and dense MLPs) on a topology (a preset, or a `distcache calibrate` JSON of that machine)
 and compares:
 - the step: modelled (dense + lookup + exposed staging) against measured (ms per step);
-- rows loaded per step: the planner's own figure, one cache per table (each its fraction of
-  its own rows, as the planner plans caches: `table_plan_terms`), and one cache as large
-  shared by the tables (`binned.shared_loads`: the likeliest rows of all tables resident, what
-  distcache's engine does for tables of one width and dtype, as in the headline), against the
-  loads the run counted.
+- rows loaded per step: the planner's own figure (`PlanCost.loads_per_step`: one cache shared
+  by the tables of one width and dtype, as distcache's engine runs them and the headline's
+  tables are, `planner/caches.py`), and one cache per table, each its fraction of its own rows
+  (`table_plan_terms`, as the solver prices caches), against the loads the run counted.
 
 It reads results; it runs nothing on a GPU.
 
@@ -33,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 from gpu_headline import BOTTOM, DENSE_FEATURES, TOP  # noqa: E402
 
-from distcache.planner.binned import shared_loads, table_access  # noqa: E402
 from distcache.planner.cost import plan_cost  # noqa: E402
 from distcache.planner.shards import table_plan_terms  # noqa: E402
 from distcache.planner.solver import uniform_plan  # noqa: E402
@@ -65,17 +63,12 @@ def workload_of(config: dict) -> Workload:
     )
 
 
-def plan_loads(plan: Plan, workload: Workload, topology: Topology) -> tuple[float, float]:
+def per_table_loads(plan: Plan, workload: Workload, topology: Topology) -> float:
     """Rows loaded per step by `plan`'s host-cached tables (one rank, one id per feature per
-    sample): with one cache per table, as the planner prices them (`table_plan_terms`), and
-    with one cache shared by the tables, as large as theirs together, as distcache's engine
-    serves tables of one width and dtype (`binned.shared_loads`, the 'frequency' model)."""
+    sample) with one cache per table, as the solver prices them (`table_plan_terms`)."""
     tables = {t.name: t for t in workload.tables}
     terms = [table_plan_terms(tp, tables[tp.table], workload, topology) for tp in plan.tables]
-    per_table = sum(t.loads_per_step for t in terms)
-    accesses = [table_access(tables[tp.table]) for tp in plan.tables]
-    capacity = sum(t.cache_rows for t in terms)
-    return per_table, shared_loads(accesses, workload.batch_size_per_rank, capacity)
+    return sum(t.loads_per_step for t in terms)
 
 
 def compare(results: dict, topology: Topology) -> list[dict]:
@@ -96,7 +89,8 @@ def compare(results: dict, topology: Topology) -> list[dict]:
             )  # fmt: skip
         else:
             plan = uniform_plan(workload, topology, TABLE_WISE)
-        (step,) = plan_cost(plan, workload, topology).per_rank
+        cost = plan_cost(plan, workload, topology)
+        (step,) = cost.per_rank
         modelled = step.dense_compute_s + step.lookup_s + step.exposed_staging_s
         row = {
             "variant": r["variant"],
@@ -107,12 +101,10 @@ def compare(results: dict, topology: Topology) -> list[dict]:
             "modelled_lookup_ms": 1e3 * step.lookup_s,
             "modelled_exposed_staging_ms": 1e3 * step.exposed_staging_s,
         }
-        if cached:
-            per_table, shared = plan_loads(plan, workload, topology)
+        if cached:  # ('lru' for the reactive variants)
             row["measured_loads"] = r.get("loads_per_step")
-            row["loads_per_table_caches"] = per_table  # ('lru' for the LRU variant)
-            if lookahead:
-                row["loads_shared_cache"] = shared
+            row["loads_shared_cache"] = cost.loads_per_step[0]
+            row["loads_per_table_caches"] = per_table_loads(plan, workload, topology)
         rows.append(row)
     device = {r["variant"]: r for r in rows}.get("device")
     for row in rows:
@@ -142,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         ("modelled_ms", "modelled ms"), ("measured_x_device", "measured x device"),
         ("modelled_x_device", "modelled x device"),
         ("modelled_exposed_staging_ms", "model staging ms"),
-        ("measured_loads", "loads measured"), ("loads_per_table_caches", "model, cache per table"),
-        ("loads_shared_cache", "model, shared cache"),
+        ("measured_loads", "loads measured"), ("loads_shared_cache", "model (shared cache)"),
+        ("loads_per_table_caches", "model, cache per table"),
     ])  # fmt: skip
     config = {"results": args.results, "topology": topology.to_dict()}
     write_json(args.json, config, rows)

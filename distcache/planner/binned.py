@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -179,36 +180,94 @@ class BinnedProfile:
     def _lru_loads(self, q: np.ndarray, capacity: int) -> float:
         """Che's approximation: τ with Σ rows·(1 - (1-q)^τ) = capacity; misses q·(1-q)^τ."""
         log_keep = np.log1p(-np.minimum(q, 1 - 1e-16))
-
-        def resident(tau: float) -> float:
-            return float(self.rows_per_bin @ -np.expm1(tau * log_keep))
-
-        lo, hi = 0.0, 1.0
-        while resident(hi) < capacity:
-            lo, hi = hi, hi * 2
-            if hi > 1e15:
-                return 0.0
-        for _ in range(60):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if resident(mid) < capacity else (lo, mid)
-            if hi - lo <= 1e-9 * hi:
-                break
-        return float(self.rows_per_bin @ (q * np.exp(0.5 * (lo + hi) * log_keep)))
+        tau = _che_time(self.rows_per_bin, log_keep, capacity)
+        if math.isinf(tau):
+            return 0.0
+        return float(self.rows_per_bin @ (q * np.exp(tau * log_keep)))
 
 
-def shared_loads(profiles: Sequence[BinnedProfile], n: float, capacity: int) -> float:
-    """Expected rows loaded per batch into one cache of `capacity` rows shared by tables, each
-    looked up n times a batch: the 'frequency' model of `BinnedProfile.loads` over all their
-    rows (the likeliest rows of any table resident, every other touched row loaded), as one
-    engine caches the tables of one width and dtype."""
-    q = np.concatenate([p._touch(n) for p in profiles])  # [bins of all tables]
+@dataclass(frozen=True)
+class CacheShare:
+    """One table's part of a cache shared by several (`shared_loads`)."""
+
+    profile: BinnedProfile
+    """The table's access profile."""
+    lookups: float
+    """n: the table's lookups per batch (all its shards')."""
+    rows_split: int = 1
+    """The cache holds one of this many row-wise shards of the table, each 1/rows_split of
+    every bin's rows (hashed ids spread evenly), touched with the table's q."""
+    hot_rows: int = 0
+    """The table's likeliest rows, replicated outside the cache: they never reach it."""
+
+    def bins(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows of each bin that reach the cache, q of each bin): `[bins]` each."""
+        profile = self.profile
+        rows = profile.rows_per_bin
+        if self.hot_rows:
+            rows = np.clip(profile.rows_through - self.hot_rows, 0.0, rows)
+        return rows / self.rows_split, profile._touch(self.lookups)
+
+
+def shared_loads(shares: Sequence[CacheShare], capacity: float, model: str) -> np.ndarray:
+    """[len(shares)] expected rows of each table loaded per batch into one cache of `capacity`
+    rows shared by `shares`, as `BinnedProfile.loads` prices one table's cache.
+
+    'frequency': the `capacity` likeliest rows of all the tables together stay resident, and
+    every other touched row is loaded (each table's share is exact: its touched rows outside
+    them). 'lru': Che's approximation over all their rows, one characteristic time for the
+    whole cache (each table's share: its rows' misses). With one table of `rows_split` 1 and
+    no hot rows, the sum is `BinnedProfile.loads(lookups, capacity, model)`.
+    """
+    rows, q = (np.concatenate(x) for x in zip(*(s.bins() for s in shares), strict=True))
+    owner = np.repeat(np.arange(len(shares)), [s.profile.rows_per_bin.size for s in shares])
+    if model == "frequency":
+        loaded = _frequency_misses(rows, q, capacity)
+    elif model == "lru":
+        loaded = _lru_misses(rows, q, capacity)
+    else:
+        raise DistcacheConfigError(f"unknown model {model!r}: expected 'frequency' or 'lru'")
+    return np.bincount(owner, weights=loaded, minlength=len(shares))
+
+
+def _frequency_misses(rows: np.ndarray, q: np.ndarray, capacity: float) -> np.ndarray:
+    """Per bin `[bins]`, rows loaded per batch when the `capacity` likeliest rows of all the
+    bins stay resident: every touched row outside them."""
     order = np.argsort(-q, kind="stable")
-    q, rows = q[order], np.concatenate([p.rows_per_bin for p in profiles])[order]
-    through = np.cumsum(rows)
-    if capacity >= through[-1]:
-        return 0.0
-    k = int(np.searchsorted(through, capacity, side="right"))
-    return float((through[k] - capacity) * q[k] + rows[k + 1 :] @ q[k + 1 :])
+    through = np.cumsum(rows[order])  # rows up to each bin's end, likeliest first
+    outside = np.empty_like(rows)
+    outside[order] = np.clip(through - capacity, 0.0, rows[order])
+    return outside * q
+
+
+def _lru_misses(rows: np.ndarray, q: np.ndarray, capacity: float) -> np.ndarray:
+    """Per bin `[bins]`, rows loaded per batch by an LRU cache of `capacity` rows over all
+    the bins (Che's approximation, `BinnedProfile._lru_loads`)."""
+    log_keep = np.log1p(-np.minimum(q, 1 - 1e-16))
+    tau = _che_time(rows, log_keep, capacity) if capacity < rows.sum() else math.inf
+    if math.isinf(tau):  # the rows never fill the cache: nothing is evicted
+        return np.zeros_like(rows)
+    return rows * q * np.exp(tau * log_keep)
+
+
+def _che_time(rows: np.ndarray, log_keep: np.ndarray, capacity: float) -> float:
+    """Che's characteristic time τ (batches): Σ rows·(1 - (1-q)^τ) = capacity, for
+    log_keep = log(1 - q) per bin; inf when the rows never fill the cache."""
+
+    def resident(tau: float) -> float:
+        return float(rows @ -np.expm1(tau * log_keep))
+
+    lo, hi = 0.0, 1.0
+    while resident(hi) < capacity:
+        lo, hi = hi, hi * 2
+        if hi > 1e15:
+            return math.inf
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if resident(mid) < capacity else (lo, mid)
+        if hi - lo <= 1e-9 * hi:
+            break
+    return 0.5 * (lo + hi)
 
 
 _PROFILES: dict[tuple, tuple[object, BinnedProfile]] = {}

@@ -29,6 +29,12 @@ U_table(n) otherwise, from `stats.expected_unique`.
   `shards.scheduled_candidates`: max(4096, (K + 2)·U) + 2·U, or every slot of a small
   cache); topologies calibrated before those figures price it as every slot scored once a
   step: + cache rows / cache_scan_rows_per_s. (A reactive LRU cache's scheduler: not priced.)
+  A rank's host-cached shards of one width, sharding type and cache settings share one cache,
+  as the engine runs them (`caches.py`): its loads are `binned.shared_loads` of them (the
+  likeliest rows of all of them resident; 'lru': one characteristic time), into their cache
+  rows together, its staging one transfer each way and one scheduler pass a step. The
+  solver prices each shard's cache on its own (separable), which under 'frequency' loads no
+  fewer rows; `plan_cost` prices the plan it returns with the shared caches.
 - all-to-all: each consumer rank sends B·P·8 bytes of ids to each shard (row-wise: /S) and each
   shard sends B·D_shard·dtype bytes of pooled embeddings (row-wise: partial sums, D) to each
   consumer; backward sends the gradients back the same way. Table-row-wise (TorchRec's TWRW and
@@ -99,9 +105,10 @@ U_table(n) otherwise, from `stats.expected_unique`.
   'touched' replicas, the all-gather's and one for the all-reduce of its sizes (and none for
   the first when no replica is 'all').
 
-The model is written in four files, each a stage of it: `binned.py` (access statistics),
-`shards.py` (per-shard terms), `dense.py` (dense compute and all-reduce) and `ranks.py`
-(per-rank accumulation and the step formula); this file prices whole plans. Each name is
+The model is written in five files, each a stage of it: `binned.py` (access statistics),
+`shards.py` (per-shard terms), `caches.py` (the caches shards share on a rank), `dense.py`
+(dense compute and all-reduce) and `ranks.py` (per-rank accumulation and the step formula);
+this file prices whole plans. Each name is
 imported from the file that defines it.
 
 Statistics come from a `BinnedProfile` of each table (rows grouped into bins of near-equal
@@ -126,6 +133,7 @@ import numpy as np
 
 from distcache.constants import HOT_TOUCHED
 from distcache.errors import DistcacheConfigError
+from distcache.planner.caches import rank_caches
 from distcache.planner.dense import (
     all_gather_s,
     all_reduce_s,
@@ -309,7 +317,9 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     """The modelled step time per rank and memory of `plan` (see the module docstring).
 
     Any valid plan is priced, whoever made it: a TorchRec plan's UVM-cached tables are
-    host_cached tables with lookahead 0 (a reactive LRU cache on the critical path).
+    host_cached tables with lookahead 0 (a reactive LRU cache on the critical path). The
+    tables of one cache on a rank share it (`caches.rank_caches`), as the engine runs them;
+    `PlanCost.loads_per_step` gives the rows each rank's caches load.
 
     Args:
         plan: a placement of every table of `workload`.
@@ -326,8 +336,8 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     load = RankTerms.zeros(topology.world_size)
     dp_bytes, sent, hot_bytes, gather_bytes, violations = 0.0, 0.0, 0.0, 0.0, []
     kinds = set()
-    for tp in plan.tables:
-        terms = table_plan_terms(tp, tables[tp.table], workload, topology)
+    plan_terms = [table_plan_terms(tp, tables[tp.table], workload, topology) for tp in plan.tables]
+    for tp, terms in zip(plan.tables, plan_terms, strict=True):
         kinds.add(terms.collectives)
         load += shard_contribution(terms, tp.ranks, topology)
         dp_bytes += terms.all_reduce_bytes
@@ -340,6 +350,12 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
                 f"the {math.ceil(terms.working_set_rows)} rows its {tp.prefetch_depth + 1} "
                 "batches in flight touch"
             )
+    caches = rank_caches(plan, plan_terms, workload, topology)
+    loads = np.zeros(topology.world_size)
+    for cache in caches:  # each rank's tables of one cache share it
+        staged = load.overlapped_staging_s if cache.staging_overlapped else load.exposed_staging_s
+        staged[cache.rank] += cache.staging_s - cache.separate_staging_s
+        loads[cache.rank] += sum(cache.loads_per_step)
     hot_tables = sum(tp.hot_rows > 0 for tp in plan.tables)
     gathered = sum(tp.hot_rows > 0 and tp.hot_reduce == HOT_TOUCHED for tp in plan.tables)
     shared = global_terms(
@@ -352,6 +368,7 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
         device_memory_bytes=tuple(int(b) for b in load.device_memory_bytes),
         host_memory_bytes=tuple(int(b) for b in load.host_memory_bytes),
         global_batch_size=workload.batch_size_per_rank * topology.world_size,
+        loads_per_step=tuple(loads.tolist()),
         fits=not violations,
         violations=tuple(violations),
     )

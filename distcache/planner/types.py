@@ -501,6 +501,9 @@ class PlanCost:
     device_memory_bytes: tuple[int, ...]
     host_memory_bytes: tuple[int, ...]
     global_batch_size: int
+    loads_per_step: tuple[float, ...] = ()
+    """Rows each rank's caches load per step (`caches.rank_caches`: the tables of one cache on
+    a rank share it)."""
     fits: bool
     """Whether every rank's device and host memory fit the topology's limits and every cache
     holds the working set of its batches in flight."""

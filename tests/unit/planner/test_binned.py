@@ -3,7 +3,12 @@
 import numpy as np
 import pytest
 
-from distcache.planner.binned import BinnedProfile, expected_normal_max, shared_loads
+from distcache.planner.binned import (
+    BinnedProfile,
+    CacheShare,
+    expected_normal_max,
+    shared_loads,
+)
 from distcache.planner.stats import AccessProfile, expected_loads, expected_unique
 
 
@@ -23,17 +28,60 @@ def test_binned_profile_matches_exact_statistics(alpha):
 @pytest.mark.parametrize("fraction", [0.01, 0.1])
 def test_shared_cache_loads_match_the_exact_model(fraction):
     """One cache shared by two tables (the likeliest rows of either resident) against the same
-    model on their exact per-row probabilities; one table alone: `BinnedProfile.loads`."""
+    model on their exact per-row probabilities, table by table; one table alone:
+    `BinnedProfile.loads`."""
     n, shapes = 20_000, [(100_000, 1.05), (30_000, 0.8)]
     exact = [AccessProfile.power_law(rows, alpha).probabilities for rows, alpha in shapes]
     binned = [BinnedProfile.power_law(rows, alpha) for rows, alpha in shapes]
-    touch = np.sort(np.concatenate([-np.expm1(n * np.log1p(-p)) for p in exact]))[::-1]
-    capacity = int(fraction * touch.size)
-    want = touch[capacity:].sum()  # every row but the `capacity` likeliest touched is loaded
-    assert shared_loads(binned, n, capacity) == pytest.approx(want, rel=2e-3)
+    touch = [-np.expm1(n * np.log1p(-p)) for p in exact]
+    everyone = np.concatenate(touch)
+    capacity = int(fraction * everyone.size)
+    resident = np.sort(everyone)[::-1][capacity - 1]  # the least likely row resident
+    # every row but the `capacity` likeliest touched is loaded, each table's its own
+    want = [q[q < resident].sum() for q in touch]
+    shares = [CacheShare(profile=b, lookups=n) for b in binned]
+    assert shared_loads(shares, capacity, "frequency") == pytest.approx(want, rel=3e-3)
     alone = binned[0].loads(n, capacity // 2, "frequency")
-    assert shared_loads(binned[:1], n, capacity // 2) == pytest.approx(alone, rel=1e-12)
-    assert shared_loads(binned, n, touch.size) == 0.0
+    assert shared_loads(shares[:1], capacity // 2, "frequency")[0] == pytest.approx(
+        alone, rel=1e-12
+    )
+    assert shared_loads(shares, everyone.size, "frequency").tolist() == [0.0, 0.0]
+    assert shared_loads(shares, everyone.size, "lru").tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("model", ["frequency", "lru"])
+def test_a_shared_cache_of_shards_and_hot_rows_is_one_tables_cache(model):
+    """A table's row-wise shard (1/S of its rows) with its hot rows replicated loads what
+    `BinnedProfile.loads` of the whole table gives a cache S times as large with H more
+    slots, over S (how `shards.shard_terms` prices one table's cache), exactly for the
+    frequency model; for LRU, whose hot rows are then cached, not absent, within 1 %."""
+    n, shards, hot, capacity = 50_000, 4, 300, 2_000
+    profile = BinnedProfile.power_law(200_000, 1.05)
+    want = profile.loads(n, capacity * shards + hot, model) / shards
+    share = CacheShare(profile=profile, lookups=n, rows_split=shards, hot_rows=hot)
+    got = shared_loads([share], capacity, model)[0]
+    assert got == pytest.approx(want, rel=1e-9 if model == "frequency" else 1e-2)
+
+
+def test_lru_shares_one_characteristic_time():
+    """Che's approximation over two tables: one time tau for the whole cache, which the two
+    tables' resident rows fill, and each table's misses at tau (a cache of several batches'
+    rows: no row is touched for certain)."""
+    n, capacity = 1_000, 5_000
+    a, b = BinnedProfile.power_law(100_000, 1.1), BinnedProfile.power_law(50_000, 0.7)
+    loads = shared_loads([CacheShare(a, n), CacheShare(b, 3 * n)], capacity, "lru")
+    qa, qb = a._touch(n), b._touch(3 * n)
+
+    def resident(tau):
+        return a.rows_per_bin @ -np.expm1(tau * np.log1p(-qa)) + b.rows_per_bin @ -np.expm1(
+            tau * np.log1p(-qb)
+        )
+
+    lo, hi = 0.0, 1e6  # bisect the characteristic time here, independently
+    for _ in range(200):
+        lo, hi = ((lo + hi) / 2, hi) if resident((lo + hi) / 2) < capacity else (lo, (lo + hi) / 2)
+    want = [p.rows_per_bin @ (q * (1 - q) ** lo) for p, q in ((a, qa), (b, qb))]
+    assert loads == pytest.approx(want, rel=1e-6)
 
 
 def test_binned_profile_from_counts():

@@ -3,7 +3,8 @@
 `data/solver_golden.json` holds, for every workload preset on every topology preset (plus a
 calibrated CPU topology and a few `SolverOptions` variants), the plan `solve` returns (per
 table: sharding, ranks, storage, cache fraction, L, K, hot rows and their reduction; and the
-explanations), its `plan_cost` (per rank: every `StepCost` term and the memory) — or the
+explanations), its `plan_cost` (per rank: every `StepCost` term, the memory and the rows its
+caches load) — or the
 error when no plan fits — and the `plan_cost` of the uniform baselines. A refactoring of the
 planner must leave all of it equal (floats to a relative 1e-9).
 
@@ -121,6 +122,7 @@ def _cost_record(plan: Plan, workload: Workload, topology: Topology) -> dict[str
         "per_rank": [dataclasses.asdict(c) for c in cost.per_rank],
         "device_memory_bytes": list(cost.device_memory_bytes),
         "host_memory_bytes": list(cost.host_memory_bytes),
+        "loads_per_step": list(cost.loads_per_step),
     }
 
 

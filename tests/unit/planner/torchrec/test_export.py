@@ -18,6 +18,8 @@ from torchrec.distributed.types import CacheParams, ShardingEnv
 
 from distcache import CacheConfig, DistcacheConfigError
 from distcache.constants import DEFAULT_LOOKAHEAD
+from distcache.planner.caches import rank_caches
+from distcache.planner.shards import table_plan_terms
 from distcache.planner.solver import uniform_plan
 from distcache.planner.torchrec.export import (
     cache_config_for,
@@ -50,6 +52,7 @@ from distcache.sharding import (
     CACHED_KERNEL,
     CachedEmbeddingBagCollectionSharder,
     CachedParameterSharding,
+    cache_stats,
 )
 
 WORKLOAD = Workload(
@@ -291,6 +294,45 @@ def test_exported_plan_trains_under_dmp(one_rank_group: dist.ProcessGroup) -> No
     assert set(before) == {f"embedding_bags.{n}.weight" for n in names}
     for key in before:
         assert not torch.equal(before[key], after[key]), key
+
+
+def test_the_cost_models_caches_are_the_engines(one_rank_group: dist.ProcessGroup) -> None:
+    """The caches `caches.rank_caches` prices are those DMP builds from the exported plan:
+    table-wise tables of one width and cache settings share one; another width, capacity,
+    look-ahead or sharding type (another lookup) gets its own."""
+    dims = {"a": 8, "b": 8, "c": 8, "d": 4, "e": 8, "f": 8, "g": 8, "h": 8}
+    workload = Workload(
+        name="caches",
+        tables=tuple(TableStats(name=n, rows=64, dim=d) for n, d in dims.items()),
+        batch_size_per_rank=4,
+    )
+
+    def cached(name, fraction=0.5, lookahead=2, sharding=TABLE_WISE):
+        return TablePlan(table=name, sharding=sharding, ranks=(0,), storage=HOST_CACHED,
+                         cache_fraction=fraction, lookahead=lookahead,
+                         prefetch_depth=min(1, lookahead))  # fmt: skip
+
+    plan = Plan(
+        name="caches",
+        tables=(
+            cached("a"), cached("b"), cached("c"), cached("d"), cached("e", fraction=0.25),
+            cached("f", lookahead=4), cached("g", lookahead=0), cached("h", sharding=ROW_WISE),
+        ),
+    )  # fmt: skip
+    topology = cuda_topology(world_size=1, ranks_per_node=1)
+    tables = plan.tables
+    terms = [table_plan_terms(tp, workload.table(tp.table), workload, topology) for tp in tables]
+    modelled = {frozenset(c.tables) for c in rank_caches(plan, terms, workload, topology)}
+    model = DistributedModelParallel(
+        workload_ebc(workload, device="cpu"),
+        env=ShardingEnv.from_process_group(one_rank_group),
+        device=torch.device("cpu"),
+        plan=to_sharding_plan(plan, workload, world_size=1),
+        sharders=[CachedEmbeddingBagCollectionSharder()],
+    )
+    engines = {frozenset(key.split("/")[-1].split("+")) for key in cache_stats(model)}
+    assert engines == modelled
+    assert frozenset("abc") in engines
 
 
 def _local_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
