@@ -21,8 +21,8 @@ waits at most that long to be offered. On power-law traces (`benchmarks/cache_po
 from every slot (within 0.5 %), and LRU's sweep as many as exact LRU: an expiry queue of the
 rows the window had left, offered oldest first (Bagpipe's order) beside the sweep, saved at
 most 1.1 % of the loads (mostly under 0.1 %) and was removed, with its 20 bytes a slot and
-some 50 small ops a batch. Pinned slots score -1 (never taken). The work is O(size + scan): a few times the
-batch's ids, never the capacity, with fixed shapes and no read-back.
+some 50 small ops a batch. Pinned slots score -1 (never taken). The work is O(size + scan): a
+few times the batch's ids, never the capacity, with fixed shapes and no read-back.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ U_table(n) otherwise, from `stats.expected_unique`.
   stager's measured rate, and a look-ahead cache's scheduler adds its measured work per step
   (`shards.scheduling_time_s`): n·schedule_s_per_id (the ids entering its window) +
   candidates·schedule_s_per_candidate (the slots its victim choice scores,
-  `shards.scheduled_candidates`: max(4096, (K + 2)·U) + 2·U, or every slot of a small
+  `shards.scheduled_candidates`: max(4096, (K + 2)·U), or every slot of a small
   cache); topologies calibrated before those figures price it as every slot scored once a
   step: + cache rows / cache_scan_rows_per_s. (A reactive LRU cache's scheduler: not priced.)
   A rank's host-cached shards of one width, sharding type and cache settings share one cache,

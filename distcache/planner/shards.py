@@ -194,9 +194,8 @@ def scheduled_candidates(cache_rows: int, unique_rows: float, prefetch_depth: in
 
     A batch of U distinct rows is staged while the K batches staged before it are still
     pinned, so `Scheduler._scan` sweeps their (K + 1)·U pinned rows (its own included) plus
-    U, at least `SCHEDULER_MIN_SCAN` slots, and the expiry queue offers 2·U more: max(4096,
-    (K + 2)·U) + 2·U. Every slot of the cache instead, and nothing else, where the sweep
-    would cover it or the sweep and the queue would offer as many slots as it has.
+    U, at least `SCHEDULER_MIN_SCAN` slots: max(4096, (K + 2)·U). Every slot of the cache
+    instead where the sweep would cover it, or come within 2·U of it.
 
     Args:
         cache_rows: the cache's slots.
@@ -204,10 +203,9 @@ def scheduled_candidates(cache_rows: int, unique_rows: float, prefetch_depth: in
         prefetch_depth: K, the batches staged ahead of the one training.
     """
     sweep = max(SCHEDULER_MIN_SCAN, (prefetch_depth + 2) * unique_rows)
-    queue = 2 * unique_rows
-    if sweep >= cache_rows or (prefetch_depth + 2) * unique_rows + queue >= cache_rows:
+    if sweep >= cache_rows or (prefetch_depth + 4) * unique_rows >= cache_rows:
         return float(cache_rows)
-    return sweep + queue
+    return sweep
 
 
 def output_rate_factor(sharding: str, topology: Topology, pooled: bool = True) -> float:

@@ -191,8 +191,7 @@ class Topology:
     calibrations), `cache_scan_rows_per_s` prices the scheduler instead."""
     schedule_s_per_candidate: float | None = None
     """With `schedule_s_per_id`: seconds per slot its victim choice scores
-    (`shards.scheduled_candidates`: the sweep's and the expiry queue's, or every slot of a
-    small cache)."""
+    (`shards.scheduled_candidates`: the sweep's, or every slot of a small cache)."""
     dense_update_bytes_per_s: float | None = None
     """Table bytes per second of a data-parallel table's dense gradient and update (fill,
     accumulate, optimizer step over every row); None: device memory bandwidth divided by the

@@ -6,8 +6,8 @@ choice and bookkeeping cost per batch.
 caches of a few capacities, once each cache is full, and fits each batch's enqueue + stage +
 release as `fixed + ids·s_per_id + candidates·s_per_candidate`: the ids entering the window
 (sorted, deduplicated, linked to their rows' earlier uses) and the slots the victim choice
-scores (`Victims`: the expiry queue's `2 m` entries and the sweep of `Scheduler._scan`'s slots,
-or every slot of a small cache). The planner prices a look-ahead cache's scheduling from the
+scores (`Victims`: the sweep of `Scheduler._scan`'s slots, and the free slots while there are
+any, or every slot of a small cache). The planner prices a look-ahead cache's scheduling from the
 same two counts (`distcache.planner.shards.scheduled_candidates`).
 
 Problem sizes: `distcache.tools.microbench.CalibrationSizes`.
@@ -81,7 +81,7 @@ def measure_schedule_costs(
     oldest waiting one is staged, `prefetch_depth` staged ahead of the one training, as the
     engine runs them; the points' batches are timed in turns. Candidates are the slots
     `Victims.choose` scores, as the scheduler passes them: every slot when its sweep covers
-    the cache, else the sweep's and the queue's.
+    the cache, else the sweep's (and the free slots', while there are any).
 
     Returns None where the noise leaves a per-id or per-candidate cost non-positive.
 
@@ -170,7 +170,7 @@ class _ScheduleRun:
         choose = self.sched.victims.choose
 
         def counted(seq, want, size, fill, scan, *, free=True):
-            self._scored.append(capacity if scan >= capacity else scan + 2 * size + size * free)
+            self._scored.append(capacity if scan >= capacity else scan + size * free)
             return choose(seq, want, size, fill, scan, free=free)
 
         self.sched.victims.choose = counted  # this instance only: not the per-batch path

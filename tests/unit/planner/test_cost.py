@@ -396,14 +396,15 @@ def test_victim_choice_scans_the_whole_cache_where_measured():
 
 
 def test_scheduled_candidates_by_hand():
-    """The sweep of (K + 2)·U slots, at least 4096, plus the queue's 2·U; every slot of a
-    cache the sweep, or the sweep and the queue, would cover."""
+    """The sweep of (K + 2)·U slots, at least 4096; every slot of a cache the sweep would
+    cover or come within 2·U of."""
     assert SCHEDULER_MIN_SCAN == 4096
-    assert scheduled_candidates(1_000_000, 100, 1) == 4096 + 200
-    assert scheduled_candidates(1_000_000, 3000, 1) == 9000 + 6000
-    assert scheduled_candidates(1_000_000, 3000, 4) == 18000 + 6000
+    assert scheduled_candidates(1_000_000, 100, 1) == 4096
+    assert scheduled_candidates(1_000_000, 3000, 1) == 9000
+    assert scheduled_candidates(1_000_000, 3000, 4) == 18000
     assert scheduled_candidates(4000, 100, 1) == 4000  # the sweep covers it
-    assert scheduled_candidates(14_000, 3000, 1) == 14_000  # sweep + queue: 15000 >= 14000
+    assert scheduled_candidates(14_000, 3000, 1) == 14_000  # within 2·U: 9000 + 6000 >= 14000
+    assert scheduled_candidates(16_000, 3000, 1) == 9000
 
 
 CALIBRATED = dataclasses.replace(
@@ -435,18 +436,18 @@ def test_calibrated_scheduler_is_priced_per_id_and_candidate_not_per_slot():
         share, terms = _scheduling_s(table, CALIBRATED, cache_fraction=fraction, **cache)
         u, n = terms.unique_rows_per_step, terms.ids_per_step
         assert n == 200 and 3 * u < 4096  # the sweep's minimum
-        assert share == pytest.approx(n * 5e-8 + (4096 + 2 * u) * 8e-8)
+        assert share == pytest.approx(n * 5e-8 + 4096 * 8e-8)
         scanned = dataclasses.replace(TOPOLOGY, cache_scan_rows_per_s=1e7)
         old, _ = _scheduling_s(table, scanned, cache_fraction=fraction, **cache)
         assert old == pytest.approx(fraction * 2_000_000 / 1e7)
         shares.append(share)
     assert shares[0] == pytest.approx(shares[-1])
-    # 20x the ids: U rows a batch past the sweep's minimum, (K + 2)·U + 2·U candidates.
+    # 20x the ids: U rows a batch past the sweep's minimum, (K + 2)·U candidates.
     bigger = dataclasses.replace(WORKLOAD, batch_size_per_rank=2000)
     share, terms = _scheduling_s(table, CALIBRATED, bigger, cache_fraction=0.05, **cache)
     u, n = terms.unique_rows_per_step, terms.ids_per_step
     assert n == 4000 and 3 * u > 4096 and 5 * u < 100_000
-    assert share == pytest.approx(n * 5e-8 + 5 * u * 8e-8)
+    assert share == pytest.approx(n * 5e-8 + 3 * u * 8e-8)
     assert share > shares[0]
     # A small cache: the sweep covers it, every slot is a candidate.
     share, terms = _scheduling_s(table, CALIBRATED, cache_fraction=0.001, **cache)
