@@ -35,7 +35,7 @@ most `MAX_LOCAL_RANKS` ranks, a workload of one embedding dim whose MLPs end as 
 power-law tables (not id counts).
 
 `distcache.tools.framework_costs` times tiny plans with `time_plans_here` to fit what the cost
-model cannot derive on CPU (`python -m distcache calibrate` runs it).
+model cannot derive, on CPU or one GPU (`python -m distcache calibrate` runs it).
 
 Example::
 
