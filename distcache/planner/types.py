@@ -162,11 +162,9 @@ class Topology:
     """Per rank, available to host-resident tables."""
     device_memory_bw_bytes_per_s: float
     host_to_device_bw_bytes_per_s: float
-    """What a cache's loads move at (on a calibrated CPU the stager's measured rate, loads and
-    write-backs together; on CUDA a copy from pinned host memory)."""
     device_to_host_bw_bytes_per_s: float | None = None
-    """What a cache's write-backs move at (on CUDA a copy to pinned host memory: the link's
-    other direction, which may differ); None: `host_to_device_bw_bytes_per_s`."""
+    """A cache's write-backs' rate, the link's other direction (calibrated on CUDA: pinned
+    copies each way); None: `host_to_device_bw_bytes_per_s` (on CPU the stager's, both ways)."""
     host_to_device_latency_s: float = 10e-6
     intra_node_bw_bytes_per_s: float
     inter_node_bw_bytes_per_s: float
@@ -215,9 +213,8 @@ class Topology:
     interaction_s_per_pair: float = 0.0
     """With `interaction_s_per_element`: seconds per sample per entry of the F x F product."""
     dense_layer_overhead_s: float = 0.0
-    """Host time per dense layer per step (dispatch of its forward, backward and update; on a
-    GPU, their launches where the device waits for them); 0 on the GPU presets, which assume
-    launches hide behind the device's work."""
+    """Host time per dense layer per step (dispatch of its forward, backward and update, on a
+    GPU the launches the device waits for); 0 on the GPU presets, which assume them hidden."""
     step_overhead_s: float = 0.0
     """Host time per step outside every priced term (the training framework: DMP, DDP, the
     pipeline, loss); 0 on the GPU presets (as above)."""
@@ -249,8 +246,8 @@ class Topology:
     a peer the OS descheduled included (CPU ranks sharing cores); None: `network_latency_s`
     (the GPU presets: each rank has its own GPU and host cores)."""
     calibration: str | None = None
-    """Where and when `python -m distcache calibrate` measured this topology (host, device,
-    torch, UTC date), and which figures it could not measure there; None for a preset."""
+    """Where and when `calibrate` measured it (host, device, torch, UTC date), and what it
+    could not measure there; None for a preset."""
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")

@@ -2,7 +2,8 @@
 
 Each measurement is a small function returning one number (or one fit), so each can be tested
 and re-used on its own (one rank's compute in `distcache.tools.microbench` and, for the dense part,
-`distcache.tools.densebench`; the network in `distcache.tools.network`; all re-exported here):
+`distcache.tools.densebench`, run in order by `distcache.tools.compute_figures`; the network in
+`distcache.tools.network`; all re-exported here):
 
 - `measure_copy_bandwidth`: bytes/s of a large tensor copy on the compute device.
 - `measure_host_to_device_bandwidth`, `measure_device_to_host_bandwidth`: bytes/s between
@@ -114,6 +115,7 @@ from distcache.errors import DistcacheConfigError
 from distcache.job.distributed import run_ranks, single_rank_group
 from distcache.planner.topology import HBM_RESERVE_FRACTION, preset
 from distcache.planner.types import Topology
+from distcache.tools.compute_figures import Figures, compute_figures
 from distcache.tools.densebench import (
     measure_activation_bandwidth,
     measure_dense_flops,
@@ -248,95 +250,6 @@ def _mem_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-Figures = dict[str, float | None]
-"""`Measurements` fields by name."""
-
-
-def _compute(device: str, s: CalibrationSizes) -> tuple[Figures, list[str]]:
-    """This rank's compute measurements (`Measurements` fields), and notes on those it could
-    not make."""
-    repeats = s.repeats
-    out: Figures = {
-        "copy_bw_bytes_per_s": measure_copy_bandwidth(
-            nbytes=s.copy_bytes, repeats=repeats, device=device
-        )
-    }
-    notes = _lookups(device, s, out)
-    flops = measure_dense_flops(
-        batch=s.mlp_batch, widths=s.mlp_widths, repeats=repeats, device=device
-    )
-    out["dense_flops_per_s"] = flops
-    interaction = measure_interaction_costs(
-        batch=s.interaction_batch, shapes=s.interaction_shapes, repeats=repeats, device=device
-    )
-    out["interaction_s_per_element"] = interaction.s_per_element
-    out["interaction_s_per_pair"] = interaction.s_per_pair
-    notes += _staging(device, s, out)
-    layer = measure_dense_layer_overhead(repeats=repeats, device=device)
-    out["dense_layer_overhead_s"] = layer
-    out["dense_activation_bytes_per_s"] = measure_activation_bandwidth(
-        batch=s.activation_batch, widths=s.activation_widths, flops_per_s=flops,
-        layer_overhead_s=layer, repeats=repeats, device=device,
-    )  # fmt: skip
-    if out["dense_activation_bytes_per_s"] is None:
-        notes.append("activation traffic lost in the noise: dense_flops_per_s covers it")
-    return out, notes
-
-
-def _lookups(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
-    """The lookup fits of distcache's kernel and of TorchRec's fused one (FBGEMM's) into
-    `out`; a note where FBGEMM has no kernel here."""
-    kw = {"rows": s.lookup_rows, "dims": s.lookup_dims, "bags": s.lookup_bags}
-    kw |= {"pooling": s.lookup_pooling, "alpha": s.lookup_alpha, "repeats": s.repeats}
-    lookup = measure_lookup_costs(**kw, device=device, kernel="distcache")
-    out |= {"lookup_rows_per_s": lookup.rows_per_s, "lookup_bytes_per_s": lookup.bytes_per_s}
-    try:
-        fused = measure_lookup_costs(**kw, device=device, kernel="fused")
-    except (ImportError, NotImplementedError) as error:  # no fbgemm_gpu; its CPU build on CUDA
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        return [f"FBGEMM's TBE not measured ({reason}): device tables at distcache's rates"]
-    out["device_lookup_rows_per_s"] = fused.rows_per_s
-    out["device_lookup_bytes_per_s"] = fused.bytes_per_s
-    return []
-
-
-def _staging(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
-    """The host link and distcache's staging and scheduler into `out`: on CUDA the link's
-    rate each way from pinned host memory; on CPU the stager's rate (the copy's where it is
-    lost in the noise). Notes on the fits the noise lost."""
-    repeats, notes = s.repeats, []
-    out["host_to_device_latency_s"] = measure_copy_latency(device=device)
-    staging = measure_staging_costs(
-        rows=s.lookup_rows, dim=s.lookup_dims[0], bags=s.lookup_bags[-1],
-        pooling=s.lookup_pooling, alpha=s.lookup_alpha, capacities=s.staging_capacities,
-        repeats=repeats, device=device,
-    )  # fmt: skip
-    out["staging_bytes_per_s"] = staging.bytes_per_s
-    out["cache_scan_rows_per_s"] = staging.scan_rows_per_s
-    if device == "cuda":
-        out["host_to_device_bw_bytes_per_s"] = measure_host_to_device_bandwidth(
-            nbytes=s.copy_bytes, repeats=repeats
-        )
-        out["device_to_host_bw_bytes_per_s"] = measure_device_to_host_bandwidth(
-            nbytes=s.copy_bytes, repeats=repeats
-        )
-    else:
-        out["host_to_device_bw_bytes_per_s"] = staging.bytes_per_s or out["copy_bw_bytes_per_s"]
-        if staging.bytes_per_s is None:
-            notes.append("the stager's rate lost in the noise: host-device at the copy's rate")
-    schedule = measure_schedule_costs(
-        rows=s.schedule_rows, points=s.schedule_points, alpha=s.lookup_alpha, repeats=repeats,
-        device=device,
-    )  # fmt: skip
-    if schedule is None:
-        notes.append("the scheduler's fit lost in the noise: priced by cache_scan_rows_per_s")
-    else:
-        out["schedule_s_per_id"] = schedule.s_per_id
-        out["schedule_s_per_candidate"] = schedule.s_per_candidate
-        out["schedule_s_per_batch"] = schedule.fixed_s
-    return notes
-
-
 _FRAMEWORK_FIGURES = tuple(f.name for f in dataclasses.fields(FrameworkCosts))
 
 
@@ -385,7 +298,7 @@ def _calibration_worker(
     ranks again at once on CPU, rank 0 on CUDA)."""
     measures = device == "cpu" or rank == 0
     dist.barrier()
-    figures, notes = _compute(device, sizes) if measures else ({}, [])
+    figures, notes = compute_figures(device, sizes) if measures else ({}, [])
     dist.barrier()
     links: dict[str, LinkFit] = {}
     if world > 1:

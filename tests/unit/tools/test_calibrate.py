@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import distcache.tools.calibrate as calibrate_module
+import distcache.tools.compute_figures as compute_figures
 from distcache.errors import DistcacheConfigError
 from distcache.job.distributed import run_ranks
 from distcache.planner.topology import HBM_RESERVE_FRACTION, preset
@@ -219,13 +220,13 @@ def test_the_list_covers_every_figure_the_cost_model_reads():
 
 
 class _Stubs:
-    """Every measurement `calibrate` makes, replaced by one that records its device and
-    returns a value no preset has."""
+    """Every measurement `calibrate` makes (`compute_figures`' and the framework's), replaced
+    by one that records its device and returns a value no preset has."""
 
     def __init__(self, monkeypatch, *, framework_missing: str | None = None):
         self.devices: list[tuple[str, str | None]] = []
         self.backends: list[str] = []
-        patch = functools.partial(monkeypatch.setattr, calibrate_module)
+        patch = functools.partial(monkeypatch.setattr, compute_figures)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (40e9, 80e9))
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -253,15 +254,16 @@ class _Stubs:
             step_overhead_s=5.1e-3, sharding_overhead_s=5.2e-4, id_overhead_s=5.3e-8,
             hot_bag_overhead_s=5.4e-8, dense_update_bytes_per_s=5.5e11,
         )  # fmt: skip
-        patch("measure_framework_costs", self._record("framework", framework))
-        patch("cuda_missing", lambda: framework_missing)
+        on_calibrate = functools.partial(monkeypatch.setattr, calibrate_module)
+        on_calibrate("measure_framework_costs", self._record("framework", framework))
+        on_calibrate("cuda_missing", lambda: framework_missing)
 
         @contextlib.contextmanager
         def group(backend):
             self.backends.append(backend)
             yield
 
-        patch("single_rank_group", group)
+        on_calibrate("single_rank_group", group)
 
     def _record(self, name, value, device=None):
         def measure(*args, **kw):
@@ -309,15 +311,15 @@ def test_a_cuda_calibration_says_what_it_could_not_measure(monkeypatch, capsys):
     """Without TorchRec on CUDA the framework's costs keep the preset's values, without
     FBGEMM's kernel its TBE is not measured: each one named in the topology and the summary."""
     stubs = _Stubs(monkeypatch, framework_missing="no TorchRec here")
-    lookup = calibrate_module.measure_lookup_costs
+    lookup = compute_figures.measure_lookup_costs
 
     def without_fbgemm(kernel, **kw):
         if kernel == "fused":
             raise ImportError("No module named 'fbgemm_gpu'")
         return lookup(kernel=kernel, **kw)
 
-    monkeypatch.setattr(calibrate_module, "measure_lookup_costs", without_fbgemm)
-    monkeypatch.setattr(calibrate_module, "measure_activation_bandwidth", lambda **kw: None)
+    monkeypatch.setattr(compute_figures, "measure_lookup_costs", without_fbgemm)
+    monkeypatch.setattr(compute_figures, "measure_activation_bandwidth", lambda **kw: None)
     assert main(["--device", "cuda", "--ranks", "1", "--quick"]) == 0
     printed = capsys.readouterr()
     topology = Topology.from_dict(json.loads(printed.out))
