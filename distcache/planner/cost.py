@@ -16,12 +16,13 @@ U_table(n) otherwise, from `stats.expected_unique`.
   gradient is a whole [R, D] tensor, filled, accumulated and applied by the optimizer, so
   R·r bytes stream through memory `DENSE_UPDATE_PASSES` times (or at the measured
   `dense_update_bytes_per_s`).
-- staging (host-cached shards) = 2·loads·r / host-device bandwidth + 2 transfer latencies:
-  loads per step from `expected_loads` — 'frequency' with look-ahead (L > 0), 'lru' without —
-  and as many write-backs (nearly every victim was trained). With L > 0 and K > 0 on a GPU it
-  overlaps the rank's compute (dense + lookup), on the stager's own stream: exposed =
-  max(0, staging - compute); else, and always on CPU (the stager copies in program order on
-  the training thread), fully exposed. The cache must hold the rows of the K + 1 batches in
+- staging (host-cached shards) = loads·r / host-to-device bandwidth + as many write-backs·r /
+  device-to-host bandwidth (the host-to-device one where a topology has none) + 2 transfer
+  latencies: loads per step from `expected_loads` — 'frequency' with look-ahead (L > 0),
+  'lru' without — and as many write-backs (nearly every victim was trained). With L > 0 and
+  K > 0 on a GPU it overlaps the rank's compute (dense + lookup), on the stager's own stream:
+  exposed = max(0, staging - compute); else, and always on CPU (the stager copies in program
+  order on the training thread), fully exposed. The cache must hold the rows of the K + 1 batches in
   flight: cache rows >= (K + 1)·U. On a calibrated CPU the host-device bandwidth is the
   stager's measured rate, and a look-ahead cache's scheduler adds its measured work per step
   (`shards.scheduling_time_s`): n·schedule_s_per_id (the ids entering its window) +
@@ -74,8 +75,9 @@ U_table(n) otherwise, from `stats.expected_unique`.
   in its lookup. (Per bag, not per id: measured here, 2,048 bags of 4 ids a table cost 1.1 x
   2,048 of one id, 8,192 of one id 2.6 x; calibration measures it with one id a bag.)
   These, the per-layer cost, the activation rate and
-  the per-byte lookup cost are measured on CPU by `python -m distcache calibrate`; the GPU
-  presets leave them at defaults that add nothing (asynchronous launches hide host time).
+  the per-byte lookup cost are measured by `python -m distcache calibrate` (on one GPU too);
+  the GPU presets leave them at defaults that add nothing (they assume asynchronous launches
+  hide host time).
 - step (per rank) = overhead + dense + lookup + exposed staging + all-to-alls + all-reduce;
   the plan's step is the slowest rank's.
 - memory: device = shard rows·r (device storage), or cache rows·(r + 40 B slot metadata) +

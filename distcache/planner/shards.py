@@ -156,11 +156,16 @@ def _sectors(num_bytes: int) -> int:
 
 def staging_time_s(staging_bytes: float, topology: Topology, scheduling_s: float = 0.0) -> float:
     """Host-device time of a cache's traffic per step: one load and one write-back transfer,
-    and its scheduler's `scheduling_s` (`scheduling_time_s`), when it moves anything."""
+    half of `staging_bytes` each (as many write-backs as loads), the write-backs at
+    `device_to_host_bw_bytes_per_s` where the topology has it, and its scheduler's
+    `scheduling_s` (`scheduling_time_s`), when it moves anything."""
     if staging_bytes <= 0:
         return 0.0
+    to_device = topology.host_to_device_bw_bytes_per_s
+    to_host = topology.device_to_host_bw_bytes_per_s or to_device
     return (
-        staging_bytes / topology.host_to_device_bw_bytes_per_s
+        staging_bytes / 2 / to_device
+        + staging_bytes / 2 / to_host
         + 2 * topology.host_to_device_latency_s
         + scheduling_s
     )

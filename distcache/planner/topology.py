@@ -1,9 +1,11 @@
 """Hardware descriptions for the planner: presets, byte-size parsing, and topology JSON files.
 
 A `Topology` (see `types.py`) holds per-rank capacities and rates. The presets below are
-*modelling assumptions*, not measurements: each number is documented where it is set. For the
-machine at hand, `python -m distcache calibrate` measures the rates and saves
-`Topology.to_dict()` as JSON, which `load_topology` reads back.
+*modelling assumptions*, not measurements: each number is documented where it is set (the GPU
+presets price no launch or host time per step). For the machine at hand, `python -m distcache
+calibrate` (`--device cuda` for its GPU) measures the rates, the machine and date in
+`Topology.calibration`, and saves `Topology.to_dict()` as JSON, which `load_topology` reads
+back.
 
 Example::
 

@@ -162,6 +162,9 @@ class Topology:
     """Per rank, available to host-resident tables."""
     device_memory_bw_bytes_per_s: float
     host_to_device_bw_bytes_per_s: float
+    device_to_host_bw_bytes_per_s: float | None = None
+    """A cache's write-backs' rate, the link's other direction (calibrated on CUDA: pinned
+    copies each way); None: `host_to_device_bw_bytes_per_s` (on CPU the stager's, both ways)."""
     host_to_device_latency_s: float = 10e-6
     intra_node_bw_bytes_per_s: float
     inter_node_bw_bytes_per_s: float
@@ -170,7 +173,7 @@ class Topology:
     """Achieved (not peak) rate of the dense MLPs, forward + backward."""
     lookup_rows_per_s: float | None = None
     """Measured embedding-bag rows/s; None: derived from device memory bandwidth."""
-    # Measured on CPU by `python -m distcache calibrate`; the defaults are the GPU presets'.
+    # Measured by `python -m distcache calibrate`; the defaults are the GPU presets'.
     lookup_bytes_per_s: float | None = None
     """With `lookup_rows_per_s`: the per-byte part of a lookup's cost (rows of different widths
     cost differently), measured at two widths; None: rows/s alone."""
@@ -209,26 +212,26 @@ class Topology:
     interaction_s_per_pair: float = 0.0
     """With `interaction_s_per_element`: seconds per sample per entry of the F x F product."""
     dense_layer_overhead_s: float = 0.0
-    """Host time per dense layer per step (dispatch of its forward, backward and update);
-    0 on GPUs, where launches are asynchronous and hide behind the device's work."""
+    """Host time per dense layer per step (dispatch of its forward, backward and update, on a
+    GPU the launches the device waits for); 0 on the GPU presets, which assume them hidden."""
     step_overhead_s: float = 0.0
     """Host time per step outside every priced term (the training framework: DMP, DDP, the
-    pipeline, loss); 0 on GPUs (asynchronous launches, as above)."""
+    pipeline, loss); 0 on the GPU presets (as above)."""
     sharding_overhead_s: float = 0.0
     """Host time per step and rank for each sharding type a plan uses (its input and output
-    distribution, lookup module and per-batch cache calls); 0 on GPUs (as above)."""
+    distribution, lookup module and per-batch cache calls); 0 on the GPU presets (as above)."""
     id_overhead_s: float = 0.0
     """Host time per bag routed (a sample's ids of one feature; measured with one id a bag,
     hence the name), on the rank sending it and on the rank serving it (TorchRec's input
-    distribution outside the cache kernel: bucketing, permutes, validation); 0 on GPUs (as
-    above)."""
+    distribution outside the cache kernel: bucketing, permutes, validation); 0 on the GPU
+    presets (as above)."""
     hot_bag_overhead_s: float = 0.0
     """Host time per bag (a sample's ids of one feature) of a table with hot rows
     (`TablePlan.hot_rows`), on every rank: the batch split into hot and cold ids, the
     replica's pooling and its addition into the output, their backward, beyond the lookups
     priced at the lookup rates (calibrated at one id a bag; measured, the cost follows bags
-    more than ids: at four ids a bag it is about half what per id would give); 0 on GPUs (as
-    above)."""
+    more than ids: at four ids a bag it is about half what per id would give); 0 on the GPU
+    presets (as above)."""
     row_wise_output_slowdown: float = 1.0
     """How much longer a byte of a row-wise table's outputs takes than an all-to-all's on the
     same link: TorchRec's reduce-scatter of the partial sums (forward) and all-gather of their
@@ -241,6 +244,9 @@ class Topology:
     """What a collective costs when the ranks arrive from their own computation, the wait for
     a peer the OS descheduled included (CPU ranks sharing cores); None: `network_latency_s`
     (the GPU presets: each rank has its own GPU and host cores)."""
+    calibration: str | None = None
+    """Where and when `calibrate` measured it (host, device, torch, UTC date), and what it
+    could not measure there; None for a preset."""
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
@@ -267,6 +273,7 @@ class Topology:
             "lookup_bytes_per_s",
             "device_lookup_rows_per_s",
             "device_lookup_bytes_per_s",
+            "device_to_host_bw_bytes_per_s",
             "cache_scan_rows_per_s",
             "schedule_s_per_id",
             "schedule_s_per_candidate",

@@ -2,20 +2,22 @@
 
 Each measurement is a small function returning one number (or one fit), so each can be tested
 and re-used on its own (one rank's compute in `distcache.tools.microbench` and, for the dense part,
-`distcache.tools.densebench`; the network in `distcache.tools.network`; all re-exported here):
+`distcache.tools.densebench`, run in order by `distcache.tools.compute_figures`; the network in
+`distcache.tools.network`; all re-exported here):
 
 - `measure_copy_bandwidth`: bytes/s of a large tensor copy on the compute device.
-- `measure_host_to_device_bandwidth`: bytes/s from pinned host memory to the GPU (CUDA only).
+- `measure_host_to_device_bandwidth`, `measure_device_to_host_bandwidth`: bytes/s between
+  pinned host memory and the GPU, each way (CUDA only).
 - `measure_lookup_costs`: a training step of distcache's cache kernel (look-ahead window,
   every row resident, power-law ids), timed at two batch sizes and two widths and fitted as
   `seconds = fixed + row accesses / rows_per_s + bytes / bytes_per_s`, row accesses and bytes
   counted as the cost model counts them (2 per id, 2 per distinct row); the fixed part is the
   kernel's share of `sharding_overhead_s`, measured below with the rest of the framework. The
   same fit for TorchRec's fused kernel (FBGEMM's), which serves device-stored tables
-  (`device_lookup_rows_per_s`; skipped where fbgemm_gpu is not installed).
+  (`device_lookup_rows_per_s`; skipped, with a note, where FBGEMM has no kernel here).
 - `measure_dense_flops`: achieved FLOP/s of a wide MLP forward + backward (compute-bound).
 - `measure_dense_layer_overhead`: seconds per layer of an MLP too small to compute anything
-  (forward, backward, SGD update): the dispatch cost of a layer.
+  (forward, backward, SGD update): the dispatch cost of a layer (on a GPU, of its launches).
 - `measure_activation_bandwidth`: bytes/s of the memory-bound activation traffic of a narrow,
   deep MLP on a large batch, once its flops and layer overheads are taken out.
 - `measure_interaction_costs`: DLRM's dot interaction forward + backward at several (vectors,
@@ -25,7 +27,7 @@ and re-used on its own (one rank's compute in `distcache.tools.microbench` and, 
   moved (loads and write-backs, with the scheduler's work per row: the host-to-device rate
   on CPU) plus the slots it scores once per batch to pick victims (`cache_scan_rows_per_s`,
   the pricing of the scheduler where the next figures are missing).
-- `measure_schedule_costs` (CPU): the look-ahead scheduler alone (`distcache.tools.schedbench`),
+- `measure_schedule_costs`: the look-ahead scheduler alone (`distcache.tools.schedbench`),
   on power-law batches of a few sizes and caches of a few capacities, fitted per batch as
   `fixed + ids·s_per_id + candidates·s_per_candidate`: the planner prices a look-ahead
   cache's scheduler from the last two instead of `cache_scan_rows_per_s`.
@@ -33,23 +35,64 @@ and re-used on its own (one rank's compute in `distcache.tools.microbench` and, 
   the local ranks, fitted as `time = latency + bytes / bandwidth` over several message sizes
   (the last two are what TorchRec's row-wise outputs take); `measure_sync_latency`:
   what a collective costs between compute bursts, when peers compete for the cores.
-- `distcache.tools.framework_costs.measure_framework_costs` (CPU): tiny DLRM plans trained for real,
-  giving the framework's fixed costs per step, per sharding type, per bag routed and per bag
-  of a table with hot rows, and the bytes/s of a data-parallel table's dense update.
+- `distcache.tools.framework_costs.measure_framework_costs`: tiny DLRM plans trained for real
+  under TorchRec's DMP on a one-rank group, giving the framework's fixed costs per step, per
+  sharding type, per bag routed and per bag of a table with hot rows, and the bytes/s of a
+  data-parallel table's dense update.
 
-`calibrate` runs them all and `topology_from` turns the results into a `Topology`. On CPU the
+`calibrate` runs them all and `topology_from` turns the results into a `Topology`, with the
+machine, the date and what could not be measured in `Topology.calibration`. On CPU the
 compute measurements run in every rank at once (each with its share of the cores), as the
 ranks of a job compete for cores and memory; each figure is the mean over ranks. On CPU the
 "device" is host memory: device and host memory are the same pool (each is MemAvailable /
 ranks; a planner must not fill both). On one machine the inter-node figures equal the
-intra-node ones; one rank has no network to measure, so its figures are the CPU preset's. The
-network is measured with gloo over host tensors on CUDA machines too (an NCCL measurement
-needs one GPU per rank); there only rank 0 measures compute, and the CPU-only figures (layer
-and framework overheads, activation and dense-update rates) keep their GPU defaults.
+intra-node ones; one rank has no network to measure, so its figures are the preset's (CPU's,
+or on CUDA the GPU presets' NVLink and NIC). The network is measured with gloo over host
+tensors on CUDA machines too (an NCCL measurement needs one GPU per rank); there only rank 0
+measures compute.
+
+On CUDA (`--device cuda`, sizes `CUDA_FULL` / `CUDA_QUICK`: batches large enough that the
+device's work, not the launches, sets each fitted slope), every `Topology` figure the cost
+model reads on a GPU comes from a measurement on `cuda:0`, each CUDA timing synchronized
+(`microbench.median_seconds`: CUDA events; the staging, scheduler and framework steps:
+`torch.cuda.synchronize` around each):
+
+- `device_memory_bytes`: free device memory less `HBM_RESERVE_FRACTION` (CUDA context, dense
+  model, activations); `host_memory_bytes`: MemAvailable / ranks.
+- `device_memory_bw_bytes_per_s`: 2 x a device-to-device copy's bytes/s.
+- `host_to_device_bw_bytes_per_s`, `device_to_host_bw_bytes_per_s`: copies from and to pinned
+  host memory (a cache's loads, its write-backs); `host_to_device_latency_s`: a 4-byte one.
+- `lookup_rows_per_s`, `lookup_bytes_per_s`: distcache's cache kernel, fitted;
+  `device_lookup_rows_per_s`, `device_lookup_bytes_per_s`: FBGEMM's TBE (its CUDA build),
+  fitted, or none, with a note (device tables then at distcache's rates).
+- `schedule_s_per_id`, `schedule_s_per_candidate`: `measure_schedule_costs`;
+  `cache_scan_rows_per_s`: `measure_staging_costs`' per-slot part.
+- `dense_flops_per_s`: a wide MLP; `dense_layer_overhead_s`: a 4-wide one, the launches of a
+  layer's forward, backward and update; `dense_activation_bytes_per_s`: a narrow one on a
+  large batch; `interaction_s_per_element`, `interaction_s_per_pair`: DLRM's interaction at
+  five shapes.
+- `step_overhead_s`, `sharding_overhead_s`, `id_overhead_s`, `hot_bag_overhead_s`,
+  `dense_update_bytes_per_s`: `measure_framework_costs` under TorchRec's DMP on one GPU (a
+  one-rank NCCL group). It needs TorchRec and FBGEMM's CUDA build; without them these keep
+  the preset's values (no overheads, the update at HBM bandwidth over 4 passes) and
+  `Topology.calibration` says so.
+- the network (`intra_node_bw_bytes_per_s` to `sync_latency_s`): gloo between `--ranks` local
+  ranks; on one rank, with nothing to measure, the GPU presets' NVLink and NIC.
+
+Not measured, from `--ranks`: `world_size`, `ranks_per_node`. A fit the noise leaves
+non-positive gives None (its default prices the term) and a note in `calibration`; on CUDA
+the stager's own rate (`measure_staging_costs`' bytes/s) is reported, not priced: with a
+batch staged ahead its copies overlap the step they are timed in, so what they add to it is
+their exposed part, which the cost model derives itself from the link's rates.
+
+Time: with `--quick` a few seconds on CPU (one rank); on one GPU an estimated 30-60 s (CUDA
+and NCCL start-up, and the framework's twelve tiny DMP plans, each built and captured anew),
+within the 80-90 s `benchmarks/gpu_session.sh quick` gives it; in full, minutes on either.
 
 Example::
 
     python -m distcache calibrate --ranks 2 --out topology.json
+    python -m distcache calibrate --device cuda --ranks 1 --quick --out gpu.json
 """
 
 from __future__ import annotations
@@ -70,17 +113,21 @@ import torch.distributed as dist
 
 from distcache.errors import DistcacheConfigError
 from distcache.job.distributed import run_ranks, single_rank_group
-from distcache.planner.topology import preset
+from distcache.planner.topology import HBM_RESERVE_FRACTION, preset
 from distcache.planner.types import Topology
+from distcache.tools.compute_figures import Figures, compute_figures
 from distcache.tools.densebench import (
     measure_activation_bandwidth,
     measure_dense_flops,
     measure_dense_layer_overhead,
     measure_interaction_costs,
 )
-from distcache.tools.framework_costs import measure_framework_costs
+from distcache.tools.framework_costs import FrameworkCosts, measure_framework_costs
+from distcache.tools.machine import cuda_missing, describe
 from distcache.tools.measure import MeasureOptions
 from distcache.tools.microbench import (
+    CUDA_FULL,
+    CUDA_QUICK,
     FULL,
     QUICK,
     CalibrationSizes,
@@ -88,9 +135,11 @@ from distcache.tools.microbench import (
     StagingCosts,
     measure_copy_bandwidth,
     measure_copy_latency,
+    measure_device_to_host_bandwidth,
     measure_host_to_device_bandwidth,
     measure_lookup_costs,
     measure_staging_costs,
+    sizes_for,
 )
 from distcache.tools.network import (
     LinkFit,
@@ -101,6 +150,8 @@ from distcache.tools.network import (
 from distcache.tools.schedbench import ScheduleCosts, measure_schedule_costs
 
 __all__ = [
+    "CUDA_FULL",
+    "CUDA_QUICK",
     "FULL",
     "QUICK",
     "CalibrationSizes",
@@ -118,12 +169,14 @@ __all__ = [
     "measure_copy_latency",
     "measure_dense_flops",
     "measure_dense_layer_overhead",
+    "measure_device_to_host_bandwidth",
     "measure_host_to_device_bandwidth",
     "measure_interaction_costs",
     "measure_lookup_costs",
     "measure_schedule_costs",
     "measure_staging_costs",
     "measure_sync_latency",
+    "sizes_for",
     "topology_from",
 ]
 
@@ -137,16 +190,21 @@ class Measurements:
     threads_per_rank: int
     copy_bw_bytes_per_s: float
     host_to_device_bw_bytes_per_s: float
+    device_to_host_bw_bytes_per_s: float | None = None
+    """CUDA only (a copy to pinned host memory); on CPU the stager's rate covers both ways."""
     host_to_device_latency_s: float
+    staging_bytes_per_s: float | None = None
+    """`measure_staging_costs`' bytes/s (None: lost in the noise); the host-to-device rate on
+    CPU, reported only on CUDA (see the module docstring)."""
     lookup_rows_per_s: float
     lookup_bytes_per_s: float | None
     device_lookup_rows_per_s: float | None = None
-    """TorchRec's fused kernel (FBGEMM's); None where fbgemm_gpu is not installed."""
+    """TorchRec's fused kernel (FBGEMM's); None where FBGEMM has no kernel here."""
     device_lookup_bytes_per_s: float | None = None
     cache_scan_rows_per_s: float | None = None
-    """None where the `schedule_*` figures price the scheduler."""
+    """None where the capacities measured did not tell scanning from moving (noise)."""
     schedule_s_per_id: float | None = None
-    """`measure_schedule_costs` (CPU); None where not measured or lost in the noise."""
+    """`measure_schedule_costs`; None where not measured or lost in the noise."""
     schedule_s_per_candidate: float | None = None
     schedule_s_per_batch: float | None = None
     """The fit's fixed part: reported, not priced (`shards.scheduling_time_s`)."""
@@ -171,7 +229,11 @@ class Measurements:
     id_overhead_s: float = 0.0
     hot_bag_overhead_s: float = 0.0
     dense_update_bytes_per_s: float | None = None
-    """CPU only (`measure_framework_costs`); the GPU defaults elsewhere."""
+    """None where the framework's costs were not measured, or the update was lost in the noise."""
+    machine: str = ""
+    """`machine.describe`: host, device, torch, UTC date."""
+    notes: tuple[str, ...] = ()
+    """What could not be measured, and what prices it instead."""
     seconds: float = field(default=0.0, compare=False)
     """Wall time of the whole calibration."""
 
@@ -188,117 +250,76 @@ def _mem_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _compute(device: str, s: CalibrationSizes) -> dict[str, float | None]:
-    """This rank's compute measurements (`Measurements` fields)."""
-    repeats = s.repeats
-    out: dict[str, float | None] = {
-        "copy_bw_bytes_per_s": measure_copy_bandwidth(
-            nbytes=s.copy_bytes, repeats=repeats, device=device
-        )
-    }
-    lookup = measure_lookup_costs(
-        rows=s.lookup_rows, dims=s.lookup_dims, bags=s.lookup_bags, pooling=s.lookup_pooling,
-        alpha=s.lookup_alpha, repeats=repeats, device=device,
-    )  # fmt: skip
-    out |= {"lookup_rows_per_s": lookup.rows_per_s, "lookup_bytes_per_s": lookup.bytes_per_s}
-    try:
-        fused = measure_lookup_costs(
-            rows=s.lookup_rows, dims=s.lookup_dims, bags=s.lookup_bags, pooling=s.lookup_pooling,
-            alpha=s.lookup_alpha, repeats=repeats, device=device, kernel="fused",
+_FRAMEWORK_FIGURES = tuple(f.name for f in dataclasses.fields(FrameworkCosts))
+
+
+def _framework(
+    device: str, world: int, threads: int, sizes: CalibrationSizes, figures: Figures
+) -> tuple[Figures, list[str]]:
+    """The framework's costs (`measure_framework_costs`), priced with the rates in `figures`,
+    on a one-rank group of this process (TorchRec's plans name global ranks; NCCL on CUDA,
+    which needs TorchRec and FBGEMM's CUDA build: without them, none, and a note)."""
+    missing = cuda_missing() if device == "cuda" else None
+    if missing:
+        kept = ", ".join(_FRAMEWORK_FIGURES)
+        return {}, [f"framework costs not measured ({missing}): {kept} keep the preset's values"]
+    options = MeasureOptions(
+        steps=sizes.framework_steps, warmup=sizes.framework_warmup, threads=threads
+    )
+    rates = topology_from(_measurements(device, world, threads, [figures], {}), name="x")
+    with single_rank_group("nccl" if device == "cuda" else "gloo"):
+        costs = measure_framework_costs(
+            rates, big_rows=sizes.framework_rows, big_batch=sizes.framework_batch,
+            options=options, device=device,
         )  # fmt: skip
-        out |= {
-            "device_lookup_rows_per_s": fused.rows_per_s,
-            "device_lookup_bytes_per_s": fused.bytes_per_s,
-        }
-    except ImportError:  # no fbgemm_gpu here (e.g. a GPU machine without TorchRec's wheels)
-        pass
-    except NotImplementedError:  # fbgemm_gpu's CPU build: no CUDA kernel for the fused lookup
-        pass
-    flops = measure_dense_flops(
-        batch=s.mlp_batch, widths=s.mlp_widths, repeats=repeats, device=device
-    )
-    out |= {"dense_flops_per_s": flops, "dense_layer_overhead_s": 0.0}
-    interaction = measure_interaction_costs(
-        batch=s.interaction_batch, shapes=s.interaction_shapes, repeats=repeats, device=device
-    )
-    out["interaction_s_per_element"] = interaction.s_per_element
-    out["interaction_s_per_pair"] = interaction.s_per_pair
-    out["host_to_device_latency_s"] = measure_copy_latency(device=device)
-    if device == "cuda":  # the stager's copies are DMA; the achieved flops cover the rest
-        out["host_to_device_bw_bytes_per_s"] = measure_host_to_device_bandwidth(
-            nbytes=s.copy_bytes, repeats=repeats
-        )
-        return out
-    staging = measure_staging_costs(
-        rows=s.lookup_rows, dim=s.lookup_dims[0], bags=s.lookup_bags[-1],
-        pooling=s.lookup_pooling, alpha=s.lookup_alpha, capacities=s.staging_capacities,
-        repeats=repeats, device=device,
-    )  # fmt: skip
-    # Lost in the noise: the copies alone (the scheduler's share unmeasured).
-    out["host_to_device_bw_bytes_per_s"] = staging.bytes_per_s or out["copy_bw_bytes_per_s"]
-    out["cache_scan_rows_per_s"] = staging.scan_rows_per_s
-    schedule = measure_schedule_costs(
-        rows=s.schedule_rows, points=s.schedule_points, alpha=s.lookup_alpha, repeats=repeats,
-        device=device,
-    )  # fmt: skip
-    if schedule is not None:  # (else lost in the noise: every slot at the scan rate)
-        out["schedule_s_per_id"] = schedule.s_per_id
-        out["schedule_s_per_candidate"] = schedule.s_per_candidate
-        out["schedule_s_per_batch"] = schedule.fixed_s
-    layer = measure_dense_layer_overhead(repeats=repeats, device=device)
-    out["dense_layer_overhead_s"] = layer
-    out["dense_activation_bytes_per_s"] = measure_activation_bandwidth(
-        batch=s.activation_batch, widths=s.activation_widths, flops_per_s=flops,
-        layer_overhead_s=layer, repeats=repeats, device=device,
-    )  # fmt: skip
-    return out
+    notes = []
+    if costs.dense_update_bytes_per_s is None:
+        notes.append("the dense update lost in the noise: priced at device memory bandwidth")
+    return dataclasses.asdict(costs), notes
 
 
 @dataclass(frozen=True, kw_only=True)
 class _RankResult:
     """What one rank of `calibrate` measured."""
 
-    figures: dict[str, float | None]
+    figures: Figures
     """`Measurements` fields."""
     links: dict[str, LinkFit]
     """'all_to_all', 'all_reduce', 'reduce_scatter', 'all_gather' (none on one rank)."""
+    notes: list[str]
+    """What this rank could not measure."""
 
 
 def _calibration_worker(
     rank: int, world: int, device: str, sizes: CalibrationSizes, threads: int
 ) -> _RankResult:
     """One rank of `calibrate`: compute (all ranks at once on CPU, rank 0 on CUDA), the
-    collectives, then (CPU) the framework's costs on a one-rank process group of its own, all
-    ranks again at once."""
+    collectives, then the framework's costs on a one-rank process group of its own (all
+    ranks again at once on CPU, rank 0 on CUDA)."""
+    measures = device == "cpu" or rank == 0
     dist.barrier()
-    figures = _compute(device, sizes) if device == "cpu" or rank == 0 else {}
+    figures, notes = compute_figures(device, sizes) if measures else ({}, [])
     dist.barrier()
     links: dict[str, LinkFit] = {}
     if world > 1:
         links = measure_collectives(sizes.message_bytes)
         figures["sync_latency_s"] = measure_sync_latency(repeats=4 * sizes.repeats)
-    if device == "cpu":
-        dist.destroy_process_group()
-        with single_rank_group():  # this rank alone: TorchRec's plans name global ranks
-            options = MeasureOptions(
-                steps=sizes.framework_steps, warmup=sizes.framework_warmup, threads=threads
-            )
-            rates = topology_from(_measurements(device, world, threads, [figures], {}), name="x")
-            costs = measure_framework_costs(
-                rates, big_rows=sizes.framework_rows, big_batch=sizes.framework_batch,
-                options=options,
-            )  # fmt: skip
-            figures.update(dataclasses.asdict(costs))
-    return _RankResult(figures=figures, links=links)
+    dist.destroy_process_group()
+    if measures:
+        framework, more = _framework(device, world, threads, sizes, figures)
+        figures |= framework
+        notes += more
+    return _RankResult(figures=figures, links=links, notes=notes)
 
 
 def _measurements(
     device: str,
     ranks: int,
     threads: int,
-    per_rank: list[dict[str, float | None]],
+    per_rank: list[Figures],
     links: dict[str, LinkFit],
     seconds: float = 0.0,
+    notes: Sequence[str] = (),
 ) -> Measurements:
     """The mean over ranks of each measured figure (None where a rank measured none)."""
     fields = {f.name for f in dataclasses.fields(Measurements)}
@@ -309,7 +330,10 @@ def _measurements(
 
     measured = {name: mean(name) for name in per_rank[0] if name in fields}
     host_memory = _mem_available_bytes() // ranks
-    device_memory = torch.cuda.mem_get_info()[0] if device == "cuda" else host_memory
+    device_memory = host_memory
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the measurements' blocks, which the allocator keeps
+        device_memory = int(torch.cuda.mem_get_info()[0] * (1 - HBM_RESERVE_FRACTION))
     return Measurements(
         device=device,
         ranks=ranks,
@@ -320,6 +344,8 @@ def _measurements(
         all_gather=links.get("all_gather"),
         device_memory_bytes=device_memory,
         host_memory_bytes=host_memory,
+        machine=describe(device),
+        notes=tuple(dict.fromkeys(notes)),  # once each, in order (every CPU rank notes them)
         seconds=seconds,
         **measured,
     )
@@ -329,7 +355,7 @@ def calibrate(
     *,
     ranks: int = 2,
     device: str = "cpu",
-    sizes: CalibrationSizes = FULL,
+    sizes: CalibrationSizes | None = None,
     timeout_s: float = 300,
     threads: int | None = None,
 ) -> Measurements:
@@ -338,12 +364,12 @@ def calibrate(
     On CPU every rank measures at once with `threads` threads (default `cpu_count // ranks`,
     its share when all ranks train at once); the figures are the means over ranks. Calibrate
     with the threads the jobs will train with: on shared cores more threads than free cores
-    make OpenMP spin, and every rate collapses.
+    make OpenMP spin, and every rate collapses. On CUDA rank 0 measures `cuda:0`.
 
     Args:
-        ranks: Ranks on this machine (1 measures no network: the CPU preset's figures stand in).
+        ranks: Ranks on this machine (1 measures no network: the preset's figures stand in).
         device: 'cpu' or 'cuda'.
-        sizes: Problem sizes (`FULL` or `QUICK`).
+        sizes: Problem sizes (default `sizes_for(device, quick=False)`).
         timeout_s: Deadline of the whole calibration.
         threads: Torch threads per rank on CPU.
     """
@@ -356,6 +382,7 @@ def calibrate(
     start = time.perf_counter()
     if threads is not None and threads < 1:
         raise DistcacheConfigError(f"threads must be >= 1, got {threads}")
+    sizes = sizes or sizes_for(device, quick=False)
     threads = threads or max(1, (os.cpu_count() or 1) // ranks)
     threads = threads if device == "cpu" else torch.get_num_threads()
     per_rank = run_ranks(
@@ -367,8 +394,9 @@ def calibrate(
         alone_in_process=True,
     )
     figures = [r.figures for r in per_rank]
+    notes = [note for r in per_rank for note in r.notes]
     seconds = time.perf_counter() - start
-    return _measurements(device, ranks, threads, figures, per_rank[0].links, seconds)
+    return _measurements(device, ranks, threads, figures, per_rank[0].links, seconds, notes)
 
 
 def _field_names(cls: type) -> set[str]:
@@ -392,14 +420,18 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
     device-to-device copy). The network figures are conservative: the lower bandwidth and the
     higher latency of all-to-all and all-reduce; the sync latency is what a collective costs
     between compute bursts (`measure_sync_latency`, contention included), at least that;
-    without a network (one rank), the CPU preset's. Inter-node equals intra-node (one machine).
+    without a network (one rank), the preset's of the device (CPU's; on CUDA the GPU
+    presets'). Inter-node equals intra-node (one machine). `Topology.calibration` names the
+    machine and date, and what could not be measured (`Measurements.notes`).
     """
     if m.all_to_all is not None and m.all_reduce is not None:
         bw = min(m.all_to_all.bw_bytes_per_s, m.all_reduce.bw_bytes_per_s)
         latency = max(m.all_to_all.latency_s, m.all_reduce.latency_s)
+        inter_bw = bw
     else:
-        cpu = preset("cpu", world_size=1)
-        bw, latency = cpu.intra_node_bw_bytes_per_s, cpu.network_latency_s
+        unmeasured = preset("cpu" if m.device == "cpu" else "h100", world_size=1)
+        bw, latency = unmeasured.intra_node_bw_bytes_per_s, unmeasured.network_latency_s
+        inter_bw = unmeasured.inter_node_bw_bytes_per_s
     row_wise_slowdown, row_wise_latency = 1.0, 0.0
     if m.reduce_scatter is not None and m.all_gather is not None:  # forward, backward
         seconds_per_byte = 1 / m.reduce_scatter.bw_bytes_per_s + 1 / m.all_gather.bw_bytes_per_s
@@ -417,11 +449,14 @@ def topology_from(m: Measurements, *, name: str) -> Topology:
         host_memory_bytes=int(m.host_memory_bytes),
         device_memory_bw_bytes_per_s=2 * m.copy_bw_bytes_per_s,
         intra_node_bw_bytes_per_s=bw,
-        inter_node_bw_bytes_per_s=bw,
+        inter_node_bw_bytes_per_s=inter_bw,
         network_latency_s=latency,
         row_wise_output_slowdown=row_wise_slowdown,
         row_wise_output_latency_s=row_wise_latency,
         sync_latency_s=None if m.sync_latency_s is None else max(latency, m.sync_latency_s),
+        calibration="; ".join(
+            (f"calibrated {m.device} x{m.ranks} on {m.machine or 'an unnamed machine'}", *m.notes)
+        ),
     )
 
 
@@ -445,10 +480,12 @@ def _summary(m: Measurements) -> str:
     return "\n".join(
         [
             f"calibrated {m.device}, {m.ranks} ranks, {m.threads_per_rank} threads/rank, "
-            f"{m.seconds:.1f} s",
+            f"{m.seconds:.1f} s, on {m.machine}",
             f"  memory copy        {si(m.copy_bw_bytes_per_s, 'B/s')}",
             f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')}, "
-            f"latency {m.host_to_device_latency_s * 1e6:.1f} us",
+            f"latency {m.host_to_device_latency_s * 1e6:.1f} us; device -> host "
+            f"{si(m.device_to_host_bw_bytes_per_s, 'B/s')}; distcache's stager "
+            f"{si(m.staging_bytes_per_s, 'B/s')}",
             f"  embedding lookup   {si(m.lookup_rows_per_s, 'rows/s')} + "
             f"{si(m.lookup_bytes_per_s, 'B/s')} (distcache's kernel), "
             f"{si(m.device_lookup_rows_per_s, 'rows/s')} + "
@@ -474,6 +511,7 @@ def _summary(m: Measurements) -> str:
             + ("-" if m.sync_latency_s is None else ms(1e3 * m.sync_latency_s)),
             f"  memory per rank    device {si(m.device_memory_bytes, 'B')}, "
             f"host {si(m.host_memory_bytes, 'B')}",
+            *(f"  note: {note}" for note in m.notes),
         ]
     )
 
@@ -495,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = calibrate(
             ranks=args.ranks,
             device=args.device,
-            sizes=QUICK if args.quick else FULL,
+            sizes=sizes_for(args.device, quick=args.quick),
             timeout_s=args.timeout,
             threads=args.threads,
         )

@@ -1,9 +1,12 @@
-"""The framework's fixed costs on CPU, fitted from tiny plans trained for real (for `calibrate`).
+"""The framework's fixed costs, fitted from tiny plans trained for real (for `calibrate`).
 
 What a training step costs beyond the priced work (a step's fixed overhead, a sharding type's,
 an id's, and the bytes/s of a data-parallel table's dense update) cannot be derived from the
 calibrated rates; `measure_framework_costs` times four tiny plans that differ in one thing
-each (`distcache.tools.measure.time_plans_here`) and subtracts what the cost model prices.
+each (`distcache.tools.measure.time_plans_here`) and subtracts what the cost model prices: on
+CPU (the rank's gloo group) or on one GPU (a one-rank NCCL group; TorchRec's DMP on CUDA needs
+FBGEMM's CUDA build), where it is the launches and host work of a step that the device waits
+for.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from distcache.tools.measure import MeasureOptions, time_plans_here
 
 @dataclass(frozen=True, kw_only=True)
 class FrameworkCosts:
-    """What a training step costs on CPU beyond the priced work (`Topology` fields)."""
+    """What a training step costs beyond the priced work (`Topology` fields)."""
 
     step_overhead_s: float
     sharding_overhead_s: float
@@ -48,6 +51,7 @@ def measure_framework_costs(
     big_rows: int = 250_000,
     big_batch: int = 8192,
     options: MeasureOptions | None = None,
+    device: str = "cpu",
 ) -> FrameworkCosts:
     """Time tiny plans on this rank and fit the costs the cost model cannot derive.
 
@@ -74,15 +78,17 @@ def measure_framework_costs(
         big_batch: the batch of the second run of the first plan: large, so that the
             per-id cost is a large difference (thousands of ids).
         options: steps and warm-up.
+        device: "cpu" or "cuda" (this process's GPU; each step timed between two
+            `torch.cuda.synchronize`).
 
     Runs in this process, whose default process group must be of one rank (TorchRec's plans
-    name global ranks).
+    name global ranks; NCCL on CUDA).
     """
     workload, plans = _framework_plans(big_rows)
     bigger = dataclasses.replace(workload, batch_size_per_rank=big_batch)
     measured = {
         n: statistics.median(s)
-        for n, s in time_plans_here(plans, workload, options=options).items()
+        for n, s in time_plans_here(plans, workload, options=options, device=device).items()
     }
     hot = dataclasses.replace(
         plans["tw"],
@@ -92,7 +98,9 @@ def measure_framework_costs(
             dataclasses.replace(plans["tw"].tables[1], hot_rows=HOT_ROWS),
         ),
     )
-    small_s, big_s, hot_s = _in_turns(plans["tw"], hot, workload, bigger, measured["tw"], options)
+    small_s, big_s, hot_s = _in_turns(
+        plans["tw"], hot, workload, bigger, measured["tw"], options, device
+    )
     extra_bytes = (big_rows - 1000) * workload.row_bytes(workload.tables[0])
     update_s = measured["tw+dp"] - measured["dp+tw"]
     update_rate = extra_bytes / update_s if update_s > 0 else None
@@ -124,6 +132,7 @@ def _in_turns(
     bigger: Workload,
     first: float,
     options: MeasureOptions | None,
+    device: str,
 ) -> tuple[float, float, float]:
     """Median steps of `tw` at either batch and of `hot` at the bigger one. The per-id costs
     are small differences of steps: the pairs are timed in turns, `ROUNDS` times, and each
@@ -132,11 +141,11 @@ def _in_turns(
     pair = {"tw": tw, "tw+hot": hot}
     small_runs, big_runs, hot_runs = [first], [], []
     for i in range(ROUNDS):
-        both = time_plans_here(pair, bigger, options=options)
+        both = time_plans_here(pair, bigger, options=options, device=device)
         big_runs.append(statistics.median(both["tw"]))
         hot_runs.append(statistics.median(both["tw+hot"]))
         if i + 1 < ROUNDS:
-            small = time_plans_here({"tw": tw}, workload, options=options)["tw"]
+            small = time_plans_here({"tw": tw}, workload, options=options, device=device)["tw"]
             small_runs.append(statistics.median(small))
     return tuple(statistics.median(r) for r in (small_runs, big_runs, hot_runs))
 

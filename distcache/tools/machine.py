@@ -1,8 +1,11 @@
-"""What this machine offers `measure`: its memory, and whether plans can run on its GPU."""
+"""What this machine offers `measure` and `calibrate`: its memory, whether plans can run on its
+GPU, and a line naming it."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import platform
 
 import torch
 
@@ -35,12 +38,35 @@ def machine_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def describe(device: str) -> str:
+    """This machine in one line, with the UTC date: host, the device (the GPU's name on
+    CUDA, else the CPU's model) and torch's version."""
+    name = torch.cuda.get_device_name() if device == "cuda" else _cpu_model()
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"{platform.node()}, {name}, torch {torch.__version__}, {date}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cuda_missing() -> str | None:
     """What this machine lacks to measure plans on CUDA, in one line, or None: a CUDA device,
-    and FBGEMM's CUDA build (TorchRec's kernels on the GPU)."""
+    TorchRec, and FBGEMM's CUDA build (TorchRec's kernels on the GPU)."""
     if not torch.cuda.is_available():
         return f"no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() False)"
-    import fbgemm_gpu
+    try:
+        import fbgemm_gpu
+        import torchrec  # noqa: F401
+    except ImportError as error:
+        return f"TorchRec and FBGEMM are needed on CUDA ({error})"
 
     if getattr(fbgemm_gpu, "__variant__", None) == "cpu":
         return (

@@ -35,7 +35,7 @@ most `MAX_LOCAL_RANKS` ranks, a workload of one embedding dim whose MLPs end as 
 power-law tables (not id counts).
 
 `distcache.tools.framework_costs` times tiny plans with `time_plans_here` to fit what the cost
-model cannot derive on CPU (`python -m distcache calibrate` runs it).
+model cannot derive, on CPU or one GPU (`python -m distcache calibrate` runs it).
 
 Example::
 
@@ -293,19 +293,25 @@ def _rank_main(
 
 
 def time_plans_here(
-    plans: dict[str, Plan], workload: Workload, *, options: MeasureOptions | None = None
+    plans: dict[str, Plan],
+    workload: Workload,
+    *,
+    options: MeasureOptions | None = None,
+    device: str = "cpu",
 ) -> dict[str, list[float]]:
-    """This rank's step seconds of each plan, trained by the ranks of the (initialized, gloo)
+    """This rank's step seconds of each plan, trained by the ranks of the (initialized)
     default process group in turns, as `measure_plans` does; no process is started.
 
     Args:
         plans: plans of `workload` by name, for the group's size.
         workload: a measurable workload (`unmeasurable_reason`).
         options: steps and warm-up (threads and timeout are the caller's).
+        device: "cpu" (a gloo group) or "cuda" (this process's GPU, a one-rank NCCL group).
     """
     options = options or MeasureOptions()
     names = list(plans)
-    results = _run_here([plans[n] for n in names], workload, options, [False] * len(names))
+    runs = [False] * len(names)
+    results = _run_here([plans[n] for n in names], workload, options, runs, device)
     return {name: r["step_s"] for name, r in zip(names, results, strict=True)}
 
 

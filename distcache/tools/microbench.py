@@ -3,17 +3,20 @@
 Each measurement is a small function returning one number (or one fit), so each can be tested
 and re-used on its own (`distcache.tools.calibrate` describes them all and runs them):
 
-- `measure_copy_bandwidth`, `measure_host_to_device_bandwidth`, `measure_copy_latency`;
+- `measure_copy_bandwidth`, `measure_host_to_device_bandwidth`,
+  `measure_device_to_host_bandwidth`, `measure_copy_latency`;
 - `measure_lookup_costs`: a training step of distcache's cache kernel, fitted as
   `seconds = fixed + row accesses / rows_per_s + bytes / bytes_per_s`;
 - `measure_staging_costs`: what a partial cache's misses add to a step;
 - the dense part's (MLPs, DLRM's interaction): `distcache.tools.densebench`.
 
-`CalibrationSizes` holds their problem sizes: `FULL` for a real calibration, `QUICK` for tests.
+`CalibrationSizes` holds their problem sizes: `FULL` for a real calibration, `QUICK` for tests
+(`CUDA_FULL`, `CUDA_QUICK` on a GPU; `sizes_for` picks them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -136,6 +139,47 @@ QUICK = CalibrationSizes(
 )
 
 
+# On a GPU the sizes above leave the device idle between launches: its lookups, scheduler,
+# MLPs and interaction are timed at batches large enough that the device's work, not the
+# launches, sets the time and its growth with the batch (the launches are priced apart, per
+# layer and per step), the caches sized to hold two such batches' rows.
+CUDA_FULL = dataclasses.replace(
+    FULL,
+    lookup_rows=2_000_000,
+    lookup_bags=(2048, 16384),
+    staging_capacities=(0.05, 0.1, 0.2),
+    schedule_rows=2_000_000,
+    schedule_points=(
+        (4096, 12288), (4096, 32768), (4096, 262144), (16384, 262144), (32768, 57344),
+        (32768, 524288),
+    ),
+    mlp_batch=16384,
+    activation_batch=65536,
+    interaction_batch=65536,
+)  # fmt: skip
+CUDA_QUICK = dataclasses.replace(
+    QUICK,
+    lookup_rows=500_000,
+    lookup_dims=FULL.lookup_dims,
+    lookup_bags=(1024, 8192),
+    staging_capacities=(0.1, 0.2, 0.4),
+    schedule_rows=500_000,
+    schedule_points=((1024, 4096), (1024, 65536), (8192, 24576), (8192, 98304)),
+    mlp_batch=16384,
+    mlp_widths=FULL.mlp_widths,
+    activation_batch=65536,
+    interaction_batch=65536,
+    interaction_shapes=FULL.interaction_shapes,
+)
+
+
+def sizes_for(device: str, *, quick: bool) -> CalibrationSizes:
+    """The problem sizes of a calibration on `device` ('cpu' or 'cuda'): quick or full."""
+    if device == "cuda":
+        return CUDA_QUICK if quick else CUDA_FULL
+    return QUICK if quick else FULL
+
+
 @dataclass(frozen=True, kw_only=True)
 class LookupCosts:
     """A lookup kernel's step: `fixed_s + accesses / rows_per_s + bytes / bytes_per_s`."""
@@ -197,11 +241,28 @@ def measure_host_to_device_bandwidth(*, nbytes: int = FULL.copy_bytes, repeats: 
         nbytes: Size of the copied tensor.
         repeats: Timed copies; the median is kept.
     """
+    return _pinned_copy_bandwidth(nbytes, repeats, to_device=True)
+
+
+def measure_device_to_host_bandwidth(*, nbytes: int = FULL.copy_bytes, repeats: int = 5) -> float:
+    """Bytes/s of a copy from the current CUDA device to pinned host memory: the direction of
+    a cache's write-backs.
+
+    Args:
+        nbytes: Size of the copied tensor.
+        repeats: Timed copies; the median is kept.
+    """
+    return _pinned_copy_bandwidth(nbytes, repeats, to_device=False)
+
+
+def _pinned_copy_bandwidth(nbytes: int, repeats: int, *, to_device: bool) -> float:
+    """Bytes/s of an asynchronous copy between pinned host memory and the CUDA device."""
     dev = torch.device("cuda")
-    src = torch.ones(nbytes // 4, dtype=torch.float32).pin_memory()
-    dst = torch.empty(src.shape, dtype=src.dtype, device=dev)
+    host = torch.ones(nbytes // 4, dtype=torch.float32).pin_memory()
+    device = torch.empty(host.shape, dtype=host.dtype, device=dev)
+    src, dst = (host, device) if to_device else (device, host)
     seconds = median_seconds(lambda: dst.copy_(src, non_blocking=True), dev, repeats)
-    return src.numel() * 4 / seconds
+    return host.numel() * 4 / seconds
 
 
 def measure_copy_latency(*, device: str = "cpu", repeats: int = 50) -> float:

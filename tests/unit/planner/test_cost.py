@@ -16,6 +16,7 @@ from distcache.planner.shards import (
     SCHEDULER_MIN_SCAN,
     scheduled_candidates,
     shard_terms,
+    staging_time_s,
 )
 from distcache.planner.stats import AccessProfile, expected_loads, expected_unique
 from distcache.planner.types import (
@@ -161,6 +162,17 @@ def test_more_bandwidth_is_never_slower():
         ).step_s
         assert step < previous
         previous = step
+
+
+def test_write_backs_move_at_the_device_to_host_rate():
+    """Half of a cache's staging bytes are write-backs: at `device_to_host_bw_bytes_per_s`
+    where the topology has it, else at the host-to-device rate."""
+    both = dataclasses.replace(TOPOLOGY, host_to_device_bw_bytes_per_s=2e9)
+    apart = dataclasses.replace(both, device_to_host_bw_bytes_per_s=1e9)
+    latencies = 2 * TOPOLOGY.host_to_device_latency_s
+    assert staging_time_s(4e6, both) == pytest.approx(4e6 / 2e9 + latencies)
+    assert staging_time_s(4e6, apart) == pytest.approx(2e6 / 2e9 + 2e6 / 1e9 + latencies)
+    assert staging_time_s(0.0, apart) == 0.0
 
 
 def test_sharding_semantics():

@@ -1,18 +1,28 @@
 """`python -m distcache calibrate`: the quick run end to end, and each measurement's sanity."""
 
+import contextlib
+import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+import distcache.tools.calibrate as calibrate_module
+import distcache.tools.compute_figures as compute_figures
 from distcache.errors import DistcacheConfigError
 from distcache.job.distributed import run_ranks
+from distcache.planner.topology import HBM_RESERVE_FRACTION, preset
 from distcache.planner.types import Topology
 from distcache.tools.calibrate import (
+    CUDA_QUICK,
     QUICK,
     LinkFit,
+    LookupCosts,
     Measurements,
+    ScheduleCosts,
+    StagingCosts,
     fit_latency_bandwidth,
     main,
     measure_activation_bandwidth,
@@ -26,7 +36,13 @@ from distcache.tools.calibrate import (
     measure_sync_latency,
     topology_from,
 )
-from distcache.tools.densebench import dot_interaction, fit_interaction_costs, sparse_vectors
+from distcache.tools.densebench import (
+    InteractionCosts,
+    dot_interaction,
+    fit_interaction_costs,
+    sparse_vectors,
+)
+from distcache.tools.framework_costs import FrameworkCosts
 
 
 def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
@@ -48,6 +64,9 @@ def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
     assert topology.device_lookup_rows_per_s  # TorchRec's fused kernel, measured too
     assert topology.dense_layer_overhead_s > 0 and topology.step_overhead_s > 0
     assert topology.interaction_s_per_element and topology.interaction_s_per_pair >= 0
+    # The stager's rate covers both ways on CPU; the machine and date are named.
+    assert topology.device_to_host_bw_bytes_per_s is None
+    assert topology.calibration.startswith("calibrated cpu x1 on ")
     printed = capsys.readouterr().err
     assert "embedding lookup" in printed and "per sharding type" in printed
     assert "cache scheduler" in printed
@@ -166,3 +185,150 @@ def test_bad_arguments_fail_cleanly(capsys):
     assert "ranks must be >= 1" in capsys.readouterr().err
     with pytest.raises(DistcacheConfigError, match="mlp_widths"):
         type(QUICK)(mlp_widths=(8,))
+
+
+# The `Topology` figures the cost model reads on a GPU, each measured by a CUDA calibration
+# (calibrate's module docstring lists how); the network ones are measured between ranks.
+CUDA_MEASURED = (
+    "device_memory_bytes", "host_memory_bytes", "device_memory_bw_bytes_per_s",
+    "host_to_device_bw_bytes_per_s", "device_to_host_bw_bytes_per_s", "host_to_device_latency_s",
+    "lookup_rows_per_s", "lookup_bytes_per_s", "device_lookup_rows_per_s",
+    "device_lookup_bytes_per_s", "cache_scan_rows_per_s", "schedule_s_per_id",
+    "schedule_s_per_candidate", "dense_flops_per_s", "dense_layer_overhead_s",
+    "dense_activation_bytes_per_s", "interaction_s_per_element", "interaction_s_per_pair",
+    "step_overhead_s", "sharding_overhead_s", "id_overhead_s", "hot_bag_overhead_s",
+    "dense_update_bytes_per_s",
+)  # fmt: skip
+NETWORK = (
+    "intra_node_bw_bytes_per_s", "inter_node_bw_bytes_per_s", "network_latency_s",
+    "row_wise_output_slowdown", "row_wise_output_latency_s", "sync_latency_s",
+)  # fmt: skip
+FROM_ARGUMENTS = ("name", "world_size", "ranks_per_node", "num_nodes", "compute_device")
+
+
+def test_the_list_covers_every_figure_the_cost_model_reads():
+    """A figure the planner reads is measured on CUDA, measured between ranks, or set by the
+    arguments (a new `Topology` figure must join one of them)."""
+    planner = Path(__file__).parents[3] / "distcache" / "planner"
+    read = {
+        name
+        for path in planner.glob("*.py")
+        for name in re.findall(r"\btopology\.(\w+)", path.read_text())
+    }
+    read -= {"to_dict"}
+    assert read - set(CUDA_MEASURED + NETWORK + FROM_ARGUMENTS) == set()
+
+
+class _Stubs:
+    """Every measurement `calibrate` makes (`compute_figures`' and the framework's), replaced
+    by one that records its device and returns a value no preset has."""
+
+    def __init__(self, monkeypatch, *, framework_missing: str | None = None):
+        self.devices: list[tuple[str, str | None]] = []
+        self.backends: list[str] = []
+        patch = functools.partial(monkeypatch.setattr, compute_figures)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (40e9, 80e9))
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+        ours = self._record("lookup", LookupCosts(rows_per_s=1.1e9, bytes_per_s=1.2e11, fixed_s=0))
+        fused = self._record("fused", LookupCosts(rows_per_s=1.3e9, bytes_per_s=1.4e11, fixed_s=0))
+        patch("measure_copy_bandwidth", self._record("copy", 1.5e12))
+        patch(
+            "measure_lookup_costs",
+            lambda kernel, **kw: (fused if kernel == "fused" else ours)(**kw),
+        )
+        patch("measure_dense_flops", self._record("flops", 2.1e14))
+        interaction = InteractionCosts(s_per_element=2.2e-12, s_per_pair=2.3e-13)
+        patch("measure_interaction_costs", self._record("interaction", interaction))
+        patch("measure_copy_latency", self._record("latency", 3.1e-6))
+        staging = StagingCosts(bytes_per_s=3.2e10, scan_rows_per_s=3.3e11)
+        patch("measure_staging_costs", self._record("staging", staging))
+        patch("measure_host_to_device_bandwidth", self._record("h2d", 5.1e10, device="cuda"))
+        patch("measure_device_to_host_bandwidth", self._record("d2h", 4.9e10, device="cuda"))
+        schedule = ScheduleCosts(fixed_s=1e-4, s_per_id=3.4e-9, s_per_candidate=3.5e-10)
+        patch("measure_schedule_costs", self._record("schedule", schedule))
+        patch("measure_dense_layer_overhead", self._record("layer", 4.1e-5))
+        patch("measure_activation_bandwidth", self._record("activations", 4.2e12))
+        framework = FrameworkCosts(
+            step_overhead_s=5.1e-3, sharding_overhead_s=5.2e-4, id_overhead_s=5.3e-8,
+            hot_bag_overhead_s=5.4e-8, dense_update_bytes_per_s=5.5e11,
+        )  # fmt: skip
+        on_calibrate = functools.partial(monkeypatch.setattr, calibrate_module)
+        on_calibrate("measure_framework_costs", self._record("framework", framework))
+        on_calibrate("cuda_missing", lambda: framework_missing)
+
+        @contextlib.contextmanager
+        def group(backend):
+            self.backends.append(backend)
+            yield
+
+        on_calibrate("single_rank_group", group)
+
+    def _record(self, name, value, device=None):
+        def measure(*args, **kw):
+            self.devices.append((name, kw.get("device", device)))
+            return value
+
+        return measure
+
+
+def test_a_cuda_calibration_measures_every_figure(monkeypatch):
+    """On CUDA every figure of the GPU model comes from a measurement on the GPU (no preset
+    default survives), the framework's costs under a one-rank NCCL group; the topology names
+    the machine and the date."""
+    stubs = _Stubs(monkeypatch)
+    m = calibrate_module.calibrate(ranks=1, device="cuda", sizes=CUDA_QUICK)
+    topology = topology_from(m, name="gpu")
+    assert {device for _, device in stubs.devices} == {"cuda"}
+    assert stubs.backends == ["nccl"]
+    expected = {
+        "device_memory_bytes": int(40e9 * (1 - HBM_RESERVE_FRACTION)),
+        "device_memory_bw_bytes_per_s": 2 * 1.5e12,
+        "host_to_device_bw_bytes_per_s": 5.1e10, "device_to_host_bw_bytes_per_s": 4.9e10,
+        "host_to_device_latency_s": 3.1e-6, "lookup_rows_per_s": 1.1e9,
+        "lookup_bytes_per_s": 1.2e11, "device_lookup_rows_per_s": 1.3e9,
+        "device_lookup_bytes_per_s": 1.4e11, "cache_scan_rows_per_s": 3.3e11,
+        "schedule_s_per_id": 3.4e-9, "schedule_s_per_candidate": 3.5e-10,
+        "dense_flops_per_s": 2.1e14, "dense_layer_overhead_s": 4.1e-5,
+        "dense_activation_bytes_per_s": 4.2e12, "interaction_s_per_element": 2.2e-12,
+        "interaction_s_per_pair": 2.3e-13, "step_overhead_s": 5.1e-3,
+        "sharding_overhead_s": 5.2e-4, "id_overhead_s": 5.3e-8, "hot_bag_overhead_s": 5.4e-8,
+        "dense_update_bytes_per_s": 5.5e11,
+    }  # fmt: skip
+    assert set(expected) == set(CUDA_MEASURED) - {"host_memory_bytes"}
+    assert {name: getattr(topology, name) for name in expected} == expected
+    assert topology.host_memory_bytes > 0 and topology.compute_device == "cuda"
+    gpu = preset("h100", world_size=1)  # one rank: no network to measure
+    assert topology.intra_node_bw_bytes_per_s == gpu.intra_node_bw_bytes_per_s
+    assert m.staging_bytes_per_s == 3.2e10  # reported, not priced on CUDA
+    assert "calibrated cuda x1 on" in topology.calibration
+    assert "Fake GPU" in topology.calibration and " UTC" in topology.calibration
+    assert Topology.from_dict(json.loads(json.dumps(topology.to_dict()))) == topology
+
+
+def test_a_cuda_calibration_says_what_it_could_not_measure(monkeypatch, capsys):
+    """Without TorchRec on CUDA the framework's costs keep the preset's values, without
+    FBGEMM's kernel its TBE is not measured: each one named in the topology and the summary."""
+    stubs = _Stubs(monkeypatch, framework_missing="no TorchRec here")
+    lookup = compute_figures.measure_lookup_costs
+
+    def without_fbgemm(kernel, **kw):
+        if kernel == "fused":
+            raise ImportError("No module named 'fbgemm_gpu'")
+        return lookup(kernel=kernel, **kw)
+
+    monkeypatch.setattr(compute_figures, "measure_lookup_costs", without_fbgemm)
+    monkeypatch.setattr(compute_figures, "measure_activation_bandwidth", lambda **kw: None)
+    assert main(["--device", "cuda", "--ranks", "1", "--quick"]) == 0
+    printed = capsys.readouterr()
+    topology = Topology.from_dict(json.loads(printed.out))
+    assert stubs.backends == []
+    gpu = preset("h100", world_size=1)
+    for name in FrameworkCosts.__dataclass_fields__:
+        assert getattr(topology, name) == getattr(gpu, name), name
+    assert topology.device_lookup_rows_per_s is None
+    assert topology.dense_activation_bytes_per_s is None
+    for note in ("framework costs not measured (no TorchRec here)", "FBGEMM's TBE not measured",
+                 "activation traffic lost in the noise"):  # fmt: skip
+        assert note in topology.calibration and note in printed.err, note
