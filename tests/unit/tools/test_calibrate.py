@@ -332,3 +332,27 @@ def test_a_cuda_calibration_says_what_it_could_not_measure(monkeypatch, capsys):
     for note in ("framework costs not measured (no TorchRec here)", "FBGEMM's TBE not measured",
                  "activation traffic lost in the noise"):  # fmt: skip
         assert note in topology.calibration and note in printed.err, note
+
+
+def test_a_cuda_calibration_keeps_its_figures_when_the_framework_step_fails(monkeypatch):
+    """The framework's DMP step on a GPU (never run there yet) failing costs only its own
+    figures: they keep the preset's values, the topology says why, the rest is measured."""
+    _Stubs(monkeypatch)
+
+    def fails(*args, **kw):
+        raise RuntimeError("NCCL error: unhandled system error\nmore lines")
+
+    monkeypatch.setattr(calibrate_module, "measure_framework_costs", fails)
+    topology = topology_from(
+        calibrate_module.calibrate(ranks=1, device="cuda", sizes=CUDA_QUICK), name="gpu"
+    )
+    gpu = preset("h100", world_size=1)
+    for name in FrameworkCosts.__dataclass_fields__:
+        assert getattr(topology, name) == getattr(gpu, name), name
+    assert topology.lookup_rows_per_s == 1.1e9  # measured
+    assert "framework costs failed (RuntimeError: NCCL error: unhandled system error)" in (
+        topology.calibration
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # on CPU a failure is a bug
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        calibrate_module.calibrate(ranks=1, device="cpu", sizes=QUICK)
