@@ -184,9 +184,8 @@ class Topology:
     """With `device_lookup_rows_per_s`: its per-byte part; None: rows/s alone."""
     cache_scan_rows_per_s: float | None = None
     """Cache slots per second a look-ahead cache is priced at as if its scheduler scored every
-    slot once per batch with misses: the pricing of topologies calibrated before the
-    `schedule_*` figures below, used only where those are None; None too: not priced (the GPU
-    presets)."""
+    slot once per batch with misses: for topologies calibrated before the `schedule_*` figures
+    below, used only where those are None; None too: not priced (the GPU presets)."""
     schedule_s_per_id: float | None = None
     """Seconds of a look-ahead cache's scheduler per id of a batch (it enters the window:
     sorted, deduplicated, linked to its rows' earlier uses), measured with the real scheduler
