@@ -320,7 +320,9 @@ class Scheduler:
             )
         rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
         got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
-        slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), slot)
+        # [n] each row's slot: its victim, where it is, or for a miss without a victim (the
+        # cache overflowed: an error at lookup) the sentinel slot.
+        slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), hit_slots)
 
         old = res.row_of.index_select(0, victims)  # [size + 1] the victims' rows (-1: free)
         real = victims < cap
@@ -332,7 +334,6 @@ class Scheduler:
         res.dirty.index_fill_(0, victims, False)
         loaded_slots = torch.where(got, slot, res.sentinel_slot)
         res.pin.index_add_(0, loaded_slots, self._one.expand(n))
-        slot = torch.where(slot >= 0, slot, res.sentinel_slot)  # misses without a slot too
         res.next_use.scatter_(0, slot, next_use)
         self.policy.on_stage(seq, rows, slot, got)
 
