@@ -2,7 +2,10 @@
 
 Counts rows loaded, dirty rows written back and critical-path misses per policy and capacity,
 and the scheduler's replay speed (ids/s). No rows are moved: the simulator drives the real
-engine with zero-width rows.
+engine with zero-width rows. With --steady-after W only the batches from W on are counted
+(the steady state, once the caches are full); on a zipf trace --model adds the planner's
+figures for the same cache (`planner.binned`: 'frequency', the likeliest rows resident, which
+the planner prices look-ahead caches with, and 'lru', Che's approximation).
 
 Usage::
 
@@ -12,6 +15,8 @@ Usage::
     python benchmarks/cache_policies.py --trace my_trace.npz --capacity 5000
     python benchmarks/cache_policies.py --trace movielens --batch 64 --capacity 0.2,0.3 \
         --policies optimal,lookahead --lookahead 8,16,32,64,128,256   # an L sweep
+    python benchmarks/cache_policies.py --lookahead 64 --capacity 1000000 --model \
+        --trace zipf:rows=2e7,alpha=1.05,batch=20000,batches=2000 --steady-after 1500
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from _common import print_table, write_json  # noqa: E402
 from distcache.cache.simulate import SIM_POLICIES, simulate  # noqa: E402
 from distcache.data.traces import TraceUnavailable, parse_trace_spec  # noqa: E402
 from distcache.errors import CacheCapacityError  # noqa: E402
+from distcache.planner.binned import BinnedProfile  # noqa: E402
 
 
 def parse_capacities(text: str, distinct: int) -> list[int]:
@@ -38,6 +44,28 @@ def parse_capacities(text: str, distinct: int) -> list[int]:
         if value <= 0:
             raise SystemExit(f"--capacity {part}: expected a fraction in (0, 1] or rows >= 1")
         out.append(max(1, round(value * distinct)) if value <= 1 and "." in part else int(value))
+    return out
+
+
+def _modelled(
+    name: str, capacity: int, distinct: int, optimum: int | None, batches: int, args
+) -> list[dict]:
+    """The planner's loads for a cache of `capacity` rows on the zipf trace `name` (its
+    'frequency' and 'lru' models, per batch in steady state), as rows of the table."""
+    if not name.startswith("zipf:"):
+        raise SystemExit(f"--model: the planner's figures need a zipf trace, not {name!r}")
+    params = dict(part.split("=") for part in name.split(":", 1)[1].split(","))
+    profile = BinnedProfile.power_law(int(float(params["rows"])), float(params["alpha"]))
+    counted = batches - args.steady_after
+    out = []
+    for model in ("frequency", "lru"):
+        per_batch = profile.loads(float(params["batch"]), capacity, model)
+        out.append({
+            "policy": f"model: {model}", "capacity": capacity,
+            "capacity_frac": capacity / distinct, "loads": round(per_batch * counted),
+            "loads_per_batch": per_batch,
+            "x_optimal": per_batch * counted / optimum if optimum else None,
+        })  # fmt: skip
     return out
 
 
@@ -58,6 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         "capacity semantics as the optimum (only the batch looked up is pinned)",
     )
     ap.add_argument("--policies", default="optimal,lookahead,lru,lfu")
+    ap.add_argument(
+        "--steady-after",
+        type=int,
+        default=0,
+        help="count the batches from this one on (after a warm-up that fills the caches)",
+    )
+    ap.add_argument(
+        "--model", action="store_true", help="add the planner's loads (zipf traces only)"
+    )
     ap.add_argument("--json", default=None, help="write results and config here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -101,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     policy=policy,
                     lookahead=lookahead,
                     prefetch_depth=depth,
+                    count_from=args.steady_after,
                 )
             except CacheCapacityError as err:
                 row["error"] = str(err).split(":", 1)[1].strip()[:60]
@@ -109,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
             row.update(r.as_dict())
             row["policy"] = label
             row["ms_per_batch"] = 1e3 * r.seconds / max(1, r.batches)
+            row["loads_per_batch"] = r.loads / max(1, r.batches)
             if policy == "optimal":
                 optimum = r.loads
             row["x_optimal"] = r.loads / optimum if optimum else None
             results.append(row)
+        if args.model:
+            results += _modelled(trace.name, capacity, distinct, optimum, len(batches), args)
 
     print_table(
         results,
@@ -121,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             ("capacity", "capacity"),
             ("capacity_frac", "of distinct"),
             ("loads", "loads"),
+            ("loads_per_batch", "loads/batch"),
             ("x_optimal", "x optimum"),
             ("writebacks", "write-backs"),
             ("critical_misses", "critical misses"),

@@ -267,3 +267,31 @@ def test_throughput_offers_torchrecs_uvm_cache_on_cuda_only():
         "distcache at 2 %: 1.25 x torchrec_uvm_prefetch (the faster of TorchRec's UVM cache's "
         "two pipelines), 0.90 x torchrec"
     ]
+
+
+@pytest.mark.timeout(120)
+def test_cache_policies_steady_state_and_the_planners_model(tmp_path):
+    """cache_policies.py counts from --steady-after on and, on a zipf trace, adds the planner's
+    loads per batch (`--model`): on a cache the warm-up fills, LRU's steady loads are close to
+    Che's approximation, and every policy loads at least Belady's optimum."""
+    out = tmp_path / "policies.json"
+    argv = [
+        "--trace", "zipf:rows=2e5,alpha=1.05,batch=4000,batches=160", "--capacity", "20000",
+        "--policies", "optimal,lookahead,lru", "--lookahead", "16", "--steady-after", "100",
+        "--model", "--json", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cache_policies.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"optimal", "lookahead L=16 K=1", "lru", "model: frequency", "model: lru"}
+    assert all(rows[p]["batches"] == 60 for p in ("optimal", "lookahead L=16 K=1", "lru"))
+    assert rows["lru"]["loads_per_batch"] == pytest.approx(
+        rows["model: lru"]["loads_per_batch"], rel=0.05
+    )
+    assert rows["optimal"]["loads"] <= rows["lookahead L=16 K=1"]["loads"] <= rows["lru"]["loads"]

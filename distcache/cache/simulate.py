@@ -39,14 +39,20 @@ class SimResult:
     lookahead: int
     prefetch_depth: int
     batches: int
+    """Batches counted: those from `counted_from` on."""
     ids: int
     unique_ids: int
+    """Distinct rows of the whole trace."""
     hits: int
     loads: int
     writebacks: int
     critical_misses: int
     seconds: float
-    """Wall time of the replay (scheduler work; no rows are moved)."""
+    """Wall time of the replay of the counted batches (scheduler work; no rows are moved)."""
+    counted_from: int = 0
+    """The first batch counted (`simulate`'s `count_from`): ids, hits, loads, write-backs and
+    critical misses are those of the batches from there on (hits and loads as they are staged,
+    up to K batches early)."""
 
     @property
     def ids_per_s(self) -> float:
@@ -65,6 +71,7 @@ def simulate(
     lookahead: int = DEFAULT_LOOKAHEAD,
     prefetch_depth: int = 1,
     device: torch.device | str = "cpu",
+    count_from: int = 0,
 ) -> SimResult:
     """Replay `batches` (each `[n]` int64 ids in [0, num_rows)) through a cache.
 
@@ -76,6 +83,8 @@ def simulate(
         lookahead: L, future batches visible to 'lookahead' (ignored by the others).
         prefetch_depth: K, batches staged ahead by 'lookahead' (ignored by the others).
         device: where the scheduler runs.
+        count_from: count from this batch on (the steady state after a warm-up, once the
+            cache is full): the counters as they stand when it is looked up are subtracted.
 
     Example::
 
@@ -84,6 +93,10 @@ def simulate(
     """
     if policy not in SIM_POLICIES:
         raise DistcacheConfigError(f"unknown policy {policy!r}: expected one of {SIM_POLICIES}")
+    if not 0 <= count_from < max(len(batches), 1):
+        raise DistcacheConfigError(
+            f"count_from={count_from}: expected 0 <= count_from < {len(batches)} (the batches)"
+        )
     if policy == "optimal":  # Belady: the whole trace visible, nothing staged ahead
         lookahead, prefetch_depth = max(len(batches), 1), 0
     elif policy != "lookahead":
@@ -107,7 +120,11 @@ def simulate(
     no_grad = torch.zeros(1, 0, device=device)  # one zero-width "bag"
     enqueued = 0
     start = time.perf_counter()
+    before = None
     for t in range(len(batches)):
+        if t == count_from:
+            before = engine.stats()
+            start = time.perf_counter()
         while enqueued < len(batches) and enqueued <= t + lookahead:
             engine.enqueue(batches[enqueued].to(device))
             enqueued += 1
@@ -122,17 +139,24 @@ def simulate(
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     stats = engine.stats()
+
+    def counted(name: str) -> int:
+        return getattr(stats, name) - (getattr(before, name) if before is not None else 0)
+
     return SimResult(
         policy=policy,
         capacity=engine.capacity,
         lookahead=lookahead,
         prefetch_depth=prefetch_depth,
-        batches=len(batches),
-        ids=stats.ids,
+        batches=len(batches) - count_from,
+        # (ids are counted as they enter the window, up to L batches early: those of the
+        # counted batches instead)
+        ids=stats.ids if before is None else sum(int(b.numel()) for b in batches[count_from:]),
         unique_ids=int(seen[:num_rows].sum()),
-        hits=stats.hits,
-        loads=stats.loads,
-        writebacks=stats.writebacks,
-        critical_misses=stats.critical_misses,
+        hits=counted("hits"),
+        loads=counted("loads"),
+        writebacks=counted("writebacks"),
+        critical_misses=counted("critical_misses"),
         seconds=seconds,
+        counted_from=count_from,
     )

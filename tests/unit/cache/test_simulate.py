@@ -102,6 +102,21 @@ def test_longer_window_loads_less_and_approaches_optimal():
     assert loads[2] <= 1.02 * opt  # the whole trace ahead: Belady but for the pinned batch
 
 
+def test_counting_from_a_batch_leaves_out_the_warm_up():
+    """Rows first touched in the first 10 batches (the warm-up), then only those again: counted
+    from batch 10, a cache that holds them all loads nothing; counted from 0, every row once."""
+    gen = torch.Generator().manual_seed(4)
+    warm = [torch.arange(30 * b, 30 * b + 30) for b in range(10)]  # 300 rows, 30 a batch
+    again = [torch.randint(0, 300, (40,), generator=gen) for _ in range(20)]
+    for policy in ("optimal", "lookahead", "lru", "lfu"):
+        whole = simulate(warm + again, num_rows=1000, capacity=400, policy=policy)
+        steady = simulate(warm + again, num_rows=1000, capacity=400, policy=policy, count_from=10)
+        assert whole.loads == 300 and (steady.loads, steady.batches) == (0, 20), policy
+        assert steady.ids == 20 * 40 and whole.ids == 300 + 20 * 40
+    with pytest.raises(ValueError, match="count_from=30: expected 0 <= count_from < 30"):
+        simulate(warm + again, num_rows=1000, capacity=400, count_from=30)
+
+
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         simulate([torch.tensor([1])], num_rows=4, capacity=2, policy="fifo")
