@@ -115,30 +115,7 @@ def simulate(
         name=f"simulate[{policy}]",
     )
     engine.scheduler.exact = policy == "optimal"  # the lower bound scores every slot
-    device = engine.device
-    seen = torch.zeros(num_rows + 1, dtype=torch.bool, device=device)  # + the sentinel row
-    no_grad = torch.zeros(1, 0, device=device)  # one zero-width "bag"
-    enqueued = 0
-    start = time.perf_counter()
-    before = None
-    for t in range(len(batches)):
-        if t == count_from:
-            before = engine.stats()
-            start = time.perf_counter()
-        while enqueued < len(batches) and enqueued <= t + lookahead:
-            engine.enqueue(batches[enqueued].to(device))
-            enqueued += 1
-        engine.prefetch()
-        plan = engine.lookup_plan()
-        engine.prefetch()  # stage ahead while this batch "trains"
-        engine.apply_gradients(
-            plan, no_grad, no_grad.new_zeros(plan.inverse.numel(), dtype=torch.int64)
-        )
-        seen[plan.batch.rows] = True
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    stats = engine.stats()
+    before, stats, seen, seconds = _replay(engine, batches, lookahead, count_from)
 
     def counted(name: str) -> int:
         return getattr(stats, name) - (getattr(before, name) if before is not None else 0)
@@ -160,3 +137,35 @@ def simulate(
         seconds=seconds,
         counted_from=count_from,
     )
+
+
+def _replay(
+    engine: CacheEngine, batches: Sequence[torch.Tensor], lookahead: int, count_from: int
+) -> tuple:
+    """Train `batches` through `engine` as `simulate` describes: the counters when batch
+    `count_from` is looked up and at the end, which rows were looked up, and the seconds from
+    that batch on."""
+    device = engine.device
+    seen = torch.zeros(engine.scheduler.num_rows + 1, dtype=torch.bool, device=device)  # + sentinel
+    no_grad = torch.zeros(1, 0, device=device)  # one zero-width "bag"
+    enqueued = 0
+    start = time.perf_counter()
+    before = None
+    for t in range(len(batches)):
+        if t == count_from:
+            before = engine.stats()
+            start = time.perf_counter()
+        while enqueued < len(batches) and enqueued <= t + lookahead:
+            engine.enqueue(batches[enqueued].to(device))
+            enqueued += 1
+        engine.prefetch()
+        plan = engine.lookup_plan()
+        engine.prefetch()  # stage ahead while this batch "trains"
+        engine.apply_gradients(
+            plan, no_grad, no_grad.new_zeros(plan.inverse.numel(), dtype=torch.int64)
+        )
+        seen[plan.batch.rows] = True
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    return before, engine.stats(), seen, seconds
