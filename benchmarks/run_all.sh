@@ -12,6 +12,14 @@ $PY benchmarks/cache_policies.py --trace zipf:rows=1e5,alpha=1.05,batch=256,batc
     --capacity 0.05,0.1 $sweep --json $out/lookahead_sweep_zipf1e5_a1.05.json
 $PY benchmarks/cache_policies.py --trace zipf:rows=1e6,alpha=0.9,batch=8192,batches=200 \
     --capacity 0.05,0.1 $sweep --json $out/lookahead_sweep_zipf1e6_a0.9.json
+# A large cache in steady state (the last 500 of 2,000 batches) and early (batches 250-400),
+# beside the planner's loads for it (--model).
+$PY benchmarks/cache_policies.py --trace zipf:rows=2e7,alpha=1.05,batch=20000,batches=2000 \
+    --capacity 1000000 --policies optimal,lookahead,lru,lfu --lookahead 16,64,128,256,512 \
+    --steady-after 1500 --model --json $out/steady_zipf2e7_b2000.json
+$PY benchmarks/cache_policies.py --trace zipf:rows=2e7,alpha=1.05,batch=20000,batches=400 \
+    --capacity 1000000 --policies optimal,lookahead,lru --lookahead 64 --steady-after 250 \
+    --model --json $out/steady_zipf2e7_b400.json
 $PY benchmarks/engine_throughput.py --skip ops,host --json $out/engine_throughput.json
 $PY benchmarks/engine_throughput.py --skip scheduler,fwd,bytes --json $out/engine_ops_cpu.json
 $PY benchmarks/planner_stats.py --json $out/planner_stats.json
