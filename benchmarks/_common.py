@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
+from distcache.tools.machine import cpu_model
+
 
 def machine() -> dict[str, object]:
     """What the numbers were measured on."""
     info: dict[str, object] = {
         "platform": platform.platform(),
-        "processor": _cpu_model(),
+        "processor": cpu_model(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": sys.version.split()[0],
@@ -59,16 +61,6 @@ def source_digest(root: Path | None = None) -> str:
         digest.update(f.relative_to(root).as_posix().encode() + b"\0")
         digest.update(f.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def write_json(path: str | None, config: dict, results: list[dict]) -> None:

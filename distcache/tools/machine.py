@@ -41,12 +41,13 @@ def machine_memory_bytes() -> int:
 def describe(device: str) -> str:
     """This machine in one line, with the UTC date: host, the device (the GPU's name on
     CUDA, else the CPU's model) and torch's version."""
-    name = torch.cuda.get_device_name() if device == "cuda" else _cpu_model()
+    name = torch.cuda.get_device_name() if device == "cuda" else cpu_model()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"{platform.node()}, {name}, torch {torch.__version__}, {date}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows of it."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -54,7 +55,7 @@ def _cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def cuda_missing() -> str | None:
