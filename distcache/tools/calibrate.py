@@ -259,10 +259,10 @@ def _framework(
     """The framework's costs (`measure_framework_costs`), priced with the rates in `figures`,
     on a one-rank group of this process (TorchRec's plans name global ranks; NCCL on CUDA,
     which needs TorchRec and FBGEMM's CUDA build: without them, none, and a note)."""
+    kept = f"{', '.join(_FRAMEWORK_FIGURES)} keep the preset's values"
     missing = cuda_missing() if device == "cuda" else None
     if missing:
-        kept = ", ".join(_FRAMEWORK_FIGURES)
-        return {}, [f"framework costs not measured ({missing}): {kept} keep the preset's values"]
+        return {}, [f"framework costs not measured ({missing}): {kept}"]
     options = MeasureOptions(
         steps=sizes.framework_steps, warmup=sizes.framework_warmup, threads=threads
     )
@@ -277,9 +277,8 @@ def _framework(
         if device != "cuda":
             raise
         # On a GPU the other figures are kept: a scarce GPU session loses only these.
-        kept = ", ".join(_FRAMEWORK_FIGURES)
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        return {}, [f"framework costs failed ({reason}): {kept} keep the preset's values"]
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        return {}, [f"framework costs failed ({reason}): {kept}"]
     notes = []
     if costs.dense_update_bytes_per_s is None:
         notes.append("the dense update lost in the noise: priced at device memory bandwidth")
