@@ -126,9 +126,8 @@ def simulate(
         lookahead=lookahead,
         prefetch_depth=prefetch_depth,
         batches=len(batches) - count_from,
-        # (ids are counted as they enter the window, up to L batches early: those of the
-        # counted batches instead)
-        ids=stats.ids if before is None else sum(int(b.numel()) for b in batches[count_from:]),
+        # (the engine counts ids as they enter the window, up to L batches early)
+        ids=sum(int(b.numel()) for b in batches[count_from:]),
         unique_ids=int(seen[:num_rows].sum()),
         hits=counted("hits"),
         loads=counted("loads"),
