@@ -65,30 +65,27 @@ def test_every_command_of_every_stage_parses(tmp_path):
     missing = sorted({t for t in tests if not (ROOT / t.split("::")[0]).exists()})
     assert not missing, f"the session names tests that do not exist: {missing}"
     assert programs
-    commands = tmp_path / "commands.json"
-    commands.write_text(json.dumps(programs))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "argv_check.py"), str(commands)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    run = _argv_check(programs, tmp_path, timeout=280)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
 
 def test_the_check_finds_a_refused_flag(tmp_path):
     """The checker is not blind: a flag a script does not have is refused."""
-    commands = tmp_path / "commands.json"
     bad = ["benchmarks/engine_throughput.py", "--device", "cuda", "--no-such-flag"]
     good = ["benchmarks/engine_throughput.py", "--device", "cuda", "--quick"]
-    commands.write_text(json.dumps([good, bad]))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "argv_check.py"), str(commands)],
+    run = _argv_check([good, bad], tmp_path, timeout=120)
+    assert run.returncode == 1
+    assert "--no-such-flag" in run.stdout and "--quick" not in run.stdout
+
+
+def _argv_check(commands: list[list[str]], tmp_path: Path, timeout: int):
+    """tests/argv_check.py run on `commands` (argv lists) in a subprocess."""
+    path = tmp_path / "commands.json"
+    path.write_text(json.dumps(commands))
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "argv_check.py"), str(path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
-    assert run.returncode == 1
-    assert "--no-such-flag" in run.stdout and "--quick" not in run.stdout
