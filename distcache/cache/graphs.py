@@ -236,13 +236,19 @@ class GraphCache:
         return padded_size(n) if self._shapes_vary else n
 
     def run(
-        self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
+        self,
+        key: Hashable,
+        fn: Callable[..., tuple[torch.Tensor, ...]],
+        *inputs: torch.Tensor,
+        capture: bool = True,
     ) -> tuple[torch.Tensor, ...]:
+        """`fn(*inputs)`: its graph replayed where `key` was captured, else run op by op, and
+        captured (`capture`: a CUDA capture synchronizes) the second time `key` comes."""
         if not self.enabled:
             return fn(*inputs)
         entry = self._entries.get(key)
         if entry is None:
-            if key not in self._seen or not self._capturing:
+            if key not in self._seen or not self._capturing or not capture:
                 if key not in self._seen:
                     self._see(key)
                 return fn(*inputs)

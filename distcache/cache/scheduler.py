@@ -232,7 +232,7 @@ class Scheduler:
             raise LookaheadWindowError(f"{self.name}: no enqueued batch left to stage")
         batch = self._unstaged.popleft()
         self.window.leave(batch)
-        n = self._stage_size(batch)
+        n, known = self._stage_size(batch)
         # Its packed rows up to n: the rest is the sentinel row (padding of `Window`'s packing).
         inputs = (batch.rows[:n], batch.inv, batch.valid[:n], batch.positions[:n], batch.at)
         if self.whole:
@@ -248,7 +248,8 @@ class Scheduler:
             scan, full = self._scan(n), self._full
             key = ("stage", batch.size, n, scan, full)  # (its ids: `inv`; its rows: n)
             stage = functools.partial(self._stage_device, scan=scan, full=full)
-            work = self._current_graphs().run(key, stage, *inputs)
+            # (An unknown size, the device behind: a shape that should not wait for a capture.)
+            work = self._current_graphs().run(key, stage, *inputs, capture=known)
         slots, id_slots, load_rows, load_slots, writeback_rows, writeback_slots, counts = work
         if critical:
             self._totals.select(0, _CRITICAL).add_(counts[MISSES])
@@ -269,7 +270,7 @@ class Scheduler:
         self._staged.append(plan)
         return plan
 
-    def _stage_size(self, batch: WindowBatch) -> int:
+    def _stage_size(self, batch: WindowBatch) -> tuple[int, bool]:
         """How many of a batch's packed rows its plan covers: its distinct rows (and the
         sentinel row, if it has padding), whose count reached the host when a later batch
         entered the window (`WindowBatch.distinct`: in a pipeline it was copied batches ago,
@@ -277,13 +278,18 @@ class Scheduler:
         graphs replay the plans. Every pass of the plan then follows the batch's distinct rows,
         not its ids. All of them for a cache of every row, whose rows are not packed, and for
         the newest batch in the window: its count may not have reached the host yet, and
-        reading it then would wait for the device."""
+        reading it then would wait for the device. Nor is an older batch's count waited for:
+        where its copy has not completed (the device runs behind), the plan covers all of them.
+        Also whether the count was read (False: all of them for want of it)."""
         if batch.distinct is None or batch.seq == self._next_seq - 1:
-            return batch.size
-        distinct = batch.distinct.read()[0]
+            return batch.size, True
+        done = batch.distinct.read_if_done()
+        if done is None:
+            return batch.size, False
+        distinct = done[0]
         if self.graphs.enabled:
             distinct = padded_size(distinct)
-        return min(batch.size, distinct)
+        return min(batch.size, distinct), True
 
     def _stage_device(
         self,

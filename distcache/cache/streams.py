@@ -99,6 +99,13 @@ class HostCopy:
             self._event.synchronize()
         return self._host.numpy().tolist()
 
+    def read_if_done(self) -> list | None:
+        """Its values if the copy has completed, else None: never waits (on CPU, always
+        done)."""
+        if self._event is not None and not self._event.query():
+            return None
+        return self._host.numpy().tolist()
+
 
 class DeviceInts:
     """Small int64 tensors on a device made from host ints, kept per value: building one with

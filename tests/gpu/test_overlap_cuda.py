@@ -171,10 +171,14 @@ def test_the_host_runs_k_training_steps_ahead_of_a_busy_device(staging):
     is still busy for 0.3 s: nothing in them waited for the device."""
     busy_s, steps = 0.3, 5
     cycles = _cycles_for(busy_s)
-    bags = _bags(capacity=1200, depth=6, staging=staging)
-    window = _Window(bags, _batches(40))
-    for _ in range(12):  # steady state: the cache evicts
+    bags = _bags(capacity=600, depth=6, staging=staging)
+    # 16 batches in turn (more rows than the cache: it evicts), twice before the timed steps:
+    # a graph is captured the second time its shape comes, and a capture synchronizes.
+    window = _Window(bags, _batches(16) * 4)
+    for _ in range(36):
         window.step()
+    graphs = (bags._graphs, bags.engines[0].scheduler.graphs)
+    captures = [g.captures for g in graphs]
     window.enqueue()
     bags.prefetch()
     for _job, future in bags.engines[0].stager._jobs.values():
@@ -187,6 +191,8 @@ def test_the_host_runs_k_training_steps_ahead_of_a_busy_device(staging):
         window.step()
     host_s = time.perf_counter() - start
     torch.cuda.synchronize(DEVICE)
+    assert [g.captures for g in graphs] == captures, "a graph was captured in the timed steps"
+    assert bags.engines[0].stats().evictions > 0
     assert host_s < busy_s / 3, (
         f"{steps} steps took {host_s:.3f} s on the host while the device was busy for "
         f"{busy_s} s: they waited for it"

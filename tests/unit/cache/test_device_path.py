@@ -125,7 +125,7 @@ def test_scheduler_runs_on_fake_tensors(policy, monkeypatch):
     and read when it is staged after a later batch entered (`Scheduler._stage_size`), stood in
     for here (a fake tensor has no value to copy)."""
     read = []
-    monkeypatch.setattr(HostCopy, "read", lambda self: read.append(1) or [25])
+    monkeypatch.setattr(HostCopy, "read_if_done", lambda self: read.append(1) or [25])
     with FakeTensorMode():
         s = Scheduler(500, 40, make_policy(policy), lookahead=4)
         plans = []
@@ -145,3 +145,38 @@ def test_scheduler_runs_on_fake_tensors(policy, monkeypatch):
     assert len(read) == 14
     with pytest.raises(Exception, match="_local_scalar_dense"), FakeTensorMode():
         _ = Scheduler(500, 40, make_policy(policy), lookahead=4).counters  # a read: caught
+
+
+def test_a_count_still_on_its_way_is_not_waited_for(monkeypatch):
+    """Where a batch's distinct count has not reached the host when it is staged (the device
+    runs behind), its plan covers all of its rows and is not captured into a graph (a capture
+    synchronizes): same plans, as training without the count shows."""
+    batches = [
+        torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(i)) for i in range(16)
+    ]
+
+    def plans(scheduler: Scheduler) -> list[list[int]]:
+        out, staged = [], []
+        for b in batches[:3]:
+            scheduler.enqueue(b)
+        for b in batches[3:]:
+            scheduler.enqueue(b)
+            staged.append(scheduler.stage_next())
+            out.append(staged[-1].id_slots.tolist())
+            if len(staged) > 1:
+                scheduler.release(staged.pop(0))
+        return out
+
+    def scheduler() -> Scheduler:
+        s = Scheduler(500, 40, make_policy("lookahead"), lookahead=4)
+        s.graphs.enabled = True
+        return s
+
+    known = scheduler()
+    expected = plans(known)
+    assert known.graphs.captures > 0
+    monkeypatch.setattr(HostCopy, "read_if_done", lambda self: None)
+    behind = scheduler()
+    assert plans(behind) == expected
+    staged = [k for k in behind.graphs._entries if k[0] == "stage"]
+    assert staged == [], "a plan of unknown size was captured"

@@ -285,6 +285,23 @@ def test_the_graph_cache_runs_then_captures_then_replays():
     assert GraphCache(torch.device("cpu"), enabled=False).run("k", fn, torch.ones(2))
 
 
+def test_a_run_that_must_not_wait_replays_but_never_captures():
+    """`capture=False` (a plan whose size the host could not read without waiting): a key
+    never captured runs op by op, however often it comes; a captured one is replayed."""
+    cache = GraphCache(torch.device("cpu"), enabled=True)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x * 2,)
+
+    for _ in range(3):
+        assert cache.run("new", fn, torch.ones(2), capture=False)[0].tolist() == [2, 2]
+    assert (cache.captures, cache.replays) == (0, 0)
+    for _ in range(2):
+        cache.run("old", fn, torch.ones(2))
+    assert cache.run("old", fn, torch.full((2,), 3.0), capture=False)[0].tolist() == [6, 6]
+    assert (cache.captures, cache.replays) == (1, 1)
+
+
 def test_the_graph_cache_stops_capturing_when_keys_keep_changing(caplog):
     """A capture synchronizes the device: keys that come in turn, more than the cache keeps,
     would capture again and again. After `limit` dropped graphs it captures no more (with a

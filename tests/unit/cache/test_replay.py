@@ -32,7 +32,7 @@ def _steady_scheduler(policy: str, n: int, rows: int, capacity: int, lookahead: 
     weights = 1.0 / torch.arange(1, rows + 2, dtype=torch.float64)
     recorders: dict[str, OpRecorder] = {}
 
-    def run(key, fn, *inputs):  # noqa: ANN001, ANN002, ANN202
+    def run(key, fn, *inputs, capture=True):  # noqa: ANN001, ANN002, ANN202
         recorder = recorders.pop(key[0], None)
         if recorder is None:
             return fn(*inputs)
