@@ -109,11 +109,11 @@ from distcache.sharding.sharder import (
 
 _K = EmbeddingComputeKernel
 _DEVICE_KERNELS = {_K.DENSE.value, FUSED_KERNEL, _K.QUANT.value, _K.FUSED_TRITON.value}
+# Those this TorchRec has: 1.6 (the GPU machine's) lacks DRAM_SSD_VIRTUAL_TABLE.
 _OFFLOAD_KERNELS = {
-    _K.KEY_VALUE.value,
-    _K.SSD_VIRTUAL_TABLE.value,
-    _K.DRAM_VIRTUAL_TABLE.value,
-    _K.DRAM_SSD_VIRTUAL_TABLE.value,
+    getattr(_K, name).value
+    for name in ("KEY_VALUE", "SSD_VIRTUAL_TABLE", "DRAM_VIRTUAL_TABLE", "DRAM_SSD_VIRTUAL_TABLE")
+    if hasattr(_K, name)
 }
 # TorchRec widens a column-wise shard to a multiple of 4 columns (`_find_base_dim`), which
 # would silently give fewer shards than ranks.
