@@ -277,7 +277,7 @@ class _Launch:
     """One `run_ranks` call: start the workers, watch them, stop them all."""
 
     def __init__(self, spec: _Spec) -> None:
-        ctx = _context()
+        ctx = _context(spec.backend)
         self.spec = spec
         self.results: Queue[tuple[str, int, bytes | str]] = ctx.Queue()
         # Not daemonic, so that a rank may start its own children (e.g. DataLoader workers).
@@ -366,12 +366,16 @@ def _collateral(report: str) -> bool:
 _PRELOAD = ("torch", "torch.distributed", "numpy", "torchrec", "fbgemm_gpu")
 
 
-def _context() -> mp.context.BaseContext:
+def _context(backend: str) -> mp.context.BaseContext:
     """Ranks start as forks of a server process that has imported torch (and TorchRec where
     this process has): 0.3 s for two ranks here instead of 3 s from fresh interpreters (spawn).
     Forked from the server, not from this process: no thread of this one is copied, and no
     CUDA context (the server starts none). Each rank takes this process's environment and
-    `sys.path` as a spawned one would (`_worker`, `multiprocessing`'s preparation data)."""
+    `sys.path` as a spawned one would (`_worker`, `multiprocessing`'s preparation data).
+    GPU ranks (nccl) are spawned: a CUDA build of FBGEMM or TorchRec may start CUDA as it is
+    imported, and a fork of a process with CUDA started cannot use it."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])
     return ctx

@@ -104,3 +104,16 @@ def test_ranks_take_this_process_environment_at_each_launch(
     monkeypatch.delenv("DISTCACHE_TEST_GONE")
     assert run_ranks(_env, 2, timeout_s=60) == [("1", None)] * 2
     assert run_ranks(_env, 2, timeout_s=60, env={"DISTCACHE_TEST_MARK": "2"}) == [("2", None)] * 2
+
+
+@pytest.mark.timeout(90)
+def test_gpu_ranks_are_spawned_and_spawned_ranks_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nccl ranks start from fresh interpreters (a fork of a process whose imports started
+    CUDA cannot use it); here the same spawned start, with gloo, runs a world of two."""
+    from distcache.job import distributed
+
+    assert distributed._context("nccl").get_start_method() == "spawn"
+    assert distributed._context("gloo").get_start_method() == "forkserver"
+    spawn = distributed.mp.get_context("spawn")
+    monkeypatch.setattr(distributed, "_context", lambda backend: spawn)
+    assert run_ranks(_world, 2, args=(3,), timeout_s=60) == [(0, 2, 6, 1), (1, 2, 6, 1)]
