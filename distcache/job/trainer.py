@@ -260,7 +260,8 @@ class Trainer:
         cache = self.pipeline.stats()["total"]
         cache["critical_misses"] -= self._eval_critical
         names = ("hits", "unique", *LOGGED, "wait_s", "step_s")
-        counters = torch.tensor([self._samples, *(cache[k] for k in names)], dtype=torch.float64)
+        counters = [self._samples, *(cache[k] for k in names)]  # on the device: nccl's too
+        counters = torch.tensor(counters, dtype=torch.float64, device=self.device)
         dist.all_reduce(counters)
         samples, *values = counters.tolist()
         summed = dict(zip(names, values, strict=True))
