@@ -28,9 +28,8 @@ local replica. One batch's ids flow so:
                  shard of the table too
 
 The table stays one table for its users: a flush (before any state dict) writes the replica's
-rows and optimizer state into the shards that own those rows, and after a load the replica is
-read back from them (one all-reduce, at the next forward). So checkpoints hold plain tables,
-and a checkpoint loads with any set of hot rows.
+rows and optimizer state into the shards that own them; after a load the replica is read back
+(one all-reduce, at the next forward). Checkpoints hold plain tables, for any set of hot rows.
 
 Splitting a batch compacts its hot ids and its cold ids: on CUDA that reads their counts back
 (one read for the batch, which also counts the rows each 'touched' table's hot ids touch), and
@@ -502,10 +501,10 @@ class HotRows:
             for shard_table, row0, col0, rows, state in shards:
                 if shard_table != name:
                     continue
-                local, mine = self._local(table, row0, rows.shape[0])
+                local, mine = self._local(table, row0, rows.shape[0], rows.device)
                 part = buf.index_select(0, mine)
-                part[:, col0 : col0 + rows.shape[1]] = rows.index_select(0, local).float()
-                shard_state = _state_rows(state, local)
+                part[:, col0 : col0 + rows.shape[1]] = rows.index_select(0, local).to(part)
+                shard_state = _state_rows(state, local).to(part)
                 for full, own, count in self._state_columns(table, col0, rows.shape[1]):
                     part[:, dim + full : dim + full + count] += shard_state[:, own : own + count]
                 part[:, -1] += 1.0
@@ -529,19 +528,19 @@ class HotRows:
         table = self.tables.get(name)
         if table is None or self.stale:
             return
-        local, mine = self._local(table, row0, rows.shape[0])
+        local, mine = self._local(table, row0, rows.shape[0], rows.device)
         replica = table.rows_of(self.flat.detach())
         values = replica.index_select(0, mine)[:, col0 : col0 + rows.shape[1]]
-        rows.index_copy_(0, local, values.to(rows.dtype))
+        rows.index_copy_(0, local, values.to(rows))
         if table.state.shape[1]:
-            mine_state = table.state.index_select(0, mine)
             part = _state_rows(state, local)
+            mine_state = table.state.index_select(0, mine).to(part)
             for full, own, count in self._state_columns(table, col0, rows.shape[1]):
                 part[:, own : own + count] = mine_state[:, full : full + count]
             first = 0
             for block in state:
                 width = block.shape[1]
-                block.index_copy_(0, local, part[:, first : first + width].to(block.dtype))
+                block.index_copy_(0, local, part[:, first : first + width].to(block))
                 first += width
 
     @staticmethod
@@ -560,11 +559,13 @@ class HotRows:
             return [(0, 0, 1)]
         return [(b * table.dim + col0, b * cols, cols) for b in range(width // table.dim)]
 
-    def _local(self, table: _HotTable, row0: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shard-local rows, replica slots) of the hot rows in [row0, row0 + count)."""
+    def _local(
+        self, table: _HotTable, row0: int, count: int, shard: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shard-local rows, on `shard`; replica slots) of the hot rows in [row0, row0 + count)."""
         inside = (table.ids >= row0) & (table.ids < row0 + count)
         mine = torch.arange(table.ids.numel(), device=self.device)[inside]  # host-side setup
-        return table.ids[inside] - row0, mine
+        return (table.ids[inside] - row0).to(shard), mine
 
 
 def _state_rows(state: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
