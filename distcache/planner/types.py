@@ -274,8 +274,6 @@ class Topology:
             "device_lookup_bytes_per_s",
             "device_to_host_bw_bytes_per_s",
             "cache_scan_rows_per_s",
-            "schedule_s_per_id",
-            "schedule_s_per_candidate",
             "dense_update_bytes_per_s",
             "dense_activation_bytes_per_s",
             "interaction_s_per_element",
@@ -293,10 +291,12 @@ class Topology:
             "hot_bag_overhead_s",
         ):
             _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        per_id, per_candidate = self.schedule_s_per_id, self.schedule_s_per_candidate
+        for name, value in (("per_id", per_id), ("per_candidate", per_candidate)):  # fits: >= 0
+            _check(value is None or value >= 0, f"schedule_s_{name} must be >= 0, got {value}")
         _check(
-            (self.schedule_s_per_id is None) == (self.schedule_s_per_candidate is None),
-            "schedule_s_per_id and schedule_s_per_candidate are measured together: both or "
-            f"neither, got {self.schedule_s_per_id} and {self.schedule_s_per_candidate}",
+            (per_id is None) == (per_candidate is None),
+            f"schedule_s_per_id and _per_candidate: both or neither, got {per_id}, {per_candidate}",
         )
 
     @property

@@ -113,6 +113,9 @@ def _staging(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
     if schedule is None:
         notes.append("the scheduler's fit lost in the noise: priced by cache_scan_rows_per_s")
     else:
+        for cost, name in ((schedule.s_per_id, "per-id"), (schedule.s_per_candidate, "per-slot")):
+            if cost == 0:
+                notes.append(f"the scheduler's {name} cost lost in the noise: 0 (the other's fit)")
         out["schedule_s_per_id"] = schedule.s_per_id
         out["schedule_s_per_candidate"] = schedule.s_per_candidate
         out["schedule_s_per_batch"] = schedule.fixed_s

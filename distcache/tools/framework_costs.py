@@ -52,6 +52,7 @@ def measure_framework_costs(
     big_batch: int = 8192,
     options: MeasureOptions | None = None,
     device: str = "cpu",
+    data_parallel: bool = True,
 ) -> FrameworkCosts:
     """Time tiny plans on this rank and fit the costs the cost model cannot derive.
 
@@ -80,30 +81,28 @@ def measure_framework_costs(
         options: steps and warm-up.
         device: "cpu" or "cuda" (this process's GPU; each step timed between two
             `torch.cuda.synchronize`).
+        data_parallel: False: without the data-parallel plans (TorchRec's kernel missing):
+            no dense update (None), the sharding overhead from the row-wise plan alone.
 
     Runs in this process, whose default process group must be of one rank (TorchRec's plans
     name global ranks; NCCL on CUDA).
     """
-    workload, plans = _framework_plans(big_rows)
+    workload, plans = _framework_plans(big_rows, data_parallel)
     bigger = dataclasses.replace(workload, batch_size_per_rank=big_batch)
     measured = {
         n: statistics.median(s)
         for n, s in time_plans_here(plans, workload, options=options, device=device).items()
     }
+    t0, t1 = plans["tw"].tables
     hot = dataclasses.replace(
-        plans["tw"],
-        name="tw+hot",
-        tables=(
-            plans["tw"].tables[0],
-            dataclasses.replace(plans["tw"].tables[1], hot_rows=HOT_ROWS),
-        ),
+        plans["tw"], name="tw+hot", tables=(t0, dataclasses.replace(t1, hot_rows=HOT_ROWS))
     )
     small_s, big_s, hot_s = _in_turns(
         plans["tw"], hot, workload, bigger, measured["tw"], options, device
     )
     extra_bytes = (big_rows - 1000) * workload.row_bytes(workload.tables[0])
-    update_s = measured["tw+dp"] - measured["dp+tw"]
-    update_rate = extra_bytes / update_s if update_s > 0 else None
+    update_s = measured["tw+dp"] - measured["dp+tw"] if data_parallel else 0.0
+    update_rate = extra_bytes / update_s if update_s > 0 else None  # (None: not measured)
     free = dataclasses.replace(  # the framework's costs left out of the price
         topology, world_size=1, ranks_per_node=1, step_overhead_s=0.0,
         sharding_overhead_s=0.0, id_overhead_s=0.0, hot_bag_overhead_s=0.0,
@@ -114,8 +113,8 @@ def measure_framework_costs(
     hot_excess = hot_s - plan_cost(hot, bigger, free).step_s
     small_excess = small_s - plan_cost(plans["tw"], workload, free).step_s
     routed = 2 * 2 * (big_batch - workload.batch_size_per_rank)  # 2 tables, sent and served
-    per_type = 0.5 * (excess["tw+rw"] + excess["dp+tw"]) - excess["tw"]
-    sharding = max(0.0, per_type)
+    second = [excess[n] for n in ("tw+rw", "dp+tw") if n in excess]  # a second type's
+    sharding = max(0.0, sum(second) / len(second) - excess["tw"])
     return FrameworkCosts(
         step_overhead_s=max(0.0, excess["tw"] - sharding),
         sharding_overhead_s=sharding,
@@ -150,8 +149,9 @@ def _in_turns(
     return tuple(statistics.median(r) for r in (small_runs, big_runs, hot_runs))
 
 
-def _framework_plans(big_rows: int) -> tuple[Workload, dict[str, Plan]]:
-    """`measure_framework_costs`'s tiny DLRM at batch 8 and its four plans of (t0, t1)."""
+def _framework_plans(big_rows: int, data_parallel: bool) -> tuple[Workload, dict[str, Plan]]:
+    """`measure_framework_costs`'s tiny DLRM at batch 8 and its four plans of (t0, t1) (two
+    without the data-parallel ones)."""
     workload = Workload(
         name="calibration",
         tables=(
@@ -169,6 +169,8 @@ def _framework_plans(big_rows: int) -> tuple[Workload, dict[str, Plan]]:
         "dp+tw": (DATA_PARALLEL, TABLE_WISE),
         "tw+dp": (TABLE_WISE, DATA_PARALLEL),
     }
+    if not data_parallel:
+        layouts = {n: kinds for n, kinds in layouts.items() if DATA_PARALLEL not in kinds}
     plans = {
         name: Plan(
             name=name,

@@ -117,13 +117,29 @@ def measure_schedule_costs(
 
 def fit_schedule_costs(points: Sequence[tuple[float, float, float]]) -> ScheduleCosts | None:
     """`fixed + ids·s_per_id + candidates·s_per_candidate` fitted to (seconds, ids,
-    candidates) `points` by least relative squares; None where the per-id or per-candidate
-    cost comes out non-positive (a negative fixed part is dropped: 0)."""
+    candidates) `points` by least relative squares, the two costs kept >= 0: where the full
+    fit makes one of them non-positive, the better of the two fits without it (that cost 0:
+    on a GPU the launches' fixed cost can hide the smaller one, and the engine's candidates
+    grow with its batch's rows, so the other absorbs it). None where neither fit leaves a
+    positive cost. A negative fixed part is dropped: 0."""
     t = np.array([p[0] for p in points], dtype=np.float64)
     design = np.array([(1.0, p[1], p[2]) for p in points], dtype=np.float64) / t[:, None]
-    (fixed, per_id, per_candidate), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    if per_id <= 0 or per_candidate <= 0:
+    best: tuple[float, np.ndarray] | None = None
+    for kept in ((0, 1, 2), (0, 1), (0, 2)):
+        coef, *_ = np.linalg.lstsq(design[:, kept], np.ones_like(t), rcond=None)
+        if min(coef[1:]) <= 0:
+            continue
+        full = np.zeros(3)
+        full[list(kept)] = coef
+        if len(kept) == 3:
+            best = (0.0, full)
+            break
+        residual = float(np.sum((design @ full - 1.0) ** 2))
+        if best is None or residual < best[0]:
+            best = (residual, full)
+    if best is None:
         return None
+    fixed, per_id, per_candidate = best[1]
     return ScheduleCosts(
         fixed_s=max(0.0, float(fixed)),
         s_per_id=float(per_id),

@@ -356,3 +356,36 @@ def test_a_cuda_calibration_keeps_its_figures_when_the_framework_step_fails(monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # on CPU a failure is a bug
     with pytest.raises(RuntimeError, match="NCCL error"):
         calibrate_module.calibrate(ranks=1, device="cpu", sizes=QUICK)
+
+
+def test_a_cuda_calibration_measures_the_framework_without_data_parallel_where_it_fails(
+    monkeypatch,
+):
+    """An FBGEMM build without the data-parallel (dense) kernel: the framework's costs are
+    measured without its two plans, the dense update keeps the preset's value, and the
+    topology says so."""
+    _Stubs(monkeypatch)
+    calls = []
+
+    def measure(*args, data_parallel, **kw):
+        calls.append(data_parallel)
+        if data_parallel:
+            raise RuntimeError("CUDA error: device kernel image is invalid\nmore")
+        return FrameworkCosts(
+            step_overhead_s=2e-4, sharding_overhead_s=1e-5, id_overhead_s=1e-9,
+            hot_bag_overhead_s=0.0, dense_update_bytes_per_s=None,
+        )  # fmt: skip
+
+    monkeypatch.setattr(calibrate_module, "measure_framework_costs", measure)
+    topology = topology_from(
+        calibrate_module.calibrate(ranks=1, device="cuda", sizes=CUDA_QUICK), name="gpu"
+    )
+    assert calls == [True, False]
+    assert (topology.step_overhead_s, topology.sharding_overhead_s) == (2e-4, 1e-5)
+    assert (
+        topology.dense_update_bytes_per_s == preset("h100", world_size=1).dense_update_bytes_per_s
+    )
+    assert (
+        "the data-parallel plans failed (RuntimeError: CUDA error: device kernel image is "
+        "invalid): dense_update_bytes_per_s keeps the preset's value" in topology.calibration
+    )

@@ -40,9 +40,24 @@ def test_fit_recovers_the_costs_it_was_given():
         assert costs.seconds(n, c) == pytest.approx(seconds)
 
 
-def test_fit_gives_none_where_a_cost_comes_out_negative():
-    # More candidates, less time: no positive per-candidate cost explains it.
-    assert fit_schedule_costs([(2e-3, 512, 1000), (1e-3, 512, 5000), (3e-3, 4096, 5000)]) is None
+def test_fit_keeps_the_costs_non_negative():
+    # More candidates, less time: no positive per-candidate cost explains it, so the fit
+    # without it stands (the ids' cost from the two batch sizes), that cost 0.
+    points = [(2e-3, 512, 1000), (1e-3, 512, 5000), (3e-3, 4096, 5000)]
+    costs = fit_schedule_costs(points)
+    assert costs.s_per_candidate == 0 and costs.s_per_id > 0
+    two = fit_schedule_costs([(2e-3, 512, 0), (1e-3, 512, 0), (3e-3, 4096, 0)])
+    assert two.s_per_id == pytest.approx(costs.s_per_id)
+    # A launch-bound GPU: the time follows the candidates, the ids' cost below the noise.
+    gpu = fit_schedule_costs(
+        [(1e-3 + c * 1e-9 - n * 1e-9, n, c) for n, c in ((1024, 4e5), (8192, 1e5), (2048, 8e5))]
+    )
+    assert gpu.s_per_id == 0 and gpu.s_per_candidate > 0 and gpu.fixed_s > 0
+
+
+def test_fit_gives_none_where_no_cost_comes_out_positive():
+    # More ids and more candidates, less time.
+    assert fit_schedule_costs([(3e-3, 512, 1000), (2e-3, 1024, 2000), (1e-3, 2048, 4000)]) is None
 
 
 def test_needs_three_points():
