@@ -85,7 +85,7 @@ def test_cuda_equals_cpu_engine_and_reference_bitwise(policy, capacity, depth, l
     assert stats == cpu_stats
     if capacity != 1.0:
         assert all(s["evictions"] > 0 and s["writebacks"] > 0 for s in stats.values()), stats
-    if policy == "lookahead":
+    if policy == "lookahead" or capacity == 1.0:  # (a cache of every row never misses)
         assert all(s["critical_misses"] == 0 for s in stats.values()), stats
     else:
         assert all(s["critical_misses"] > 0 for s in stats.values()), stats
