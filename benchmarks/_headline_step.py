@@ -4,14 +4,28 @@ cache's or FBGEMM's fused optimizer)."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import time
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+HOST_S: collections.Counter[str] = collections.Counter()
+"""Host seconds spent in each phase since it was last cleared (`gpu_headline.measure` clears it
+before the timed steps): the host's own work where it does not wait for the device."""
 
-def phase(name: str):  # noqa: ANN201
-    """A `## headline:NAME ##` range for `torch.profiler` (the JSON's phase times)."""
-    return torch.profiler.record_function(f"## headline:{name} ##")
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """A `## headline:NAME ##` range for `torch.profiler` (the JSON's phase times), its host
+    time added to `HOST_S`."""
+    start = time.perf_counter()
+    with torch.profiler.record_function(f"## headline:{name} ##"):
+        yield
+    HOST_S[name] += time.perf_counter() - start
 
 
 def dense_and_backward(

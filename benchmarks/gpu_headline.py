@@ -51,7 +51,10 @@ on the critical path), and the planning time per batch (host time in the schedul
 stage_next and release: the host launching the scheduler's work, which reads nothing back),
 and the stager's submit; for FBGEMM's caches their slots (`cache_rows`). Then --profile-steps
 steps run under `torch.profiler`: top ops by self CPU and device time and the `## headline:* ##`
-phases go to the JSON. `loss_max_diff`: largest difference of a variant's per-step losses from
+phases go to the JSON. Every variant's host time per timed step in each phase
+(`host_ms_per_step`: wall time on the host, a wait for the device included; where the host
+is the bottleneck, they sum to the step), and with --cprofile N the timed steps under cProfile:
+the N functions of most host time of their own, after the Python of distcache's own files. `loss_max_diff`: largest difference of a variant's per-step losses from
 the first variant's (same batches, same weights). Throughput ratios: `x_fbgemm_device` (the
 table's column when fbgemm_device ran) and `x_device` (nn.EmbeddingBag), `x_cpu_embeddings`.
 
@@ -67,8 +70,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import gc
 import math
+import pstats
 import sys
 import time
 import traceback
@@ -79,13 +85,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(ROOT))
 
 import _fbgemm_variants as fbgemm  # noqa: E402  (imports fbgemm_gpu only when building)
 from _common import print_table, write_json  # noqa: E402
 from _fbgemm_variants import FBGEMM_CACHED, FBGEMM_VARIANTS  # noqa: E402
-from _headline_step import dense_and_backward, phase  # noqa: E402
+from _headline_step import HOST_S, dense_and_backward, phase  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
 from distcache.cache import transfer  # noqa: E402
@@ -166,6 +173,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10, help="steps before timing (once full)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--profile-steps", type=int, default=5, help="0: no profile")
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        help="N > 0: the timed steps under cProfile, the N functions of most host time each",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -634,9 +647,13 @@ def measure(run: Run, args, device: torch.device) -> dict:
     before = _cache_totals(run.bags) if run.bags is not None else {}
     if run.probe is not None:
         run.probe.reset()
+    HOST_S.clear()
+    profiler = cProfile.Profile() if args.cprofile else None
     start = time.perf_counter()
-    for t in range(first, first + args.steps):
-        losses.append(run.step(t))
+    with profiler or contextlib.nullcontext():
+        for t in range(first, first + args.steps):
+            losses.append(run.step(t))
+    host = {name: 1e3 * s / args.steps for name, s in sorted(HOST_S.items())}
     _sync(device)
     wall = time.perf_counter() - start
     out: dict = {
@@ -649,6 +666,9 @@ def measure(run: Run, args, device: torch.device) -> dict:
         "losses": torch.stack(losses).cpu().tolist(),  # every step from the first
     }
     out["final_loss"] = sum(out["losses"][-5:]) / 5
+    out["host_ms_per_step"] = host  # each phase's host wall time (any wait in it included)
+    if profiler is not None:
+        out["host_functions"] = host_functions(profiler, args.steps, args.cprofile)
     out.update(run.info)
     if run.full is not None:
         out["cache_full"] = run.full()
@@ -776,6 +796,20 @@ def _report(results: list[dict], args, total_rows: int) -> None:
     )
 
 
+def host_functions(profiler: cProfile.Profile, steps: int, top: int) -> list[dict]:
+    """The `top` functions of most host time of their own (cProfile's tottime) per step, and
+    as the first row the Python of distcache's own files (the rest: torch's ops, the
+    benchmark, the interpreter)."""
+    rows, ours = [], 0.0
+    for (path, line, fn), (_, calls, own, total, _) in pstats.Stats(profiler).stats.items():
+        where = f"{path.split('site-packages/')[-1].removeprefix(str(ROOT) + '/')}:{line}({fn})"
+        ours += own if where.startswith("distcache/") else 0.0
+        rows.append({"function": where, "own_ms": 1e3 * own / steps,
+                     "total_ms": 1e3 * total / steps, "calls": calls / steps})  # fmt: skip
+    rows.sort(key=lambda r: -r["own_ms"])
+    return [{"function": "(distcache/*.py, own time)", "own_ms": 1e3 * ours / steps}, *rows[:top]]
+
+
 def _print_profile(result: dict) -> None:
     profile = result.get("profile")
     if not profile or "error" in profile:
@@ -828,9 +862,12 @@ def main(argv: list[str] | None = None) -> int:
         if "samples_per_s" in result:
             print(
                 f"{label}: {result['samples_per_s']:,.0f} samples/s, "
-                f"{result['step_ms']:.1f} ms/step, built in {result['build_s']:.1f} s",
+                f"{result['step_ms']:.1f} ms/step, built in {result['build_s']:.1f} s; host ms "
+                + ", ".join(f"{k} {v:.2f}" for k, v in result["host_ms_per_step"].items()),
                 flush=True,
             )
+            for f in result.get("host_functions", [])[:20]:
+                print(f"    {f['own_ms']:7.3f} ms/step  {f['function'][:100]}")
         results.append(result)
         write_json(args.json, config, results)  # after each variant: a timeout keeps the rest
     _report(results, args, sum(rows))

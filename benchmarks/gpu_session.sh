@@ -303,7 +303,29 @@ stage_issue33b() {
     pack_out
 }
 
-# Issue 36: what a TorchRec user runs, on one GPU: DMP + LookaheadTrainPipeline against TorchRec's
+# Issue 33, after the H200 session of 2026-11-27 (distcache's step was 4.2 ms at every cache size
+# and table set, FBGEMM's every-row-in-HBM step 2.7 ms: the host's work per step?): the CUDA
+# tests first (5 of 86 failed there; fixed since, unverified), then where the host's time goes,
+# at 1/100 of Criteo Terabyte's rows (the same ids per step): each phase's host ms per step for
+# FBGEMM with every row in HBM, its UVM cache and distcache, then distcache's timed steps under
+# cProfile (the functions of most host time):
+#     run(command="bash benchmarks/gpu_session.sh host", carry=[".fbg", ".whl"], timeout_s=400)
+stage_host() {
+    DEADLINE=$(($(date +%s) + ${HOST_SECONDS:-370}))
+    install_packages
+    environment
+    export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json
+    step pytest_gpu 150 $PY -m pytest tests/gpu -q -p no:cacheprovider -rs
+    step host_phases 100 $PY benchmarks/gpu_headline.py --device cuda --scale 100 --batch 4096 \
+        --variants fbgemm_device,distcache,fbgemm_uvm --capacities 0.02 --max-warmup 800 \
+        --warmup 20 --steps 200 --profile-steps 2 --json "$OUT/headline_host_phases.json"
+    step host_cprofile 80 $PY benchmarks/gpu_headline.py --device cuda --scale 100 --batch 4096 \
+        --variants distcache --capacities 0.02 --max-warmup 800 --warmup 20 --steps 200 \
+        --profile-steps 0 --cprofile 60 --json "$OUT/headline_host_cprofile.json"
+    pack_out
+}
+
+# Issue 36: what a TorchRec user runs, on one GPU:# Issue 36: what a TorchRec user runs, on one GPU: DMP + LookaheadTrainPipeline against TorchRec's
 # fused (every row in HBM) and fused_uvm_caching under TrainPipelineSparseDist and
 # PrefetchTrainPipelineSparseDist, at Criteo Terabyte's sizes (dim 16: 12 GB of rows per variant
 # in host memory) and Kaggle's; then the training job's GPU test (resume, bitwise):
@@ -374,13 +396,14 @@ case "${1:-}" in
     issue33) stage_issue33 ;;
     issue33a) stage_issue33a ;;
     issue33b) stage_issue33b ;;
+    host) stage_host ;;
     tests) stage_tests ;;
     engine) stage_engine ;;
     direct) stage_direct ;;
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac

@@ -232,11 +232,20 @@ def test_gpu_headline_rowwise_adagrad_on_cpu(tmp_path):
     fbgemm = importlib.util.find_spec("fbgemm_gpu") is not None
     results = _headline(
         tmp_path, "--optimizer", "rowwise_adagrad", "--warmup", "10",
-        "--variants", "fbgemm_device,distcache,lru,device",
+        "--variants", "fbgemm_device,distcache,lru,device", "--cprofile", "5",
     )  # fmt: skip
     by_name = {r["variant"]: r for r in results}
     assert "rowwise_adagrad" in by_name["device"]["skipped"]
     assert by_name["distcache"]["critical_misses"] == 0
+    # Where the host's time goes: each phase's, and (--cprofile) the functions of most.
+    host, functions = (
+        by_name["distcache"]["host_ms_per_step"],
+        by_name["distcache"]["host_functions"],
+    )
+    assert set(host) == {"enqueue", "stage", "forward", "dense", "backward"}
+    assert sum(host.values()) <= by_name["distcache"]["step_ms"] * 1.05
+    assert functions[0]["function"].startswith("(distcache") and functions[0]["own_ms"] > 0
+    assert len(functions) == 6 and all(f["calls"] > 0 for f in functions[1:])
     if not fbgemm:
         assert "fbgemm_gpu" in by_name["fbgemm_device"]["skipped"]
         return
