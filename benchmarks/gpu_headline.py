@@ -54,8 +54,9 @@ steps run under `torch.profiler`: top ops by self CPU and device time and the `#
 phases go to the JSON. Every variant's host time per timed step in each phase
 (`host_ms_per_step`: wall time on the host, a wait for the device included; where the host
 is the bottleneck, they sum to the step), and with --cprofile N the timed steps under cProfile:
-the N functions of most host time of their own, after the Python of distcache's own files. `loss_max_diff`: largest difference of a variant's per-step losses from
-the first variant's (same batches, same weights). Throughput ratios: `x_fbgemm_device` (the
+the N functions of most host time of their own, after the Python of distcache's own files.
+`loss_max_diff`: largest difference of a variant's per-step losses from the first variant's
+(same batches, same weights). Throughput ratios: `x_fbgemm_device` (the
 table's column when fbgemm_device ran) and `x_device` (nn.EmbeddingBag), `x_cpu_embeddings`.
 
 Usage::
