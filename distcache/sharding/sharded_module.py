@@ -460,9 +460,11 @@ class CachedShardedModule:
                 twin.compute_kernel = FUSED_KERNEL
                 patched[name] = twin
         self.module_sharding_plan = patched
+        # (TorchRec 1.6, the GPU machine's, has no `skip_registering` for sequence tables)
+        args = (skip_registering,) if skip_registering else ()
         try:
             with shards_pinned_as_they_are():  # on CUDA the host rows are page-locked
-                super()._initialize_torch_state(skip_registering)  # type: ignore[misc]
+                super()._initialize_torch_state(*args)  # type: ignore[misc]
         finally:
             self.module_sharding_plan = saved
 
