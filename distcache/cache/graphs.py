@@ -131,14 +131,14 @@ def padded_size(n: int) -> int:
 _ALIGN = 8  # bytes: every packed tensor starts at a multiple (int64's alignment)
 
 
-_PADDING: dict[torch.device, torch.Tensor] = {}
+_PADDING: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _padding(device: torch.device) -> torch.Tensor:
-    """`_ALIGN` bytes on `device`, made once (padding costs no launch of its own)."""
-    pad = _PADDING.get(device)
+def _padding(device: torch.device, nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes on `device`, made once (padding costs no launch or view of its own)."""
+    pad = _PADDING.get((device, nbytes))
     if pad is None:
-        pad = _PADDING[device] = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
+        pad = _PADDING[device, nbytes] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     return pad
 
 
@@ -157,22 +157,31 @@ class _Layout:
             offset += -(-nbytes // _ALIGN) * _ALIGN
         return _Layout(tuple(parts))
 
+    # Both run for every replayed call: each view op they skip where it would change nothing
+    # (a contiguous, 1-D or uint8 tensor) is host time a step does not spend.
     def pieces(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Byte views of `tensors` with the padding between them: what to concatenate."""
         out = []
-        for t, (_, _, _, nbytes) in zip(tensors, self.parts, strict=True):
-            out.append(t.contiguous().reshape(-1).view(torch.uint8))
+        for t, (_, dtype, _, nbytes) in zip(tensors, self.parts, strict=True):
+            if not t.is_contiguous():
+                t = t.contiguous()
+            if t.dim() != 1:
+                t = t.reshape(-1)
+            out.append(t if dtype == torch.uint8 else t.view(torch.uint8))
             pad = -nbytes % _ALIGN
             if pad:  # whatever bytes: nothing reads them
-                out.append(_padding(t.device)[:pad])
+                out.append(_padding(t.device, pad))
         return out
 
     def unpack(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Views of `buffer` (uint8) as the tensors (no copy)."""
-        return tuple(
-            buffer[offset : offset + nbytes].view(dtype).view(shape)
-            for offset, dtype, shape, nbytes in self.parts
-        )
+        out = []
+        for offset, dtype, shape, nbytes in self.parts:
+            t = buffer[offset : offset + nbytes]
+            if dtype != torch.uint8:
+                t = t.view(dtype)
+            out.append(t if len(shape) == 1 else t.view(shape))
+        return tuple(out)
 
 
 @dataclass
@@ -301,7 +310,8 @@ class GraphCache:
             if self.dropped >= self.limit:
                 self._stop(f"more than {self.limit} batch shapes in turn")
         graph = self._graph_type()()
-        _padding(inputs[0].device)  # made now, not in the graph's memory
+        for pad in range(1, _ALIGN):  # made now, not in the graph's memory
+            _padding(inputs[0].device, pad)
         layout_in = _Layout.of(inputs)
         packed_in = torch.cat(layout_in.pieces(inputs))
         layouts: list[_Layout] = []

@@ -372,3 +372,23 @@ def test_cuda_graphs_is_a_bool_or_none_which_means_on_for_cuda():
     assert not CacheConfig(cuda_graphs=False).graphs_on(torch.device("cuda"))
     bags = CachedEmbeddingBags(make_tables([4], [10]), CacheConfig(capacity=4))  # on the CPU
     assert not bags._graphs.enabled and not bags.engines[0].scheduler.graphs.enabled
+
+
+def test_the_packed_buffer_round_trips_every_kind_of_tensor():
+    """`_Layout` packs a call's tensors into one byte buffer and views them back: 1-D or not,
+    non-contiguous, 0-dim, bytes, bools, sizes that need padding, all come back equal."""
+    from distcache.cache.graphs import _Layout
+
+    g = torch.Generator().manual_seed(3)
+    tensors = (
+        torch.randint(0, 9, (5,), generator=g),  # int64
+        torch.randint(0, 9, (3, 4), generator=g, dtype=torch.int32).t(),  # 2-D, non-contiguous
+        torch.tensor(7, dtype=torch.int32),  # 0-dim
+        torch.randint(0, 255, (3,), generator=g, dtype=torch.uint8),
+        torch.rand(5, generator=g) > 0.5,  # bool, 5 bytes: padded
+        torch.rand(2, 3, generator=g, dtype=torch.float16),
+    )
+    layout = _Layout.of(tensors)
+    back = layout.unpack(torch.cat(layout.pieces(tensors)))
+    for t, b in zip(tensors, back, strict=True):
+        assert b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t)
