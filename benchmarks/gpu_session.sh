@@ -333,7 +333,7 @@ stage_host() {
     pack_out
 }
 
-# Issue 36: what a TorchRec user runs, on one GPU:# Issue 36: what a TorchRec user runs, on one GPU: DMP + LookaheadTrainPipeline against TorchRec's
+# Issue 36: what a TorchRec user runs, on one GPU: DMP + LookaheadTrainPipeline against TorchRec's
 # fused (every row in HBM) and fused_uvm_caching under TrainPipelineSparseDist and
 # PrefetchTrainPipelineSparseDist, at Criteo Terabyte's sizes (dim 16: 12 GB of rows per variant
 # in host memory) and Kaggle's; then the training job's GPU test (resume, bitwise):
