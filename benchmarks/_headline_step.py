@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 HOST_S: collections.Counter[str] = collections.Counter()
-"""Host seconds spent in each phase since it was last cleared (`gpu_headline.measure` clears it
-before the timed steps): the host's own work where it does not wait for the device."""
+"""Host wall seconds spent in each phase since it was last cleared (`gpu_headline.measure`
+clears it before the timed steps): the host's work, and any wait for the device in the phase."""
 
 
 @contextlib.contextmanager
