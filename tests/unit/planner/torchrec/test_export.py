@@ -271,15 +271,8 @@ def one_rank_group() -> Iterator[dist.ProcessGroup]:
 
 def test_exported_plan_trains_under_dmp(one_rank_group: dist.ProcessGroup) -> None:
     """The exported plan is what DMP + distcache's sharder take; a step updates every table."""
-    sharding_plan = to_sharding_plan(one_rank_plan(), WORKLOAD, world_size=1)
     torch.manual_seed(0)
-    model = DistributedModelParallel(
-        workload_ebc(WORKLOAD, device="cpu"),
-        env=ShardingEnv.from_process_group(one_rank_group),
-        device=torch.device("cpu"),
-        plan=sharding_plan,
-        sharders=[CachedEmbeddingBagCollectionSharder()],
-    )
+    model = _one_rank_dmp(one_rank_plan(), WORKLOAD, one_rank_group)
     before = _local_weights(model)
     names = [t.name for t in WORKLOAD.tables]
     batch = KeyedJaggedTensor.from_lengths_sync(
@@ -323,16 +316,22 @@ def test_the_cost_models_caches_are_the_engines(one_rank_group: dist.ProcessGrou
     tables = plan.tables
     terms = [table_plan_terms(tp, workload.table(tp.table), workload, topology) for tp in tables]
     modelled = {frozenset(c.tables) for c in rank_caches(plan, terms, workload, topology)}
-    model = DistributedModelParallel(
+    model = _one_rank_dmp(plan, workload, one_rank_group)
+    engines = {frozenset(key.split("/")[-1].split("+")) for key in cache_stats(model)}
+    assert engines == modelled
+    assert frozenset("abc") in engines
+
+
+def _one_rank_dmp(plan: Plan, workload: Workload, group: dist.ProcessGroup) -> torch.nn.Module:
+    """The workload's EmbeddingBagCollection under DMP on this rank's CPU, sharded by the
+    exported `plan` with distcache's sharder."""
+    return DistributedModelParallel(
         workload_ebc(workload, device="cpu"),
-        env=ShardingEnv.from_process_group(one_rank_group),
+        env=ShardingEnv.from_process_group(group),
         device=torch.device("cpu"),
         plan=to_sharding_plan(plan, workload, world_size=1),
         sharders=[CachedEmbeddingBagCollectionSharder()],
     )
-    engines = {frozenset(key.split("/")[-1].split("+")) for key in cache_stats(model)}
-    assert engines == modelled
-    assert frozenset("abc") in engines
 
 
 def _local_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -415,13 +414,7 @@ def test_a_table_named_items_trains_under_dmp(one_rank_group: dist.ProcessGroup)
             TablePlan(table="users", sharding=ROW_WISE, ranks=(0,)),
         ),
     )
-    model = DistributedModelParallel(
-        workload_ebc(workload, device="cpu"),
-        env=ShardingEnv.from_process_group(one_rank_group),
-        device=torch.device("cpu"),
-        plan=to_sharding_plan(plan, workload, world_size=1),
-        sharders=[CachedEmbeddingBagCollectionSharder()],
-    )
+    model = _one_rank_dmp(plan, workload, one_rank_group)
     before = _local_weights(model)
     batch = KeyedJaggedTensor.from_lengths_sync(
         keys=["items", "users"],  # features keep the tables' names
