@@ -11,6 +11,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _bench(script: str, *argv: str, timeout: int) -> subprocess.CompletedProcess:
+    """benchmarks/`script` run with `argv` from the project root; it must succeed (the tails of
+    its output otherwise)."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return run
+
+
 @pytest.mark.timeout(120)
 def test_throughput_smoke(tmp_path):
     out = tmp_path / "throughput.json"
@@ -21,14 +32,7 @@ def test_throughput_smoke(tmp_path):
         "--sync-capacities", "0.05", "--hook-capacities", "0.05",
         "--threads", "1", "--timeout", "100", "--json", str(out),
     ]  # fmt: skip
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    run = _bench("throughput.py", *argv, timeout=110)
     assert "0 critical-path misses" in run.stdout
     payload = json.loads(out.read_text())
     assert payload["config"]["ranks"] == 1 and payload["config"]["lookahead"] == 2
@@ -62,12 +66,7 @@ def test_throughput_smoke(tmp_path):
 @pytest.mark.timeout(120)
 def test_engine_throughput_smoke(tmp_path):
     out = tmp_path / "engine.json"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "engine_throughput.py"), "--quick",
-         "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    _bench("engine_throughput.py", "--quick", "--json", str(out), timeout=110)
     payload = json.loads(out.read_text())
     assert payload["commit"] and "processor" in payload["machine"]
     assert len(payload["source_sha256"]) == 16
@@ -124,14 +123,7 @@ def test_hot_rows_smoke(tmp_path, kind):
     out = tmp_path / "hot.json"
     argv = [*kind, "--pooling", "1"] if "--pooled" in kind else kind
     argv += ["--rounds", "1", "--steps", "2", "--warmup", "1"]
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "hot_rows.py"), *argv, "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=140,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    _bench("hot_rows.py", *argv, "--json", str(out), timeout=140)
     payload = json.loads(out.read_text())
     *rows, summary = payload["results"]
     assert [r["plan"] for r in rows] == ["distcache", "distcache without hot rows", "torchrec"]
@@ -179,11 +171,7 @@ def _headline(tmp_path, *extra: str) -> list[dict]:
         "--max-warmup", "40", "--capacities", "0.05", "--lru-capacities", "0.05",
         "--profile-steps", "0", "--json", str(out), *extra,
     ]  # fmt: skip
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_headline.py"), *argv],
-        cwd=ROOT, capture_output=True, text=True, timeout=200,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    _bench("gpu_headline.py", *argv, timeout=200)
     return json.loads(out.read_text())["results"]
 
 
@@ -209,12 +197,7 @@ def test_gpu_headline_on_cpu_and_the_planner_against_it(tmp_path):
         for name in ("device", "distcache", "lru"):  # against fbgemm_device's losses
             assert by_name[name]["loss_max_diff"] < 1e-5, name
     headline, compared = tmp_path / "headline.json", tmp_path / "planner.json"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "planner_vs_gpu.py"), str(headline),
-         "--json", str(compared)],
-        cwd=ROOT, capture_output=True, text=True, timeout=200,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    _bench("planner_vs_gpu.py", str(headline), "--json", str(compared), timeout=200)
     rows = {r["variant"]: r for r in json.loads(compared.read_text())["results"]}
     assert rows.keys() == measured
     for name in ("distcache", "distcache_worker", "distcache_eager"):
@@ -289,14 +272,7 @@ def test_cache_policies_steady_state_and_the_planners_model(tmp_path):
         "--policies", "optimal,lookahead,lru", "--lookahead", "16", "--steady-after", "100",
         "--model", "--json", str(out),
     ]  # fmt: skip
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cache_policies.py"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    _bench("cache_policies.py", *argv, timeout=110)
     rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"optimal", "lookahead L=16 K=1", "lru", "model: frequency", "model: lru"}
     assert all(rows[p]["batches"] == 60 for p in ("optimal", "lookahead L=16 K=1", "lru"))
