@@ -98,6 +98,12 @@ class CacheConfig:
     CUDA device, off elsewhere (on CPU an emulation replays the recorded ops, slower: for
     tests). On a GPU they save the host most of its launches, which otherwise set the pace
     (benchmarks/results/README.md, "Results on a GPU")."""
+    fused: bool = False
+    """Run the scheduler's per-batch passes that `distcache.cache.fused` has fused as its Triton
+    kernels (so far: a batch entering the window, about 40 kernels in 5), instead of torch's
+    ops; the plans and the state are the same, bit for bit. On CUDA they are compiled (Triton
+    must be installed) and captured into the scheduler's graphs; on CPU Triton's interpreter
+    runs them, slowly, without graphs (for tests). Off by default until measured on a GPU."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
@@ -155,6 +161,8 @@ class CacheConfig:
             )
         if not isinstance(self.check_ids, bool):
             _fail("check_ids", self.check_ids, "True or False")
+        if not isinstance(self.fused, bool):
+            _fail("fused", self.fused, "True or False")
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
             _fail("cuda_graphs", self.cuda_graphs, "True, False, or None (on for CUDA devices)")
         for name in ("learning_rate", "eps"):

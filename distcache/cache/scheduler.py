@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from distcache.cache import fused as fused_passes
 from distcache.cache.counters import Counters
 from distcache.cache.graphs import GraphCache, padded_size
 from distcache.cache.policies import EvictionPolicy
@@ -118,6 +119,8 @@ class Scheduler:
             of its own n.
         exact: the policy scores every slot for every batch (O(capacity) a batch: for
             Belady's optimum in the simulator), instead of the candidates of `Victims`.
+        fused: run the passes `distcache.cache.fused` fuses as its kernels
+            (`CacheConfig.fused`).
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class Scheduler:
         name: str = "cache",
         graphs: bool = False,
         exact: bool = False,
+        fused: bool = False,
     ):
         device = torch.device(device)
         if not 1 <= capacity <= num_rows:
@@ -158,6 +162,7 @@ class Scheduler:
         # A whole cache's plans' transfer lists, by size: the sentinel row (and slot) alone.
         self._no_transfers: dict[int, torch.Tensor] = {}
         self.graphs = GraphCache(device, enabled=graphs, name=name)
+        self._kernels = fused_passes.kernels(device, graphs=graphs) if fused else None
         self.clear()
 
     # ---------------------------------------------------------------- window
@@ -213,6 +218,11 @@ class Scheduler:
 
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
+        if self._kernels is not None and not self.whole:
+            ids_total = self._totals.select(0, _IDS)
+            return fused_passes.enter(
+                self._kernels, self.window, self.residency, ids_total, ids, at
+            )
         real = ids != self.residency.sentinel_row
         self._totals.select(0, _IDS).add_(real.sum())
         if self.whole:  # no next use is read, no sort (`_stage_whole`)

@@ -91,7 +91,7 @@ class Window:
         self.sentinel_row, self.trash_row = num_rows, num_rows + 1
         self.latest = torch.full((num_rows + 2,), -1, dtype=torch.int32, device=device)
         self.next_use = torch.full((1024,), NO_USE, dtype=torch.int32, device=device)
-        self._pad: torch.Tensor | None = None  # trash rows that pad a sort (`_sort`)
+        self._pad: torch.Tensor | None = None  # trash rows that pad a sort (`sort`)
         self._live: deque[WindowBatch] = deque()  # entered and not yet left, oldest first
         self._tail = 0  # end of the newest batch's positions
         self.generation = 0  # bumped when `next_use` is replaced (graphs captured it)
@@ -141,7 +141,7 @@ class Window:
         `valid`, `positions` and `distinct`."""
         n = ids.numel()
         # Rows fit int32 (`Residency`), which sorts faster than int64 (1.6 x at 200k ids, CPU).
-        ordered, order = self._sort(ids.to(torch.int32))  # [n]
+        ordered, order = self.sort(ids.to(torch.int32))  # [n]
         first = torch.ones(n, dtype=torch.bool, device=self.device)
         first[1:] = ordered[1:] != ordered[:-1]  # the first id of each distinct row
         rank = first.cumsum(0, dtype=torch.int32) - 1  # [n] each sorted id's row among the distinct
@@ -171,7 +171,7 @@ class Window:
         rows = torch.where(valid, ids, self.sentinel_row)
         return rows, rep, valid, here.add_(at[1])
 
-    def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`torch.sort` of `[n]` int32 ids; batches of `_PAD_FROM` to `_RADIX_FROM` ids are
         sorted padded to `_RADIX_FROM` with the trash row, which sorts after every id, so the
         first n entries are the batch's."""

@@ -1,0 +1,99 @@
+"""The scheduler's per-batch passes as a few fused kernels (`CacheConfig.fused`).
+
+On a GPU the scheduler's work for a batch is about 150 small kernels (a graph replays them with
+one launch, but each still costs the device a few microseconds and a pass over its operands).
+A fused pass does in one kernel what a run of them does, reading each operand once. Each one
+here computes exactly what the torch ops it replaces compute (the same values, the same state
+left behind: `tests/unit/cache/test_fused.py` runs both on the same traces), so the torch ops
+remain the reference, and the path every device without Triton runs.
+
+Fused so far:
+- `enter`: a batch entering the window (`Window.enter_device` and the scheduler's next uses of
+  resident rows): after the sort and the running count of distinct rows, one kernel packs the
+  rows, inverts the sort, links each row's previous occurrence, records its latest one, resets
+  the batch's positions, gives the resident rows it is the first to use their next use, and
+  counts the ids. About 40 kernels become 5 (the conversion, the sort, the row starts, their
+  running count, the pass).
+
+The kernels are Triton's (`fused_kernels`), compiled on CUDA; on CPU Triton's interpreter runs
+them (slow: for tests, which compare them with the torch ops). Their launches are not torch
+ops, so the CPU emulation of graphs (`graphs.CPUGraph`) cannot record them: on CPU they run
+without graphs. A CUDA graph captures them like any kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from distcache.cache.residency import NO_USE, Residency
+from distcache.cache.window import Window
+from distcache.errors import DistcacheConfigError
+
+BLOCK = 1024  # ids per program
+
+
+@functools.cache
+def _kernels(*, interpret: bool) -> dict | None:
+    try:
+        from distcache.cache import fused_kernels
+    except ImportError:
+        return None
+    return fused_kernels.build(interpret=interpret)
+
+
+def kernels(device: torch.device, *, graphs: bool = False) -> dict:
+    """The fused kernels for `device`: compiled for CUDA, interpreted on CPU (tests).
+
+    Raises:
+        DistcacheConfigError: Triton is not installed, or graphs are asked on CPU (their
+            emulation records torch ops only).
+    """
+    cuda = device.type == "cuda"
+    if not cuda and graphs:
+        raise DistcacheConfigError(
+            "CacheConfig.fused=True with cuda_graphs=True on CPU: the CPU emulation of graphs "
+            "records torch ops, not Triton kernels; use cuda_graphs=False on CPU"
+        )
+    found = _kernels(interpret=not cuda)
+    if found is None:
+        raise DistcacheConfigError(
+            "CacheConfig.fused=True needs Triton (pip install triton), which is not installed; "
+            "use fused=False"
+        )
+    return found
+
+
+def enter(
+    found: dict,
+    window: Window,
+    residency: Residency,
+    total: torch.Tensor,
+    ids: torch.Tensor,
+    at: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """`Window.enter_device(ids, at)`'s `rows, inv, valid, positions` and `distinct`, with the
+    scheduler's entry work done as well: the resident rows the batch is the first in the
+    window to use get its seq as their slot's next use, and its ids that are not the sentinel
+    row are added to `total` (a 0-dim int64 view)."""
+    n, device = ids.numel(), ids.device
+    if n == 0:
+        empty = ids.new_empty(0)
+        none = torch.zeros(1, dtype=torch.int32, device=device)
+        return empty, empty.int(), empty.bool(), empty.int(), none
+    ordered, order = window.sort(ids.to(torch.int32))
+    grid = (-(-n // BLOCK),)
+    first = torch.empty(n, dtype=torch.int32, device=device)
+    found["first"][grid](ordered, first, n, BLOCK=BLOCK)
+    count = first.cumsum(0, dtype=torch.int32)  # distinct rows among ordered[: i + 1]
+    rows = torch.empty(n, dtype=torch.int64, device=device)
+    inv = torch.empty(n, dtype=torch.int32, device=device)
+    valid = torch.empty(n, dtype=torch.bool, device=device)
+    positions = torch.empty(n, dtype=torch.int32, device=device)
+    found["enter"][grid](
+        ordered, order, count, at, window.latest, window.next_use, residency.slot_of,
+        residency.next_use, total, rows, inv, valid.view(torch.uint8), positions, n,
+        window.sentinel_row, NO_USE, BLOCK=BLOCK,
+    )  # fmt: skip
+    return rows, inv, valid, positions, count[-1:]

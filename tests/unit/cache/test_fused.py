@@ -1,0 +1,164 @@
+"""The scheduler's fused passes (`CacheConfig.fused`) against the torch ops they replace.
+
+Two schedulers see the same batches, one with the torch ops (the reference), one with the fused
+kernels run by Triton's interpreter (what CUDA compiles): every plan and every piece of state
+they keep must be equal, bit for bit, batch after batch, through filling, eviction, dirty
+write-backs, batches with padding and duplicate rows, and batches of changing sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from distcache import CacheConfig, CachedEmbeddingBags
+from distcache.cache import fused
+from distcache.cache.policies import make_policy
+from distcache.cache.scheduler import Scheduler
+from distcache.errors import DistcacheConfigError
+from tests.unit.cache.reference import integer_weights, loss_of, make_batches, make_tables
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+_PLAN = ("slots", "id_slots", "load_rows", "load_slots", "writeback_rows", "writeback_slots")
+
+
+def _state(s: Scheduler) -> dict[str, torch.Tensor]:
+    """Everything the scheduler keeps, less the trash entries: masked writes land there (the
+    torch ops write them, the kernels skip them), and nothing reads them."""
+    res, win = s.residency, s.window
+    state = {
+        "slot_of": res.slot_of,
+        "row_of": res.row_of,
+        "dirty": res.dirty,
+        "pin": res.pin,
+        "next_use": res.next_use,
+        "latest": win.latest,
+        "ring": win.next_use[: win.ring_size],
+        "totals": s._totals,
+    }
+    state.update({f"policy.{k}": v for k, v in vars(s.policy).items() if torch.is_tensor(v)})
+    per_row, per_slot = res.num_rows + 2, res.capacity + 2
+    return {
+        name: t[:-1] if t.numel() in (per_row, per_slot) and name != "ring" else t
+        for name, t in state.items()
+    }
+
+
+def _assert_same(ref: Scheduler, got: Scheduler, where: str) -> None:
+    for name, tensor in _state(ref).items():
+        other = _state(got)[name]
+        assert torch.equal(tensor, other), f"{where}: {name} differs"
+
+
+def _pair(rows: int, capacity: int, policy: str, lookahead: int) -> tuple[Scheduler, Scheduler]:
+    return tuple(
+        Scheduler(rows, capacity, make_policy(policy), lookahead=lookahead, fused=f)
+        for f in (False, True)
+    )
+
+
+def _batches(rows: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
+    """Power-law ids with duplicates, some of them the sentinel row (padding, invalid ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, rows + 2, dtype=torch.float64)
+    return [torch.multinomial(weights, n, replacement=True, generator=gen) for n in sizes]
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("policy", "capacity", "lookahead", "sizes"),
+    [
+        ("lookahead", 60, 4, [50] * 30),  # small: fills, then evicts every batch
+        ("lookahead", 400, 8, [37, 300, 5, 128, 1, 90] * 5),  # changing sizes
+        ("lru", 80, 3, [64] * 25),
+        ("lookahead", 1000, 2, [200] * 12),  # a cache of every row (`_stage_whole`)
+    ],
+)
+def test_the_fused_scheduler_plans_and_keeps_state_as_the_torch_ops(
+    policy, capacity, lookahead, sizes
+):
+    rows = 1000 if capacity == 1000 else 500
+    ref, got = _pair(rows, capacity, policy, lookahead)
+    batches = _batches(rows, sizes, seed=capacity)
+    fed = 0
+    for s in (ref, got):
+        if s.needs_fill:
+            s.fill_whole()
+    for t in range(len(batches)):
+        while fed < len(batches) and fed <= t + lookahead:
+            seqs = [s.enqueue(batches[fed]) for s in (ref, got)]
+            assert seqs[0] == seqs[1]
+            fed += 1
+            _assert_same(ref, got, f"batch {fed - 1} entered")
+        plans = [s.stage_next() for s in (ref, got)]
+        for name in _PLAN:
+            a, b = (getattr(p, name) for p in plans)
+            assert torch.equal(a, b), f"batch {t}: plan.{name} differs"
+        assert torch.equal(plans[0].counts, plans[1].counts), f"batch {t}: counts differ"
+        assert torch.equal(plans[0].inverse, plans[1].inverse)
+        for s, plan in zip((ref, got), plans, strict=True):
+            s.note_counts(plan.counts.tolist())
+            s.release(plan, updated=t % 3 != 0)
+        _assert_same(ref, got, f"batch {t} staged")
+    assert ref.counters == got.counters
+    assert dataclasses.asdict(ref.counters)["loads"] > 0 or capacity == 1000
+
+
+@needs_triton
+def test_a_batch_without_ids_enters_the_fused_window():
+    ref, got = _pair(100, 20, "lookahead", 2)
+    for s in (ref, got):
+        s.enqueue(torch.zeros(0, dtype=torch.int64))
+    _assert_same(ref, got, "an empty batch entered")
+
+
+def test_fused_with_graph_emulation_on_cpu_is_refused():
+    with pytest.raises(DistcacheConfigError, match="cuda_graphs=False on CPU"):
+        fused.kernels(torch.device("cpu"), graphs=True)
+
+
+def test_fused_without_triton_says_so(monkeypatch):
+    monkeypatch.setattr(fused, "_kernels", lambda *, interpret: None)
+    with pytest.raises(DistcacheConfigError, match="needs Triton"):
+        fused.kernels(torch.device("cpu"))
+
+
+@needs_triton
+def test_cached_bags_with_the_fused_scheduler_train_as_without():
+    """Through `CacheConfig.fused`: the outputs of every step and the rows after a flush are
+    those of the torch ops, bitwise, with the cache evicting and writing dirty rows back."""
+    runs = [_train_bags(f) for f in (False, True)]
+    for t, (a, b) in enumerate(zip(runs[0][1], runs[1][1], strict=True)):
+        assert torch.equal(a, b), f"step {t}"
+    (ref, _), (got, _) = runs
+    counters = ("loads", "writebacks", "evictions", "hits", "unique", "critical_misses")
+    a, b = ([getattr(next(iter(c.stats().values())), k) for k in counters] for c in (ref, got))
+    assert a == b and a[1] > 0
+    for c in (ref, got):
+        c.flush()
+    for table in ("t0", "t1"):
+        assert torch.equal(ref.table_weight(table), got.table_weight(table)), table
+
+
+def _train_bags(fused_passes: bool):
+    tables = make_tables([4, 4], [60, 40], ["sum", "mean"])
+    config = CacheConfig(capacity=20, lookahead=4, learning_rate=0.5, fused=fused_passes)
+    cached = CachedEmbeddingBags(tables, config)
+    for table, weight in zip(tables, integer_weights(tables, 0), strict=True):
+        cached.load_table_weight(table.name, weight)
+    batches = make_batches(tables, batch_size=4, num_batches=30, max_len=3, seed=5)
+    outs, enqueued = [], 0
+    for t, batch in enumerate(batches):
+        while enqueued < len(batches) and enqueued <= t + config.lookahead:
+            cached.enqueue(*batches[enqueued])
+            enqueued += 1
+        cached.prefetch()
+        out = cached(*batch)
+        loss_of(out).backward()
+        outs.append(out.detach())
+    return cached, outs
