@@ -29,6 +29,8 @@ copy of the tables at a time), all from the same initial weights and batches:
   updates by torch's ops over the slots instead of FBGEMM's TBE);
 - distcache_eager (only if named in --variants): distcache with `cuda_graphs=False` (every
   kernel of a batch's routing and scheduling launched one by one: the default before 2026-11-26);
+- distcache_fused (only if named in --variants): distcache with `fused=True` (the scheduler's
+  fused Triton passes, `distcache.cache.fused`, in place of the torch ops they replace);
 - lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
 - device: every row in device memory (`nn.EmbeddingBag`, sparse SGD; SGD only), if it fits;
 - cpu_embeddings (CUDA only): those bags in host memory, pooled embeddings sent to the device.
@@ -119,8 +121,12 @@ VARIANTS = (
     "distcache_worker",
     "distcache_eager",
     "distcache_torch",
+    "distcache_fused",
 )
-CACHED = ("distcache", "distcache_worker", "distcache_eager", "distcache_torch", "lru")
+CACHED = (
+    "distcache", "distcache_worker", "distcache_eager", "distcache_torch", "distcache_fused",
+    "lru",
+)  # fmt: skip
 DEFAULT_VARIANTS = VARIANTS[:7]  # distcache_worker and _eager on request (--variants)
 PLAIN_OPTIMIZERS = ("sgd",)  # what `device` and `cpu_embeddings` (torch.optim) train with
 _BLOCK = 1 << 22  # floats in the random block tiled over the rows
@@ -405,6 +411,7 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
         staging="worker" if name == "distcache_worker" else None,
         cuda_graphs=False if name == "distcache_eager" else None,
         kernel="torch" if name == "distcache_torch" else None,
+        fused=name == "distcache_fused",
     )
     bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
     dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)
@@ -744,6 +751,8 @@ def _plan(args) -> list[tuple[str, float | None]]:
         out += [("distcache_eager", c) for c in args.capacities]
     if "distcache_torch" in args.variants:
         out += [("distcache_torch", c) for c in args.capacities]
+    if "distcache_fused" in args.variants:
+        out += [("distcache_fused", c) for c in args.capacities]
     if "device" in args.variants:
         out.append(("device", None))
     if "lru" in args.variants:

@@ -313,10 +313,12 @@ stage_issue33b() {
 # at 1/100 of Criteo Terabyte's rows (the same ids per step): each phase's host ms per step for
 # FBGEMM with every row in HBM, its UVM cache and distcache (host-bound if they sum to the step;
 # else the device: without graphs, the profile names the scheduler's kernels and their device
-# time), then distcache's timed steps under cProfile (the functions of most host time):
-#     run(command="bash benchmarks/gpu_session.sh host", carry=[".fbg", ".whl"], timeout_s=450)
+# time), then distcache against the same with its scheduler's fused passes (`fused=True`, which
+# shortens the enqueue graph from about 40 kernels to 5: if the step shortens, the device's
+# work bounds it), then distcache's timed steps under cProfile (the functions of most host time):
+#     run(command="bash benchmarks/gpu_session.sh host", carry=[".fbg", ".whl"], timeout_s=510)
 stage_host() {
-    DEADLINE=$(($(date +%s) + ${HOST_SECONDS:-420}))
+    DEADLINE=$(($(date +%s) + ${HOST_SECONDS:-480}))
     install_packages
     environment
     export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json
@@ -327,7 +329,10 @@ stage_host() {
         --variants fbgemm_device,distcache,fbgemm_uvm,distcache_eager --capacities 0.02,1.0 \
         --max-warmup 800 --warmup 20 --steps 200 --profile-steps 2 \
         --json "$OUT/headline_host_phases.json"
-    step host_cprofile 80 $PY benchmarks/gpu_headline.py --device cuda --scale 100 --batch 4096 \
+    step host_fused 70 $PY benchmarks/gpu_headline.py --device cuda --scale 100 --batch 4096 \
+        --variants fbgemm_device,distcache,distcache_fused --capacities 0.02 --max-warmup 800 \
+        --warmup 20 --steps 200 --profile-steps 2 --json "$OUT/headline_host_fused.json"
+    step host_cprofile 60 $PY benchmarks/gpu_headline.py --device cuda --scale 100 --batch 4096 \
         --variants distcache --capacities 0.02 --max-warmup 800 --warmup 20 --steps 200 \
         --profile-steps 0 --cprofile 60 --json "$OUT/headline_host_cprofile.json"
     pack_out

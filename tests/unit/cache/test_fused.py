@@ -55,11 +55,23 @@ def _assert_same(ref: Scheduler, got: Scheduler, where: str) -> None:
         assert torch.equal(tensor, other), f"{where}: {name} differs"
 
 
-def _pair(rows: int, capacity: int, policy: str, lookahead: int) -> tuple[Scheduler, Scheduler]:
+def _pair(
+    rows: int,
+    capacity: int,
+    policy: str,
+    lookahead: int,
+    *,
+    device: str = "cpu",
+    graphs: bool = False,
+) -> tuple[Scheduler, Scheduler]:
+    """Schedulers with the torch ops and with the fused kernels (`graphs`: both replay)."""
     return tuple(
-        Scheduler(rows, capacity, make_policy(policy), lookahead=lookahead, fused=f)
+        Scheduler(
+            rows, capacity, make_policy(policy), lookahead=lookahead, device=device,
+            graphs=graphs, fused=f,
+        )
         for f in (False, True)
-    )
+    )  # fmt: skip
 
 
 def _batches(rows: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
@@ -82,9 +94,15 @@ def _batches(rows: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
 def test_the_fused_scheduler_plans_and_keeps_state_as_the_torch_ops(
     policy, capacity, lookahead, sizes
 ):
+    run_pair(policy, capacity, lookahead, sizes, device="cpu", graphs=False)
+
+
+def run_pair(policy, capacity, lookahead, sizes, *, device, graphs) -> None:  # noqa: ANN001
+    """Both schedulers through `sizes`' batches, compared after every entry and every plan
+    (also `tests/gpu/test_fused_cuda.py`'s, with the compiled kernels)."""
     rows = 1000 if capacity == 1000 else 500
-    ref, got = _pair(rows, capacity, policy, lookahead)
-    batches = _batches(rows, sizes, seed=capacity)
+    ref, got = _pair(rows, capacity, policy, lookahead, device=device, graphs=graphs)
+    batches = [b.to(device) for b in _batches(rows, sizes, seed=capacity)]
     fed = 0
     for s in (ref, got):
         if s.needs_fill:
