@@ -100,8 +100,9 @@ class CacheConfig:
     (benchmarks/results/README.md, "Results on a GPU")."""
     fused: bool = False
     """Run the scheduler's per-batch passes that `distcache.cache.fused` has fused as its Triton
-    kernels (so far: a batch entering the window, about 40 kernels in 5), instead of torch's
-    ops; the plans and the state are the same, bit for bit. On CUDA they are compiled (Triton
+    kernels (a batch entering the window; its rows looked up and placed when it is staged:
+    about half of a batch's scheduling launches), instead of torch's ops; the plans and the
+    state are the same, bit for bit. On CUDA they are compiled (Triton
     must be installed) and captured into the scheduler's graphs; on CPU Triton's interpreter
     runs them, slowly, without graphs (for tests). Off by default until measured on a GPU."""
     hot_rows: tuple[int, ...] = ()

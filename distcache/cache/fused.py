@@ -7,13 +7,20 @@ here computes exactly what the torch ops it replaces compute (the same values, t
 left behind: `tests/unit/cache/test_fused.py` runs both on the same traces), so the torch ops
 remain the reference, and the path every device without Triton runs.
 
-Fused so far:
+Fused so far (counted in torch ops that launch work, a steady-state batch of 3,000 ids of a
+50,000-row table in a 2,000-slot cache: `Scheduler.enqueue` 37 -> 5, `stage_next` 89 -> 57):
 - `enter`: a batch entering the window (`Window.enter_device` and the scheduler's next uses of
   resident rows): after the sort and the running count of distinct rows, one kernel packs the
   rows, inverts the sort, links each row's previous occurrence, records its latest one, resets
   the batch's positions, gives the resident rows it is the first to use their next use, and
-  counts the ids. About 40 kernels become 5 (the conversion, the sort, the row starts, their
-  running count, the pass).
+  counts the ids.
+- `look_up`: a staging batch's rows leave the window and are looked up, pinned or flagged as
+  misses (`Scheduler._look_up`);
+- `place`: the victims' rows evicted (flagged for write-back), then each row's slot taken and
+  recorded in both maps, pinned, its next use kept, the rows to load listed
+  (`Scheduler._place`): two kernels, the first reads the victims' rows before the second
+  replaces them.
+Choosing the victims (`Victims.choose`, `select.select_largest`) is not fused yet.
 
 The kernels are Triton's (`fused_kernels`), compiled on CUDA; on CPU Triton's interpreter runs
 them (slow: for tests, which compare them with the torch ops). Their launches are not torch
@@ -97,3 +104,56 @@ def enter(
         window.sentinel_row, NO_USE, BLOCK=BLOCK,
     )  # fmt: skip
     return rows, inv, valid, positions, count[-1:]
+
+
+def look_up(
+    found: dict, window: Window, residency: Residency, rows: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """A staging batch's rows leave the window and are looked up (`Scheduler._look_up`):
+    each row's next use `[m]` int32, its miss flag `[m]` int32, its slot or the sentinel slot
+    `[m]` int64 (pinned), the running count of misses `[m]` int32 and the misses (0-dim
+    int64). `m` must be at least 1."""
+    m, device = rows.numel(), rows.device
+    next_use = torch.empty(m, dtype=torch.int32, device=device)
+    miss = torch.empty(m, dtype=torch.int32, device=device)
+    hit = torch.empty(m, dtype=torch.int64, device=device)
+    found["look_up"][(-(-m // BLOCK),)](
+        rows, positions, window.latest, window.next_use, residency.slot_of, residency.pin,
+        next_use, miss, hit, m, residency.sentinel_slot, BLOCK=BLOCK,
+    )  # fmt: skip
+    count = miss.cumsum(0, dtype=torch.int32)
+    return next_use, miss, hit, count, count[-1].long()
+
+
+def place(
+    found: dict,
+    residency: Residency,
+    rows: torch.Tensor,
+    looked_up: tuple[torch.Tensor, ...],
+    victims: torch.Tensor,
+    taken: torch.Tensor,
+    size: int,
+) -> tuple[torch.Tensor, ...]:
+    """The plan's residency updates (`Scheduler._place`) from `look_up`'s results: each row's
+    slot `[m]` int64, which rows got a victim `[m]`, the victims' old rows `[size + 1]`, which
+    were evicted and which written back (bool), and the rows to load `[size]` (then the
+    sentinel row)."""
+    next_use, miss, hit, count, _ = looked_up
+    m, v, device = rows.numel(), victims.numel(), rows.device
+    old = torch.empty(v, dtype=torch.int64, device=device)
+    evicted = torch.empty(v, dtype=torch.bool, device=device)
+    writeback = torch.empty(v, dtype=torch.bool, device=device)
+    res = residency
+    found["evict"][(-(-v // BLOCK),)](
+        victims, res.row_of, res.slot_of, res.dirty.view(torch.uint8), old,
+        evicted.view(torch.uint8), writeback.view(torch.uint8), v, res.capacity, BLOCK=BLOCK,
+    )  # fmt: skip
+    slot = torch.empty(m, dtype=torch.int64, device=device)
+    got = torch.empty(m, dtype=torch.bool, device=device)
+    loads = torch.full((size + 1,), res.sentinel_row, dtype=torch.int64, device=device)
+    found["place"][(-(-m // BLOCK),)](
+        rows, miss, count, hit, victims, taken, next_use, res.slot_of, res.row_of, res.pin,
+        res.next_use, slot, got.view(torch.uint8), loads, m, size, res.sentinel_slot,
+        BLOCK=BLOCK,
+    )  # fmt: skip
+    return slot, got, old, evicted, writeback, loads[:size]

@@ -83,13 +83,120 @@ def _enter(
     tl.atomic_add(total + zero, zero + i + 1, mask=last)
 
 
+# A staging batch's rows (`rows`, packed, at `positions` in the window's ring), row j each: it
+# leaves the window (its next use read from the ring; its latest occurrence forgotten where it
+# is this one) and is looked up in the cache: a resident row's slot is pinned, a missing row is
+# flagged (int32, for its running count) and pins the sentinel slot instead, as the sentinel
+# row (padding) does. Pins are atomic adds (rows are distinct, but the sentinel slot is shared).
+def _look_up(
+    rows,
+    positions,
+    latest,
+    ring,
+    slot_of,
+    pin,
+    next_use_out,
+    miss_out,
+    hit_out,
+    n,
+    sentinel_slot,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    row = tl.load(rows + i, mask=inside, other=0)
+    pos = tl.load(positions + i, mask=inside, other=0)
+    tl.store(next_use_out + i, tl.load(ring + pos, mask=inside, other=0), mask=inside)
+    last = inside & (tl.load(latest + row, mask=inside, other=-1) == pos)
+    tl.store(latest + row, pos * 0 - 1, mask=last)
+    slot = tl.load(slot_of + row, mask=inside, other=0).to(tl.int64)
+    miss = slot < 0
+    hit = tl.where(miss, slot * 0 + sentinel_slot, slot)
+    tl.store(miss_out + i, miss.to(tl.int32), mask=inside)
+    tl.store(hit_out + i, hit, mask=inside)
+    tl.atomic_add(pin + hit, (pos * 0 + 1).to(tl.int32), mask=inside)
+
+
+# The victims' side of a plan, entry v of `victims` (the chosen slots, then the sentinel slot):
+# the row a real victim holds is evicted (no longer resident), written back if its slot is
+# dirty, and the slot is clean from now on. Runs before `_place`, which refills the slots.
+def _evict(
+    victims,
+    row_of,
+    slot_of,
+    dirty,
+    old_out,
+    evicted_out,
+    writeback_out,
+    n,
+    capacity,
+    BLOCK: tl.constexpr,
+):
+    v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = v < n
+    victim = tl.load(victims + v, mask=inside, other=0)
+    old = tl.load(row_of + victim, mask=inside, other=-1)
+    evicted = inside & (victim < capacity) & (old >= 0)
+    writeback = evicted & (tl.load(dirty + victim, mask=inside, other=0) != 0)
+    tl.store(slot_of + old, (old * 0 - 1).to(tl.int32), mask=evicted)
+    tl.store(dirty + victim, (victim * 0).to(tl.uint8), mask=inside)
+    tl.store(old_out + v, old, mask=inside)
+    tl.store(evicted_out + v, evicted.to(tl.uint8), mask=inside)
+    tl.store(writeback_out + v, writeback.to(tl.uint8), mask=inside)
+
+
+# Row j of a staging batch takes its slot: the k-th miss (k = count[j] - 1) the k-th victim,
+# if there is one (k < taken), and becomes resident there (both maps), its slot pinned (the
+# others pin the sentinel slot, as the torch ops do), its next use recorded, and it is listed
+# at k among the rows to load. A hit keeps its slot. (A miss past the victims, an overflow that
+# the engine raises at lookup, reads the sentinel slot.)
+def _place(
+    rows,
+    miss,
+    count,
+    hit,
+    victims,
+    taken,
+    next_use,
+    slot_of,
+    row_of,
+    pin,
+    slot_next_use,
+    slot_out,
+    got_out,
+    loads_out,
+    n,
+    size,
+    sentinel_slot,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    k = tl.load(count + i, mask=inside, other=1) - 1
+    got = inside & (tl.load(miss + i, mask=inside, other=0) != 0) & (k < tl.load(taken))
+    victim = tl.load(victims + tl.minimum(tl.maximum(k, 0), size), mask=inside, other=0)
+    slot = tl.where(got, victim, tl.load(hit + i, mask=inside, other=0))
+    row = tl.load(rows + i, mask=inside, other=0)
+    tl.store(slot_of + row, slot.to(tl.int32), mask=got)
+    tl.store(row_of + slot, row, mask=got)
+    pinned = tl.where(got, slot, slot * 0 + sentinel_slot)
+    tl.atomic_add(pin + pinned, (k * 0 + 1).to(tl.int32), mask=inside)
+    use = tl.load(next_use + i, mask=inside, other=0)
+    tl.store(slot_next_use + slot, use, mask=inside & (slot != sentinel_slot))
+    tl.store(loads_out + k, row, mask=got)
+    tl.store(slot_out + i, slot, mask=inside)
+    tl.store(got_out + i, got.to(tl.uint8), mask=inside)
+
+
 def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
     """The kernels, compiled for the GPU, or (`interpret`) run by Triton's interpreter on CPU
     tensors."""
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:
-        return {"first": triton.jit(_first), "enter": triton.jit(_enter)}
+        kernels = {"first": _first, "enter": _enter, "look_up": _look_up}
+        kernels.update(evict=_evict, place=_place)
+        return {name: triton.jit(fn) for name, fn in kernels.items()}
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)

@@ -317,16 +317,14 @@ class Scheduler:
         tensors, `StagePlan.slots` to `counts`. `fill`: the misses take free slots in order;
         else `Victims.choose` picks them, sweeping `scan` slots (`full`: known to have no
         free slot left, so none is offered)."""
-        res, cap, n = self.residency, self.capacity, rows.numel()
-        size = min(n, cap)
-        next_use = self.window.leave_device(rows, positions)  # [n] each row's next use
-        # [n] -1: not resident. The sentinel row (padding) always sits in the sentinel slot
-        # (`Residency`), so it is never a miss, and pinning it is harmless.
-        slot = res.slot_of.index_select(0, rows).long()
-        miss = slot < 0
-        want = miss.sum()
-        hit_slots = torch.where(miss, res.sentinel_slot, slot)
-        res.pin.index_add_(0, hit_slots, self._one.expand(n))
+        res, n = self.residency, rows.numel()
+        size = min(n, self.capacity)
+        found = self._kernels if n else None  # (the kernels need a row)
+        if found is None:
+            looked_up = self._look_up(rows, positions)
+        else:
+            looked_up = fused_passes.look_up(found, self.window, res, rows, positions)
+        want = looked_up[-1]
         seq = at[0]  # on the device
         if fill:
             victims, taken, candidates = self._free_victims(want, size)  # [size + 1]
@@ -334,23 +332,11 @@ class Scheduler:
             victims, taken, candidates = self.victims.choose(
                 seq, want, size, self._fill, scan, free=not full
             )
-        rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
-        got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
-        # [n] each row's slot: its victim, where it is, or for a miss without a victim (the
-        # cache overflowed: an error at lookup) the sentinel slot.
-        slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), hit_slots)
-
-        old = res.row_of.index_select(0, victims)  # [size + 1] the victims' rows (-1: free)
-        real = victims < cap
-        evicted = real & (old >= 0)
-        writeback = evicted & res.dirty.index_select(0, victims)
-        res.slot_of.index_fill_(0, torch.where(evicted, old, res.trash_row), -1)
-        res.slot_of.scatter_(0, torch.where(got, rows, res.trash_row), slot.int())
-        res.row_of.scatter_(0, torch.where(got, slot, res.trash_slot), rows)
-        res.dirty.index_fill_(0, victims, False)
-        loaded_slots = torch.where(got, slot, res.sentinel_slot)
-        res.pin.index_add_(0, loaded_slots, self._one.expand(n))
-        res.next_use.scatter_(0, slot, next_use)
+        if found is None:
+            placed = self._place(rows, looked_up, victims, taken, size)
+        else:
+            placed = fused_passes.place(found, res, rows, looked_up, victims, taken, size)
+        slot, got, old, evicted, writeback, loads = placed
         self.policy.on_stage(seq, rows, slot, got)
 
         unique = valid.sum()
@@ -364,12 +350,61 @@ class Scheduler:
         return (
             slot,
             slot.index_select(0, inv),
-            pack(got, rank, rows, size, res.sentinel_row),
+            loads,
             victims[:size],
             old.index_select(0, wb_at),
             victims.index_select(0, wb_at),
             counts,
         )
+
+    def _look_up(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A staging batch's `[m]` rows leave the window and are looked up: each row's next use,
+        whether it misses, its slot (the sentinel slot for a miss), pinned, and the misses
+        (0-dim). (`fused.look_up` in one kernel.)"""
+        res, n = self.residency, rows.numel()
+        next_use = self.window.leave_device(rows, positions)  # [n] each row's next use
+        # [n] -1: not resident. The sentinel row (padding) always sits in the sentinel slot
+        # (`Residency`), so it is never a miss, and pinning it is harmless.
+        slot = res.slot_of.index_select(0, rows).long()
+        miss = slot < 0
+        want = miss.sum()
+        hit_slots = torch.where(miss, res.sentinel_slot, slot)
+        res.pin.index_add_(0, hit_slots, self._one.expand(n))
+        return next_use, miss, hit_slots, want
+
+    def _place(
+        self,
+        rows: torch.Tensor,
+        looked_up: tuple[torch.Tensor, ...],
+        victims: torch.Tensor,
+        taken: torch.Tensor,
+        size: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """The plan's residency updates: the k-th miss takes the k-th victim (k < taken),
+        whose row is evicted (written back if dirty). Each row's slot, which rows got a victim,
+        the victims' old rows, which were evicted and written back, and the rows to load.
+        (`fused.place` in two kernels.)"""
+        res, n = self.residency, rows.numel()
+        next_use, miss, hit_slots, _ = looked_up
+        rank = miss.cumsum(0, dtype=torch.int32) - 1  # (int32: a bool cumsum to int64 is 6x slower)
+        got = miss & (rank < taken)  # misses that get a slot (all of them unless overflow)
+        # [n] each row's slot: its victim, where it is, or for a miss without a victim (the
+        # cache overflowed: an error at lookup) the sentinel slot.
+        slot = torch.where(got, victims.index_select(0, rank.clamp(0, size)), hit_slots)
+
+        old = res.row_of.index_select(0, victims)  # [size + 1] the victims' rows (-1: free)
+        real = victims < self.capacity
+        evicted = real & (old >= 0)
+        writeback = evicted & res.dirty.index_select(0, victims)
+        res.slot_of.index_fill_(0, torch.where(evicted, old, res.trash_row), -1)
+        res.slot_of.scatter_(0, torch.where(got, rows, res.trash_row), slot.int())
+        res.row_of.scatter_(0, torch.where(got, slot, res.trash_slot), rows)
+        res.dirty.index_fill_(0, victims, False)
+        loaded_slots = torch.where(got, slot, res.sentinel_slot)
+        res.pin.index_add_(0, loaded_slots, self._one.expand(n))
+        res.next_use.scatter_(0, slot, next_use)
+        loads = pack(got, rank, rows, size, res.sentinel_row)
+        return slot, got, old, evicted, writeback, loads
 
     def _stage_whole(
         self,
