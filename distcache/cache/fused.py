@@ -7,20 +7,24 @@ here computes exactly what the torch ops it replaces compute (the same values, t
 left behind: `tests/unit/cache/test_fused.py` runs both on the same traces), so the torch ops
 remain the reference, and the path every device without Triton runs.
 
-Fused so far (counted in torch ops that launch work, a steady-state batch of 3,000 ids of a
-50,000-row table in a 2,000-slot cache: `Scheduler.enqueue` 37 -> 5, `stage_next` 89 -> 57):
+Fused so far (counted in torch ops and kernels that launch work, a steady-state batch of
+3,000 ids of a 200,000-row table in a full 20,000-slot cache, 6,000 slots swept:
+`Scheduler.enqueue` 37 -> 5, `stage_next` 94 -> 42):
 - `enter`: a batch entering the window (`Window.enter_device` and the scheduler's next uses of
   resident rows): after the sort and the running count of distinct rows, one kernel packs the
   rows, inverts the sort, links each row's previous occurrence, records its latest one, resets
   the batch's positions, gives the resident rows it is the first to use their next use, and
-  counts the ids.
+  counts the ids;
 - `look_up`: a staging batch's rows leave the window and are looked up, pinned or flagged as
   misses (`Scheduler._look_up`);
 - `place`: the victims' rows evicted (flagged for write-back), then each row's slot taken and
   recorded in both maps, pinned, its next use kept, the rows to load listed
   (`Scheduler._place`): two kernels, the first reads the victims' rows before the second
-  replaces them.
-Choosing the victims (`Victims.choose`, `select.select_largest`) is not fused yet.
+  replaces them;
+- `candidates`: once the cache is full, the look-ahead policy's candidate slots (a sweep, or
+  every slot) scored and counted into the histogram that selects victims (`Victims.choose`).
+  The selection from the histogram (`select.select_counted`) and the reactive policies'
+  candidates stay torch ops.
 
 The kernels are Triton's (`fused_kernels`), compiled on CUDA; on CPU Triton's interpreter runs
 them (slow: for tests, which compare them with the torch ops). Their launches are not torch
@@ -34,6 +38,7 @@ import functools
 
 import torch
 
+from distcache.cache.policies import LookaheadPolicy
 from distcache.cache.residency import NO_USE, Residency
 from distcache.cache.window import Window
 from distcache.errors import DistcacheConfigError
@@ -157,3 +162,32 @@ def place(
         BLOCK=BLOCK,
     )  # fmt: skip
     return slot, got, old, evicted, writeback, loads[:size]
+
+
+def candidates(
+    found: dict,
+    residency: Residency,
+    policy: LookaheadPolicy,
+    hand: torch.Tensor,
+    seq: torch.Tensor,
+    scan: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The look-ahead policy's candidates once the cache is full (`Victims.choose` with
+    `free=False`): `scan` slots swept from `hand` (moved past them), or every slot where
+    `scan` covers the cache; their slots `[m + 1]` (then the sentinel slot), keys `[m]`
+    (int32, -1 where pinned) and the keys' histogram (`select.select_counted`)."""
+    cap, device = residency.capacity, hand.device
+    sweep = scan < cap
+    m = scan if sweep else cap
+    slots = torch.empty(m + 1, dtype=torch.int64, device=device)
+    keys = torch.empty(m, dtype=torch.int32, device=device)
+    hist = torch.zeros(policy.classes + 1, dtype=torch.int32, device=device)
+    hand_out = torch.empty(1, dtype=torch.int64, device=device) if sweep else slots
+    found["candidates"][(-(-(m + 1) // BLOCK),)](
+        hand, seq, residency.pin, residency.next_use, policy.uses, slots, keys, hist,
+        hand_out, m, cap, residency.sentinel_slot, policy.far, policy.use_bits,
+        (1 << policy.use_bits) - 1, SWEEP=sweep, BLOCK=BLOCK,
+    )  # fmt: skip
+    if sweep:
+        hand.copy_(hand_out[0])
+    return slots, keys, hist

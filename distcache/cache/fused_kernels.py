@@ -188,6 +188,52 @@ def _place(
     tl.store(got_out + i, got.to(tl.uint8), mask=inside)
 
 
+# The look-ahead policy's candidates for a staging batch once the cache is full
+# (`Victims.choose`): candidate c is slot hand + c (wrapping; with `SWEEP` off, slot c: every
+# slot), scored by `LookaheadPolicy.keys` (the distance class of its row's next use, then its
+# rarity), -1 where the slot is pinned, and counted into the histogram of `select_counted`
+# (atomically: bin k + 1 for key k). Entry m is the sentinel slot (what padding picks) and,
+# swept, the next sweep's start is written to `hand_out`.
+def _candidates(
+    hand,
+    seq_at,
+    pin,
+    next_use,
+    uses,
+    slots_out,
+    keys_out,
+    hist,
+    hand_out,
+    m,
+    capacity,
+    sentinel_slot,
+    far,
+    use_bits,
+    top,
+    SWEEP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < m
+    slot = c.to(tl.int64)
+    if SWEEP:
+        slot = tl.load(hand) + slot
+        slot = tl.where(slot < capacity, slot, slot - capacity)
+    seq = tl.load(seq_at)
+    pinned = tl.load(pin + slot, mask=inside, other=0) != 0
+    distance = tl.load(next_use + slot, mask=inside, other=0) - seq
+    distance = tl.minimum(tl.maximum(distance, 0), far)
+    rarity = top - tl.minimum(tl.load(uses + slot, mask=inside, other=0), top)
+    key = tl.where(pinned, distance * 0 - 1, (distance << use_bits) | rarity)
+    tl.store(keys_out + c, key, mask=inside)
+    tl.store(slots_out + c, slot, mask=inside)
+    tl.atomic_add(hist + key + 1, key * 0 + 1, mask=inside)
+    end = c == m
+    tl.store(slots_out + c, slot * 0 + sentinel_slot, mask=end)
+    if SWEEP:
+        tl.store(hand_out + c * 0, slot, mask=end)
+
+
 def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
     """The kernels, compiled for the GPU, or (`interpret`) run by Triton's interpreter on CPU
     tensors."""
@@ -195,7 +241,7 @@ def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:
         kernels = {"first": _first, "enter": _enter, "look_up": _look_up}
-        kernels.update(evict=_evict, place=_place)
+        kernels.update(evict=_evict, place=_place, candidates=_candidates)
         return {name: triton.jit(fn) for name, fn in kernels.items()}
     finally:
         if saved is None:

@@ -163,6 +163,7 @@ class Scheduler:
         self._no_transfers: dict[int, torch.Tensor] = {}
         self.graphs = GraphCache(device, enabled=graphs, name=name)
         self._kernels = fused_passes.kernels(device, graphs=graphs) if fused else None
+        self.victims.kernels = self._kernels
         self.clear()
 
     # ---------------------------------------------------------------- window

@@ -39,6 +39,15 @@ def select_largest(
     m = keys.numel()
     hist = torch.zeros(num_classes + 1, dtype=keys.dtype, device=keys.device)
     hist.index_add_(0, keys + 1, keys.new_ones(1).expand(m))  # bin 0: keys of -1
+    return select_counted(keys, hist, num_classes, want, size)
+
+
+def select_counted(
+    keys: torch.Tensor, hist: torch.Tensor, num_classes: int, want: torch.Tensor, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`select_largest` of `keys` whose histogram is counted already: `hist` `[num_classes +
+    1]`, bin k + 1 the keys of class k (bin 0 those of -1)."""
+    m = keys.numel()
     below = hist[1:].cumsum(0, dtype=hist.dtype)  # [c] keys in [0, c] (an int cumsum is int64 else)
     candidates = below[-1:].long()  # [1] keys >= 0
     # The boundary class: the largest c with at least `want` keys >= c, that is with at most

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from distcache.cache.policies import EvictionPolicy
+from distcache.cache import fused
+from distcache.cache.policies import EvictionPolicy, LookaheadPolicy
 from distcache.cache.residency import Residency
-from distcache.cache.select import select_largest
+from distcache.cache.select import select_counted, select_largest
 
 
 class Victims:
@@ -47,6 +48,9 @@ class Victims:
         self.policy = policy
         device = residency.row_of.device
         self._hand = torch.zeros((), dtype=torch.int64, device=device)  # the sweep (2) resumes here
+        # `fused.kernels`: a full cache's look-ahead candidates scored in one kernel (the
+        # scheduler's `fused`); None: by the torch ops.
+        self.kernels: dict | None = None
 
     def clear(self) -> None:
         self._hand.zero_()
@@ -82,6 +86,14 @@ class Victims:
         res, cap = self.residency, self.residency.capacity
         device = fill.device
         live = None
+        if self.kernels is not None and not free and isinstance(self.policy, LookaheadPolicy):
+            slots, keys, hist = fused.candidates(
+                self.kernels, res, self.policy, self._hand, seq, scan
+            )
+            picked, taken, candidates = select_counted(
+                keys, hist, self.policy.classes, want, size + 1
+            )
+            return slots.index_select(0, picked), taken, candidates
         if scan >= cap:  # every slot: free ones (from `fill` on) first
             slots = torch.arange(cap, device=device)
             is_free = slots >= fill if free else None
