@@ -9,7 +9,7 @@ remain the reference, and the path every device without Triton runs.
 
 Fused so far (counted in torch ops and kernels that launch work, a steady-state batch of
 3,000 ids of a 200,000-row table in a full 20,000-slot cache, 6,000 slots swept:
-`Scheduler.enqueue` 37 -> 5, `stage_next` 94 -> 42):
+`Scheduler.enqueue` 37 -> 5, `stage_next` 94 -> 29):
 - `enter`: a batch entering the window (`Window.enter_device` and the scheduler's next uses of
   resident rows): after the sort and the running count of distinct rows, one kernel packs the
   rows, inverts the sort, links each row's previous occurrence, records its latest one, resets
@@ -22,9 +22,11 @@ Fused so far (counted in torch ops and kernels that launch work, a steady-state 
   (`Scheduler._place`): two kernels, the first reads the victims' rows before the second
   replaces them;
 - `candidates`: once the cache is full, the look-ahead policy's candidate slots (a sweep, or
-  every slot) scored and counted into the histogram that selects victims (`Victims.choose`).
-  The selection from the histogram (`select.select_counted`) and the reactive policies'
-  candidates stay torch ops.
+  every slot) scored and counted into the histogram that selects victims (`Victims.choose`);
+- `select_counted`: the victims selected from that histogram: the boundary class found by one
+  program (a binary search of the histogram's running count), the boundary's candidates
+  flagged, the selected ones flagged (then compacted by `nonzero_static`).
+The reactive policies' candidates, and free slots, stay torch ops.
 
 The kernels are Triton's (`fused_kernels`), compiled on CUDA; on CPU Triton's interpreter runs
 them (slow: for tests, which compare them with the torch ops). Their launches are not torch
@@ -191,3 +193,28 @@ def candidates(
     if sweep:
         hand.copy_(hand_out[0])
     return slots, keys, hist
+
+
+def select_counted(
+    found: dict,
+    keys: torch.Tensor,
+    hist: torch.Tensor,
+    num_classes: int,
+    want: torch.Tensor,
+    size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`select.select_counted` (the same results) in three kernels beside its two running
+    counts and the compaction: the boundary class found by one program, the boundary's keys
+    flagged, then the selected ones."""
+    m, device = keys.numel(), keys.device
+    below = hist[1:].cumsum(0, dtype=hist.dtype)
+    line = torch.empty(4, dtype=torch.int64, device=device)  # boundary, need, taken, candidates
+    found["boundary"][(1,)](below, want, line, num_classes, STEPS=num_classes.bit_length() + 1)
+    grid = (max(1, -(-m // BLOCK)),)
+    tie = torch.empty(m, dtype=torch.int32, device=device)
+    found["ties"][grid](keys, line, tie, m, BLOCK=BLOCK)
+    take = torch.empty(m, dtype=torch.bool, device=device)
+    ties = tie.cumsum(0, dtype=torch.int32)
+    found["take"][grid](keys, line, ties, take.view(torch.uint8), m, BLOCK=BLOCK)
+    picked = torch.nonzero_static(take, size=size, fill_value=m).squeeze(1)
+    return picked, line[2], line[3]

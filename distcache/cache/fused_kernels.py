@@ -234,6 +234,51 @@ def _candidates(
         tl.store(hand_out + c * 0, slot, mask=end)
 
 
+# Where `select_counted` draws the line, in one program: `below[c]` the candidates of class at
+# most c (the histogram's running count), `want` the victims wanted (int64). The boundary class
+# is the first c whose count exceeds the candidates that may stay (a binary search of `below`,
+# as `searchsorted(right=True)`, at most classes - 1); `need` is how many of its keys are taken.
+# `out`: boundary, need, taken (min(want, candidates)), candidates (int64).
+def _boundary(below, want, out, classes, STEPS: tl.constexpr):
+    candidates = tl.load(below + classes - 1).to(tl.int64)
+    wanted = tl.load(want)
+    spare = (candidates - wanted).to(tl.int32)
+    lo = classes * 0
+    hi = classes + lo
+    for _ in range(STEPS):
+        open_ = lo < hi
+        mid = (lo + hi) // 2
+        right = open_ & (tl.load(below + mid, mask=open_, other=0) <= spare)
+        hi = tl.where(open_ & ~right, mid, hi)
+        lo = tl.where(right, mid + 1, lo)
+    boundary = tl.minimum(lo, classes - 1)
+    need = wanted - (candidates - tl.load(below + boundary).to(tl.int64))
+    tl.store(out, boundary.to(tl.int64))
+    tl.store(out + 1, need)
+    tl.store(out + 2, tl.minimum(wanted, candidates))
+    tl.store(out + 3, candidates)
+
+
+# `tie[c]`: 1 where candidate c's key is the boundary class (int32, for its running count).
+def _ties(keys, line, tie, m, BLOCK: tl.constexpr):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < m
+    key = tl.load(keys + c, mask=inside, other=-1)
+    tl.store(tie + c, (key == tl.load(line).to(tl.int32)).to(tl.int32), mask=inside)
+
+
+# `take[c]`: candidate c is selected: its key is above the boundary, or it is among the first
+# `need` of the boundary's (`ties`: their running count).
+def _take(keys, line, ties, take, m, BLOCK: tl.constexpr):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < m
+    key = tl.load(keys + c, mask=inside, other=-1)
+    boundary = tl.load(line).to(tl.int32)
+    need = tl.load(line + 1)
+    tied = (key == boundary) & (tl.load(ties + c, mask=inside, other=0).to(tl.int64) <= need)
+    tl.store(take + c, ((key > boundary) | tied).to(tl.uint8), mask=inside)
+
+
 def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
     """The kernels, compiled for the GPU, or (`interpret`) run by Triton's interpreter on CPU
     tensors."""
@@ -242,6 +287,7 @@ def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
     try:
         kernels = {"first": _first, "enter": _enter, "look_up": _look_up}
         kernels.update(evict=_evict, place=_place, candidates=_candidates)
+        kernels.update(boundary=_boundary, ties=_ties, take=_take)
         return {name: triton.jit(fn) for name, fn in kernels.items()}
     finally:
         if saved is None:

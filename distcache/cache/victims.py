@@ -32,7 +32,7 @@ import torch
 from distcache.cache import fused
 from distcache.cache.policies import EvictionPolicy, LookaheadPolicy
 from distcache.cache.residency import Residency
-from distcache.cache.select import select_counted, select_largest
+from distcache.cache.select import select_largest
 
 
 class Victims:
@@ -90,8 +90,8 @@ class Victims:
             slots, keys, hist = fused.candidates(
                 self.kernels, res, self.policy, self._hand, seq, scan
             )
-            picked, taken, candidates = select_counted(
-                keys, hist, self.policy.classes, want, size + 1
+            picked, taken, candidates = fused.select_counted(
+                self.kernels, keys, hist, self.policy.classes, want, size + 1
             )
             return slots.index_select(0, picked), taken, candidates
         if scan >= cap:  # every slot: free ones (from `fill` on) first
