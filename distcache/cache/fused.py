@@ -9,7 +9,7 @@ remain the reference, and the path every device without Triton runs.
 
 Fused so far (counted in torch ops and kernels that launch work, a steady-state batch of
 3,000 ids of a 200,000-row table in a full 20,000-slot cache, 6,000 slots swept:
-`Scheduler.enqueue` 37 -> 5, `stage_next` 94 -> 29):
+`Scheduler.enqueue` 37 -> 5, `stage_next` 94 -> 26):
 - `enter`: a batch entering the window (`Window.enter_device` and the scheduler's next uses of
   resident rows): after the sort and the running count of distinct rows, one kernel packs the
   rows, inverts the sort, links each row's previous occurrence, records its latest one, resets
@@ -19,8 +19,8 @@ Fused so far (counted in torch ops and kernels that launch work, a steady-state 
   misses (`Scheduler._look_up`);
 - `place`: the victims' rows evicted (flagged for write-back), then each row's slot taken and
   recorded in both maps, pinned, its next use kept, the rows to load listed
-  (`Scheduler._place`): two kernels, the first reads the victims' rows before the second
-  replaces them;
+  (`Scheduler._place`), and the look-ahead policy's use counts kept (its `on_stage`): two
+  kernels, the first reads the victims' rows before the second replaces them;
 - `candidates`: once the cache is full, the look-ahead policy's candidate slots (a sweep, or
   every slot) scored and counted into the histogram that selects victims (`Victims.choose`);
 - `select_counted`: the victims selected from that histogram: the boundary class found by one
@@ -140,11 +140,12 @@ def place(
     victims: torch.Tensor,
     taken: torch.Tensor,
     size: int,
+    uses: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The plan's residency updates (`Scheduler._place`) from `look_up`'s results: each row's
     slot `[m]` int64, which rows got a victim `[m]`, the victims' old rows `[size + 1]`, which
     were evicted and which written back (bool), and the rows to load `[size]` (then the
-    sentinel row)."""
+    sentinel row). `uses`: the look-ahead policy's (`LookaheadPolicy.on_stage` done too)."""
     next_use, miss, hit, count, _ = looked_up
     m, v, device = rows.numel(), victims.numel(), rows.device
     old = torch.empty(v, dtype=torch.int64, device=device)
@@ -160,8 +161,8 @@ def place(
     loads = torch.full((size + 1,), res.sentinel_row, dtype=torch.int64, device=device)
     found["place"][(-(-m // BLOCK),)](
         rows, miss, count, hit, victims, taken, next_use, res.slot_of, res.row_of, res.pin,
-        res.next_use, slot, got.view(torch.uint8), loads, m, size, res.sentinel_slot,
-        BLOCK=BLOCK,
+        res.next_use, slot, got.view(torch.uint8), loads, slot if uses is None else uses, m,
+        size, res.sentinel_slot, USES=uses is not None, BLOCK=BLOCK,
     )  # fmt: skip
     return slot, got, old, evicted, writeback, loads[:size]
 

@@ -149,7 +149,8 @@ def _evict(
 # if there is one (k < taken), and becomes resident there (both maps), its slot pinned (the
 # others pin the sentinel slot, as the torch ops do), its next use recorded, and it is listed
 # at k among the rows to load. A hit keeps its slot. (A miss past the victims, an overflow that
-# the engine raises at lookup, reads the sentinel slot.)
+# the engine raises at lookup, reads the sentinel slot.) With `USES`, the look-ahead policy's
+# `on_stage` too: a loaded row's slot has been used once, the others once more.
 def _place(
     rows,
     miss,
@@ -165,9 +166,11 @@ def _place(
     slot_out,
     got_out,
     loads_out,
+    uses,
     n,
     size,
     sentinel_slot,
+    USES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -186,6 +189,10 @@ def _place(
     tl.store(loads_out + k, row, mask=got)
     tl.store(slot_out + i, slot, mask=inside)
     tl.store(got_out + i, got.to(tl.uint8), mask=inside)
+    if USES:
+        once = (k * 0 + 1).to(tl.int32)
+        tl.store(uses + slot, once, mask=got)
+        tl.atomic_add(uses + slot, once, mask=inside & ~got)
 
 
 # The look-ahead policy's candidates for a staging batch once the cache is full

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from distcache.cache import fused as fused_passes
 from distcache.cache.counters import Counters
 from distcache.cache.graphs import GraphCache, padded_size
-from distcache.cache.policies import EvictionPolicy
+from distcache.cache.policies import EvictionPolicy, LookaheadPolicy
 from distcache.cache.residency import NO_USE, Residency
 from distcache.cache.select import pack
 from distcache.cache.streams import HostCopy
@@ -333,12 +333,14 @@ class Scheduler:
             victims, taken, candidates = self.victims.choose(
                 seq, want, size, self._fill, scan, free=not full
             )
+        uses = self.policy.uses if isinstance(self.policy, LookaheadPolicy) else None
         if found is None:
             placed = self._place(rows, looked_up, victims, taken, size)
         else:
-            placed = fused_passes.place(found, res, rows, looked_up, victims, taken, size)
+            placed = fused_passes.place(found, res, rows, looked_up, victims, taken, size, uses)
         slot, got, old, evicted, writeback, loads = placed
-        self.policy.on_stage(seq, rows, slot, got)
+        if found is None or uses is None:  # (else the kernel did it)
+            self.policy.on_stage(seq, rows, slot, got)
 
         unique = valid.sum()
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
