@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.gpu.common import CUDA_REASON
-from tests.unit.cache.test_fused import run_pair
+from tests.unit.cache.test_fused import compare_training, run_pair
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON),
@@ -32,3 +32,8 @@ def test_the_compiled_fused_scheduler_matches_the_torch_ops(
     policy, capacity, lookahead, sizes, graphs
 ):
     run_pair(policy, capacity, lookahead, sizes, device="cuda", graphs=graphs)
+
+
+def test_cached_bags_with_the_compiled_fused_scheduler_train_as_without():
+    """With the CUDA defaults (graphs, direct staging): outputs, counters and flushed rows."""
+    compare_training("cuda")

@@ -153,7 +153,13 @@ def test_fused_without_triton_says_so(monkeypatch):
 def test_cached_bags_with_the_fused_scheduler_train_as_without():
     """Through `CacheConfig.fused`: the outputs of every step and the rows after a flush are
     those of the torch ops, bitwise, with the cache evicting and writing dirty rows back."""
-    runs = [_train_bags(f) for f in (False, True)]
+    compare_training("cpu")
+
+
+def compare_training(device: str) -> None:
+    """`CachedEmbeddingBags` with and without `fused` on `device` (its defaults there) trains
+    alike (also `tests/gpu/test_fused_cuda.py`'s)."""
+    runs = [_train_bags(f, device) for f in (False, True)]
     for t, (a, b) in enumerate(zip(runs[0][1], runs[1][1], strict=True)):
         assert torch.equal(a, b), f"step {t}"
     (ref, _), (got, _) = runs
@@ -166,20 +172,20 @@ def test_cached_bags_with_the_fused_scheduler_train_as_without():
         assert torch.equal(ref.table_weight(table), got.table_weight(table)), table
 
 
-def _train_bags(fused_passes: bool):
+def _train_bags(fused_passes: bool, device: str):
     tables = make_tables([4, 4], [60, 40], ["sum", "mean"])
     config = CacheConfig(capacity=20, lookahead=4, learning_rate=0.5, fused=fused_passes)
-    cached = CachedEmbeddingBags(tables, config)
+    cached = CachedEmbeddingBags(tables, config, device=device)
     for table, weight in zip(tables, integer_weights(tables, 0), strict=True):
         cached.load_table_weight(table.name, weight)
     batches = make_batches(tables, batch_size=4, num_batches=30, max_len=3, seed=5)
     outs, enqueued = [], 0
     for t, batch in enumerate(batches):
         while enqueued < len(batches) and enqueued <= t + config.lookahead:
-            cached.enqueue(*batches[enqueued])
+            cached.enqueue(*(x.to(device) for x in batches[enqueued]))
             enqueued += 1
         cached.prefetch()
-        out = cached(*batch)
+        out = cached(*(x.to(device) for x in batch))
         loss_of(out).backward()
-        outs.append(out.detach())
+        outs.append(out.detach().cpu())
     return cached, outs
