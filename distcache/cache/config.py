@@ -100,9 +100,10 @@ class CacheConfig:
     (benchmarks/results/README.md, "Results on a GPU")."""
     fused: bool = False
     """Run the scheduler's per-batch passes that `distcache.cache.fused` has fused as its Triton
-    kernels (a batch entering the window; its rows looked up and placed, and a full cache's
-    look-ahead victims chosen, when it is staged: 131 of a steady-state batch's scheduling
-    launches become 31), instead of torch's ops; the plans and the
+    kernels (a batch routed, where one cache serves every feature; entering the window; its
+    rows looked up and placed, and a full cache's look-ahead victims chosen, when it is
+    staged: 147 of a steady-state batch's routing and scheduling launches become 33), instead
+    of torch's ops; the plans and the
     state are the same, bit for bit. On CUDA they are compiled (Triton
     must be installed) and captured into the scheduler's graphs; on CPU Triton's interpreter
     runs them, slowly, without graphs (for tests). Off by default until measured on a GPU."""

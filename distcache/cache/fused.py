@@ -9,7 +9,11 @@ remain the reference, and the path every device without Triton runs.
 
 Fused so far (counted in torch ops and kernels that launch work, a steady-state batch of
 3,000 ids of a 200,000-row table in a full 20,000-slot cache, 6,000 slots swept:
-`Scheduler.enqueue` 37 -> 5, `stage_next` 94 -> 26):
+`Scheduler.enqueue` 37 -> 5, `stage_next` 94 -> 26; and the routing of 26 sum-pooled features
+16 -> 2):
+- `route`: a batch routed into a cache whose one group serves every feature
+  (`CachedEmbeddingBags._route_device`): each id's bag (a binary search of the offsets), its
+  feature, its engine row, checked against its table's rows (the invalid ones counted);
 - `enter`: a batch entering the window (`Window.enter_device` and the scheduler's next uses of
   resident rows): after the sort and the running count of distinct rows, one kernel packs the
   rows, inverts the sort, links each row's previous occurrence, records its latest one, resets
@@ -219,3 +223,31 @@ def select_counted(
     found["take"][grid](keys, line, ties, take.view(torch.uint8), m, BLOCK=BLOCK)
     picked = torch.nonzero_static(take, size=size, fill_value=m).squeeze(1)
     return picked, line[2], line[3]
+
+
+def route(
+    found: dict,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+    row_offset: torch.Tensor,
+    sentinel_row: int,
+    num_features: int,
+    *,
+    padded_ids: bool,
+    check_ids: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A batch's routing into a cache whose one group serves every feature
+    (`CachedEmbeddingBags._route_device`, in one kernel): each id's engine row `[n]` (the
+    sentinel row for invalid ids and padding), its bag `[n]`, and with `check_ids` how many ids
+    are out of range (`[1]` int64, `ids.find_invalid`'s count)."""
+    n, num_bags, device = values.numel(), offsets.numel() - 1, values.device
+    ids = torch.empty(n, dtype=torch.int64, device=device)
+    bag_of_id = torch.empty(n, dtype=torch.int64, device=device)
+    check = torch.zeros(1, dtype=torch.int64, device=device)
+    found["route"][(max(1, -(-n // BLOCK)),)](
+        values, offsets, rows, row_offset, ids, bag_of_id, check, n, num_bags,
+        num_bags // num_features, num_features, sentinel_row, CHECK=check_ids,
+        PADDED=padded_ids, STEPS=num_bags.bit_length() + 1, BLOCK=BLOCK,
+    )  # fmt: skip
+    return ids, bag_of_id, check if check_ids else None

@@ -286,6 +286,54 @@ def _take(keys, line, ties, take, m, BLOCK: tl.constexpr):
     tl.store(take + c, ((key > boundary) | tied).to(tl.uint8), mask=inside)
 
 
+# A batch's routing into a cache whose one group serves every feature: id i's bag (the offsets
+# of the bags' ends at most i: a binary search, as `searchsorted(right=True)`; `num_bags` for
+# padding past the last bag), its feature (bags are feature-major), its engine row (the
+# feature's first row added), or the sentinel row for an invalid id (`CHECK`: out of its
+# table's range, counted atomically into `check`) and for padding (`PADDED`).
+def _route(
+    values,
+    offsets,
+    rows,
+    row_offset,
+    ids_out,
+    bag_out,
+    check,
+    n,
+    num_bags,
+    batch_size,
+    num_features,
+    sentinel_row,
+    CHECK: tl.constexpr,
+    PADDED: tl.constexpr,
+    STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    lo = i * 0
+    hi = lo + num_bags
+    for _ in range(STEPS):
+        open_ = inside & (lo < hi)
+        mid = (lo + hi) // 2
+        right = open_ & (tl.load(offsets + 1 + mid, mask=open_, other=0) <= i)
+        hi = tl.where(open_ & ~right, mid, hi)
+        lo = tl.where(right, mid + 1, lo)
+    feature = tl.minimum(lo // batch_size, num_features - 1)
+    value = tl.load(values + i, mask=inside, other=0)
+    bad = inside & (lo < 0)  # (none)
+    if PADDED:
+        bad = inside & (lo >= num_bags)
+    if CHECK:
+        invalid = inside & ((value < 0) | (value >= tl.load(rows + feature, mask=inside, other=0)))
+        one = value * 0 + 1
+        tl.atomic_add(check + lo * 0, one, mask=invalid)
+        bad = bad | invalid
+    row = value + tl.load(row_offset + feature, mask=inside, other=0)
+    tl.store(ids_out + i, tl.where(bad, value * 0 + sentinel_row, row), mask=inside)
+    tl.store(bag_out + i, lo.to(tl.int64), mask=inside)
+
+
 def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
     """The kernels, compiled for the GPU, or (`interpret`) run by Triton's interpreter on CPU
     tensors."""
@@ -294,7 +342,7 @@ def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
     try:
         kernels = {"first": _first, "enter": _enter, "look_up": _look_up}
         kernels.update(evict=_evict, place=_place, candidates=_candidates)
-        kernels.update(boundary=_boundary, ties=_ties, take=_take)
+        kernels.update(boundary=_boundary, ties=_ties, take=_take, route=_route)
         return {name: triton.jit(fn) for name, fn in kernels.items()}
     finally:
         if saved is None:

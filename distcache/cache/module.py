@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distcache.cache import fused
 from distcache.cache.capacity import log_shortfalls, per_table, shared_capacity
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
@@ -30,6 +31,7 @@ from distcache.cache.engine import CacheEngine
 from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, first_invalid, raise_if_invalid
+from distcache.cache.pooling import CachedPooledLookup, GroupBatch, pool
 from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
 from distcache.cache.tables import TableSpec
@@ -62,36 +64,8 @@ class _Group:
 
 
 @dataclass
-class _GroupBatch:
-    """One group's part of a batch, in fixed-shape buffers of the batch's n ids."""
-
-    ids: torch.Tensor  # [n] int64 engine rows; sentinel row for padding and invalid ids
-    offsets: torch.Tensor  # [t * B + 1] int64 the group's bags (ids past the last are padding)
-    bag_of_id: torch.Tensor  # [n] int64; t * B (one zero-gradient bag past the end) for padding
-    bag_divisor: torch.Tensor | None  # [t * B] len for mean bags, 1 for sum bags; None if all sum
-    padded: bool  # the group has only some features: its ids were packed and padded
-    member: torch.Tensor | None = None  # [n] bool, when padded: the batch's id is the group's
-    rank: torch.Tensor | None = None  # [n] int32, when padded: its index among the group's ids
-    routed_pad: bool = False  # the batch was padded past its ids (`cuda_graphs`, jagged)
-
-    @property
-    def extra_bag(self) -> bool:
-        """Some ids are padding, whose bag is one past the end (a zero gradient)."""
-        return self.padded or self.routed_pad
-
-    def id_weights(self, weights: torch.Tensor | None, n: int) -> torch.Tensor | None:
-        """The batch's per-id weights `[n]` (n: its ids with padding) in this group's id
-        order (padding weighs 0)."""
-        if weights is None:
-            return None
-        if weights.numel() < n:
-            weights = F.pad(weights, (0, n - weights.numel()))
-        return pack(self.member, self.rank, weights, n, 0) if self.padded else weights
-
-
-@dataclass
 class _Batch:
-    groups: list[_GroupBatch]
+    groups: list[GroupBatch]
     num_ids: int
     num_bags: int
     routed_ids: int  # with padding (`cuda_graphs`, jagged batches); num_ids if none
@@ -204,6 +178,10 @@ class CachedEmbeddingBags(nn.Module):
         # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
         graphs = config.graphs_on(self.device)
         self._graphs = GraphCache(self.device, enabled=graphs, name="routing")
+        whole = len(self._groups) == 1  # one group serving every feature: `fused.route`
+        self._kernels = (
+            fused.kernels(self.device, graphs=graphs) if config.fused and whole else None
+        )
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups
@@ -259,9 +237,9 @@ class CachedEmbeddingBags(nn.Module):
             plan = self._lookup(engine, routed)
             id_weights = batch.id_weights(weights, routed.routed_ids)
             if train:
-                pooled = _CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
+                pooled = CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
             else:
-                pooled, _ = _pool(engine, plan, batch, id_weights)
+                pooled, _ = pool(engine, plan, batch, id_weights)
                 engine.release(plan)
             parts.append(pooled.view(len(group.features), batch_size, engine.dim))
         if self._in_order:  # the groups' features in turn: one copy (and backward) per group
@@ -359,7 +337,7 @@ class CachedEmbeddingBags(nn.Module):
             divisor = next(flat) if group.has_mean else None
             padded = len(group.features) < num_features
             keep = (next(flat), next(flat)) if padded else (None, None)
-            part = _GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep, padded_ids)
+            part = GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep, padded_ids)
             parts.append(part)
         check, checked = None, None
         if self.config.check_ids:
@@ -375,6 +353,8 @@ class CachedEmbeddingBags(nn.Module):
         num_features, n = len(self.feature_table_map), values.numel()
         num_bags = offsets.numel() - 1
         batch_size = num_bags // num_features
+        if self._kernels is not None and batch_size:
+            return self._route_fused(values, offsets, padded_ids)
         lengths = offsets.diff()  # [F * B]
         if not padded_ids:  # repeat_interleave of counts alone: the index of each id's count
             bag_of_id = torch.repeat_interleave(lengths, output_size=n)
@@ -420,15 +400,37 @@ class CachedEmbeddingBags(nn.Module):
                 g_bag_of_id = pack(member, rank, local_bag, n, g_lengths.numel())
             out += [ids, g_offsets, g_bag_of_id]
             if group.has_mean:  # decided on the host from the table configs
-                mean = self._mean.index_select(0, group.feature_index)
-                length = g_lengths.clamp(min=1).to(torch.float32)
-                bag_mean = mean.repeat_interleave(batch_size)
-                out.append(torch.where(bag_mean, length, torch.ones_like(length)))
+                out.append(self._divisor(group, g_lengths, batch_size))
             if padded:
                 out += [member, rank]
         if check is not None:
             out.append(check)
         return tuple(out)
+
+    def _route_fused(
+        self, values: torch.Tensor, offsets: torch.Tensor, padded_ids: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """`_route_device` by `fused.route`, for one group serving every feature."""
+        (group,) = self._groups
+        ids, bag_of_id, check = fused.route(
+            self._kernels, values, offsets, self._rows, group.feature_row_offset,
+            group.sentinel_row, len(self.feature_table_map), padded_ids=padded_ids,
+            check_ids=self.config.check_ids,
+        )  # fmt: skip
+        out = [ids, offsets, bag_of_id]
+        if group.has_mean:
+            num_bags = offsets.numel() - 1
+            batch_size = num_bags // len(self.feature_table_map)
+            out.append(self._divisor(group, offsets.diff(), batch_size))
+        return (*out, check) if check is not None else tuple(out)
+
+    def _divisor(self, group: _Group, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """`[t * B]` float32: each of the group's bags' id count (at least 1) where its
+        feature pools by mean, else 1."""
+        mean = self._mean.index_select(0, group.feature_index)
+        length = lengths.clamp(min=1).to(torch.float32)
+        bag_mean = mean.repeat_interleave(batch_size)
+        return torch.where(bag_mean, length, torch.ones_like(length))
 
     def _rows_of(self, feature: int) -> int:
         return self.tables[self.feature_table_map[feature]].num_embeddings
@@ -529,69 +531,3 @@ class CachedEmbeddingBags(nn.Module):
                 group.engine.store.state[lo:hi] = state_dict[skey]
             elif group.engine.store.state_dim:
                 missing_keys.append(skey)
-
-
-def _pool(
-    engine: CacheEngine,
-    plan: StagePlan,
-    batch: _GroupBatch,
-    id_weights: torch.Tensor | None = None,
-    *,
-    train: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pooled rows `[bags, dim]` (float32) of a staged batch, read from the cache, each row
-    scaled by its id's weight when there are weights; and, with FBGEMM's kernel in training,
-    the bags' sums as its TBE returned them, whose backward updates the rows."""
-    if engine.tbe is not None:
-        with torch.enable_grad() if train else torch.no_grad():
-            summed = engine.tbe.lookup(
-                plan.id_slots, batch.offsets, id_weights, padded=batch.extra_bag
-            )
-        fused, pooled = (summed if train else None), summed.detach()
-    else:
-        fused, weights, ids = None, engine.weights, plan.id_slots
-        if weights.dtype != torch.float32:  # half rows: summed in float32, as FBGEMM does
-            weights = weights.index_select(0, ids).float()  # [n, dim]
-            ids = torch.arange(ids.numel(), device=ids.device)
-        pooled = F.embedding_bag(
-            ids,
-            weights,
-            batch.offsets,
-            mode="sum",
-            include_last_offset=True,
-            per_sample_weights=id_weights,
-        )
-    if batch.bag_divisor is not None:
-        pooled = pooled / batch.bag_divisor.unsqueeze(1)
-    return pooled, fused
-
-
-class _CachedPooledLookup(torch.autograd.Function):
-    """Lookup whose backward applies the fused optimizer to the cached rows.
-
-    `anchor` is a scalar that requires grad, so the output is part of the autograd graph
-    although the cache itself is not a parameter. With FBGEMM's kernel, the TBE's own graph
-    (kept aside) runs inside this backward, between the engine's check that the batch's rows
-    are still pinned and their release.
-    """
-
-    @staticmethod
-    def forward(ctx, anchor, engine, plan, batch, id_weights):  # noqa: ANN001
-        ctx.engine, ctx.plan, ctx.batch, ctx.id_weights = engine, plan, batch, id_weights
-        pooled, ctx.fused = _pool(engine, plan, batch, id_weights, train=True)
-        return pooled
-
-    @staticmethod
-    def backward(ctx, grad_output):  # noqa: ANN001
-        engine, plan, batch = ctx.engine, ctx.plan, ctx.batch
-        grad = grad_output
-        if batch.bag_divisor is not None:
-            grad = grad / batch.bag_divisor.unsqueeze(1)
-        if ctx.fused is not None:
-            engine.apply_tbe_gradients(plan, ctx.fused, grad)
-            ctx.fused = None  # its graph is spent
-            return None, None, None, None, None
-        if batch.extra_bag:  # padding ids point at one more bag, whose gradient is zero
-            grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
-        engine.apply_gradients(plan, grad, batch.bag_of_id, ctx.id_weights)
-        return None, None, None, None, None

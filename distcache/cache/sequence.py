@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheEngine
-from distcache.cache.module import CachedEmbeddingBags, TableSpec, _GroupBatch
+from distcache.cache.module import CachedEmbeddingBags, TableSpec
+from distcache.cache.pooling import GroupBatch
 from distcache.cache.scheduler import StagePlan
 from distcache.errors import DistcacheConfigError
 
@@ -93,7 +94,7 @@ class CachedEmbeddings(CachedEmbeddingBags):
 
 
 def _rows(
-    engine: CacheEngine, plan: StagePlan, batch: _GroupBatch, *, train: bool = False
+    engine: CacheEngine, plan: StagePlan, batch: GroupBatch, *, train: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The staged rows of a batch's ids, padding included `[routed ids, dim]`, read from the
     cache, in float32; and, with FBGEMM's kernel in training, the rows as its TBE returned
@@ -107,7 +108,7 @@ def _rows(
 
 class _CachedRowLookup(torch.autograd.Function):
     """Per-id lookup whose backward applies the fused optimizer to the cached rows (with
-    FBGEMM's kernel, by the TBE's own graph, as `_CachedPooledLookup`)."""
+    FBGEMM's kernel, by the TBE's own graph, as `pooling.CachedPooledLookup`)."""
 
     @staticmethod
     def forward(ctx, anchor, engine, plan, batch, n):  # noqa: ANN001, ANN205

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.gpu.common import CUDA_REASON
-from tests.unit.cache.test_fused import compare_training, run_pair
+from tests.unit.cache.test_fused import compare_routing, compare_training, run_pair
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON),
@@ -37,3 +37,9 @@ def test_the_compiled_fused_scheduler_matches_the_torch_ops(
 def test_cached_bags_with_the_compiled_fused_scheduler_train_as_without():
     """With the CUDA defaults (graphs, direct staging): outputs, counters and flushed rows."""
     compare_training("cuda")
+
+
+@pytest.mark.parametrize("padded_ids", [False, True])
+@pytest.mark.parametrize("check_ids", [True, False])
+def test_the_compiled_fused_routing_matches_the_torch_ops(padded_ids, check_ids):
+    compare_routing("cuda", padded_ids, check_ids)

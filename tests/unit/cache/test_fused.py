@@ -8,6 +8,7 @@ write-backs, batches with padding and duplicate rows, and batches of changing si
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -189,3 +190,35 @@ def _train_bags(fused_passes: bool, device: str):
         loss_of(out).backward()
         outs.append(out.detach().cpu())
     return cached, outs
+
+
+@needs_triton
+@pytest.mark.parametrize("padded_ids", [False, True])
+@pytest.mark.parametrize("check_ids", [True, False])
+def test_the_fused_routing_matches_the_torch_ops(padded_ids, check_ids):
+    compare_routing("cpu", padded_ids, check_ids)
+
+
+def compare_routing(device: str, padded_ids: bool, check_ids: bool) -> None:
+    """A batch routed by the one-group kernel and by the torch ops: each id's engine row (the
+    sentinel row for invalid ids and padding), its bag, the bags' divisors and the count of
+    invalid ids; jagged bags, empty ones, and ids out of range both ways (also
+    `tests/gpu/test_fused_cuda.py`'s)."""
+    tables = make_tables([4, 4, 4], [30, 7, 50], ["sum", "mean", "sum"])
+    config = CacheConfig(capacity=1.0, check_ids=check_ids, cuda_graphs=False)
+    modules = [
+        CachedEmbeddingBags(tables, dataclasses.replace(config, fused=f), device=device)
+        for f in (False, True)
+    ]
+    lengths = torch.tensor([2, 0, 3, 1, 1, 4, 0, 2, 3, 1, 1, 2])  # 3 features x 4 samples
+    values = torch.tensor([3, 29, 0, 6, 7, 1, 2, 6, -1, 4, 5, 7, 50, 10, 0, 12, 13, 0, 30, 1])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    if padded_ids:  # ids past the last bag (what graphs pad with)
+        values = torch.cat([values, torch.zeros(5, dtype=torch.long)])
+    values, offsets = values.to(device), offsets.to(device)
+    routed = [m._route_device(values, offsets, padded_ids=padded_ids) for m in modules]
+    assert len(routed[0]) == len(routed[1])
+    for k, (a, b) in enumerate(zip(*routed, strict=True)):
+        assert torch.equal(a, b), f"output {k}"
+    if check_ids:
+        assert routed[1][-1].tolist() == [3]  # -1, 7 and 50 of table 1 (7 rows)
