@@ -46,7 +46,13 @@ def _shard(model: DLRMTrain, kind: str, config: CacheConfig) -> DistributedModel
 
 
 def pipelined_vs_plain(
-    rank: int, world: int, kind: str, steps: int = 40, lookahead: int = 3, depth: int = 2
+    rank: int,
+    world: int,
+    kind: str,
+    steps: int = 40,
+    lookahead: int = 3,
+    depth: int = 2,
+    fused: bool = False,
 ) -> dict:
     torch.manual_seed(0)
     base = _model()
@@ -57,7 +63,7 @@ def pipelined_vs_plain(
     ]
     # Small enough to evict: a row-wise shard sees a share of the ids, a table owner all of them.
     capacity = {"table_wise": 0.15, "row_wise": 0.08, "one_cached": 0.15}[kind]
-    config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=depth)
+    config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=depth, fused=fused)
     runs = {}
     for name in ("plain", "pipeline"):
         model = copy.deepcopy(base)

@@ -4,6 +4,7 @@ miss. The multi-rank sweeps are in `tests/distributed/test_pipeline.py`."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -40,6 +41,22 @@ def test_pipelined_equals_plain_on_one_rank(one_rank: None, kind: str) -> None:
             assert torch.equal(a, b), name
     assert piped["evictions"] > 0, "the caches never evicted: the case tests too little"
     assert piped["critical"] == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_fused_scheduler_trains_through_dmp_as_the_torch_ops(one_rank: None) -> None:
+    """`CacheConfig.fused` through TorchRec's sharder, DMP and the pipeline (the kernels under
+    Triton's interpreter): the logits and the weights of both loops, bitwise."""
+    torch_ops, kernels = (pipelined_vs_plain(0, 1, "table_wise", fused=f) for f in (False, True))
+    for loop in ("plain", "pipeline"):
+        assert torch.equal(kernels[loop]["logits"], torch_ops[loop]["logits"]), loop
+        for name, shards in torch_ops[loop]["weights"].items():
+            for a, b in zip(shards, kernels[loop]["weights"][name], strict=True):
+                assert torch.equal(a, b), (loop, name)
+    for loop in ("plain", "pipeline"):  # the same rows loaded and evicted: the same plans
+        for counter in ("loads", "evictions"):
+            assert kernels[loop][counter] == torch_ops[loop][counter], (loop, counter)
+    assert kernels["pipeline"]["evictions"] > 0
 
 
 def test_stats_total_adds_up_every_counter_of_the_caches(one_rank: None) -> None:
