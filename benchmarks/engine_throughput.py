@@ -29,6 +29,8 @@
    (--sched-rows) at each of --cap-fractions of its rows, each cache first filled with rows the
    trace rarely needs so that every timed batch evicts: a batch's cost must follow the batch,
    not the cache's size ("x fastest" near 1).
+With --fused, sections 1 and 6 run the scheduler's fused passes (`CacheConfig.fused`): compiled
+on CUDA; on CPU Triton's interpreter, whose times say nothing of a GPU's.
 
 On CPU the process keeps freed host memory for reuse, as distcache's CPU ranks do
 (`distcache.job.host_memory`; DISTCACHE_KEEP_FREED_MEMORY=0: glibc's defaults).
@@ -108,13 +110,21 @@ class Replay:
     K staged ahead, then look-up and release (zero-width rows: no bytes move)."""
 
     def __init__(
-        self, trace, rows: int, capacity: int, policy: str, lookahead: int, device: str = "cpu"
+        self,
+        trace,
+        rows: int,
+        capacity: int,
+        policy: str,
+        lookahead: int,
+        device: str = "cpu",
+        fused: bool = False,
     ):
         config = CacheConfig(
             capacity=capacity,
             lookahead=lookahead,
             prefetch_depth=1 if policy == "lookahead" else 0,
             policy=policy,
+            fused=fused,
         )
         self.engine = CacheEngine(
             num_rows=rows, dim=0, config=config, capacity=capacity, device=device
@@ -164,7 +174,7 @@ def bench_scheduler(args) -> list[dict]:
     variants = {f"lookahead L={la}": ("lookahead", la) for la in (8, 64, 256)}
     variants["lru"] = ("lru", 64)
     replays = {
-        name: Replay(trace, args.sched_rows, capacity, policy, la, args.device)
+        name: Replay(trace, args.sched_rows, capacity, policy, la, args.device, args.fused)
         for name, (policy, la) in variants.items()
     }
     # Warm-up fills the windows (L + 1 batches on the first step) and the caches.
@@ -199,7 +209,9 @@ def bench_capacity(args) -> list[dict]:
     replays = {}
     for fraction in (float(f) for f in args.cap_fractions.split(",")):
         capacity = int(fraction * args.sched_rows)
-        replay = Replay(trace, args.sched_rows, capacity, "lookahead", args.lookahead, args.device)
+        replay = Replay(
+            trace, args.sched_rows, capacity, "lookahead", args.lookahead, args.device, args.fused
+        )
         replay.prefill(torch.randperm(args.sched_rows)[:capacity].to(args.device))
         replays[f"{100 * fraction:g} %"] = replay
     times = interleave(
@@ -543,6 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-batch", type=int, default=64, help="section 5's ids per batch")
     ap.add_argument(
         "--skip", default="", help="sections to skip: scheduler,fwd,bytes,ops,host,capacity"
+    )
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="sections 1 and 6: the scheduler's fused passes (CacheConfig.fused; on CPU Triton's"
+        "\ninterpreter runs them: slow)",
     )
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", default=None)

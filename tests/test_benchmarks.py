@@ -96,6 +96,23 @@ def test_engine_throughput_smoke(tmp_path):
     assert all(r["evictions_per_batch"] > 0 and r["x_fastest"] >= 1.0 for r in capacity)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.timeout(120)
+def test_engine_throughput_times_the_fused_scheduler(tmp_path):
+    """--fused: the scheduler's sections with `CacheConfig.fused` (Triton's interpreter here),
+    each cache full and evicting."""
+    out = tmp_path / "fused.json"
+    _bench(
+        "engine_throughput.py", "--quick", "--fused", "--skip", "fwd,bytes,ops,host",
+        "--rounds", "1", "--json", str(out), timeout=110,
+    )  # fmt: skip
+    payload = json.loads(out.read_text())
+    assert payload["config"]["fused"] is True
+    capacity = [r for r in payload["results"] if r["bench"] == "capacity"]
+    assert [r["variant"] for r in capacity] == ["1 %", "5 %", "20 %"]
+    assert all(r["evictions_per_batch"] > 0 for r in capacity)
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
     "kind",
