@@ -5,6 +5,7 @@ This module has no `from __future__ import annotations`: Triton reads the `tl.co
 annotation as an object.
 """
 
+import inspect
 import os
 
 import triton
@@ -334,6 +335,17 @@ def _route(
     tl.store(bag_out + i, lo.to(tl.int64), mask=inside)
 
 
+def _jit(fn):  # a triton.JITFunction
+    """`fn` compiled once per constexpr and dtype, whatever its other arguments' values: no
+    specialization on an int's value (1, a multiple of 16) or a pointer's alignment. A CUDA
+    graph captures a pass with its inputs unpacked from one buffer (`graphs.GraphCache`: views
+    at 8-byte offsets) after running it on fresh tensors; a kernel specialized on alignment
+    would compile again inside the capture."""
+    params = inspect.signature(fn).parameters.values()
+    plain = [p.name for p in params if p.annotation is not tl.constexpr]
+    return triton.jit(fn, do_not_specialize=plain, do_not_specialize_on_alignment=plain)
+
+
 def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
     """The kernels, compiled for the GPU, or (`interpret`) run by Triton's interpreter on CPU
     tensors."""
@@ -343,7 +355,7 @@ def build(*, interpret: bool) -> dict:  # name -> triton.JITFunction
         kernels = {"first": _first, "enter": _enter, "look_up": _look_up}
         kernels.update(evict=_evict, place=_place, candidates=_candidates)
         kernels.update(boundary=_boundary, ties=_ties, take=_take, route=_route)
-        return {name: triton.jit(fn) for name, fn in kernels.items()}
+        return {name: _jit(fn) for name, fn in kernels.items()}
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)

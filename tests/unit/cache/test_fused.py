@@ -222,3 +222,18 @@ def compare_routing(device: str, padded_ids: bool, check_ids: bool) -> None:
         assert torch.equal(a, b), f"output {k}"
     if check_ids:
         assert routed[1][-1].tolist() == [3]  # -1, 7 and 50 of table 1 (7 rows)
+
+
+@needs_triton
+def test_the_compiled_kernels_specialize_on_their_constexprs_only():
+    """A CUDA graph captures a pass with its inputs at other addresses (and alignments) than
+    the warm-up call that compiled its kernels; a kernel specialized on an int's value or a
+    pointer's alignment would compile again inside the capture. (Built, not launched: no GPU
+    needed.)"""
+    from distcache.cache import fused_kernels
+
+    for name, kernel in fused_kernels.build(interpret=False).items():
+        for p in kernel.params:
+            assert p.is_constexpr or (p.do_not_specialize and p.do_not_specialize_on_alignment), (
+                f"{name}.{p.name}"
+            )
