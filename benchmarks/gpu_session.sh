@@ -292,6 +292,27 @@ stage_issue33a() {
     pack_out
 }
 
+# After `host`, if distcache_fused shortened the step there: the same at Criteo Terabyte's full
+# size, 2 % (distcache with and without its fused passes, beside FBGEMM with every row in HBM
+# and its UVM cache), then the scheduler alone at 1, 5 and 20 % with and without them:
+#     run(command="bash benchmarks/gpu_session.sh fused", carry=[".fbg"], timeout_s=330)
+stage_fused() {
+    DEADLINE=$(($(date +%s) + ${FUSED_SECONDS:-300}))
+    install_packages
+    environment
+    step terabyte_fused 170 $PY benchmarks/gpu_headline.py --device cuda --batch 4096 \
+        --variants fbgemm_device,distcache,distcache_fused,fbgemm_uvm --capacities 0.02 \
+        --max-warmup 2000 --warmup 20 --steps 200 --profile-steps 2 \
+        --json "$OUT/headline_terabyte_fused.json"
+    for fused in "" --fused; do
+        step "engine_capacity${fused:+_fused}" 55 $PY benchmarks/engine_throughput.py \
+            --device cuda --skip scheduler,fwd,bytes,ops,host --cap-fractions 0.01,0.05,0.2 \
+            --rounds 5 --sched-steps 16 $fused \
+            --json "$OUT/engine_capacity_cuda${fused:+_fused}.json"
+    done
+    pack_out
+}
+
 stage_issue33b() {
     DEADLINE=$(($(date +%s) + ${ISSUE33_SECONDS:-300}))
     install_packages
@@ -410,13 +431,14 @@ case "${1:-}" in
     issue33a) stage_issue33a ;;
     issue33b) stage_issue33b ;;
     host) stage_host ;;
+    fused) stage_fused ;;
     tests) stage_tests ;;
     engine) stage_engine ;;
     direct) stage_direct ;;
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac
