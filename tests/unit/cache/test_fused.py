@@ -18,6 +18,7 @@ from distcache import CacheConfig, CachedEmbeddingBags
 from distcache.cache import fused
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler
+from distcache.cache.sequence import CachedEmbeddings
 from distcache.errors import DistcacheConfigError
 from tests.unit.cache.reference import integer_weights, loss_of, make_batches, make_tables
 
@@ -237,3 +238,34 @@ def test_the_compiled_kernels_specialize_on_their_constexprs_only():
             assert p.is_constexpr or (p.do_not_specialize and p.do_not_specialize_on_alignment), (
                 f"{name}.{p.name}"
             )
+
+
+@needs_triton
+def test_cached_sequences_with_the_fused_scheduler_train_as_without():
+    """`CachedEmbeddings` (per-id rows, TorchRec's EmbeddingCollection) routes and stages
+    through the same passes: each step's rows and the flushed tables, bitwise."""
+    tables = make_tables([4, 4], [60, 40], ["sum", "sum"])
+    batches = make_batches(tables, batch_size=4, num_batches=20, max_len=3, seed=7)
+    runs = []
+    for fused_passes in (False, True):
+        config = CacheConfig(capacity=20, lookahead=3, learning_rate=0.5, fused=fused_passes)
+        seqs = CachedEmbeddings(tables, config)
+        for table, weight in zip(tables, integer_weights(tables, 0), strict=True):
+            seqs.load_table_weight(table.name, weight)
+        outs = []
+        for t, batch in enumerate(batches):
+            if t == 0:
+                for ahead in batches[: config.lookahead + 1]:
+                    seqs.enqueue(*ahead)
+            elif t + config.lookahead < len(batches):
+                seqs.enqueue(*batches[t + config.lookahead])
+            seqs.prefetch()
+            rows = seqs(*batch)
+            (rows * rows).sum().backward()
+            outs.append(rows.detach())
+        seqs.flush()
+        runs.append((outs, [seqs.table_weight(t.name).clone() for t in tables]))
+    for t, (a, b) in enumerate(zip(runs[0][0], runs[1][0], strict=True)):
+        assert torch.equal(a, b), f"step {t}"
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)
