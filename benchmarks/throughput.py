@@ -119,6 +119,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="distcache's lookup kernel (CacheConfig.kernel; default: per device)",
     )
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="distcache's caches run the scheduler's fused passes (CacheConfig.fused; on CPU"
+        "\nTriton's interpreter runs them: slow, for checks)",
+    )
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument(
         "--check-ids",
@@ -293,6 +299,7 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
         prefetch_depth=args.prefetch_depth,
         check_ids=args.check_ids,
         kernel=args.kernel,
+        fused=args.fused,
     )
     for cap in args.capacities:
         dmp = cached(dataclasses.replace(base, capacity=cap))

@@ -263,6 +263,7 @@ def test_throughput_offers_torchrecs_uvm_cache_on_cuda_only():
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     assert throughput.parse_args(["--device", "cpu"]).uvm_capacities == []
+    assert throughput.parse_args(["--fused"]).fused and not throughput.parse_args([]).fused
     with pytest.raises(SystemExit):
         throughput.parse_args(["--device", "cpu", "--uvm-capacities", "0.05"])
     summary = [
