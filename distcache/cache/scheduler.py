@@ -26,6 +26,9 @@ around a device function of tensors only (`_enqueue_device`, `_stage_device`), w
 batch's seq and ring position from a small device tensor, so that it dispatches the same ops
 with the same host values for every batch of a size. With `graphs` those functions run as
 captured graphs (`GraphCache`, `CacheConfig.cuda_graphs`): one launch instead of a hundred-odd.
+With `fused` most of their passes run as a few Triton kernels instead of torch ops (`fused`,
+`CacheConfig.fused`): `_look_up` and `_place` are the torch ops that `fused.look_up` and
+`fused.place` replace, and the reference they are tested against.
 
 Errors that only the device can detect cannot be raised here without a read-back, so they are
 recorded in the plan (`StagePlan.counts`) with a guarantee that nothing wrong is written: a
