@@ -63,18 +63,22 @@ def _assert_equal_runs(mine, expected, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("capacity", "policy", "graphs", "staging"),
-    [(24, "lookahead", None, None), (24, "lru", None, None), (1.0, "lookahead", None, None),
-     (24, "lookahead", False, "worker")],  # None: the defaults (on CUDA graphs, direct staging)
+    ("capacity", "policy", "graphs", "staging", "fused"),
+    [(24, "lookahead", None, None, False), (24, "lru", None, None, False),
+     (1.0, "lookahead", None, None, False), (24, "lookahead", False, "worker", False),
+     (24, "lookahead", None, None, True), (24, "lru", None, None, True)],
+    # None: the defaults (on CUDA graphs, direct staging); fused: `CacheConfig.fused`
 )  # fmt: skip
-def test_dmp_training_equals_uncached_embedding_bags_bitwise(capacity, policy, graphs, staging):
+def test_dmp_training_equals_uncached_embedding_bags_bitwise(
+    capacity, policy, graphs, staging, fused
+):
     case = _case()
     state = case.integer_state()
     batches = case.batches(30, batch_size=6, seed=1)
     ref_logits, ref_weights, ref_dense = _reference_run(case, state, batches)
     config = CacheConfig(
         capacity=capacity, lookahead=2, prefetch_depth=1, policy=policy, cuda_graphs=graphs,
-        staging=staging,
+        staging=staging, fused=fused,
     )  # fmt: skip
     dmp, dense_params = case.sharded(state, config, DEVICE)
     logits = _train_plain(dmp, dense_params, batches, DEVICE)
