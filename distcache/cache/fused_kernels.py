@@ -86,9 +86,10 @@ def _enter(
 
 # A staging batch's rows (`rows`, packed, at `positions` in the window's ring), row j each: it
 # leaves the window (its next use read from the ring; its latest occurrence forgotten where it
-# is this one) and is looked up in the cache: a resident row's slot is pinned, a missing row is
-# flagged (int32, for its running count) and pins the sentinel slot instead, as the sentinel
-# row (padding) does. Pins are atomic adds (rows are distinct, but the sentinel slot is shared).
+# is this one) and is looked up in the cache: a resident row's slot is pinned (an atomic add),
+# a missing row is flagged (int32, for its running count). (The torch ops also pin the
+# sentinel slot for each miss and each padding row, the sentinel row's: thousands of atomic
+# adds to one address a batch on a GPU, for a count nothing reads. The kernels leave it.)
 def _look_up(
     rows,
     positions,
@@ -115,7 +116,7 @@ def _look_up(
     hit = tl.where(miss, slot * 0 + sentinel_slot, slot)
     tl.store(miss_out + i, miss.to(tl.int32), mask=inside)
     tl.store(hit_out + i, hit, mask=inside)
-    tl.atomic_add(pin + hit, (pos * 0 + 1).to(tl.int32), mask=inside)
+    tl.atomic_add(pin + hit, (pos * 0 + 1).to(tl.int32), mask=inside & (hit != sentinel_slot))
 
 
 # The victims' side of a plan, entry v of `victims` (the chosen slots, then the sentinel slot):
@@ -147,11 +148,12 @@ def _evict(
 
 
 # Row j of a staging batch takes its slot: the k-th miss (k = count[j] - 1) the k-th victim,
-# if there is one (k < taken), and becomes resident there (both maps), its slot pinned (the
-# others pin the sentinel slot, as the torch ops do), its next use recorded, and it is listed
-# at k among the rows to load. A hit keeps its slot. (A miss past the victims, an overflow that
-# the engine raises at lookup, reads the sentinel slot.) With `USES`, the look-ahead policy's
-# `on_stage` too: a loaded row's slot has been used once, the others once more.
+# if there is one (k < taken), and becomes resident there (both maps), its slot pinned, its
+# next use recorded, and it is listed at k among the rows to load. A hit keeps its slot. (A
+# miss past the victims, an overflow that the engine raises at lookup, reads the sentinel
+# slot.) With `USES`, the look-ahead policy's `on_stage` too: a loaded row's slot has been used
+# once, the others once more. (The sentinel slot's pin and use counts, which the torch ops
+# count and nothing reads, are left: see `_look_up`.)
 def _place(
     rows,
     miss,
@@ -183,8 +185,7 @@ def _place(
     row = tl.load(rows + i, mask=inside, other=0)
     tl.store(slot_of + row, slot.to(tl.int32), mask=got)
     tl.store(row_of + slot, row, mask=got)
-    pinned = tl.where(got, slot, slot * 0 + sentinel_slot)
-    tl.atomic_add(pin + pinned, (k * 0 + 1).to(tl.int32), mask=inside)
+    tl.atomic_add(pin + slot, (k * 0 + 1).to(tl.int32), mask=got)
     use = tl.load(next_use + i, mask=inside, other=0)
     tl.store(slot_next_use + slot, use, mask=inside & (slot != sentinel_slot))
     tl.store(loads_out + k, row, mask=got)
@@ -193,7 +194,7 @@ def _place(
     if USES:
         once = (k * 0 + 1).to(tl.int32)
         tl.store(uses + slot, once, mask=got)
-        tl.atomic_add(uses + slot, once, mask=inside & ~got)
+        tl.atomic_add(uses + slot, once, mask=inside & ~got & (slot != sentinel_slot))
 
 
 # The look-ahead policy's candidates for a staging batch once the cache is full

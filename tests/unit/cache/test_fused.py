@@ -29,22 +29,24 @@ _PLAN = ("slots", "id_slots", "load_rows", "load_slots", "writeback_rows", "writ
 
 
 def _state(s: Scheduler) -> dict[str, torch.Tensor]:
-    """Everything the scheduler keeps, less the trash entries: masked writes land there (the
-    torch ops write them, the kernels skip them), and nothing reads them."""
+    """Everything the scheduler keeps, less the trash entries (masked writes land there: the
+    torch ops write them, the kernels skip them) and the sentinel slot's pin count, use count
+    and next use (the torch ops count a pin and a use there for every row without a slot of
+    its own, which the kernels leave, and an overflowing batch's rows write their next uses
+    there, in an order only the torch ops keep). Nothing reads any of them."""
     res, win = s.residency, s.window
     state = {
         "slot_of": res.slot_of,
         "row_of": res.row_of,
         "dirty": res.dirty,
-        "pin": res.pin,
-        # (the sentinel slot's: the rows of an overflowing batch write theirs there, one of
-        # them last, which the torch ops order and a kernel does not; nothing reads it)
+        "pin": res.pin[: res.capacity],
         "next_use": res.next_use[: res.capacity],
         "latest": win.latest,
         "ring": win.next_use[: win.ring_size],
         "totals": s._totals,
     }
-    state.update({f"policy.{k}": v for k, v in vars(s.policy).items() if torch.is_tensor(v)})
+    slot_state = {f"policy.{k}": v for k, v in vars(s.policy).items() if torch.is_tensor(v)}
+    state.update({k: v[: res.capacity] if k == "policy.uses" else v for k, v in slot_state.items()})
     per_row, per_slot = res.num_rows + 2, res.capacity + 2
     return {
         name: t[:-1] if t.numel() in (per_row, per_slot) and name != "ring" else t
