@@ -66,7 +66,13 @@ def test_needs_three_points():
 
 
 def test_measured_costs_are_positive_and_reproduce_their_timings(one_thread):
-    costs = measure_schedule_costs(rows=ROWS, points=POINTS, repeats=2)
+    # Up to three measurements: on 2 shared cores one in a few dozen lost the per-candidate
+    # cost (a few ns) in the noise (a fresh clone's `make test`, 2026-11-27). All three losing
+    # it is what this test fails on.
+    for _ in range(3):
+        costs = measure_schedule_costs(rows=ROWS, points=POINTS, repeats=2)
+        if costs is not None and costs.s_per_id > 0 and costs.s_per_candidate > 0:
+            break
     assert costs is not None, "the per-id or per-candidate cost was lost in the noise"
     assert costs.s_per_id > 0 and costs.s_per_candidate > 0 and costs.fixed_s >= 0
     assert len(costs.points) == len(POINTS)
