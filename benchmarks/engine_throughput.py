@@ -20,6 +20,9 @@
    `cuda_graphs` ("graphs direct": and direct staging, the CUDA defaults), a replayed graph
    counted as one launch (on CPU too, where an emulation
    dispatches its ops again; section 5's time for it there is the emulation's, not a GPU's).
+   "fused": the 5 % variant with the scheduler's fused passes (`CacheConfig.fused`, without
+   graphs: every launch counted), each Triton kernel launch counted as one (where Triton is
+   installed; on CPU its interpreter runs them). Section 4 only.
 5. Host time per step: the forward + backward variants of section 4 at a size where compute is
    negligible (--host-rows x 16, --host-batch bags of one id, one torch thread), interleaved
    step by step: what the host spends dispatching a step, which on CUDA it must spend too.
@@ -55,6 +58,7 @@ time is its host and device time; the scheduler section replays its trace there 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -62,7 +66,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -288,6 +292,7 @@ class Cached:
         dtype: torch.dtype = torch.float32,
         staging: str = "worker",
         graphs: bool = False,
+        fused: bool = False,
     ):
         self.config = CacheConfig(
             capacity=capacity,
@@ -297,6 +302,7 @@ class Cached:
             learning_rate=0.01,
             staging=staging,
             cuda_graphs=graphs,
+            fused=fused,
         )
         table = TableSpec(name="t", num_embeddings=args.rows, embedding_dim=args.dim, dtype=dtype)
         self.bags = CachedEmbeddingBags([table], self.config, device=args.device)
@@ -410,18 +416,26 @@ def _cuda_defaults(args, batches) -> Cached:
 
 
 def bench_ops(args) -> list[dict]:
-    """Ops per steady-state step of the forward + backward variants (section 4)."""
+    """Ops per steady-state step of the forward + backward variants (section 4), and of the 5 %
+    cache with the scheduler's fused passes (`CacheConfig.fused`, where Triton is installed:
+    each kernel launch counts one)."""
     variants = _launch_variants(args)
+    kernels: list[int] = [0]
+    if args.device == "cuda" or importlib.util.find_spec("triton") is not None:
+        fused = Cached(args, _batches(args), 0.05, "lookahead", fused=True)
+        kernels = _count_kernels(fused)
+        variants["distcache 0.05 fused"] = fused
     results = []
     for name, variant in variants.items():
         for _ in range(args.warmup + args.lookahead):  # the window and the cache full
             variant.step()
-        evicted, replays = _evictions(variant), _replays(variant)
+        evicted, replays, launched = _evictions(variant), _replays(variant), kernels[0]
         count = _LaunchCount()
         with count:
             for _ in range(args.steps):
                 variant.step()
         launches = count.ops + _replays(variant) - replays  # a replayed graph: one launch
+        launches += kernels[0] - launched  # (the fused kernels', 0 for the other variants)
         results.append(
             {
                 "bench": "ops",
@@ -431,6 +445,35 @@ def bench_ops(args) -> list[dict]:
             }
         )
     return results
+
+
+def _count_kernels(variant: Cached) -> list[int]:
+    """Make each launch of `variant`'s fused kernels count in the returned `[launches]` and run
+    outside dispatch modes: one launch each, whatever it runs (Triton's interpreter, on CPU,
+    dispatches torch ops of its own, which `_LaunchCount` must not count)."""
+    launched = [0]
+
+    class Counted:
+        def __init__(self, kernel) -> None:  # noqa: ANN001
+            self.kernel = kernel
+
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                launched[0] += 1
+                with _disable_current_modes():
+                    return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    def counted(kernels: dict | None) -> dict | None:
+        return None if kernels is None else {k: Counted(v) for k, v in kernels.items()}
+
+    bags = variant.bags
+    bags._kernels = counted(bags._kernels)
+    for group in bags._groups:
+        scheduler = group.engine.scheduler
+        scheduler._kernels = scheduler.victims.kernels = counted(scheduler._kernels)
+    return launched
 
 
 def _replays(variant: Baseline | Cached) -> int:
