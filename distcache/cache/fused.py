@@ -53,6 +53,11 @@ from distcache.errors import DistcacheConfigError
 BLOCK = 1024  # ids per program
 
 
+def _grid(n: int) -> tuple[int]:
+    """The programs that cover `n` entries, `BLOCK` each (at least one)."""
+    return (max(1, -(-n // BLOCK)),)
+
+
 @functools.cache
 def _kernels(*, interpret: bool) -> dict | None:
     try:
@@ -102,7 +107,7 @@ def enter(
         none = torch.zeros(1, dtype=torch.int32, device=device)
         return empty, empty.int(), empty.bool(), empty.int(), none
     ordered, order = window.sort(ids.to(torch.int32))
-    grid = (-(-n // BLOCK),)
+    grid = _grid(n)
     first = torch.empty(n, dtype=torch.int32, device=device)
     found["first"][grid](ordered, first, n, BLOCK=BLOCK)
     count = first.cumsum(0, dtype=torch.int32)  # distinct rows among ordered[: i + 1]
@@ -129,7 +134,7 @@ def look_up(
     next_use = torch.empty(m, dtype=torch.int32, device=device)
     miss = torch.empty(m, dtype=torch.int32, device=device)
     hit = torch.empty(m, dtype=torch.int64, device=device)
-    found["look_up"][(-(-m // BLOCK),)](
+    found["look_up"][_grid(m)](
         rows, positions, window.latest, window.next_use, residency.slot_of, residency.pin,
         next_use, miss, hit, m, residency.sentinel_slot, BLOCK=BLOCK,
     )  # fmt: skip
@@ -157,14 +162,14 @@ def place(
     evicted = torch.empty(v, dtype=torch.bool, device=device)
     writeback = torch.empty(v, dtype=torch.bool, device=device)
     res = residency
-    found["evict"][(-(-v // BLOCK),)](
+    found["evict"][_grid(v)](
         victims, res.row_of, res.slot_of, res.dirty.view(torch.uint8), old,
         evicted.view(torch.uint8), writeback.view(torch.uint8), v, res.capacity, BLOCK=BLOCK,
     )  # fmt: skip
     slot = torch.empty(m, dtype=torch.int64, device=device)
     got = torch.empty(m, dtype=torch.bool, device=device)
     loads = torch.full((size + 1,), res.sentinel_row, dtype=torch.int64, device=device)
-    found["place"][(-(-m // BLOCK),)](
+    found["place"][_grid(m)](
         rows, miss, count, hit, victims, taken, next_use, res.slot_of, res.row_of, res.pin,
         res.next_use, slot, got.view(torch.uint8), loads, slot if uses is None else uses, m,
         size, res.sentinel_slot, USES=uses is not None, BLOCK=BLOCK,
@@ -191,7 +196,7 @@ def candidates(
     keys = torch.empty(m, dtype=torch.int32, device=device)
     hist = torch.zeros(policy.classes + 1, dtype=torch.int32, device=device)
     hand_out = torch.empty(1, dtype=torch.int64, device=device) if sweep else slots
-    found["candidates"][(-(-(m + 1) // BLOCK),)](
+    found["candidates"][_grid(m + 1)](
         hand, seq, residency.pin, residency.next_use, policy.uses, slots, keys, hist,
         hand_out, m, cap, residency.sentinel_slot, policy.far, policy.use_bits,
         (1 << policy.use_bits) - 1, SWEEP=sweep, BLOCK=BLOCK,
@@ -216,7 +221,7 @@ def select_counted(
     below = hist[1:].cumsum(0, dtype=hist.dtype)
     line = torch.empty(4, dtype=torch.int64, device=device)  # boundary, need, taken, candidates
     found["boundary"][(1,)](below, want, line, num_classes, STEPS=num_classes.bit_length() + 1)
-    grid = (max(1, -(-m // BLOCK)),)
+    grid = _grid(m)
     tie = torch.empty(m, dtype=torch.int32, device=device)
     found["ties"][grid](keys, line, tie, m, BLOCK=BLOCK)
     take = torch.empty(m, dtype=torch.bool, device=device)
@@ -246,7 +251,7 @@ def route(
     ids = torch.empty(n, dtype=torch.int64, device=device)
     bag_of_id = torch.empty(n, dtype=torch.int64, device=device)
     check = torch.zeros(1, dtype=torch.int64, device=device)
-    found["route"][(max(1, -(-n // BLOCK)),)](
+    found["route"][_grid(n)](
         values, offsets, rows, row_offset, ids, bag_of_id, check, n, num_bags,
         num_bags // num_features, num_features, sentinel_row, CHECK=check_ids,
         PADDED=padded_ids, STEPS=num_bags.bit_length() + 1, BLOCK=BLOCK,
