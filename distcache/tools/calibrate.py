@@ -54,8 +54,9 @@ measures compute.
 On CUDA (`--device cuda`, sizes `CUDA_FULL` / `CUDA_QUICK`: batches large enough that the
 device's work, not the launches, sets each fitted slope), every `Topology` figure the cost
 model reads on a GPU comes from a measurement on `cuda:0`, each CUDA timing synchronized
-(`microbench.median_seconds`: CUDA events; the staging, scheduler and framework steps:
-`torch.cuda.synchronize` around each):
+(`microbench.median_seconds`: CUDA events; the lookups and the scheduler: the device's work
+alone, `devicetime`, after the warm-up calls that capture a cache's graphs; the staging and
+framework steps: `torch.cuda.synchronize` around each):
 
 - `device_memory_bytes`: free device memory less `HBM_RESERVE_FRACTION` (CUDA context, dense
   model, activations); `host_memory_bytes`: MemAvailable / ranks.

@@ -17,9 +17,11 @@ and re-used on its own (`distcache.tools.calibrate` describes them all and runs 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from distcache.errors import DistcacheConfigError
+from distcache.tools.devicetime import device_seconds
 
 MIB = 1 << 20
 
@@ -304,7 +307,9 @@ def _lookup_step(
 ) -> tuple[float, float]:
     """(median seconds, mean distinct rows) of a training step of distcache's cache kernel on
     one table with every row resident: the next batch enters the look-ahead window and is
-    staged, the batch is looked up (sum-pooled) and its rows updated (SGD) in backward."""
+    staged, the batch is looked up (sum-pooled) and its rows updated (SGD) in backward. On a
+    GPU the device's work (`device_seconds`: the host's launches and the graphs' capture
+    excluded), on CPU the wall clock."""
     from distcache.cache.config import CacheConfig
     from distcache.cache.module import CachedEmbeddingBags, TableSpec
 
@@ -317,15 +322,16 @@ def _lookup_step(
     kernel(every, whole).sum().backward()
     batches, offsets = _power_law_batches(rows, alpha, bags, pooling, repeats + 3, dim, dev)
     kernel.enqueue(batches[0], offsets)
-    step = iter(range(len(batches) - 1))
+    window = deque([batches[0]])  # enqueued, not yet looked up
+    step = itertools.count(1)
 
-    def train() -> None:
-        i = next(step)
-        kernel.enqueue(batches[i + 1], offsets)
+    def train() -> None:  # (the batches cycle: every row is resident)
+        window.append(batches[next(step) % len(batches)])
+        kernel.enqueue(window[-1], offsets)
         kernel.prefetch()
-        kernel(batches[i], offsets).sum().backward()
+        kernel(window.popleft(), offsets).sum().backward()
 
-    return median_seconds(train, dev, repeats), _mean_distinct(batches)
+    return device_seconds(train, dev, repeats), _mean_distinct(batches)
 
 
 def _fused_lookup_step(
@@ -350,12 +356,12 @@ def _fused_lookup_step(
         [(rows, dim, *where)], optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev
     )
     batches, offsets = _power_law_batches(rows, alpha, bags, pooling, repeats + 3, dim, dev)
-    step = iter(range(len(batches)))
+    step = itertools.count()
 
     def train() -> None:
-        kernel(batches[next(step)], offsets).sum().backward()
+        kernel(batches[next(step) % len(batches)], offsets).sum().backward()
 
-    return median_seconds(train, dev, repeats), _mean_distinct(batches)
+    return device_seconds(train, dev, repeats), _mean_distinct(batches)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -473,7 +479,8 @@ def measure_lookup_costs(
     """A training step of distcache's cache kernel on one table with every row resident (the
     next batch enters the look-ahead window, the batch is looked up and its rows updated by
     SGD in backward), or of TorchRec's fused kernel (`kernel="fused"`: FBGEMM's, which serves
-    device-stored tables), timed at every (dim, bags) and fitted by least relative squares as
+    device-stored tables), timed at every (dim, bags) (on a GPU the device's work alone:
+    `devicetime.device_seconds`) and fitted by least relative squares as
     `fixed + accesses / rows_per_s + bytes / bytes_per_s`, counted as the cost model counts
     them: 2 accesses per id (gather, gradient) and 2 per distinct row (read and write in the
     update); bytes = accesses·dim·4.

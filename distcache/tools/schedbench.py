@@ -8,7 +8,9 @@ release as `fixed + ids·s_per_id + candidates·s_per_candidate`: the ids enteri
 (sorted, deduplicated, linked to their rows' earlier uses) and the slots the victim choice
 scores (`Victims`: the sweep of `Scheduler._scan`'s slots, and the free slots while there are
 any, or every slot of a small cache). The planner prices a look-ahead cache's scheduling from the
-same two counts (`distcache.planner.shards.scheduled_candidates`).
+same two counts (`distcache.planner.shards.scheduled_candidates`). On a GPU each batch is timed
+by the device's work (`devicetime.DeviceClock`): its launches cost the host, which the model
+prices apart, and a host-bound timing hides the per-id cost under them.
 
 Problem sizes: `distcache.tools.microbench.CalibrationSizes`.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import statistics
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,14 +27,10 @@ import numpy as np
 import torch
 
 from distcache.errors import DistcacheConfigError
+from distcache.tools.devicetime import DeviceClock
 from distcache.tools.microbench import FULL
 
 MAX_FILL_BATCHES = 2_000  # batches a cache may take to fill
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +174,7 @@ class _ScheduleRun:
         from distcache.cache.scheduler import Scheduler
 
         self.dev = torch.device(device)
+        self._clock = DeviceClock(self.dev)  # on a GPU the device's work, not the launches
         self.ids, self.capacity, self.depth = ids, capacity, prefetch_depth
         self.sched = Scheduler(
             rows, capacity, make_policy("lookahead"), lookahead=lookahead, device=self.dev
@@ -193,6 +191,7 @@ class _ScheduleRun:
         self._staged: deque = deque()
         self.full = False  # a plan has left no free slot (the engine's `note_counts`)
         self.times: list[float] = []  # per batch staged on a full cache
+        self._covered: list[bool] = []  # (`DeviceClock.time`)
         self._offered: list[int] = []
         self._distinct: list[int] = []
         for _ in range(lookahead - prefetch_depth):
@@ -214,25 +213,29 @@ class _ScheduleRun:
         from distcache.cache.scheduler import CANDIDATES, FREE, UNIQUE
 
         batch = next(self._batches)
-        _sync(self.dev)
-        start = time.perf_counter()
-        if len(self._staged) > self.depth:  # the batch training: done
-            self.sched.release(self._staged.popleft())
-        self.sched.enqueue(batch)
-        self._staged.append(self.sched.stage_next())
-        _sync(self.dev)
-        seconds = time.perf_counter() - start
+
+        def schedule() -> None:
+            if len(self._staged) > self.depth:  # the batch training: done
+                self.sched.release(self._staged.popleft())
+            self.sched.enqueue(batch)
+            self._staged.append(self.sched.stage_next())
+
+        seconds, covered = self._clock.time(schedule)
         counts = self._staged[-1].counts.tolist()
         self.sched.note_counts(counts)  # as the engine does when the plan is looked up
         if self.full:  # staged on a full cache: victims chosen, no free slot offered
             self.times.append(seconds)
+            self._covered.append(covered)
             self._offered.append(counts[CANDIDATES])
             self._distinct.append(counts[UNIQUE])
         self.full = counts[FREE] == 0
 
     def point(self) -> SchedulePoint:
+        """The point: its batches' median seconds (of those whose queueing the device clock's
+        spin covered, where any was)."""
+        covered = [t for t, c in zip(self.times, self._covered, strict=True) if c]
         return SchedulePoint(
-            seconds=statistics.median(self.times),
+            seconds=statistics.median(covered or self.times),
             ids=float(self.ids),
             candidates=statistics.mean(self._scored[-len(self.times) :]),
             offered=statistics.mean(self._offered),
