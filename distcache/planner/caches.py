@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from distcache.planner.binned import CacheShare, shared_loads, table_access
 from distcache.planner.shards import (
     ShardTerms,
+    scheduler_on_device,
     scheduling_time_s,
     splits,
     staging_time_s,
@@ -84,6 +85,10 @@ class RankCache:
     """The tables' `ShardTerms.staging_s` summed: their staging, each in a cache of its own."""
     staging_overlapped: bool
     """`ShardTerms.staging_overlapped` (alike for the tables of one cache)."""
+    scheduling_s: float = 0.0
+    """The cache's scheduler's time per step (in `staging_s` unless `scheduler_on_device`)."""
+    separate_scheduling_s: float = 0.0
+    """The tables' `ShardTerms.scheduling_s` summed."""
 
 
 def cache_group(tp: TablePlan, terms: ShardTerms) -> tuple | None:
@@ -145,7 +150,8 @@ def _price(
     first, lookahead = terms[0], tps[0].lookahead
     slots = sum(t.cache_rows for t in terms)
     separate = sum(t.staging_s for t in terms)
-    loads, staging = (first.loads_per_step,), separate
+    separate_scheduling = sum(t.scheduling_s for t in terms)
+    loads, staging, scheduling = (first.loads_per_step,), separate, separate_scheduling
     if len(tps) > 1:
         shares = [
             CacheShare(
@@ -169,7 +175,10 @@ def _price(
                 prefetch_depth=tps[0].prefetch_depth,
             )
         loads = tuple(shared.tolist())
-        staging = staging_time_s(2 * float(shared.sum()) * first.row_bytes, topology, scheduling)
+        moved = 2 * float(shared.sum()) * first.row_bytes
+        scheduling *= moved > 0  # (a cache that moves nothing: no victims to choose)
+        exposed = scheduling * (not scheduler_on_device(topology))
+        staging = staging_time_s(moved, topology, exposed)
     return RankCache(
         rank=rank,
         tables=tuple(tp.table for tp in tps),
@@ -178,4 +187,6 @@ def _price(
         staging_s=staging,
         separate_staging_s=separate,
         staging_overlapped=first.staging_overlapped,
+        scheduling_s=scheduling,
+        separate_scheduling_s=separate_scheduling,
     )

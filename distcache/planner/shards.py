@@ -65,6 +65,9 @@ class ShardTerms:
     staging_s: float
     staging_overlapped: bool
     """Staging runs beside compute: look-ahead with K > 0 on a GPU (on CPU it never does)."""
+    scheduling_s: float = 0.0
+    """Of the above, a look-ahead cache's scheduler's time: in `staging_s` on CPU, in
+    `lookup_s` on a GPU (`scheduler_on_device`)."""
     device_memory_bytes: int
     host_memory_bytes: int
     ids_bytes_per_peer: float
@@ -188,6 +191,14 @@ def scheduling_time_s(
         return cache_rows / rate if rate else 0.0
     candidates = scheduled_candidates(cache_rows, unique_rows, prefetch_depth)
     return ids * per_id + candidates * per_candidate
+
+
+def scheduler_on_device(topology: Topology) -> bool:
+    """Whether a look-ahead cache's scheduler is priced as the device's work beside training
+    (a GPU: its kernels take the device's time, measured so, while its copies overlap the
+    step on the staging stream) rather than as part of the staging (CPU, where the stager
+    runs in program order on the training thread and all of it is exposed anyway)."""
+    return topology.compute_device == "cuda"
 
 
 SCHEDULER_MIN_SCAN = 4096  # `distcache.cache.scheduler.MIN_SCAN`: the shortest sweep
@@ -316,12 +327,15 @@ def shard_terms(
                 prefetch_depth=prefetch_depth,
             )  # fmt: skip
     staging_bytes = 2 * loads * row_bytes
+    scheduling *= staging_bytes > 0  # (a cache that moves nothing: no victims to choose)
+    on_device = scheduler_on_device(topology)
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
     sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
     sent *= output_rate_factor(sharding, topology, table.pooled)
     dim_bytes, bags = dim * element, ids / pooling
     ours = cached or (sharded and on_distcache_kernel(table, storage, hot_rows))
     lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, ours, topology)
+    lookup_s += scheduling * on_device
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,
@@ -333,8 +347,9 @@ def shard_terms(
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
         staging_bytes_per_step=staging_bytes,
-        staging_s=staging_time_s(staging_bytes, topology, scheduling),
+        staging_s=staging_time_s(staging_bytes, topology, scheduling * (not on_device)),
         staging_overlapped=min(lookahead, prefetch_depth) > 0 and topology.compute_device == "cuda",
+        scheduling_s=scheduling,
         device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, ours, lookahead),
         host_memory_bytes=rows * row_bytes if ours else 0,
         ids_bytes_per_peer=per_rank_ids * (1 - hot_mass) * ID_BYTES / rows_split * sharded,

@@ -13,6 +13,7 @@ from distcache.data.traces import zipf_trace
 from distcache.planner.candidates import Problem
 from distcache.planner.cost import plan_cost
 from distcache.planner.pricing import State, evaluate
+from distcache.planner.shards import scheduling_time_s, table_plan_terms
 from distcache.planner.stats import AccessProfile, expected_loads
 from distcache.planner.types import (
     HOST_CACHED,
@@ -238,3 +239,36 @@ def test_the_solvers_separate_caches_bound_the_shared_ones(device):
     assert all(c.staging_s < 0.9 * t for c, t in zip(cost.per_rank, staged, strict=True))
     if device == "cpu":
         assert cost.step_s < 0.99 * max(state.totals())
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_shared_caches_scheduler_is_priced_once_and_on_a_gpu_as_the_devices_work(device):
+    """a and b (dim 16) on rank 0 share one cache, so one scheduler pass a step: their ids
+    together, the shared cache's candidates (`scheduling_time_s`). On a GPU its time is the
+    device's, in the rank's lookups, never hidden behind the step as the copies are; on CPU
+    it is part of the staging, exposed. Either way the step grows by it once."""
+    plain = Topology(**{**TOPOLOGY.to_dict(), "compute_device": device})
+    calibrated = Topology(
+        **{**plain.to_dict(), "schedule_s_per_id": 5e-8, "schedule_s_per_candidate": 8e-8}
+    )
+    tables = (_cached("a", (0,)), _cached("b", (0,)))
+    workload = Workload(name="ab", tables=(TABLES["a"], TABLES["b"]), batch_size_per_rank=BATCH)
+    terms = [table_plan_terms(tp, TABLES[tp.table], workload, calibrated) for tp in tables]
+    expected = scheduling_time_s(
+        calibrated,
+        cache_rows=_slots("a") + _slots("b"),
+        ids=sum(t.ids_per_step for t in terms),
+        unique_rows=sum(t.unique_rows_per_step for t in terms),
+        prefetch_depth=1,
+    )
+    assert expected < sum(t.scheduling_s for t in terms)  # one pass, not one per table
+    (priced, _), (unpriced, _) = (
+        _cost(*tables, topology=calibrated).per_rank,
+        _cost(*tables, topology=plain).per_rank,
+    )
+    assert priced.total_s - unpriced.total_s == pytest.approx(expected)
+    on, off = ("lookup_s", "staging_s") if device == "cuda" else ("staging_s", "lookup_s")
+    assert getattr(priced, on) - getattr(unpriced, on) == pytest.approx(expected)
+    assert getattr(priced, off) == pytest.approx(getattr(unpriced, off))
+    if device == "cuda":  # the copies overlap the step: none of the staging is exposed
+        assert priced.exposed_staging_s == 0 < priced.staging_s
