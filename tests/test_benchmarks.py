@@ -222,6 +222,15 @@ def test_gpu_headline_on_cpu_and_the_planner_against_it(tmp_path):
         assert row["measured_loads"] >= 0 and row["loads_shared_cache"] >= 0
         assert row["loads_per_table_caches"] >= row["loads_shared_cache"]  # sharing never loses
     assert rows["device"]["modelled_x_device"] == 1.0
+    # The same run's loads counted again by planner_loads.py on its own batches: the same count
+    # (the replay draws the batches as gpu_headline.Data does).
+    replayed = tmp_path / "replayed.json"
+    _bench("planner_loads.py", "--replay", str(headline), "--json", str(replayed), timeout=100)
+    (row,) = json.loads(replayed.read_text())["results"]
+    assert (
+        row["capacity"] == 0.05 and row["measured_loads"] == by_name["distcache"]["loads_per_step"]
+    )
+    assert row["replayed_loads"] == pytest.approx(row["measured_loads"], rel=1e-12)
 
 
 @pytest.mark.timeout(240)
@@ -298,3 +307,24 @@ def test_cache_policies_steady_state_and_the_planners_model(tmp_path):
         rows["model: lru"]["loads_per_batch"], rel=0.05
     )
     assert rows["optimal"]["loads"] <= rows["lookahead L=16 K=1"]["loads"] <= rows["lru"]["loads"]
+
+
+@pytest.mark.timeout(120)
+def test_planner_loads_against_the_engine(tmp_path):
+    """planner_loads.py on Kaggle's tables / 200: after a first window the engine's LRU cache
+    loads what the planner's 'lru' model says within 5 % (it was within 1 %), and its
+    look-ahead cache within 15 % of the 'frequency' model (it loaded 0.91 x)."""
+    out = tmp_path / "loads.json"
+    _bench(
+        "planner_loads.py", "--tables", "kaggle", "--scale", "200", "--batch", "256",
+        "--steps", "600", "--window", "200", "--capacities", "0.1", "--json", str(out),
+        timeout=100,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["policy"], r["steps_from"]) for r in rows] == [
+        (p, s) for p in ("lookahead", "lru") for s in (0, 200, 400)
+    ]
+    for r in rows:
+        if r["steps_from"] > 0:
+            tolerance = 0.05 if r["policy"] == "lru" else 0.15
+            assert r["engine_x_model"] == pytest.approx(1.0, abs=tolerance), r
