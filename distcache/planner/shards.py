@@ -66,7 +66,7 @@ class ShardTerms:
     staging_overlapped: bool
     """Staging runs beside compute: look-ahead with K > 0 on a GPU (on CPU it never does)."""
     scheduling_s: float = 0.0
-    """Of the above, a look-ahead cache's scheduler's time: in `staging_s` on CPU, in
+    """A look-ahead cache's scheduler's time per step: part of `staging_s` on CPU, of
     `lookup_s` on a GPU (`scheduler_on_device`)."""
     device_memory_bytes: int
     host_memory_bytes: int
