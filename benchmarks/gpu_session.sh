@@ -423,8 +423,25 @@ stage_issue35() {
     pack_out
 }
 
+# Issue 35, item 1: the GPU's figures for the cost model. `distcache calibrate --device cuda`
+# (the lookups and the scheduler timed as the device's work, `distcache/tools/devicetime.py`),
+# quick then full sizes, each topology in $OUT; then, here on CPU, `planner_vs_gpu.py` prices
+# the committed headline runs with it (the check: every variant's step within +-25 %):
+#     run(command="bash benchmarks/gpu_session.sh calibrate", carry=[".fbg", ".whl"], timeout_s=330)
+stage_calibrate() {
+    DEADLINE=$(($(date +%s) + ${CALIBRATE_SECONDS:-300}))
+    install_packages
+    environment
+    step calibrate_quick 100 $PY -m distcache calibrate --device cuda --ranks 1 --quick \
+        --out "$OUT/calibrated_gpu_quick.json"
+    step calibrate_full 190 $PY -m distcache calibrate --device cuda --ranks 1 \
+        --out "$OUT/calibrated_gpu.json"
+    pack_out
+}
+
 case "${1:-}" in
     quick) stage_quick ;;
+    calibrate) stage_calibrate ;;
     issue35) stage_issue35 ;;
     staging) stage_staging ;;
     issue36) stage_issue36 ;;
@@ -440,7 +457,7 @@ case "${1:-}" in
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 quick|calibrate|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac
