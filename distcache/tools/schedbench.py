@@ -170,15 +170,19 @@ class _ScheduleRun:
         self, *, rows: int, ids: int, capacity: int, alpha: float, lookahead: int,
         prefetch_depth: int, device: str,
     ):  # fmt: skip
+        from distcache.cache.config import CacheConfig
         from distcache.cache.policies import make_policy
         from distcache.cache.scheduler import Scheduler
 
         self.dev = torch.device(device)
         self._clock = DeviceClock(self.dev)  # on a GPU the device's work, not the launches
         self.ids, self.capacity, self.depth = ids, capacity, prefetch_depth
+        # The passes the engine runs by default (`CacheConfig.fused`), launched one by one:
+        # a graph's replay would not call `Victims.choose`, which counts the candidates.
         self.sched = Scheduler(
-            rows, capacity, make_policy("lookahead"), lookahead=lookahead, device=self.dev
-        )
+            rows, capacity, make_policy("lookahead"), lookahead=lookahead, device=self.dev,
+            fused=CacheConfig().fused,
+        )  # fmt: skip
         self._batches = _power_law(rows, alpha, ids, self.dev)
         self._scored: list[int] = []  # slots `Victims.choose` was asked to score, per batch
         choose = self.sched.victims.choose
