@@ -1,9 +1,10 @@
 """The planner's rows loaded per step against the engine's own count, on the GPU headline's
 tables at full size, replayed on CPU (issue 35, item 1: rows loaded within 15 %).
 
-Which rows a cache loads follows from the ids alone: the scheduler runs the same ops on every
-device and reads nothing back, so its counts do not depend on where it runs. `--replay` shows it
-for a `gpu_headline.py` result: that run's own batches (its `Data`: the same seeds and sizes),
+Which rows a cache loads follows from the ids: the scheduler runs the same ops on every device
+and reads nothing back (on a GPU its CUDA graphs pad a batch to a graph's size, which moves its
+victims' sweep a little: the H200's counts were replayed here within 0.02 %). `--replay` shows
+it for a `gpu_headline.py` result: that run's own batches (its `Data`: the same seeds and sizes),
 replayed here through one `CacheEngine` over every table's rows as `CachedEmbeddingBags` runs
 them (zero-width rows: `cache.simulate`'s replay), counted over the run's timed steps, beside
 the loads the GPU counted.
