@@ -8,8 +8,9 @@ CUDA graphs measures that too. The cost model prices the device's work (the laun
 apart, per layer and per step), so the calibration times it as the device sees it: a spin kernel
 (`torch.cuda._sleep`) holds the stream while the host queues the whole step behind it, and the
 events between the spin's end and the step's last kernel time the device's work alone. A call
-whose host time outlasts the spin (it waited on the device, or the spin was too short) is timed
-again with a longer spin (`device_seconds`) or reported as not covered (`DeviceClock.time`).
+whose host takes more than half the spin (it waited on the device, or the spin was too short)
+is timed again with a longer spin (`device_seconds`) or reported as not covered
+(`DeviceClock.time`).
 On CPU the device is the host: the wall clock.
 
 Example::
@@ -28,7 +29,7 @@ import torch
 _SPIN_CYCLES = (1 << 20, 1 << 23)  # two spins whose difference gives the seconds per cycle
 _MIN_COVER_S = 1e-3  # the shortest spin: the host's first launches
 _MAX_COVER_S = 2.0  # the longest: a step whose host takes longer is timed as it runs
-_ATTEMPTS = 3  # spins tried for one repeat, each twice the last call's host time
+_ATTEMPTS = 3  # spins tried for one repeat, each four times the last call's host time
 
 
 class DeviceClock:
@@ -43,8 +44,9 @@ class DeviceClock:
 
     def time(self, fn: Callable[[], object]) -> tuple[float, bool]:
         """(seconds of the device's work of `fn()`, whether the spin covered the host's
-        queueing of it). On CPU: (wall seconds, True). The spin for the next call grows to
-        twice this call's host time (at least `_MIN_COVER_S`, at most `_MAX_COVER_S`)."""
+        queueing of it, with room to spare). On CPU: (wall seconds, True). The spin for the
+        next call is four times this call's host time (at least `_MIN_COVER_S`, at most
+        `_MAX_COVER_S`)."""
         if not self._cuda:
             start = time.perf_counter()
             fn()
@@ -60,10 +62,10 @@ class DeviceClock:
             host = time.perf_counter() - host
             end.record()
             end.synchronize()
-        self.cover_s = min(_MAX_COVER_S, max(_MIN_COVER_S, 2 * host))
-        # The spin ran for `cover` after it was queued, before `start`: a host still queueing
-        # after that left the device idle inside the timed span.
-        return start.elapsed_time(end) / 1e3, host < cover
+        self.cover_s = min(_MAX_COVER_S, max(_MIN_COVER_S, 4 * host))
+        # The spin ran for `cover` from about when it was queued: a host done queueing within
+        # half of it left the device no gap (a host that waited on the device took all of it).
+        return start.elapsed_time(end) / 1e3, host < cover / 2
 
 
 def device_seconds(
