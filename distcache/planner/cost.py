@@ -29,7 +29,9 @@ U_table(n) otherwise, from `stats.expected_unique`.
   candidates·schedule_s_per_candidate (the slots its victim choice scores,
   `shards.scheduled_candidates`: max(4096, (K + 2)·U), or every slot of a small
   cache); topologies calibrated before those figures price it as every slot scored once a
-  step: + cache rows / cache_scan_rows_per_s. (A reactive LRU cache's scheduler: not priced.)
+  step: + cache rows / cache_scan_rows_per_s. A reactive LRU cache's own work is priced on a
+  GPU only, per id at `reactive_cache_s_per_id` (FBGEMM's UVM cache, calibrated there), in the
+  lookups (`shards.reactive_cache_time_s`).
   On a GPU the scheduler's kernels take the device beside training (calibrated as the
   device's time): its time is added to the rank's lookups, never hidden, while the copies
   overlap (`shards.scheduler_on_device`).

@@ -201,6 +201,16 @@ def scheduler_on_device(topology: Topology) -> bool:
     return topology.compute_device == "cuda"
 
 
+def reactive_cache_time_s(topology: Topology, ids: float, cached: bool, lookahead: int) -> float:
+    """A reactive cache's own device work per step on a GPU: `ids` at the topology's
+    `reactive_cache_s_per_id` (FBGEMM's UVM cache's, as calibrated); 0 elsewhere, and where
+    it is not measured. Per id, so the caches a rank's tables share add up alike."""
+    per_id = topology.reactive_cache_s_per_id
+    if not (cached and lookahead == 0 and per_id and scheduler_on_device(topology)):
+        return 0.0
+    return ids * per_id
+
+
 SCHEDULER_MIN_SCAN = 4096  # `distcache.cache.scheduler.MIN_SCAN`: the shortest sweep
 
 
@@ -335,7 +345,7 @@ def shard_terms(
     dim_bytes, bags = dim * element, ids / pooling
     ours = cached or (sharded and on_distcache_kernel(table, storage, hot_rows))
     lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, ours, topology)
-    lookup_s += scheduling * on_device
+    lookup_s += scheduling * on_device + reactive_cache_time_s(topology, ids, cached, lookahead)
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,

@@ -194,6 +194,9 @@ class Topology:
     schedule_s_per_candidate: float | None = None
     """With `schedule_s_per_id`: seconds per slot its victim choice scores
     (`shards.scheduled_candidates`: the sweep's, or every slot of a small cache)."""
+    reactive_cache_s_per_id: float | None = None
+    """Device seconds per id of a reactive (LRU) cache's own work on a GPU: FBGEMM's UVM cache's
+    (`tools.uvmbench`), priced for every reactive cache; None: not priced (presets, CPU)."""
     dense_update_bytes_per_s: float | None = None
     """Table bytes per second of a data-parallel table's dense gradient and update (fill,
     accumulate, optimizer step over every row); None: device memory bandwidth divided by the
@@ -269,16 +272,11 @@ class Topology:
         ):
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
-            "lookup_bytes_per_s",
-            "device_lookup_rows_per_s",
-            "device_lookup_bytes_per_s",
-            "device_to_host_bw_bytes_per_s",
-            "cache_scan_rows_per_s",
-            "dense_update_bytes_per_s",
-            "dense_activation_bytes_per_s",
-            "interaction_s_per_element",
-            "sync_latency_s",
-        ):
+            "lookup_bytes_per_s", "device_lookup_rows_per_s", "device_lookup_bytes_per_s",
+            "device_to_host_bw_bytes_per_s", "cache_scan_rows_per_s", "dense_update_bytes_per_s",
+            "dense_activation_bytes_per_s", "interaction_s_per_element", "sync_latency_s",
+            "reactive_cache_s_per_id",
+        ):  # fmt: skip
             value = getattr(self, name)
             _check(value is None or value > 0, f"{name} must be > 0 or None, got {value}")
         for name in (

@@ -24,6 +24,7 @@ from distcache.tools.microbench import (
     measure_staging_costs,
 )
 from distcache.tools.schedbench import measure_schedule_costs
+from distcache.tools.uvmbench import measure_uvm_cache_costs
 
 Figures = dict[str, float | None]
 """`Measurements` fields by name."""
@@ -67,7 +68,8 @@ def compute_figures(device: str, s: CalibrationSizes) -> tuple[Figures, list[str
 
 def _lookups(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
     """The lookup fits of distcache's kernel and of TorchRec's fused one (FBGEMM's) into
-    `out`; a note where FBGEMM has no kernel here."""
+    `out`, and on CUDA FBGEMM's UVM cache's cost per id; a note where FBGEMM has no kernel
+    here, or its cache could not be measured."""
     kw = {"rows": s.lookup_rows, "dims": s.lookup_dims, "bags": s.lookup_bags}
     kw |= {"pooling": s.lookup_pooling, "alpha": s.lookup_alpha, "repeats": s.repeats}
     lookup = measure_lookup_costs(**kw, device=device, kernel="distcache")
@@ -79,6 +81,18 @@ def _lookups(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
         return [f"FBGEMM's TBE not measured ({reason}): device tables at distcache's rates"]
     out["device_lookup_rows_per_s"] = fused.rows_per_s
     out["device_lookup_bytes_per_s"] = fused.bytes_per_s
+    if device != "cuda":  # (FBGEMM's UVM cache is CUDA only)
+        return []
+    try:
+        out["reactive_cache_s_per_id"] = measure_uvm_cache_costs(
+            rows=s.lookup_rows, dim=s.lookup_dims[-1], bags=s.lookup_bags,
+            pooling=s.lookup_pooling, alpha=s.lookup_alpha, repeats=s.repeats,
+        )  # fmt: skip
+    except Exception as error:  # e.g. a packed FBGEMM build without its cache's kernels
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        return [f"FBGEMM's UVM cache not measured ({reason}): reactive caches priced by staging"]
+    if out["reactive_cache_s_per_id"] is None:
+        return ["FBGEMM's UVM cache's cost lost in the noise: reactive caches priced by staging"]
     return []
 
 

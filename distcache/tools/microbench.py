@@ -285,7 +285,7 @@ def measure_copy_latency(*, device: str = "cpu", repeats: int = 50) -> float:
     return median_seconds(lambda: dst.copy_(src, non_blocking=True), dev, repeats)
 
 
-def _power_law_batches(
+def power_law_batches(
     rows: int, alpha: float, bags: int, pooling: int, count: int, seed: int, dev: torch.device
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`count` batches of `bags` bags of `pooling` power-law ids each (`[bags * pooling]` on
@@ -320,7 +320,7 @@ def _lookup_step(
     every, whole = torch.arange(rows, device=dev), torch.tensor([0, rows], device=dev)
     kernel.enqueue(every, whole)  # load every row: the steps below only look up and update
     kernel(every, whole).sum().backward()
-    batches, offsets = _power_law_batches(rows, alpha, bags, pooling, repeats + 3, dim, dev)
+    batches, offsets = power_law_batches(rows, alpha, bags, pooling, repeats + 3, dim, dev)
     kernel.enqueue(batches[0], offsets)
     window = deque([batches[0]])  # enqueued, not yet looked up
     step = itertools.count(1)
@@ -355,7 +355,7 @@ def _fused_lookup_step(
     kernel = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, *where)], optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev
     )
-    batches, offsets = _power_law_batches(rows, alpha, bags, pooling, repeats + 3, dim, dev)
+    batches, offsets = power_law_batches(rows, alpha, bags, pooling, repeats + 3, dim, dev)
     step = itertools.count()
 
     def train() -> None:
@@ -446,7 +446,7 @@ def _cached_steps(
         engine.release(engine.lookup_plan())
     warm, steps = 8 * repeats, 4 * repeats
     count = warm + steps + lookahead
-    batches, offsets = _power_law_batches(rows, alpha, bags, pooling, count, 1, dev)
+    batches, offsets = power_law_batches(rows, alpha, bags, pooling, count, 1, dev)
     for ids in batches[:lookahead]:
         kernel.enqueue(ids, offsets)
     times, before = [], kernel.stats()["t"]

@@ -49,6 +49,8 @@ def test_quick_calibration_measures_every_figure(tmp_path, capsys):
         unmeasured.add("dense_update_bytes_per_s")
     if "FBGEMM's TBE not measured" in topology.calibration:
         unmeasured |= {"device_lookup_rows_per_s", "device_lookup_bytes_per_s"}
+    if "FBGEMM's TBE not measured" in topology.calibration or "UVM cache" in topology.calibration:
+        unmeasured.add("reactive_cache_s_per_id")  # (not tried, or failed or lost: noted)
     for name in set(CUDA_MEASURED) - unmeasured:
         value = getattr(topology, name)
         if name in MAY_BE_NONE and value is None:

@@ -675,3 +675,25 @@ def test_sequence_tables_are_not_table_row_wise():
 def test_pooled_must_be_a_bool():
     with pytest.raises(DistcacheConfigError, match="pooled must be true or false, got 'no'"):
         TableStats(name="a", rows=10, dim=4, pooled="no")
+
+
+def test_a_reactive_caches_own_work_is_priced_per_id_on_a_gpu_where_calibrated():
+    """`reactive_cache_s_per_id` (FBGEMM's UVM cache, calibrated on a GPU) adds each id of an
+    LRU cache's step to its lookups there; nothing for a look-ahead cache (its scheduler is
+    priced apart), on CPU, or without the figure."""
+    table = TableStats(name="big", rows=200_000, dim=16, alpha=1.05)
+    lru = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 0, "prefetch_depth": 0}
+    ahead = {**lru, "lookahead": 8, "prefetch_depth": 1}
+    calibrated = dataclasses.replace(TOPOLOGY, reactive_cache_s_per_id=1e-8)
+    plain = _terms(table, **lru)
+    priced = _terms(table, calibrated, **lru)
+    assert priced.lookup_s == pytest.approx(plain.lookup_s + plain.ids_per_step * 1e-8)
+    assert priced.staging_s == plain.staging_s
+    assert _terms(table, calibrated, **ahead).lookup_s == _terms(table, **ahead).lookup_s
+    cpu = dataclasses.replace(calibrated, compute_device="cpu")
+    assert (
+        _terms(table, cpu, **lru).lookup_s
+        == _terms(table, dataclasses.replace(TOPOLOGY, compute_device="cpu"), **lru).lookup_s
+    )
+    with pytest.raises(DistcacheConfigError, match="reactive_cache_s_per_id"):
+        dataclasses.replace(TOPOLOGY, reactive_cache_s_per_id=0.0)

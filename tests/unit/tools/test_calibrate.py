@@ -194,7 +194,8 @@ CUDA_MEASURED = (
     "host_to_device_bw_bytes_per_s", "device_to_host_bw_bytes_per_s", "host_to_device_latency_s",
     "lookup_rows_per_s", "lookup_bytes_per_s", "device_lookup_rows_per_s",
     "device_lookup_bytes_per_s", "cache_scan_rows_per_s", "schedule_s_per_id",
-    "schedule_s_per_candidate", "dense_flops_per_s", "dense_layer_overhead_s",
+    "schedule_s_per_candidate", "reactive_cache_s_per_id", "dense_flops_per_s",
+    "dense_layer_overhead_s",
     "dense_activation_bytes_per_s", "interaction_s_per_element", "interaction_s_per_pair",
     "step_overhead_s", "sharding_overhead_s", "id_overhead_s", "hot_bag_overhead_s",
     "dense_update_bytes_per_s",
@@ -248,6 +249,7 @@ class _Stubs:
         patch("measure_device_to_host_bandwidth", self._record("d2h", 4.9e10, device="cuda"))
         schedule = ScheduleCosts(fixed_s=1e-4, s_per_id=3.4e-9, s_per_candidate=3.5e-10)
         patch("measure_schedule_costs", self._record("schedule", schedule))
+        patch("measure_uvm_cache_costs", self._record("uvm", 3.6e-9, device="cuda"))
         patch("measure_dense_layer_overhead", self._record("layer", 4.1e-5))
         patch("measure_activation_bandwidth", self._record("activations", 4.2e12))
         framework = FrameworkCosts(
@@ -290,7 +292,8 @@ def test_a_cuda_calibration_measures_every_figure(monkeypatch):
         "lookup_bytes_per_s": 1.2e11, "device_lookup_rows_per_s": 1.3e9,
         "device_lookup_bytes_per_s": 1.4e11, "cache_scan_rows_per_s": 3.3e11,
         "schedule_s_per_id": 3.4e-9, "schedule_s_per_candidate": 3.5e-10,
-        "dense_flops_per_s": 2.1e14, "dense_layer_overhead_s": 4.1e-5,
+        "reactive_cache_s_per_id": 3.6e-9, "dense_flops_per_s": 2.1e14,
+        "dense_layer_overhead_s": 4.1e-5,
         "dense_activation_bytes_per_s": 4.2e12, "interaction_s_per_element": 2.2e-12,
         "interaction_s_per_pair": 2.3e-13, "step_overhead_s": 5.1e-3,
         "sharding_overhead_s": 5.2e-4, "id_overhead_s": 5.3e-8, "hot_bag_overhead_s": 5.4e-8,
@@ -328,6 +331,7 @@ def test_a_cuda_calibration_says_what_it_could_not_measure(monkeypatch, capsys):
     for name in FrameworkCosts.__dataclass_fields__:
         assert getattr(topology, name) == getattr(gpu, name), name
     assert topology.device_lookup_rows_per_s is None
+    assert topology.reactive_cache_s_per_id is None  # (FBGEMM's UVM cache: not tried)
     assert topology.dense_activation_bytes_per_s is None
     for note in ("framework costs not measured (no TorchRec here)", "FBGEMM's TBE not measured",
                  "activation traffic lost in the noise"):  # fmt: skip
@@ -389,3 +393,27 @@ def test_a_cuda_calibration_measures_the_framework_without_data_parallel_where_i
         "the data-parallel plans failed (RuntimeError: CUDA error: device kernel image is "
         "invalid): dense_update_bytes_per_s keeps the preset's value" in topology.calibration
     )
+
+
+def test_a_cuda_calibration_without_fbgemms_uvm_cache_says_so(monkeypatch):
+    """FBGEMM's UVM cache failing on the GPU (a packed build without its kernels) or lost in
+    the noise leaves reactive caches priced by their staging, and the topology says which."""
+    _Stubs(monkeypatch)
+    for measured, note in (
+        (RuntimeError("CUDA error: device kernel image is invalid\nmore"),
+         "FBGEMM's UVM cache not measured (RuntimeError: CUDA error: device kernel image is "
+         "invalid): reactive caches priced by staging"),
+        (None, "FBGEMM's UVM cache's cost lost in the noise: reactive caches priced by staging"),
+    ):  # fmt: skip
+
+        def uvm(*args, measured=measured, **kw):
+            if isinstance(measured, Exception):
+                raise measured
+            return measured
+
+        monkeypatch.setattr(compute_figures, "measure_uvm_cache_costs", uvm)
+        m = calibrate_module.calibrate(ranks=1, device="cuda", sizes=CUDA_QUICK)
+        topology = topology_from(m, name="gpu")
+        assert topology.reactive_cache_s_per_id is None
+        assert note in topology.calibration
+        assert topology.device_lookup_rows_per_s == 1.3e9  # the rest measured
