@@ -45,6 +45,7 @@ from planner_vs_gpu import workload_of  # noqa: E402
 
 from distcache.cache.config import CacheConfig  # noqa: E402
 from distcache.cache.engine import CacheEngine  # noqa: E402
+from distcache.cache.simulate import Feed  # noqa: E402
 from distcache.data.traces import zipf_trace  # noqa: E402
 from distcache.planner.cost import plan_cost  # noqa: E402
 from distcache.planner.solver import uniform_plan  # noqa: E402
@@ -88,31 +89,27 @@ def headline_rows(tables: str, scale: float) -> list[int]:
 
 class Replay:
     """One engine over the rows of every table (table t's rows after table t - 1's), fed as
-    `CachedEmbeddingBags` feeds it: batch t + L enqueued, the oldest staged (K ahead), looked
-    up and released."""
+    `CachedEmbeddingBags` feeds it (`simulate.Feed`): batch t + L enqueued, the oldest staged
+    (K ahead), looked up and released; `batch(s)` gives batch s's ids, in order."""
 
-    def __init__(self, rows: list[int], fraction: float, policy: str, lookahead: int, depth: int):
-        self.lookahead = lookahead if policy == "lookahead" else 0
+    def __init__(
+        self,
+        rows: list[int],
+        fraction: float,
+        policy: str,
+        lookahead: int,
+        depth: int,
+        batch: Callable[[int], torch.Tensor],
+    ):
+        lookahead = lookahead if policy == "lookahead" else 0
         config = CacheConfig(
             capacity=sum(math.ceil(fraction * r) for r in rows),
-            lookahead=self.lookahead,
-            prefetch_depth=depth if self.lookahead else 0,
+            lookahead=lookahead,
+            prefetch_depth=depth if lookahead else 0,
             policy=policy,
         )
         self.engine = CacheEngine(num_rows=sum(rows), dim=0, config=config, name="replay")
-        self._none = torch.zeros(1, 0)  # a zero-width gradient
-        self._enqueued = 0
-
-    def step(self, t: int, batch: Callable[[int], torch.Tensor]) -> None:
-        """Train step t; `batch(s)` gives batch s's ids, in order."""
-        while self._enqueued <= t + self.lookahead:
-            self.engine.enqueue(batch(self._enqueued))
-            self._enqueued += 1
-        self.engine.prefetch()
-        plan = self.engine.lookup_plan()
-        self.engine.prefetch()  # staged ahead while the batch trains
-        grads = self._none.new_zeros(plan.inverse.numel(), dtype=torch.int64)
-        self.engine.apply_gradients(plan, self._none, grads)
+        self.step = Feed(self.engine, batch, lookahead).step  # (train step t)
 
     @property
     def loads(self) -> int:
@@ -155,11 +152,11 @@ def modelled_loads(config: dict, fraction: float, policy: str) -> float:
     return plan_cost(plan, workload, topology).loads_per_step[0]
 
 
-def windows(replay: Replay, batch, steps: int, window: int) -> Iterator[tuple[int, float, float]]:
+def windows(replay: Replay, steps: int, window: int) -> Iterator[tuple[int, float, float]]:
     """(first step, loads per step, seconds) of each `window` steps."""
     before, start = replay.loads, time.perf_counter()
     for t in range(steps):
-        replay.step(t, batch)
+        replay.step(t)
         if (t + 1) % window == 0:
             yield t + 1 - window, (replay.loads - before) / window, time.perf_counter() - start
             before, start = replay.loads, time.perf_counter()
@@ -175,10 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     for fraction in args.capacities:
         for policy in args.policies:
             model = modelled_loads(config, fraction, policy)
-            replay = Replay(rows, fraction, policy, args.lookahead, args.prefetch_depth)
-            for first, loads, seconds in windows(
-                replay, chunked_batches(rows, args), args.steps, args.window
-            ):
+            batch = chunked_batches(rows, args)
+            replay = Replay(rows, fraction, policy, args.lookahead, args.prefetch_depth, batch)
+            for first, loads, seconds in windows(replay, args.steps, args.window):
                 row = {"capacity": fraction, "policy": policy, "steps_from": first}
                 row |= {
                     "engine_loads": loads,
@@ -221,12 +217,15 @@ def replay_headline(args: argparse.Namespace) -> int:
         if r["variant"] != "distcache" or r.get("loads_per_step") is None:
             continue
         first = r["fill_steps"] + c["warmup"]
-        replay = Replay(rows, r["capacity"], "lookahead", c["lookahead"], c["prefetch_depth"])
+        replay = Replay(
+            rows, r["capacity"], "lookahead", c["lookahead"], c["prefetch_depth"],
+            lambda s: ids[s].reshape(-1),
+        )  # fmt: skip
         for t in range(first):
-            replay.step(t, lambda s: ids[s].reshape(-1))
+            replay.step(t)
         before = replay.loads
         for t in range(first, first + c["steps"]):
-            replay.step(t, lambda s: ids[s].reshape(-1))
+            replay.step(t)
         counted = (replay.loads - before) / c["steps"]
         measured = r["loads_per_step"]
         row = {"capacity": r["capacity"], "steps_from": first, "measured_loads": measured}

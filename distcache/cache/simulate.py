@@ -17,13 +17,14 @@ with a window spanning the whole trace and nothing staged ahead).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from distcache.cache.config import POLICIES, CacheConfig
 from distcache.cache.engine import CacheEngine
+from distcache.cache.scheduler import StagePlan
 from distcache.constants import DEFAULT_LOOKAHEAD
 from distcache.errors import DistcacheConfigError
 
@@ -146,25 +147,50 @@ def _replay(
     that batch on."""
     device = engine.device
     seen = torch.zeros(engine.scheduler.num_rows + 1, dtype=torch.bool, device=device)  # + sentinel
-    no_grad = torch.zeros(1, 0, device=device)  # one zero-width "bag"
-    enqueued = 0
+    feed = Feed(engine, lambda s: batches[s].to(device), lookahead, end=len(batches))
     start = time.perf_counter()
     before = None
     for t in range(len(batches)):
         if t == count_from:
             before = engine.stats()
             start = time.perf_counter()
-        while enqueued < len(batches) and enqueued <= t + lookahead:
-            engine.enqueue(batches[enqueued].to(device))
-            enqueued += 1
-        engine.prefetch()
-        plan = engine.lookup_plan()
-        engine.prefetch()  # stage ahead while this batch "trains"
-        engine.apply_gradients(
-            plan, no_grad, no_grad.new_zeros(plan.inverse.numel(), dtype=torch.int64)
-        )
+        plan = feed.step(t)
         seen[plan.batch.rows] = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     return before, engine.stats(), seen, seconds
+
+
+class Feed:
+    """Batches trained through an engine of zero-width rows as training drives it (what
+    `simulate` replays): at step t the batches up to t + L enqueued (`batch(s)`: batch s's
+    ids on the engine's device; none from `end` on), the oldest looked up, the next staged
+    while it "trains", its update applied (nothing to update) and its rows released."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        batch: Callable[[int], torch.Tensor],
+        lookahead: int,
+        *,
+        end: int | None = None,
+    ):
+        self.engine, self.batch, self.lookahead, self.end = engine, batch, lookahead, end
+        self.enqueued = 0
+        self._no_grad = torch.zeros(1, 0, device=engine.device)  # one zero-width "bag"
+
+    def step(self, t: int) -> StagePlan:
+        """Train step t; returns the plan it looked up."""
+        engine = self.engine
+        while (
+            self.end is None or self.enqueued < self.end
+        ) and self.enqueued <= t + self.lookahead:
+            engine.enqueue(self.batch(self.enqueued))
+            self.enqueued += 1
+        engine.prefetch()
+        plan = engine.lookup_plan()
+        engine.prefetch()  # stage ahead while this batch "trains"
+        bags = self._no_grad.new_zeros(plan.inverse.numel(), dtype=torch.int64)
+        engine.apply_gradients(plan, self._no_grad, bags)
+        return plan
