@@ -354,7 +354,7 @@ class CachedEmbeddingBags(nn.Module):
         num_bags = offsets.numel() - 1
         batch_size = num_bags // num_features
         if self._kernels is not None and batch_size:
-            return self._route_fused(values, offsets, padded_ids)
+            return self._route_fused(values, offsets, batch_size, padded_ids)
         lengths = offsets.diff()  # [F * B]
         if not padded_ids:  # repeat_interleave of counts alone: the index of each id's count
             bag_of_id = torch.repeat_interleave(lengths, output_size=n)
@@ -408,7 +408,7 @@ class CachedEmbeddingBags(nn.Module):
         return tuple(out)
 
     def _route_fused(
-        self, values: torch.Tensor, offsets: torch.Tensor, padded_ids: bool
+        self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, padded_ids: bool
     ) -> tuple[torch.Tensor, ...]:
         """`_route_device` by `fused.route`, for one group serving every feature."""
         (group,) = self._groups
@@ -419,8 +419,6 @@ class CachedEmbeddingBags(nn.Module):
         )  # fmt: skip
         out = [ids, offsets, bag_of_id]
         if group.has_mean:
-            num_bags = offsets.numel() - 1
-            batch_size = num_bags // len(self.feature_table_map)
             out.append(self._divisor(group, offsets.diff(), batch_size))
         return (*out, check) if check is not None else tuple(out)
 
