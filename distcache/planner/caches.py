@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from distcache.planner.binned import CacheShare, shared_loads, table_access
 from distcache.planner.shards import (
     ShardTerms,
-    scheduler_on_device,
+    cache_work_on_device,
     scheduling_time_s,
     splits,
     staging_time_s,
@@ -86,7 +86,7 @@ class RankCache:
     staging_overlapped: bool
     """`ShardTerms.staging_overlapped` (alike for the tables of one cache)."""
     scheduling_s: float = 0.0
-    """The cache's scheduler's time per step (in `staging_s` unless `scheduler_on_device`)."""
+    """The cache's scheduler's time per step (in `staging_s` unless `cache_work_on_device`)."""
     separate_scheduling_s: float = 0.0
     """The tables' `ShardTerms.scheduling_s` summed."""
 
@@ -177,7 +177,7 @@ def _price(
         loads = tuple(shared.tolist())
         moved = 2 * float(shared.sum()) * first.row_bytes
         scheduling *= moved > 0  # (a cache that moves nothing: no victims to choose)
-        exposed = scheduling * (not scheduler_on_device(topology))
+        exposed = scheduling * (not cache_work_on_device(topology))
         staging = staging_time_s(moved, topology, exposed)
     return RankCache(
         rank=rank,

@@ -34,7 +34,7 @@ U_table(n) otherwise, from `stats.expected_unique`.
   lookups (`shards.reactive_cache_time_s`).
   On a GPU the scheduler's kernels take the device beside training (calibrated as the
   device's time): its time is added to the rank's lookups, never hidden, while the copies
-  overlap (`shards.scheduler_on_device`).
+  overlap (`shards.cache_work_on_device`).
   A rank's host-cached shards of one width, sharding type and cache settings share one cache,
   as the engine runs them (`caches.py`): its loads are `binned.shared_loads` of them (the
   likeliest rows of all of them resident; 'lru': one characteristic time), into their cache
@@ -149,7 +149,7 @@ from distcache.planner.dense import (
     sync_latency_s,
 )
 from distcache.planner.ranks import RankTerms, rank_step_of, shard_contribution
-from distcache.planner.shards import scheduler_on_device, sent_bags_per_rank, table_plan_terms
+from distcache.planner.shards import cache_work_on_device, sent_bags_per_rank, table_plan_terms
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -362,7 +362,7 @@ def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:
     for cache in caches:  # each rank's tables of one cache share it
         staged = load.overlapped_staging_s if cache.staging_overlapped else load.exposed_staging_s
         staged[cache.rank] += cache.staging_s - cache.separate_staging_s
-        if scheduler_on_device(topology):  # its scheduler's time is the device's (`shards`)
+        if cache_work_on_device(topology):  # its scheduler's time is the device's (`shards`)
             load.lookup_s[cache.rank] += cache.scheduling_s - cache.separate_scheduling_s
         loads[cache.rank] += sum(cache.loads_per_step)
     hot_tables = sum(tp.hot_rows > 0 for tp in plan.tables)

@@ -67,7 +67,7 @@ class ShardTerms:
     """Staging runs beside compute: look-ahead with K > 0 on a GPU (on CPU it never does)."""
     scheduling_s: float = 0.0
     """A look-ahead cache's scheduler's time per step: part of `staging_s` on CPU, of
-    `lookup_s` on a GPU (`scheduler_on_device`)."""
+    `lookup_s` on a GPU (`cache_work_on_device`)."""
     device_memory_bytes: int
     host_memory_bytes: int
     ids_bytes_per_peer: float
@@ -193,11 +193,12 @@ def scheduling_time_s(
     return ids * per_id + candidates * per_candidate
 
 
-def scheduler_on_device(topology: Topology) -> bool:
-    """Whether a look-ahead cache's scheduler is priced as the device's work beside training
-    (a GPU: its kernels take the device's time, measured so, while its copies overlap the
-    step on the staging stream) rather than as part of the staging (CPU, where the stager
-    runs in program order on the training thread and all of it is exposed anyway)."""
+def cache_work_on_device(topology: Topology) -> bool:
+    """Whether a cache's own work (a look-ahead cache's scheduler; a reactive cache's lookups
+    and inserts, `reactive_cache_time_s`) is priced as the device's beside training (a GPU:
+    its kernels take the device's time, calibrated so, while the copies overlap the step on
+    the staging stream) rather than as part of the staging (CPU, where the stager runs in
+    program order on the training thread and all of it is exposed anyway)."""
     return topology.compute_device == "cuda"
 
 
@@ -206,7 +207,7 @@ def reactive_cache_time_s(topology: Topology, ids: float, cached: bool, lookahea
     `reactive_cache_s_per_id` (FBGEMM's UVM cache's, as calibrated); 0 elsewhere, and where
     it is not measured. Per id, so the caches a rank's tables share add up alike."""
     per_id = topology.reactive_cache_s_per_id
-    if not (cached and lookahead == 0 and per_id and scheduler_on_device(topology)):
+    if not (cached and lookahead == 0 and per_id and cache_work_on_device(topology)):
         return 0.0
     return ids * per_id
 
@@ -338,7 +339,7 @@ def shard_terms(
             )  # fmt: skip
     staging_bytes = 2 * loads * row_bytes
     scheduling *= staging_bytes > 0  # (a cache that moves nothing: no victims to choose)
-    on_device = scheduler_on_device(topology)
+    on_device = cache_work_on_device(topology)
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
     sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
     sent *= output_rate_factor(sharding, topology, table.pooled)
