@@ -23,7 +23,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Sequence
+
+import numpy as np
 
 from distcache.constants import HOT_ALL, HOT_REDUCE, HOT_TOUCHED
 from distcache.planner.binned import BinnedProfile, table_access
@@ -130,30 +133,41 @@ class _Variants:
 
 def _same_share_everywhere(state: State, shares: Sequence[float], variants: _Variants) -> None:
     """Give every sharded table the replica taking the same share of its lookups, reduced the
-    same way: each share and reduction tried (and none), the best kept."""
+    same way: each share and reduction tried (and none), the best kept. The combinations are
+    priced together (`State.scores`): the state with every sharded table's footprint swapped
+    for its variant's, as removing and adding them one at a time would leave it."""
     sharded = _sharded(state)
-    start = {i: state.placed[i] for i in sharded}
-    now = {i: state.contrib[i] for i in sharded}
-    best_score = state.score() if state.fits() else None
-    best = {i: start[i][0] for i in sharded}
+    if not sharded:
+        return
     combos = [(share, reduce) for share in shares for reduce in HOT_REDUCE]
-    tried = {}  # table -> its mode and footprint in each combination
+    per_table = []  # each sharded table's mode and footprint in each combination
     for i in sharded:
-        mode = start[i][0]
+        mode = state.placed[i][0]
         modes = [variants.get(i, mode, _replica_rows(state, i, s), r) for s, r in combos]
-        tried[i] = list(zip(modes, variants.placed(i, modes), strict=True))
-    for k in range(len(combos)):
-        for i in sharded:
-            state.remove(i)
-            mode, footprint = tried[i][k]
-            state.add(i, mode, start[i][1], footprint)
-        score = state.score() if state.fits() else None
-        if score is not None and (best_score is None or _better(score, best_score)):
-            best, best_score = {i: tried[i][k][0] for i in sharded}, score
+        per_table.append(list(zip(modes, variants.placed(i, modes), strict=True)))
+    tried = list(zip(*per_table, strict=True))  # per combination, each table's
+    rest = state.flat.copy()  # the state without the sharded tables
     for i in sharded:
-        footprint = now[i] if best[i] is start[i][0] else variants.placed(i, [best[i]])[0]
+        rest -= state.contrib[i].flat
+    rest_kinds = state.kinds - Counter(state.contrib[i].collectives for i in sharded)
+    flats, kinds = [state.flat], [state.kinds]
+    for combo in tried:
+        flat = rest.copy()
+        for _, footprint in combo:
+            flat += footprint.flat
+        flats.append(flat)
+        kinds.append(rest_kinds + Counter(footprint.collectives for _, footprint in combo))
+    (step, work, fits), *scores = state.scores(np.stack(flats), kinds)
+    best, best_score = None, (step, work) if fits else None
+    for combo, (step, work, fits) in zip(tried, scores, strict=True):
+        if fits and (best_score is None or _better((step, work), best_score)):
+            best, best_score = combo, (step, work)
+    if best is None:  # no replica everywhere beats none
+        return
+    for i, (mode, footprint) in zip(sharded, best, strict=True):
+        ranks = state.placed[i][1]
         state.remove(i)
-        state.add(i, best[i], start[i][1], footprint)
+        state.add(i, mode, ranks, footprint)
 
 
 def _choose_one(

@@ -179,20 +179,15 @@ class State:
         self, index: int, footprints: Sequence[Footprint]
     ) -> list[tuple[float, float] | None]:
         """The `score` of the state as it is, then with table `index` in each of `footprints`
-        in turn instead (None where it does not fit), the table put back after each: the state
-        is left as `remove`, `add`, `remove`, `add` would leave it; the scores are priced
-        together."""
+        instead (None where it does not fit), priced together; the state is left as it is."""
         now, flat = self.contrib[index], self.flat
         trials = np.empty((len(footprints) + 1, flat.size))
         trials[0] = flat
+        if footprints:
+            trials[1:] = flat - now.flat  # the state without the table, plus each footprint
+            trials[1:] += np.stack([footprint.flat for footprint in footprints])
         kinds = [self.kinds]
-        for trial, footprint in zip(trials[1:], footprints, strict=True):
-            flat -= now.flat
-            flat += footprint.flat
-            trial[:] = flat
-            flat -= footprint.flat
-            flat += now.flat
-            kinds.append(_swapped(self.kinds, now.collectives, footprint.collectives))
+        kinds += [_swapped(self.kinds, now.collectives, f.collectives) for f in footprints]
         return [(step, work) if fits else None for step, work, fits in self.scores(trials, kinds)]
 
     def fits(self) -> bool:
