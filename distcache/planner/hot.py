@@ -145,7 +145,7 @@ def _same_share_everywhere(state: State, shares: Sequence[float], variants: _Var
         mode = state.placed[i][0]
         modes = [variants.get(i, mode, _replica_rows(state, i, s), r) for s, r in combos]
         per_table.append(list(zip(modes, variants.placed(i, modes), strict=True)))
-    tried = list(zip(*per_table, strict=True))  # per combination, each table's
+    tried = list(zip(*per_table, strict=True))  # per combination: each table's (mode, footprint)
     rest = state.flat.copy()  # the state without the sharded tables
     for i in sharded:
         rest -= state.contrib[i].flat
