@@ -62,6 +62,7 @@ from distcache.planner.binned import CacheShare, shared_loads, table_access
 from distcache.planner.shards import (
     ShardTerms,
     cache_work_on_device,
+    reactive_cache_priced_per_id,
     scheduling_time_s,
     splits,
     staging_time_s,
@@ -179,6 +180,8 @@ def _price(
         scheduling *= moved > 0  # (a cache that moves nothing: no victims to choose)
         exposed = scheduling * (not cache_work_on_device(topology))
         staging = staging_time_s(moved, topology, exposed)
+        if reactive_cache_priced_per_id(topology, True, lookahead):
+            staging = 0.0  # (in its lookups: `shards.reactive_cache_priced_per_id`)
     return RankCache(
         rank=rank,
         tables=tuple(tp.table for tp in tps),

@@ -31,7 +31,8 @@ U_table(n) otherwise, from `stats.expected_unique`.
   cache); topologies calibrated before those figures price it as every slot scored once a
   step: + cache rows / cache_scan_rows_per_s. A reactive LRU cache's own work is priced on a
   GPU only, per id at `reactive_cache_s_per_id` (FBGEMM's UVM cache, calibrated there), in the
-  lookups (`shards.reactive_cache_time_s`).
+  lookups (`shards.reactive_cache_time_s`); that figure holds its copies too, so where it is
+  priced the cache has no staging term (`shards.reactive_cache_priced_per_id`).
   On a GPU the scheduler's kernels take the device beside training (calibrated as the
   device's time): its time is added to the rank's lookups, never hidden, while the copies
   overlap (`shards.cache_work_on_device`).

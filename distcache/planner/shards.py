@@ -206,10 +206,18 @@ def reactive_cache_time_s(topology: Topology, ids: float, cached: bool, lookahea
     """A reactive cache's own device work per step on a GPU: `ids` at the topology's
     `reactive_cache_s_per_id` (FBGEMM's UVM cache's, as calibrated); 0 elsewhere, and where
     it is not measured. Per id, so the caches a rank's tables share add up alike."""
-    per_id = topology.reactive_cache_s_per_id
-    if not (cached and lookahead == 0 and per_id and cache_work_on_device(topology)):
+    if not reactive_cache_priced_per_id(topology, cached, lookahead):
         return 0.0
-    return ids * per_id
+    return ids * topology.reactive_cache_s_per_id
+
+
+def reactive_cache_priced_per_id(topology: Topology, cached: bool, lookahead: int) -> bool:
+    """Whether a cache's work is `reactive_cache_time_s`'s: a reactive cache on a GPU whose
+    topology measured it. That figure is FBGEMM's UVM cache's whole step less its every-row-in-
+    HBM step (`tools/uvmbench.py`): its misses' copies and dirty rows' write-backs are in it, so
+    such a cache has no staging term of its own (it would count them twice)."""
+    per_id = topology.reactive_cache_s_per_id
+    return bool(cached and lookahead == 0 and per_id and cache_work_on_device(topology))
 
 
 SCHEDULER_MIN_SCAN = 4096  # `distcache.cache.scheduler.MIN_SCAN`: the shortest sweep
@@ -347,6 +355,9 @@ def shard_terms(
     ours = cached or (sharded and on_distcache_kernel(table, storage, hot_rows))
     lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, ours, topology)
     lookup_s += scheduling * on_device + reactive_cache_time_s(topology, ids, cached, lookahead)
+    staging_s = staging_time_s(staging_bytes, topology, scheduling * (not on_device))
+    if reactive_cache_priced_per_id(topology, cached, lookahead):
+        staging_s = 0.0  # its copies are in its lookups' figure
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,
@@ -358,7 +369,7 @@ def shard_terms(
         working_set_rows=(prefetch_depth + 1) * unique if cached else 0.0,
         loads_per_step=loads,
         staging_bytes_per_step=staging_bytes,
-        staging_s=staging_time_s(staging_bytes, topology, scheduling * (not on_device)),
+        staging_s=staging_s,
         staging_overlapped=min(lookahead, prefetch_depth) > 0 and topology.compute_device == "cuda",
         scheduling_s=scheduling,
         device_memory_bytes=_device_bytes(rows, cache_rows, row_bytes, ours, lookahead),

@@ -196,7 +196,8 @@ class Topology:
     (`shards.scheduled_candidates`: the sweep's, or every slot of a small cache)."""
     reactive_cache_s_per_id: float | None = None
     """Device seconds per id of a reactive (LRU) cache's own work on a GPU: FBGEMM's UVM cache's
-    (`tools.uvmbench`), priced for every reactive cache; None: not priced (presets, CPU)."""
+    (`tools.uvmbench`: its misses' copies included, so such caches have no staging term),
+    priced for every reactive cache; None: not priced (presets, CPU)."""
     dense_update_bytes_per_s: float | None = None
     """Table bytes per second of a data-parallel table's dense gradient and update (fill,
     accumulate, optimizer step over every row); None: device memory bandwidth divided by the

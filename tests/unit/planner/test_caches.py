@@ -272,3 +272,21 @@ def test_a_shared_caches_scheduler_is_priced_once_and_on_a_gpu_as_the_devices_wo
     assert getattr(priced, off) == pytest.approx(getattr(unpriced, off))
     if device == "cuda":  # the copies overlap the step: none of the staging is exposed
         assert priced.exposed_staging_s == 0 < priced.staging_s
+
+
+def test_a_shared_reactive_cache_calibrated_on_a_gpu_has_its_copies_in_its_lookups():
+    """a and b (dim 16) on rank 0 share one LRU cache: on a GPU whose topology measured FBGEMM's
+    UVM cache (`reactive_cache_s_per_id`), its ids at that figure are its work, copies
+    included, so the shared cache has no staging term; its loads are the same."""
+    gpu = Topology(**{**TOPOLOGY.to_dict(), "compute_device": "cuda"})
+    calibrated = Topology(**{**gpu.to_dict(), "reactive_cache_s_per_id": 1e-8})
+    tables = (_cached("a", (0,), lookahead=0), _cached("b", (0,), lookahead=0))
+    (plain, _), (priced, _) = (
+        _cost(*tables, topology=gpu).per_rank,
+        _cost(*tables, topology=calibrated).per_rank,
+    )
+    ids = BATCH * TOPOLOGY.world_size * (TABLES["a"].pooling_factor + TABLES["b"].pooling_factor)
+    assert plain.staging_s > 0 and priced.staging_s == 0
+    assert priced.lookup_s == pytest.approx(plain.lookup_s + ids * 1e-8)
+    loads = [_cost(*tables, topology=t).loads_per_step for t in (gpu, calibrated)]
+    assert loads[0] == loads[1] and sum(loads[0]) > 0

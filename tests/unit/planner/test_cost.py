@@ -679,8 +679,10 @@ def test_pooled_must_be_a_bool():
 
 def test_a_reactive_caches_own_work_is_priced_per_id_on_a_gpu_where_calibrated():
     """`reactive_cache_s_per_id` (FBGEMM's UVM cache, calibrated on a GPU) adds each id of an
-    LRU cache's step to its lookups there; nothing for a look-ahead cache (its scheduler is
-    priced apart), on CPU, or without the figure."""
+    LRU cache's step to its lookups there, in place of its staging (the figure is the UVM
+    cache's whole step less FBGEMM's every-row-in-HBM step: its copies are in it); nothing
+    changes for a look-ahead cache (its scheduler is priced apart), on CPU, or without the
+    figure."""
     table = TableStats(name="big", rows=200_000, dim=16, alpha=1.05)
     lru = {"storage": HOST_CACHED, "cache_fraction": 0.05, "lookahead": 0, "prefetch_depth": 0}
     ahead = {**lru, "lookahead": 8, "prefetch_depth": 1}
@@ -688,12 +690,13 @@ def test_a_reactive_caches_own_work_is_priced_per_id_on_a_gpu_where_calibrated()
     plain = _terms(table, **lru)
     priced = _terms(table, calibrated, **lru)
     assert priced.lookup_s == pytest.approx(plain.lookup_s + plain.ids_per_step * 1e-8)
-    assert priced.staging_s == plain.staging_s
+    assert plain.staging_s > 0 and priced.staging_s == 0
+    assert priced.staging_bytes_per_step == plain.staging_bytes_per_step  # still reported
+    assert _terms(table, calibrated, **ahead).staging_s == _terms(table, **ahead).staging_s
     assert _terms(table, calibrated, **ahead).lookup_s == _terms(table, **ahead).lookup_s
     cpu = dataclasses.replace(calibrated, compute_device="cpu")
-    assert (
-        _terms(table, cpu, **lru).lookup_s
-        == _terms(table, dataclasses.replace(TOPOLOGY, compute_device="cpu"), **lru).lookup_s
-    )
+    cpu_plain = _terms(table, dataclasses.replace(TOPOLOGY, compute_device="cpu"), **lru)
+    assert _terms(table, cpu, **lru).lookup_s == cpu_plain.lookup_s
+    assert _terms(table, cpu, **lru).staging_s == cpu_plain.staging_s > 0
     with pytest.raises(DistcacheConfigError, match="reactive_cache_s_per_id"):
         dataclasses.replace(TOPOLOGY, reactive_cache_s_per_id=0.0)
