@@ -62,8 +62,8 @@ from distcache.planner.binned import CacheShare, shared_loads, table_access
 from distcache.planner.shards import (
     ShardTerms,
     cache_work_on_device,
+    cache_work_s,
     reactive_cache_priced_per_id,
-    scheduling_time_s,
     splits,
     staging_time_s,
 )
@@ -87,7 +87,9 @@ class RankCache:
     staging_overlapped: bool
     """`ShardTerms.staging_overlapped` (alike for the tables of one cache)."""
     scheduling_s: float = 0.0
-    """The cache's scheduler's time per step (in `staging_s` unless `cache_work_on_device`)."""
+    """The cache's own work per step (`ShardTerms.scheduling_s`: a look-ahead cache's
+    scheduler, a calibrated reactive cache's misses), in `staging_s` unless
+    `cache_work_on_device`."""
     separate_scheduling_s: float = 0.0
     """The tables' `ShardTerms.scheduling_s` summed."""
 
@@ -166,15 +168,15 @@ def _price(
             for tp in tps
         ]
         shared = shared_loads(shares, slots, "frequency" if lookahead > 0 else "lru")
-        scheduling = 0.0
-        if lookahead > 0:  # (a reactive LRU cache's scheduler is not priced)
-            scheduling = scheduling_time_s(
-                topology,
-                cache_rows=slots,
-                ids=sum(t.ids_per_step for t in terms),
-                unique_rows=sum(t.unique_rows_per_step for t in terms),
-                prefetch_depth=tps[0].prefetch_depth,
-            )
+        scheduling = cache_work_s(
+            topology,
+            lookahead=lookahead,
+            loads=float(shared.sum()),
+            cache_rows=slots,
+            ids=sum(t.ids_per_step for t in terms),
+            unique_rows=sum(t.unique_rows_per_step for t in terms),
+            prefetch_depth=tps[0].prefetch_depth,
+        )
         loads = tuple(shared.tolist())
         moved = 2 * float(shared.sum()) * first.row_bytes
         scheduling *= moved > 0  # (a cache that moves nothing: no victims to choose)

@@ -31,8 +31,10 @@ U_table(n) otherwise, from `stats.expected_unique`.
   cache); topologies calibrated before those figures price it as every slot scored once a
   step: + cache rows / cache_scan_rows_per_s. A reactive LRU cache's own work is priced on a
   GPU only, per id at `reactive_cache_s_per_id` (FBGEMM's UVM cache, calibrated there), in the
-  lookups (`shards.reactive_cache_time_s`); that figure holds its copies too, so where it is
-  priced the cache has no staging term (`shards.reactive_cache_priced_per_id`).
+  lookups (`shards.reactive_cache_time_s`), and per row it loads at `reactive_cache_s_per_miss`
+  (`shards.reactive_cache_miss_s`: its `scheduling_s`, once per shared cache); those figures
+  hold its copies too, so where they are priced the cache has no staging term
+  (`shards.reactive_cache_priced_per_id`).
   On a GPU the scheduler's kernels take the device beside training (calibrated as the
   device's time): its time is added to the rank's lookups, never hidden, while the copies
   overlap (`shards.cache_work_on_device`).

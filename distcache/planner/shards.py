@@ -66,7 +66,8 @@ class ShardTerms:
     staging_overlapped: bool
     """Staging runs beside compute: look-ahead with K > 0 on a GPU (on CPU it never does)."""
     scheduling_s: float = 0.0
-    """A look-ahead cache's scheduler's time per step: part of `staging_s` on CPU, of
+    """A cache's own work beside its lookups per step, a look-ahead cache's scheduler's (or a
+    reactive cache's per miss, `reactive_cache_miss_s`): part of `staging_s` on CPU, of
     `lookup_s` on a GPU (`cache_work_on_device`)."""
     device_memory_bytes: int
     host_memory_bytes: int
@@ -211,6 +212,33 @@ def reactive_cache_time_s(topology: Topology, ids: float, cached: bool, lookahea
     return ids * topology.reactive_cache_s_per_id
 
 
+def cache_work_s(
+    topology: Topology, *, lookahead: int, loads: float, cache_rows: int, ids: float,
+    unique_rows: float, prefetch_depth: int,
+) -> float:  # fmt: skip
+    """A cache's own work per step beside its lookups (`ShardTerms.scheduling_s`): a look-ahead
+    cache's scheduler (`scheduling_time_s`), a reactive cache's misses where they were measured
+    (`reactive_cache_miss_s`)."""
+    if lookahead > 0:
+        return scheduling_time_s(
+            topology, cache_rows=cache_rows, ids=ids, unique_rows=unique_rows,
+            prefetch_depth=prefetch_depth,
+        )  # fmt: skip
+    return reactive_cache_miss_s(topology, loads)
+
+
+def reactive_cache_miss_s(topology: Topology, loads: float) -> float:
+    """A reactive cache's own device work per step for the `loads` rows it loads a step, on a
+    GPU whose topology measured it (`reactive_cache_s_per_miss`: FBGEMM's UVM cache at two
+    sizes); 0 elsewhere. The cache's `scheduling_s` (its work beside its lookups, as a
+    look-ahead cache's scheduler): a cache shared by tables prices it once, on its shared
+    loads (`caches.py`)."""
+    per_miss = topology.reactive_cache_s_per_miss
+    if not (per_miss and topology.reactive_cache_s_per_id and cache_work_on_device(topology)):
+        return 0.0
+    return loads * per_miss
+
+
 def reactive_cache_priced_per_id(topology: Topology, cached: bool, lookahead: int) -> bool:
     """Whether a cache's work is `reactive_cache_time_s`'s: a reactive cache on a GPU whose
     topology measured it. That figure is FBGEMM's UVM cache's whole step less its every-row-in-
@@ -340,11 +368,10 @@ def shard_terms(
         slots = cache_rows * rows_split + hot_rows
         model = "frequency" if lookahead > 0 else "lru"
         loads = table_access(table).loads(global_ids, slots, model) / rows_split
-        if lookahead > 0:  # (a reactive LRU cache's scheduler is not priced)
-            scheduling = scheduling_time_s(
-                topology, cache_rows=cache_rows, ids=ids, unique_rows=unique,
-                prefetch_depth=prefetch_depth,
-            )  # fmt: skip
+        scheduling = cache_work_s(
+            topology, lookahead=lookahead, loads=loads, cache_rows=cache_rows, ids=ids,
+            unique_rows=unique, prefetch_depth=prefetch_depth,
+        )  # fmt: skip
     staging_bytes = 2 * loads * row_bytes
     scheduling *= staging_bytes > 0  # (a cache that moves nothing: no victims to choose)
     on_device = cache_work_on_device(topology)

@@ -198,6 +198,9 @@ class Topology:
     """Device seconds per id of a reactive (LRU) cache's own work on a GPU: FBGEMM's UVM cache's
     (`tools.uvmbench`: its misses' copies included, so such caches have no staging term),
     priced for every reactive cache; None: not priced (presets, CPU)."""
+    reactive_cache_s_per_miss: float | None = None
+    """With `reactive_cache_s_per_id`: device seconds per row such a cache loads (FBGEMM's UVM
+    cache at two sizes, `tools.uvmbench`); None: its misses are in the per-id figure."""
     dense_update_bytes_per_s: float | None = None
     """Table bytes per second of a data-parallel table's dense gradient and update (fill,
     accumulate, optimizer step over every row); None: device memory bandwidth divided by the
@@ -262,34 +265,26 @@ class Topology:
             f"compute_device must be 'cuda' or 'cpu', got {self.compute_device!r}",
         )
         for name in (
-            "device_memory_bytes",
-            "host_memory_bytes",
-            "device_memory_bw_bytes_per_s",
-            "host_to_device_bw_bytes_per_s",
-            "intra_node_bw_bytes_per_s",
-            "inter_node_bw_bytes_per_s",
-            "dense_flops_per_s",
-            "row_wise_output_slowdown",
-        ):
+            "device_memory_bytes", "host_memory_bytes", "device_memory_bw_bytes_per_s",
+            "host_to_device_bw_bytes_per_s", "intra_node_bw_bytes_per_s",
+            "inter_node_bw_bytes_per_s", "dense_flops_per_s", "row_wise_output_slowdown",
+        ):  # fmt: skip
             _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
             "lookup_bytes_per_s", "device_lookup_rows_per_s", "device_lookup_bytes_per_s",
             "device_to_host_bw_bytes_per_s", "cache_scan_rows_per_s", "dense_update_bytes_per_s",
             "dense_activation_bytes_per_s", "interaction_s_per_element", "sync_latency_s",
-            "reactive_cache_s_per_id",
+            "reactive_cache_s_per_id", "reactive_cache_s_per_miss",
         ):  # fmt: skip
             value = getattr(self, name)
             _check(value is None or value > 0, f"{name} must be > 0 or None, got {value}")
         for name in (
-            "interaction_s_per_pair",
-            "row_wise_output_latency_s",
-            "dense_layer_overhead_s",
-            "step_overhead_s",
-            "sharding_overhead_s",
-            "id_overhead_s",
-            "hot_bag_overhead_s",
-        ):
+            "interaction_s_per_pair", "row_wise_output_latency_s", "dense_layer_overhead_s",
+            "step_overhead_s", "sharding_overhead_s", "id_overhead_s", "hot_bag_overhead_s",
+        ):  # fmt: skip
             _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _check(self.reactive_cache_s_per_miss is None or self.reactive_cache_s_per_id, "reactive_"
+               "cache_s_per_miss needs reactive_cache_s_per_id, got None")  # fmt: skip
         per_id, per_candidate = self.schedule_s_per_id, self.schedule_s_per_candidate
         for name, value in (("per_id", per_id), ("per_candidate", per_candidate)):  # fits: >= 0
             _check(value is None or value >= 0, f"schedule_s_{name} must be >= 0, got {value}")

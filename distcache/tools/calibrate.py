@@ -66,8 +66,9 @@ framework steps: `torch.cuda.synchronize` around each):
 - `lookup_rows_per_s`, `lookup_bytes_per_s`: distcache's cache kernel, fitted;
   `device_lookup_rows_per_s`, `device_lookup_bytes_per_s`: FBGEMM's TBE (its CUDA build),
   fitted, or none, with a note (device tables then at distcache's rates).
-- `reactive_cache_s_per_id`: FBGEMM's UVM cache (TorchRec's `fused_uvm_caching`) against its
-  every-row-in-HBM kernel, per id (`uvmbench.measure_uvm_cache_costs`; CUDA only);
+- `reactive_cache_s_per_id`, `_per_miss`: FBGEMM's UVM cache (TorchRec's `fused_uvm_caching`)
+  against its every-row-in-HBM kernel, per id and per row it loads
+  (`uvmbench.measure_uvm_cache_costs`; CUDA only);
 - `schedule_s_per_id`, `schedule_s_per_candidate`: `measure_schedule_costs`;
   `cache_scan_rows_per_s`: `measure_staging_costs`' per-slot part.
 - `dense_flops_per_s`: a wide MLP; `dense_layer_overhead_s`: a 4-wide one, the launches of a
@@ -213,6 +214,8 @@ class Measurements:
     """The fit's fixed part: reported, not priced (`shards.scheduling_time_s`)."""
     reactive_cache_s_per_id: float | None = None
     """`uvmbench.measure_uvm_cache_costs` (CUDA with FBGEMM's CUDA build); None elsewhere."""
+    reactive_cache_s_per_miss: float | None = None
+    """Its figure per miss; None also where the noise did not tell it from the ids'."""
     dense_flops_per_s: float
     dense_layer_overhead_s: float
     dense_activation_bytes_per_s: float | None
@@ -515,7 +518,7 @@ def _summary(m: Measurements) -> str:
             f"{si(m.lookup_bytes_per_s, 'B/s')} (distcache's kernel), "
             f"{si(m.device_lookup_rows_per_s, 'rows/s')} + "
             f"{si(m.device_lookup_bytes_per_s, 'B/s')} (TorchRec's fused); its UVM cache "
-            f"{ns(m.reactive_cache_s_per_id)} per id",
+            f"{ns(m.reactive_cache_s_per_id)} per id + {ns(m.reactive_cache_s_per_miss)} per miss",
             f"  dense compute      {si(m.dense_flops_per_s, 'FLOP/s')}, "
             f"{ms(1e3 * m.dense_layer_overhead_s)} per layer, activations "
             f"{si(m.dense_activation_bytes_per_s, 'B/s')}",

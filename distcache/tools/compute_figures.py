@@ -68,8 +68,8 @@ def compute_figures(device: str, s: CalibrationSizes) -> tuple[Figures, list[str
 
 def _lookups(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
     """The lookup fits of distcache's kernel and of TorchRec's fused one (FBGEMM's) into
-    `out`, and on CUDA FBGEMM's UVM cache's cost per id; a note where FBGEMM has no kernel
-    here, or its cache could not be measured."""
+    `out`, and on CUDA FBGEMM's UVM cache's cost per id and per miss; a note where FBGEMM has
+    no kernel here, or its cache could not be measured (or its misses told apart)."""
     kw = {"rows": s.lookup_rows, "dims": s.lookup_dims, "bags": s.lookup_bags}
     kw |= {"pooling": s.lookup_pooling, "alpha": s.lookup_alpha, "repeats": s.repeats}
     lookup = measure_lookup_costs(**kw, device=device, kernel="distcache")
@@ -84,15 +84,19 @@ def _lookups(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
     if device != "cuda":  # (FBGEMM's UVM cache is CUDA only)
         return []
     try:
-        out["reactive_cache_s_per_id"] = measure_uvm_cache_costs(
+        uvm = measure_uvm_cache_costs(
             rows=s.lookup_rows, dim=s.lookup_dims[-1], bags=s.lookup_bags,
             pooling=s.lookup_pooling, alpha=s.lookup_alpha, repeats=s.repeats,
         )  # fmt: skip
     except Exception as error:  # e.g. a packed FBGEMM build without its cache's kernels
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         return [f"FBGEMM's UVM cache not measured ({reason}): reactive caches priced by staging"]
-    if out["reactive_cache_s_per_id"] is None:
+    out["reactive_cache_s_per_id"] = uvm.s_per_id
+    out["reactive_cache_s_per_miss"] = uvm.s_per_miss
+    if uvm.s_per_id is None:
         return ["FBGEMM's UVM cache's cost lost in the noise: reactive caches priced by staging"]
+    if uvm.s_per_miss is None:
+        return ["FBGEMM's UVM cache's misses not told from its ids: priced per id alone"]
     return []
 
 

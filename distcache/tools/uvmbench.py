@@ -6,21 +6,39 @@ some of them in HBM (FBGEMM's TBE with `EmbeddingLocation.MANAGED_CACHING`). Eac
 it finds the batch's rows in the cache, evicts and inserts its misses (`lru_cache_populate`,
 `lru_cache_insert_kernel`), then looks the rows up and updates them as its every-row-in-HBM
 kernel does. `measure_uvm_cache_costs` times that step against the same TBE with every row in
-HBM on the same batches, as the device's work (`devicetime`), and prices the difference per id
-of a step: `Topology.reactive_cache_s_per_id`.
+HBM on the same batches, as the device's work (`devicetime`), at two batch sizes and, at the
+larger, two cache sizes, and prices the difference per id of a step and per row the cache
+loads (`fit_uvm_costs`): `Topology.reactive_cache_s_per_id` and `reactive_cache_s_per_miss`.
+The misses are the cost model's own (`binned`'s LRU model of the batches' power law), so the
+model prices a cache's misses as the fit counted them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from distcache.planner.binned import table_access
+from distcache.planner.types import TableStats
 from distcache.tools.devicetime import device_seconds
 from distcache.tools.microbench import FULL, power_law_batches
 
 WARM_STEPS = 20
 """Steps before timing: the cache fills (and the LRU turns over) on fresh batches."""
+
+
+@dataclass(frozen=True)
+class UVMCacheCosts:
+    """`fit_uvm_costs`' figures; None where the noise left one <= 0."""
+
+    s_per_id: float | None
+    """Device seconds per id of a step (`Topology.reactive_cache_s_per_id`)."""
+    s_per_miss: float | None
+    """Device seconds per row loaded (`Topology.reactive_cache_s_per_miss`); None: the misses
+    are in `s_per_id` (as at the fraction measured)."""
 
 
 def measure_uvm_cache_costs(
@@ -30,15 +48,15 @@ def measure_uvm_cache_costs(
     bags: Sequence[int] = FULL.lookup_bags,
     pooling: int = FULL.lookup_pooling,
     alpha: float = FULL.lookup_alpha,
-    fraction: float = 0.05,
+    fractions: tuple[float, float] = (0.05, 0.2),
     repeats: int = 5,
     device: str = "cuda",
-) -> float | None:
-    """Device seconds per id of FBGEMM's UVM cache's own work: at each of `bags` (>= 2), a
-    training step (SGD) of a TBE whose `rows` live in host-mapped memory behind an LRU cache
-    of `fraction` of them, less the same step with every row in HBM, on fresh power-law
-    batches once the cache is warm; fitted as a slope over the steps' ids (its fixed part,
-    launches and such, is the step's). None where the noise leaves the slope <= 0.
+) -> UVMCacheCosts:
+    """FBGEMM's UVM cache's own device work: a training step (SGD) of a TBE whose `rows` live
+    in host-mapped memory behind an LRU cache, less the same step with every row in HBM, on
+    fresh power-law batches once the cache is warm; at the fewest and most of `bags` with a
+    cache of `fractions[0]` of the rows, and at the most with one of `fractions[1]`
+    (`fit_uvm_costs`: the step's fixed part, launches and such, cancels).
 
     Raises:
         NotImplementedError: not on CUDA (FBGEMM's UVM cache is CUDA only).
@@ -46,13 +64,32 @@ def measure_uvm_cache_costs(
     """
     if torch.device(device).type != "cuda":
         raise NotImplementedError("FBGEMM's UVM cache runs on CUDA only")
-    extra = []
-    for b in bags:
-        seconds = [_uvm_step(rows, dim, b, pooling, alpha, f, repeats) for f in (fraction, None)]
-        extra.append(seconds[0] - seconds[1])
-    ids = [b * pooling for b in bags]
-    slope = (extra[-1] - extra[0]) / (ids[-1] - ids[0])
-    return float(slope) if slope > 0 else None
+    few, most = min(bags), max(bags)
+    points = ((few, fractions[0]), (most, fractions[0]), (most, fractions[1]))
+    base = {b: _uvm_step(rows, dim, b, pooling, alpha, None, repeats) for b in (few, most)}
+    extra = [_uvm_step(rows, dim, b, pooling, alpha, f, repeats) - base[b] for b, f in points]
+    access = table_access(TableStats(name="uvm", rows=rows, dim=dim, alpha=alpha))
+    misses = [access.loads(b * pooling, math.ceil(f * rows), "lru") for b, f in points]
+    return fit_uvm_costs((few * pooling, most * pooling), misses, extra)
+
+
+def fit_uvm_costs(
+    ids: tuple[float, float], misses: Sequence[float], extra: Sequence[float]
+) -> UVMCacheCosts:
+    """Seconds per id and per miss of a cache whose extra step time is fixed + ids·a +
+    misses·b, from three steps: `ids[0]` and `ids[1]` ids at one cache size, then `ids[1]` at
+    another (`misses` and `extra`: each step's). b from the two cache sizes, a from the two
+    batches less their misses' share; b None where it comes out <= 0 (a then the plain slope
+    per id, misses included), both None where that slope is <= 0 too."""
+    slope = (extra[1] - extra[0]) / (ids[1] - ids[0])
+    per_miss = None
+    if misses[2] != misses[1]:
+        per_miss = (extra[2] - extra[1]) / (misses[2] - misses[1])
+    if per_miss is not None and per_miss > 0:
+        per_id = slope - per_miss * (misses[1] - misses[0]) / (ids[1] - ids[0])
+        if per_id > 0:
+            return UVMCacheCosts(float(per_id), float(per_miss))
+    return UVMCacheCosts(float(slope) if slope > 0 else None, None)
 
 
 def _uvm_step(

@@ -290,3 +290,21 @@ def test_a_shared_reactive_cache_calibrated_on_a_gpu_has_its_copies_in_its_looku
     assert priced.lookup_s == pytest.approx(plain.lookup_s + ids * 1e-8)
     loads = [_cost(*tables, topology=t).loads_per_step for t in (gpu, calibrated)]
     assert loads[0] == loads[1] and sum(loads[0]) > 0
+
+
+def test_a_shared_reactive_caches_misses_are_priced_once_on_its_shared_loads():
+    """a and b share one LRU cache on a GPU calibrated per miss: its misses' work is priced
+    once, on the shared cache's loads (not the sum of each table's in a cache of its own)."""
+    per_id = Topology(
+        **{**TOPOLOGY.to_dict(), "compute_device": "cuda", "reactive_cache_s_per_id": 1e-8}
+    )
+    both = Topology(**{**per_id.to_dict(), "reactive_cache_s_per_miss": 4e-7})
+    tables = (_cached("a", (0,), lookahead=0), _cached("b", (0,), lookahead=0))
+    (plain, _), (priced, _) = (_cost(*tables, topology=t).per_rank for t in (per_id, both))
+    shared = sum(_cost(*tables, topology=both).loads_per_step)
+    workload = Workload(name="ab", tables=(TABLES["a"], TABLES["b"]), batch_size_per_rank=BATCH)
+    separate = sum(
+        table_plan_terms(tp, TABLES[tp.table], workload, both).loads_per_step for tp in tables
+    )
+    assert shared != pytest.approx(separate)
+    assert priced.lookup_s - plain.lookup_s == pytest.approx(shared * 4e-7)

@@ -700,3 +700,30 @@ def test_a_reactive_caches_own_work_is_priced_per_id_on_a_gpu_where_calibrated()
     assert _terms(table, cpu, **lru).staging_s == cpu_plain.staging_s > 0
     with pytest.raises(DistcacheConfigError, match="reactive_cache_s_per_id"):
         dataclasses.replace(TOPOLOGY, reactive_cache_s_per_id=0.0)
+
+
+def test_a_reactive_caches_misses_are_priced_per_miss_on_a_gpu_where_calibrated():
+    """`reactive_cache_s_per_miss` (FBGEMM's UVM cache at two sizes) adds each row an LRU
+    cache loads to its lookups on a GPU, as the cache's own work (`scheduling_s`): a smaller
+    cache, loading more, costs more; nothing for a look-ahead cache, on CPU, or without the
+    per-id figure (which the topology refuses)."""
+    table = TableStats(name="big", rows=200_000, dim=16, alpha=1.05)
+    lru = {"storage": HOST_CACHED, "lookahead": 0, "prefetch_depth": 0}
+    per_id = dataclasses.replace(TOPOLOGY, reactive_cache_s_per_id=1e-8)
+    both = dataclasses.replace(per_id, reactive_cache_s_per_miss=4e-7)
+    for fraction in (0.01, 0.05):
+        plain, priced = (_terms(table, t, cache_fraction=fraction, **lru) for t in (per_id, both))
+        assert priced.scheduling_s == pytest.approx(plain.loads_per_step * 4e-7)
+        assert priced.scheduling_s > 0
+        assert priced.lookup_s == pytest.approx(plain.lookup_s + priced.scheduling_s)
+        assert priced.staging_s == plain.staging_s == 0
+    small, large = (_terms(table, both, cache_fraction=f, **lru) for f in (0.01, 0.05))
+    assert small.scheduling_s > large.scheduling_s
+    ahead = {**lru, "cache_fraction": 0.05, "lookahead": 8, "prefetch_depth": 1}
+    assert _terms(table, both, **ahead).lookup_s == _terms(table, per_id, **ahead).lookup_s
+    cpu = {"compute_device": "cpu"}
+    cpu_terms = [_terms(table, dataclasses.replace(t, **cpu), cache_fraction=0.05, **lru)
+                 for t in (per_id, both)]  # fmt: skip
+    assert cpu_terms[0] == cpu_terms[1]
+    with pytest.raises(DistcacheConfigError, match="reactive_cache_s_per_miss needs"):
+        dataclasses.replace(TOPOLOGY, reactive_cache_s_per_miss=4e-7)

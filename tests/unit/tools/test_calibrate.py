@@ -43,6 +43,7 @@ from distcache.tools.densebench import (
     sparse_vectors,
 )
 from distcache.tools.framework_costs import FrameworkCosts
+from distcache.tools.uvmbench import UVMCacheCosts, fit_uvm_costs
 
 
 def test_quick_run_writes_a_valid_topology(tmp_path, capsys):
@@ -194,7 +195,8 @@ CUDA_MEASURED = (
     "host_to_device_bw_bytes_per_s", "device_to_host_bw_bytes_per_s", "host_to_device_latency_s",
     "lookup_rows_per_s", "lookup_bytes_per_s", "device_lookup_rows_per_s",
     "device_lookup_bytes_per_s", "cache_scan_rows_per_s", "schedule_s_per_id",
-    "schedule_s_per_candidate", "reactive_cache_s_per_id", "dense_flops_per_s",
+    "schedule_s_per_candidate", "reactive_cache_s_per_id", "reactive_cache_s_per_miss",
+    "dense_flops_per_s",
     "dense_layer_overhead_s",
     "dense_activation_bytes_per_s", "interaction_s_per_element", "interaction_s_per_pair",
     "step_overhead_s", "sharding_overhead_s", "id_overhead_s", "hot_bag_overhead_s",
@@ -249,7 +251,8 @@ class _Stubs:
         patch("measure_device_to_host_bandwidth", self._record("d2h", 4.9e10, device="cuda"))
         schedule = ScheduleCosts(fixed_s=1e-4, s_per_id=3.4e-9, s_per_candidate=3.5e-10)
         patch("measure_schedule_costs", self._record("schedule", schedule))
-        patch("measure_uvm_cache_costs", self._record("uvm", 3.6e-9, device="cuda"))
+        uvm = UVMCacheCosts(s_per_id=3.6e-9, s_per_miss=3.7e-8)
+        patch("measure_uvm_cache_costs", self._record("uvm", uvm, device="cuda"))
         patch("measure_dense_layer_overhead", self._record("layer", 4.1e-5))
         patch("measure_activation_bandwidth", self._record("activations", 4.2e12))
         framework = FrameworkCosts(
@@ -292,7 +295,8 @@ def test_a_cuda_calibration_measures_every_figure(monkeypatch):
         "lookup_bytes_per_s": 1.2e11, "device_lookup_rows_per_s": 1.3e9,
         "device_lookup_bytes_per_s": 1.4e11, "cache_scan_rows_per_s": 3.3e11,
         "schedule_s_per_id": 3.4e-9, "schedule_s_per_candidate": 3.5e-10,
-        "reactive_cache_s_per_id": 3.6e-9, "dense_flops_per_s": 2.1e14,
+        "reactive_cache_s_per_id": 3.6e-9, "reactive_cache_s_per_miss": 3.7e-8,
+        "dense_flops_per_s": 2.1e14,
         "dense_layer_overhead_s": 4.1e-5,
         "dense_activation_bytes_per_s": 4.2e12, "interaction_s_per_element": 2.2e-12,
         "interaction_s_per_pair": 2.3e-13, "step_overhead_s": 5.1e-3,
@@ -397,13 +401,17 @@ def test_a_cuda_calibration_measures_the_framework_without_data_parallel_where_i
 
 def test_a_cuda_calibration_without_fbgemms_uvm_cache_says_so(monkeypatch):
     """FBGEMM's UVM cache failing on the GPU (a packed build without its kernels) or lost in
-    the noise leaves reactive caches priced by their staging, and the topology says which."""
+    the noise leaves reactive caches priced by their staging, and the topology says which; its
+    misses not told from its ids leave it priced per id alone."""
     _Stubs(monkeypatch)
     for measured, note in (
         (RuntimeError("CUDA error: device kernel image is invalid\nmore"),
          "FBGEMM's UVM cache not measured (RuntimeError: CUDA error: device kernel image is "
          "invalid): reactive caches priced by staging"),
-        (None, "FBGEMM's UVM cache's cost lost in the noise: reactive caches priced by staging"),
+        (UVMCacheCosts(None, None),
+         "FBGEMM's UVM cache's cost lost in the noise: reactive caches priced by staging"),
+        (UVMCacheCosts(3.6e-9, None),
+         "FBGEMM's UVM cache's misses not told from its ids: priced per id alone"),
     ):  # fmt: skip
 
         def uvm(*args, measured=measured, **kw):
@@ -414,6 +422,25 @@ def test_a_cuda_calibration_without_fbgemms_uvm_cache_says_so(monkeypatch):
         monkeypatch.setattr(compute_figures, "measure_uvm_cache_costs", uvm)
         m = calibrate_module.calibrate(ranks=1, device="cuda", sizes=CUDA_QUICK)
         topology = topology_from(m, name="gpu")
-        assert topology.reactive_cache_s_per_id is None
+        assert topology.reactive_cache_s_per_id == getattr(measured, "s_per_id", None)
+        assert topology.reactive_cache_s_per_miss is None
         assert note in topology.calibration
         assert topology.device_lookup_rows_per_s == 1.3e9  # the rest measured
+
+
+def test_fbgemms_uvm_cache_is_fitted_per_id_and_per_miss():
+    """`fit_uvm_costs` recovers a cache's cost per id and per miss from three steps (two batch
+    sizes, then two cache sizes), its fixed part cancelled; where the cache sizes do not tell
+    the misses apart (noise) it falls back to the slope per id, misses included."""
+    ids, misses = (8192, 65536), (3000.0, 20000.0, 8000.0)
+
+    def extra(i, m, per_miss=3e-7):
+        return 1e-4 + 2e-9 * i + per_miss * m
+
+    steps = [extra(ids[0], misses[0]), extra(*(ids[1], misses[1])), extra(ids[1], misses[2])]
+    fit = fit_uvm_costs(ids, misses, steps)
+    assert fit.s_per_id == pytest.approx(2e-9) and fit.s_per_miss == pytest.approx(3e-7)
+    noisy = [*steps[:2], steps[1] + 1e-5]  # the smaller cache's step no slower: no per-miss
+    slope = (steps[1] - steps[0]) / (ids[1] - ids[0])
+    assert fit_uvm_costs(ids, misses, noisy) == UVMCacheCosts(pytest.approx(slope), None)
+    assert fit_uvm_costs(ids, misses, [steps[1], steps[0], steps[2]]) == UVMCacheCosts(None, None)
