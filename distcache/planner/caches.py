@@ -61,11 +61,9 @@ from dataclasses import dataclass
 from distcache.planner.binned import CacheShare, shared_loads, table_access
 from distcache.planner.shards import (
     ShardTerms,
-    cache_work_on_device,
+    cache_staging,
     cache_work_s,
-    reactive_cache_priced_per_id,
     splits,
-    staging_time_s,
 )
 from distcache.planner.types import HOST_CACHED, Plan, TablePlan, TableStats, Topology, Workload
 
@@ -179,11 +177,7 @@ def _price(
         )
         loads = tuple(shared.tolist())
         moved = 2 * float(shared.sum()) * first.row_bytes
-        scheduling *= moved > 0  # (a cache that moves nothing: no victims to choose)
-        exposed = scheduling * (not cache_work_on_device(topology))
-        staging = staging_time_s(moved, topology, exposed)
-        if reactive_cache_priced_per_id(topology, True, lookahead):
-            staging = 0.0  # (in its lookups: `shards.reactive_cache_priced_per_id`)
+        scheduling, staging = cache_staging(topology, moved, scheduling, lookahead)
     return RankCache(
         rank=rank,
         tables=tuple(tp.table for tp in tps),

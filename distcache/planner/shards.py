@@ -227,14 +227,29 @@ def cache_work_s(
     return reactive_cache_miss_s(topology, loads)
 
 
+def cache_staging(
+    topology: Topology, staging_bytes: float, work_s: float, lookahead: int
+) -> tuple[float, float]:
+    """(its own work, its staging time) per step of a cache that moves `staging_bytes` (loads
+    and write-backs) a step and whose own work (`cache_work_s`) is `work_s`: no work where it
+    moves nothing (no victims to choose); the work part of the staging unless
+    `cache_work_on_device`; no staging where its figures hold its copies
+    (`reactive_cache_priced_per_id`)."""
+    work_s *= staging_bytes > 0
+    if reactive_cache_priced_per_id(topology, True, lookahead):
+        return work_s, 0.0
+    exposed = work_s * (not cache_work_on_device(topology))
+    return work_s, staging_time_s(staging_bytes, topology, exposed)
+
+
 def reactive_cache_miss_s(topology: Topology, loads: float) -> float:
     """A reactive cache's own device work per step for the `loads` rows it loads a step, on a
     GPU whose topology measured it (`reactive_cache_s_per_miss`: FBGEMM's UVM cache at two
     sizes); 0 elsewhere. The cache's `scheduling_s` (its work beside its lookups, as a
     look-ahead cache's scheduler): a cache shared by tables prices it once, on its shared
     loads (`caches.py`)."""
-    per_miss = topology.reactive_cache_s_per_miss
-    if not (per_miss and topology.reactive_cache_s_per_id and cache_work_on_device(topology)):
+    per_miss = topology.reactive_cache_s_per_miss  # (only beside a per-id figure: `Topology`)
+    if not (per_miss and cache_work_on_device(topology)):
         return 0.0
     return loads * per_miss
 
@@ -373,18 +388,15 @@ def shard_terms(
             unique_rows=unique, prefetch_depth=prefetch_depth,
         )  # fmt: skip
     staging_bytes = 2 * loads * row_bytes
-    scheduling *= staging_bytes > 0  # (a cache that moves nothing: no victims to choose)
-    on_device = cache_work_on_device(topology)
+    scheduling, staging_s = cache_staging(topology, staging_bytes, scheduling, lookahead)
     hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
     sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
     sent *= output_rate_factor(sharding, topology, table.pooled)
     dim_bytes, bags = dim * element, ids / pooling
     ours = cached or (sharded and on_distcache_kernel(table, storage, hot_rows))
     lookup_s = _lookup_s(ids, bags, unique, rows, dim_bytes, row_bytes, sharded, ours, topology)
-    lookup_s += scheduling * on_device + reactive_cache_time_s(topology, ids, cached, lookahead)
-    staging_s = staging_time_s(staging_bytes, topology, scheduling * (not on_device))
-    if reactive_cache_priced_per_id(topology, cached, lookahead):
-        staging_s = 0.0  # its copies are in its lookups' figure
+    lookup_s += scheduling * cache_work_on_device(topology)
+    lookup_s += reactive_cache_time_s(topology, ids, cached, lookahead)
     return ShardTerms(
         shard_rows=rows,
         shard_dim=dim,
