@@ -82,10 +82,9 @@ def fit_uvm_costs(
     batches less their misses' share; b None where it comes out <= 0 (a then the plain slope
     per id, misses included), both None where that slope is <= 0 too."""
     slope = (extra[1] - extra[0]) / (ids[1] - ids[0])
-    per_miss = None
-    if misses[2] != misses[1]:
-        per_miss = (extra[2] - extra[1]) / (misses[2] - misses[1])
-    if per_miss is not None and per_miss > 0:
+    gap = misses[2] - misses[1]
+    per_miss = (extra[2] - extra[1]) / gap if gap else 0.0
+    if per_miss > 0:
         per_id = slope - per_miss * (misses[1] - misses[0]) / (ids[1] - ids[0])
         if per_id > 0:
             return UVMCacheCosts(float(per_id), float(per_miss))
