@@ -121,9 +121,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--fused",
-        action="store_true",
-        help="distcache's caches run the scheduler's fused passes (CacheConfig.fused; on CPU"
-        "\nTriton's interpreter runs them: slow, for checks)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="distcache's caches run the scheduler's fused passes (CacheConfig.fused; default:"
+        "\nper device, on CPU the C kernels where a C compiler builds them)",
     )
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument(

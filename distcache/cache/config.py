@@ -98,15 +98,17 @@ class CacheConfig:
     CUDA device, off elsewhere (on CPU an emulation replays the recorded ops, slower: for
     tests). On a GPU they save the host most of its launches, which otherwise set the pace
     (benchmarks/results/README.md, "Results on a GPU")."""
-    fused: bool = False
-    """Run the scheduler's per-batch passes that `distcache.cache.fused` has fused as its Triton
+    fused: bool | None = None
+    """Run the scheduler's per-batch passes that `distcache.cache.fused` has fused as a few
     kernels (a batch routed, where one cache serves every feature; entering the window; its
     rows looked up and placed, and a full cache's look-ahead victims chosen, when it is
     staged: 147 of a steady-state batch's routing and scheduling launches become 33), instead
-    of torch's ops; the plans and the
-    state are the same, bit for bit. On CUDA they are compiled (Triton
-    must be installed) and captured into the scheduler's graphs; on CPU Triton's interpreter
-    runs them, slowly, without graphs (for tests). Off by default until measured on a GPU."""
+    of torch's ops; the plans and the state are the same, bit for bit. On CUDA they are
+    Triton's, compiled (Triton must be installed) and captured into the scheduler's graphs; on
+    CPU they are C (`fused_native`, built on first use with the system's C compiler; Triton's
+    interpreter where none is found) and run without graphs. None (the default): on for a CPU
+    device without graph emulation where the C kernels build (the host's scheduling takes a
+    third of the time: benchmarks/results/README.md), off on CUDA until measured on a GPU."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
@@ -164,8 +166,8 @@ class CacheConfig:
             )
         if not isinstance(self.check_ids, bool):
             _fail("check_ids", self.check_ids, "True or False")
-        if not isinstance(self.fused, bool):
-            _fail("fused", self.fused, "True or False")
+        if self.fused is not None and not isinstance(self.fused, bool):
+            _fail("fused", self.fused, "True, False or None (the device's default)")
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
             _fail("cuda_graphs", self.cuda_graphs, "True, False, or None (on for CUDA devices)")
         for name in ("learning_rate", "eps"):
@@ -194,6 +196,16 @@ class CacheConfig:
     def graphs_on(self, device: torch.device) -> bool:
         """Whether the per-batch work replays as graphs on `device` (`cuda_graphs`)."""
         return device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+
+    def fused_on(self, device: torch.device) -> bool:
+        """Whether the scheduler's passes run as fused kernels on `device` (`fused`)."""
+        if self.fused is not None:
+            return self.fused
+        if device.type != "cpu" or self.graphs_on(device):
+            return False
+        from distcache.cache import fused_native  # (builds the C kernels the first time)
+
+        return fused_native.load() is not None
 
     @property
     def is_reactive(self) -> bool:

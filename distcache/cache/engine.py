@@ -106,7 +106,7 @@ class CacheEngine:
             device=device,
             name=name,
             graphs=config.graphs_on(device),
-            fused=config.fused,
+            fused=config.fused_on(device),
         )
         direct = config.staging_on(device) == "direct"
         self.stager = Stager(self.store, self.weights, self.state, self.streams, direct=direct)

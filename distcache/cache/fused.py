@@ -33,10 +33,12 @@ forward and backward, without graphs: 165 -> 51 launches, the same 6,447 evictio
   flagged, the selected ones flagged (then compacted by `nonzero_static`).
 The reactive policies' candidates, and free slots, stay torch ops.
 
-The kernels are Triton's (`fused_kernels`), compiled on CUDA; on CPU Triton's interpreter runs
-them (slow: for tests, which compare them with the torch ops). Their launches are not torch
-ops, so the CPU emulation of graphs (`graphs.CPUGraph`) cannot record them: on CPU they run
-without graphs. A CUDA graph captures them like any kernel.
+On CUDA the kernels are Triton's (`fused_kernels`), compiled. On CPU they are C
+(`fused_native`: the same kernels one for one, and the batch's sort, which on CPU costs as
+much as the rest of its entry), the default there; Triton's interpreter runs Triton's where no C
+compiler is found (slow: for tests, which compare both with the torch ops). Their launches are
+not torch ops, so the CPU emulation of graphs (`graphs.CPUGraph`) cannot record them: on CPU
+they run without graphs. A CUDA graph captures them like any kernel.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import functools
 
 import torch
 
+from distcache.cache import fused_native
 from distcache.cache.policies import LookaheadPolicy
 from distcache.cache.residency import NO_USE, Residency
 from distcache.cache.window import Window
@@ -58,6 +61,11 @@ def _grid(n: int) -> tuple[int]:
     return (max(1, -(-n // BLOCK)),)
 
 
+CPU_KERNELS = "native"
+"""Which kernels run the fused passes on CPU: "native" (`fused_native`'s C, where a C compiler
+built them; else Triton's interpreter) or "triton" (Triton's interpreter: tests set it)."""
+
+
 @functools.cache
 def _kernels(*, interpret: bool) -> dict | None:
     try:
@@ -68,23 +76,25 @@ def _kernels(*, interpret: bool) -> dict | None:
 
 
 def kernels(device: torch.device, *, graphs: bool = False) -> dict:
-    """The fused kernels for `device`: compiled for CUDA, interpreted on CPU (tests).
+    """The fused kernels for `device`: Triton's compiled for CUDA; on CPU the C kernels of
+    `fused_native` (`CPU_KERNELS`), else Triton's interpreted (slow: for tests).
 
     Raises:
-        DistcacheConfigError: Triton is not installed, or graphs are asked on CPU (their
-            emulation records torch ops only).
+        DistcacheConfigError: neither is available (no C compiler, no Triton), or graphs are
+            asked on CPU (their emulation records torch ops only).
     """
     cuda = device.type == "cuda"
     if not cuda and graphs:
         raise DistcacheConfigError(
             "CacheConfig.fused=True with cuda_graphs=True on CPU: the CPU emulation of graphs "
-            "records torch ops, not Triton kernels; use cuda_graphs=False on CPU"
+            "records torch ops, not the fused kernels; use cuda_graphs=False on CPU"
         )
-    found = _kernels(interpret=not cuda)
+    found = None if cuda or CPU_KERNELS != "native" else fused_native.load()
+    found = found or _kernels(interpret=not cuda)
     if found is None:
+        needs = "Triton (pip install triton)" if cuda else "a C compiler (cc, gcc) or Triton"
         raise DistcacheConfigError(
-            "CacheConfig.fused=True needs Triton (pip install triton), which is not installed; "
-            "use fused=False"
+            f"CacheConfig.fused=True needs {needs}, which is not installed; use fused=False"
         )
     return found
 
@@ -106,7 +116,13 @@ def enter(
         empty = ids.new_empty(0)
         none = torch.zeros(1, dtype=torch.int32, device=device)
         return empty, empty.int(), empty.bool(), empty.int(), none
-    ordered, order = window.sort(ids.to(torch.int32))
+    ids = ids.to(torch.int32)
+    if "sort" in found:  # the C kernels' own (a radix sort of the batch alone)
+        ordered, order = torch.empty_like(ids), torch.empty(n, dtype=torch.int64, device=device)
+        scratch = (torch.empty_like(ids), torch.empty_like(order))
+        found["sort"][(1,)](ids, ordered, order, *scratch, n)
+    else:
+        ordered, order = window.sort(ids)
     grid = _grid(n)
     first = torch.empty(n, dtype=torch.int32, device=device)
     found["first"][grid](ordered, first, n, BLOCK=BLOCK)

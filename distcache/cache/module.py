@@ -179,9 +179,8 @@ class CachedEmbeddingBags(nn.Module):
         graphs = config.graphs_on(self.device)
         self._graphs = GraphCache(self.device, enabled=graphs, name="routing")
         whole = len(self._groups) == 1  # one group serving every feature: `fused.route`
-        self._kernels = (
-            fused.kernels(self.device, graphs=graphs) if config.fused and whole else None
-        )
+        on = config.fused_on(self.device) and whole
+        self._kernels = fused.kernels(self.device, graphs=graphs) if on else None
         self._init_weights(seed)
 
     # ------------------------------------------------------------ lookups

@@ -1,9 +1,11 @@
 """The scheduler's fused passes (`CacheConfig.fused`) against the torch ops they replace.
 
 Two schedulers see the same batches, one with the torch ops (the reference), one with the fused
-kernels run by Triton's interpreter (what CUDA compiles): every plan and every piece of state
-they keep must be equal, bit for bit, batch after batch, through filling, eviction, dirty
-write-backs, batches with padding and duplicate rows, and batches of changing sizes.
+kernels: every plan and every piece of state they keep must be equal, bit for bit, batch after
+batch, through filling, eviction, dirty write-backs, batches with padding and duplicate rows,
+and batches of changing sizes. On CPU each comparison runs twice: with the C kernels
+(`fused_native`, what a CPU runs) and with Triton's kernels under its interpreter (what CUDA
+compiles).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags
-from distcache.cache import fused
+from distcache.cache import fused, fused_native
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler
 from distcache.cache.sequence import CachedEmbeddings
@@ -23,7 +25,21 @@ from distcache.errors import DistcacheConfigError
 from tests.unit.cache.reference import integer_weights, loss_of, make_batches, make_tables
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_NATIVE = fused_native.load() is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+
+@pytest.fixture(params=["native", "triton"])
+def cpu_kernels(request, monkeypatch) -> str:
+    """The fused kernels a CPU device gets (`fused.CPU_KERNELS`): the C ones, then Triton's
+    interpreted."""
+    if request.param == "native" and not HAS_NATIVE:
+        pytest.skip("no C compiler built the C kernels")
+    if request.param == "triton" and not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setattr(fused, "CPU_KERNELS", request.param)
+    return request.param
+
 
 _PLAN = ("slots", "id_slots", "load_rows", "load_slots", "writeback_rows", "writeback_slots")
 
@@ -86,7 +102,7 @@ def _batches(rows: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
     return [torch.multinomial(weights, n, replacement=True, generator=gen) for n in sizes]
 
 
-@needs_triton
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize(
     ("policy", "capacity", "lookahead", "sizes"),
     [
@@ -134,7 +150,7 @@ def run_pair(policy, capacity, lookahead, sizes, *, device, graphs) -> None:  # 
     assert capacity == 1000 or ref.counters.evictions > 0
 
 
-@needs_triton
+@pytest.mark.usefixtures("cpu_kernels")
 def test_a_batch_without_ids_enters_the_fused_window():
     ref, got = _pair(100, 20, "lookahead", 2)
     for s in (ref, got):
@@ -147,13 +163,28 @@ def test_fused_with_graph_emulation_on_cpu_is_refused():
         fused.kernels(torch.device("cpu"), graphs=True)
 
 
-def test_fused_without_triton_says_so(monkeypatch):
+def test_fused_without_triton_or_a_compiler_says_so(monkeypatch):
     monkeypatch.setattr(fused, "_kernels", lambda *, interpret: None)
-    with pytest.raises(DistcacheConfigError, match="needs Triton"):
+    monkeypatch.setattr(fused_native, "load", lambda: None)
+    with pytest.raises(DistcacheConfigError, match="needs a C compiler"):
         fused.kernels(torch.device("cpu"))
+    with pytest.raises(DistcacheConfigError, match="needs Triton"):
+        fused.kernels(torch.device("cuda"))
+    assert not CacheConfig().fused_on(torch.device("cpu"))  # the default then runs torch ops
 
 
-@needs_triton
+def test_the_default_is_the_c_kernels_on_cpu_and_the_torch_ops_on_cuda():
+    config = CacheConfig()
+    assert config.fused_on(torch.device("cpu")) == HAS_NATIVE
+    assert not config.fused_on(torch.device("cuda"))  # (not measured on a GPU yet)
+    assert not CacheConfig(cuda_graphs=True).fused_on(torch.device("cpu"))  # (emulation)
+    assert not CacheConfig(fused=False).fused_on(torch.device("cpu"))
+    assert CacheConfig(fused=True).fused_on(torch.device("cuda"))
+    if HAS_NATIVE:
+        assert fused.kernels(torch.device("cpu")) is fused_native.load()
+
+
+@pytest.mark.usefixtures("cpu_kernels")
 def test_cached_bags_with_the_fused_scheduler_train_as_without():
     """Through `CacheConfig.fused`: the outputs of every step and the rows after a flush are
     those of the torch ops, bitwise, with the cache evicting and writing dirty rows back."""
@@ -195,7 +226,7 @@ def _train_bags(fused_passes: bool, device: str):
     return cached, outs
 
 
-@needs_triton
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("padded_ids", [False, True])
 @pytest.mark.parametrize("check_ids", [True, False])
 def test_the_fused_routing_matches_the_torch_ops(padded_ids, check_ids):
@@ -242,7 +273,7 @@ def test_the_compiled_kernels_specialize_on_their_constexprs_only():
             )
 
 
-@needs_triton
+@pytest.mark.usefixtures("cpu_kernels")
 def test_cached_sequences_with_the_fused_scheduler_train_as_without():
     """`CachedEmbeddings` (per-id rows, TorchRec's EmbeddingCollection) routes and stages
     through the same passes: each step's rows and the flushed tables, bitwise."""

@@ -1,0 +1,255 @@
+/* The scheduler's fused passes for CPU tensors: one C function per Triton kernel of
+ * `fused_kernels.py`, with its arguments in the same order (the constexpr flags last; BLOCK and
+ * STEPS are not needed), computing the same values and leaving the same state. Each Triton
+ * kernel was written so that its programs may run in any order (every address one program
+ * writes is its own, or written by an atomic add); a loop over its entries in order is one such
+ * order. Built and loaded by `fused_native.py`; plain C, no Python or torch headers. */
+
+#include <stdint.h>
+
+typedef int32_t i32;
+typedef int64_t i64;
+typedef uint8_t u8;
+
+/* first[i]: 1 where sorted position i starts a distinct row. */
+void dc_first(const i32 *ordered, i32 *first, i64 n) {
+    for (i64 i = 0; i < n; i++)
+        first[i] = i == 0 || ordered[i] != ordered[i - 1];
+}
+
+/* A batch entering the window (`_enter`). */
+void dc_enter(const i32 *ordered, const i64 *order, const i32 *count, const i32 *at, i32 *latest,
+              i32 *next_use, const i32 *slot_of, i32 *slot_next_use, i64 *total, i64 *rows_out,
+              i32 *inv_out, u8 *valid_out, i32 *pos_out, i64 n, i64 sentinel_row, i64 no_use) {
+    const i32 seq = at[0], base = at[1];
+    const i64 distinct = n ? count[n - 1] : 0;
+    i64 counted = 0;
+    for (i64 i = 0; i < n; i++) {
+        const i64 row = ordered[i];
+        const int first = i == 0 || row != ordered[i - 1];
+        const i32 r = count[i] - 1;
+        inv_out[order[i]] = r;
+        const int real = first && row != sentinel_row;
+        if (real) {
+            const i32 prev = latest[row];
+            if (prev >= 0)
+                next_use[prev] = seq;
+            latest[row] = base + r;
+            if (prev < 0) {
+                const i32 slot = slot_of[row];
+                if (slot >= 0)
+                    slot_next_use[slot] = seq;
+            }
+        }
+        if (first) {
+            rows_out[r] = row;
+            valid_out[r] = (u8)real;
+        }
+        if (i >= distinct) {
+            rows_out[i] = sentinel_row;
+            valid_out[i] = 0;
+        }
+        pos_out[i] = base + (i32)i;
+        next_use[base + i] = (i32)no_use;
+        const i64 after = i + 1 < n ? ordered[i + 1] : sentinel_row;
+        if (row != sentinel_row && after == sentinel_row)
+            counted += i + 1;
+    }
+    *total += counted;
+}
+
+/* A staging batch's rows leave the window and are looked up (`_look_up`). */
+void dc_look_up(const i64 *rows, const i32 *positions, i32 *latest, const i32 *ring,
+                const i32 *slot_of, i32 *pin, i32 *next_use_out, i32 *miss_out, i64 *hit_out,
+                i64 n, i64 sentinel_slot) {
+    for (i64 i = 0; i < n; i++) {
+        const i64 row = rows[i];
+        const i32 pos = positions[i];
+        next_use_out[i] = ring[pos];
+        if (latest[row] == pos)
+            latest[row] = -1;
+        const i64 slot = slot_of[row];
+        const int miss = slot < 0;
+        const i64 hit = miss ? sentinel_slot : slot;
+        miss_out[i] = miss;
+        hit_out[i] = hit;
+        if (hit != sentinel_slot)
+            pin[hit] += 1;
+    }
+}
+
+/* The victims' rows evicted (`_evict`). */
+void dc_evict(const i64 *victims, const i64 *row_of, i32 *slot_of, u8 *dirty, i64 *old_out,
+              u8 *evicted_out, u8 *writeback_out, i64 n, i64 capacity) {
+    for (i64 v = 0; v < n; v++) {
+        const i64 victim = victims[v];
+        const i64 old = row_of[victim];
+        const int evicted = victim < capacity && old >= 0;
+        const int writeback = evicted && dirty[victim] != 0;
+        if (evicted)
+            slot_of[old] = -1;
+        dirty[victim] = 0;
+        old_out[v] = old;
+        evicted_out[v] = (u8)evicted;
+        writeback_out[v] = (u8)writeback;
+    }
+}
+
+/* Each row of a staging batch takes its slot (`_place`); `uses` with `use_counts` only. */
+void dc_place(const i64 *rows, const i32 *miss, const i32 *count, const i64 *hit,
+              const i64 *victims, const i64 *taken, const i32 *next_use, i32 *slot_of,
+              i64 *row_of, i32 *pin, i32 *slot_next_use, i64 *slot_out, u8 *got_out,
+              i64 *loads_out, i32 *uses, i64 n, i64 size, i64 sentinel_slot, i64 use_counts) {
+    const i64 limit = *taken;
+    for (i64 i = 0; i < n; i++) {
+        const i64 k = (i64)count[i] - 1;
+        const int got = miss[i] != 0 && k < limit;
+        const i64 slot = got ? victims[k < 0 ? 0 : (k > size ? size : k)] : hit[i];
+        const i64 row = rows[i];
+        if (got) {
+            slot_of[row] = (i32)slot;
+            row_of[slot] = row;
+            pin[slot] += 1;
+            loads_out[k] = row;
+        }
+        if (slot != sentinel_slot)
+            slot_next_use[slot] = next_use[i];
+        slot_out[i] = slot;
+        got_out[i] = (u8)got;
+        if (use_counts) {
+            if (got)
+                uses[slot] = 1;
+            else if (slot != sentinel_slot)
+                uses[slot] += 1;
+        }
+    }
+}
+
+/* The look-ahead policy's candidates once the cache is full (`_candidates`). */
+void dc_candidates(const i64 *hand, const i32 *seq_at, const i32 *pin, const i32 *next_use,
+                   const i32 *uses, i64 *slots_out, i32 *keys_out, i32 *hist, i64 *hand_out, i64 m,
+                   i64 capacity, i64 sentinel_slot, i64 far, i64 use_bits, i64 top, i64 sweep) {
+    const i64 start = sweep ? *hand : 0;
+    const i64 seq = *seq_at;
+    i64 slot = start;
+    for (i64 c = 0; c < m; c++, slot++) {
+        if (slot >= capacity)
+            slot -= capacity;
+        i64 distance = (i64)next_use[slot] - seq;
+        distance = distance < 0 ? 0 : (distance > far ? far : distance);
+        const i64 used = uses[slot] < top ? uses[slot] : top;
+        const i32 key = pin[slot] != 0 ? -1 : (i32)((distance << use_bits) | (top - used));
+        keys_out[c] = key;
+        slots_out[c] = slot;
+        hist[key + 1] += 1;
+    }
+    slots_out[m] = sentinel_slot;
+    if (sweep)
+        *hand_out = slot >= capacity ? slot - capacity : slot;
+}
+
+/* Where `select_counted` draws the line (`_boundary`). */
+void dc_boundary(const i32 *below, const i64 *want, i64 *out, i64 classes) {
+    const i64 candidates = below[classes - 1];
+    const i64 wanted = *want;
+    const i32 spare = (i32)(candidates - wanted);
+    i64 lo = 0, hi = classes;
+    while (lo < hi) {  /* the first class whose running count exceeds `spare` */
+        const i64 mid = (lo + hi) / 2;
+        if (below[mid] <= spare)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    const i64 boundary = lo < classes - 1 ? lo : classes - 1;
+    out[0] = boundary;
+    out[1] = wanted - (candidates - below[boundary]);
+    out[2] = wanted < candidates ? wanted : candidates;
+    out[3] = candidates;
+}
+
+/* tie[c]: candidate c's key is the boundary class (`_ties`). */
+void dc_ties(const i32 *keys, const i64 *line, i32 *tie, i64 m) {
+    const i32 boundary = (i32)line[0];
+    for (i64 c = 0; c < m; c++)
+        tie[c] = keys[c] == boundary;
+}
+
+/* take[c]: candidate c is selected (`_take`). */
+void dc_take(const i32 *keys, const i64 *line, const i32 *ties, u8 *take, i64 m) {
+    const i32 boundary = (i32)line[0];
+    const i64 need = line[1];
+    for (i64 c = 0; c < m; c++)
+        take[c] = keys[c] > boundary || (keys[c] == boundary && (i64)ties[c] <= need);
+}
+
+/* A batch's routing into a cache whose one group serves every feature (`_route`). The bag of
+ * id i is the number of bag ends at most i (Triton's binary search), found here by walking the
+ * bags alongside the ids: offsets do not decrease, so it only moves forward. */
+void dc_route(const i64 *values, const i64 *offsets, const i64 *rows, const i64 *row_offset,
+              i64 *ids_out, i64 *bag_out, i64 *check, i64 n, i64 num_bags, i64 batch_size,
+              i64 num_features, i64 sentinel_row, i64 check_ids, i64 padded) {
+    i64 bag = 0, invalid = 0;
+    for (i64 i = 0; i < n; i++) {
+        while (bag < num_bags && offsets[bag + 1] <= i)
+            bag++;
+        i64 feature = bag / batch_size;
+        feature = feature < num_features - 1 ? feature : num_features - 1;
+        const i64 value = values[i];
+        int bad = padded && bag >= num_bags;
+        if (check_ids && (value < 0 || value >= rows[feature])) {
+            invalid++;
+            bad = 1;
+        }
+        ids_out[i] = bad ? sentinel_row : value + row_offset[feature];
+        bag_out[i] = bag;
+    }
+    if (check_ids)
+        *check += invalid;
+}
+
+/* `[n]` non-negative int32 `ids` sorted: `ordered` ascending and `order` (int64) the position
+ * of each in `ids`, equal ids in the order they came (what `torch.sort` returns, up to the order
+ * of equal ids, which no pass reads). A radix sort of 11-bit digits, from the lowest, skipping
+ * the digits all ids share; `scratch_keys` and `scratch_order` hold n entries each. */
+void dc_sort(const i32 *ids, i32 *ordered, i64 *order, i32 *scratch_keys, i64 *scratch_order,
+             i64 n) {
+    enum { BITS = 11, BINS = 1 << BITS };
+    i64 count[BINS];
+    i32 any = 0, all = -1;
+    for (i64 i = 0; i < n; i++) {
+        any |= ids[i];
+        all &= ids[i];
+        ordered[i] = ids[i];
+        order[i] = i;
+    }
+    i32 *keys = ordered, *other_keys = scratch_keys;
+    i64 *at = order, *other_at = scratch_order;
+    for (int shift = 0; shift < 31; shift += BITS) {
+        const i32 mask = BINS - 1;
+        if ((((any ^ all) >> shift) & mask) == 0)
+            continue; /* every id has this digit */
+        for (int b = 0; b < BINS; b++)
+            count[b] = 0;
+        for (i64 i = 0; i < n; i++)
+            count[(keys[i] >> shift) & mask]++;
+        i64 sum = 0;
+        for (int b = 0; b < BINS; b++) {
+            const i64 c = count[b];
+            count[b] = sum;
+            sum += c;
+        }
+        for (i64 i = 0; i < n; i++) {
+            const i64 to = count[(keys[i] >> shift) & mask]++;
+            other_keys[to] = keys[i];
+            other_at[to] = at[i];
+        }
+        i32 *k = keys; keys = other_keys; other_keys = k;
+        i64 *a = at; at = other_at; other_at = a;
+    }
+    if (keys != ordered)
+        for (i64 i = 0; i < n; i++) {
+            ordered[i] = keys[i];
+            order[i] = at[i];
+        }
+}

@@ -1,0 +1,92 @@
+"""The C kernels of the fused passes (`fused_native`): their build, their guard on arguments,
+and the sort only they have. (What they compute is compared with the torch ops, pass by pass
+and through training, in `test_fused.py`.)"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from distcache.cache import fused_native
+from distcache.errors import DistcacheError
+
+native = pytest.mark.skipif(fused_native.load() is None, reason="no C compiler built them")
+
+
+def _sort(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = ids.numel()
+    ordered, order = torch.empty_like(ids), torch.empty(n, dtype=torch.int64)
+    scratch = (torch.empty_like(ids), torch.empty_like(order))
+    fused_native.load()["sort"][(1,)](ids, ordered, order, *scratch, n)
+    return ordered, order
+
+
+@native
+@pytest.mark.parametrize(
+    "ids",
+    [
+        torch.zeros(0, dtype=torch.int32),
+        torch.tensor([7], dtype=torch.int32),
+        torch.full((300,), 5, dtype=torch.int32),  # one value: every digit shared
+        torch.tensor([2**31 - 1, 0, 2**31 - 1, 3, 2**20, 0], dtype=torch.int32),  # every digit
+        torch.randint(0, 1_000_000, (13_312,), dtype=torch.int32),
+        torch.randint(1 << 22, (1 << 22) + 50, (5_000,), dtype=torch.int32),  # shared high bits
+    ],
+)
+def test_the_sort_orders_as_torch_and_keeps_equal_ids_in_order(ids):
+    ordered, order = _sort(ids)
+    assert torch.equal(ordered, torch.sort(ids).values)
+    assert torch.equal(ids[order], ordered)
+    assert torch.equal(order.sort().values, torch.arange(ids.numel()))  # a permutation
+    same = ordered[1:] == ordered[:-1]
+    assert bool((order[1:][same] > order[:-1][same]).all())  # stable
+
+
+@native
+def test_a_kernel_refuses_arguments_it_would_misread():
+    first = fused_native.load()["first"][(1,)]
+    ids, out = torch.arange(4, dtype=torch.int32), torch.empty(4, dtype=torch.int32)
+    first(ids, out, 4, BLOCK=1024)
+    assert out.tolist() == [1, 1, 1, 1]
+    with pytest.raises(DistcacheError, match="argument 0 is a torch.int64 tensor"):
+        first(ids.long(), out, 4)
+    with pytest.raises(DistcacheError, match="contiguous: False"):
+        first(torch.arange(8, dtype=torch.int32)[::2], out, 4)
+    with pytest.raises(DistcacheError, match="2 arguments, expected 3"):
+        first(ids, out)
+
+
+def test_the_build_is_kept_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    library = fused_native._built()
+    assert library.parent == tmp_path / "distcache" and library.exists()
+    assert not list(library.parent.glob("*.partial"))  # (renamed into place)
+
+    def no_compiler(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert fused_native._built() == library
+
+
+def test_a_compiler_that_fails_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(DistcacheError, match="false failed"):
+        fused_native._built()
+    assert not list((tmp_path / "distcache").iterdir())
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(OSError):
+        fused_native._built()
+
+
+def test_an_unwritable_cache_falls_back_to_the_next_folder(tmp_path, monkeypatch):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the folder would be")
+    monkeypatch.setattr(fused_native, "_folders", lambda: [blocked / "distcache", tmp_path / "b"])
+    assert fused_native._built().parent == tmp_path / "b"
+    monkeypatch.setattr(fused_native, "_folders", lambda: [blocked / "distcache"])
+    with pytest.raises(DistcacheError, match="no writable folder"):
+        fused_native._built()
