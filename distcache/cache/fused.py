@@ -234,6 +234,11 @@ def select_counted(
     counts and the compaction: the boundary class found by one program, the boundary's keys
     flagged, then the selected ones."""
     m, device = keys.numel(), keys.device
+    if "select" in found:  # the C kernels': one pass, no running counts
+        picked = torch.empty(size, dtype=torch.int64, device=device)
+        line = torch.empty(4, dtype=torch.int64, device=device)
+        found["select"][(1,)](keys, hist, want, picked, line, m, num_classes, size)
+        return picked, line[2], line[3]
     below = hist[1:].cumsum(0, dtype=hist.dtype)
     line = torch.empty(4, dtype=torch.int64, device=device)  # boundary, need, taken, candidates
     found["boundary"][(1,)](below, want, line, num_classes, STEPS=num_classes.bit_length() + 1)
@@ -245,6 +250,24 @@ def select_counted(
     found["take"][grid](keys, line, ties, take.view(torch.uint8), m, BLOCK=BLOCK)
     picked = torch.nonzero_static(take, size=size, fill_value=m).squeeze(1)
     return picked, line[2], line[3]
+
+
+def distinct(
+    found: dict, window: Window, total: torch.Tensor, ids: torch.Tensor, at: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """`Window.distinct_device(ids, at, ids != sentinel row)` for a cache of every row, with
+    its ids that are not the sentinel row added to `total` (a 0-dim int64 view), in one C
+    kernel (CPU only: `"distinct" in found`)."""
+    n, device = ids.numel(), ids.device
+    rows = torch.empty(n, dtype=torch.int64, device=device)
+    rep = torch.empty(n, dtype=torch.int32, device=device)
+    valid = torch.empty(n, dtype=torch.bool, device=device)
+    positions = torch.empty(n, dtype=torch.int32, device=device)
+    found["distinct"][(1,)](
+        ids, at, window.latest, total, rows, rep, valid.view(torch.uint8), positions, n,
+        window.sentinel_row,
+    )  # fmt: skip
+    return rows, rep, valid, positions
 
 
 def route(

@@ -11,6 +11,18 @@ typedef int32_t i32;
 typedef int64_t i64;
 typedef uint8_t u8;
 
+/* The passes read and write maps of every row or slot at a batch's rows: each access a likely
+ * cache miss, and each loop's next accesses known ahead. Prefetching them AHEAD entries early
+ * keeps several misses in flight (where the compiler knows no prefetch, nothing is done). */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(address) __builtin_prefetch(address)
+#define PREFETCH_W(address) __builtin_prefetch(address, 1)
+#else
+#define PREFETCH(address) ((void)(address))
+#define PREFETCH_W(address) ((void)(address))
+#endif
+enum { AHEAD = 16 };
+
 /* first[i]: 1 where sorted position i starts a distinct row. */
 void dc_first(const i32 *ordered, i32 *first, i64 n) {
     for (i64 i = 0; i < n; i++)
@@ -25,6 +37,18 @@ void dc_enter(const i32 *ordered, const i64 *order, const i32 *count, const i32 
     const i64 distinct = n ? count[n - 1] : 0;
     i64 counted = 0;
     for (i64 i = 0; i < n; i++) {
+        if (i + 2 * AHEAD < n) {
+            PREFETCH_W(&latest[ordered[i + 2 * AHEAD]]);
+            PREFETCH(&slot_of[ordered[i + 2 * AHEAD]]);
+        }
+        if (i + AHEAD < n) { /* (their rows' entries were fetched above) */
+            const i64 ahead = ordered[i + AHEAD];
+            const i32 prev = latest[ahead], slot = slot_of[ahead];
+            if (prev >= 0)
+                PREFETCH_W(&next_use[prev]);
+            if (slot >= 0)
+                PREFETCH_W(&slot_next_use[slot]);
+        }
         const i64 row = ordered[i];
         const int first = i == 0 || row != ordered[i - 1];
         const i32 r = count[i] - 1;
@@ -63,6 +87,15 @@ void dc_look_up(const i64 *rows, const i32 *positions, i32 *latest, const i32 *r
                 const i32 *slot_of, i32 *pin, i32 *next_use_out, i32 *miss_out, i64 *hit_out,
                 i64 n, i64 sentinel_slot) {
     for (i64 i = 0; i < n; i++) {
+        if (i + 2 * AHEAD < n) {
+            PREFETCH_W(&latest[rows[i + 2 * AHEAD]]);
+            PREFETCH(&slot_of[rows[i + 2 * AHEAD]]);
+        }
+        if (i + AHEAD < n) {
+            const i32 slot = slot_of[rows[i + AHEAD]];
+            if (slot >= 0)
+                PREFETCH_W(&pin[slot]);
+        }
         const i64 row = rows[i];
         const i32 pos = positions[i];
         next_use_out[i] = ring[pos];
@@ -82,6 +115,15 @@ void dc_look_up(const i64 *rows, const i32 *positions, i32 *latest, const i32 *r
 void dc_evict(const i64 *victims, const i64 *row_of, i32 *slot_of, u8 *dirty, i64 *old_out,
               u8 *evicted_out, u8 *writeback_out, i64 n, i64 capacity) {
     for (i64 v = 0; v < n; v++) {
+        if (v + 2 * AHEAD < n) {
+            PREFETCH(&row_of[victims[v + 2 * AHEAD]]);
+            PREFETCH_W(&dirty[victims[v + 2 * AHEAD]]);
+        }
+        if (v + AHEAD < n) {
+            const i64 old = row_of[victims[v + AHEAD]];
+            if (old >= 0)
+                PREFETCH_W(&slot_of[old]);
+        }
         const i64 victim = victims[v];
         const i64 old = row_of[victim];
         const int evicted = victim < capacity && old >= 0;
@@ -102,6 +144,17 @@ void dc_place(const i64 *rows, const i32 *miss, const i32 *count, const i64 *hit
               i64 *loads_out, i32 *uses, i64 n, i64 size, i64 sentinel_slot, i64 use_counts) {
     const i64 limit = *taken;
     for (i64 i = 0; i < n; i++) {
+        if (i + AHEAD < n) { /* a hit's slot, or where a miss's victim is kept */
+            const i64 ahead = miss[i + AHEAD] ? victims[count[i + AHEAD] - 1 < size
+                                                            ? count[i + AHEAD] - 1 : size]
+                                              : hit[i + AHEAD];
+            PREFETCH_W(&slot_next_use[ahead]);
+            PREFETCH_W(&pin[ahead]);
+            PREFETCH_W(&row_of[ahead]);
+            if (use_counts)
+                PREFETCH_W(&uses[ahead]);
+            PREFETCH_W(&slot_of[rows[i + AHEAD]]);
+        }
         const i64 k = (i64)count[i] - 1;
         const int got = miss[i] != 0 && k < limit;
         const i64 slot = got ? victims[k < 0 ? 0 : (k > size ? size : k)] : hit[i];
@@ -252,4 +305,58 @@ void dc_sort(const i32 *ids, i32 *ordered, i64 *order, i32 *scratch_keys, i64 *s
             ordered[i] = keys[i];
             order[i] = at[i];
         }
+}
+
+/* `select.select_counted` in one pass (C only; Triton's `_boundary`, `_ties` and `_take` with
+ * the running counts and the compaction): `picked` `[size]` the first `size` selected indices,
+ * then m; `line`: boundary, need, taken, candidates. The boundary is found from the top class
+ * down, so only the classes above it are read: the largest class c such that fewer than `want`
+ * keys lie above it (the first class whose running count exceeds candidates - want). */
+void dc_select(const i32 *keys, const i32 *hist, const i64 *want, i64 *picked, i64 *line, i64 m,
+               i64 classes, i64 size) {
+    const i64 candidates = m - hist[0]; /* (bin 0: the keys of -1) */
+    const i64 wanted = *want;
+    i64 above = 0, boundary = classes - 1, need = wanted;
+    for (i64 c = classes - 1; c >= 0 && above < wanted; c--) {
+        boundary = c;
+        need = wanted - above;
+        above += hist[c + 1];
+    }
+    const i32 b = (i32)boundary;
+    i64 ties = 0, k = 0;
+    for (i64 c = 0; c < m && k < size; c++) {
+        const i32 key = keys[c];
+        if (key > b || (key == b && ++ties <= need))
+            picked[k++] = c;
+    }
+    for (; k < size; k++)
+        picked[k] = m;
+    line[0] = boundary;
+    line[1] = need;
+    line[2] = wanted < candidates ? wanted : candidates;
+    line[3] = candidates;
+}
+
+/* A batch entering the window of a cache of every row (`Window.distinct_device`, C only), and
+ * its ids that are not the sentinel row added to `total`: each id writes its position into its
+ * row's `latest` entry, in order (the last occurrence wins, as torch's scatter leaves it), and
+ * the occurrence found there represents the row. */
+void dc_distinct(const i64 *ids, const i32 *at, i32 *latest, i64 *total, i64 *rows_out,
+                 i32 *rep_out, u8 *valid_out, i32 *pos_out, i64 n, i64 sentinel_row) {
+    for (i64 i = 0; i < n; i++)
+        latest[ids[i]] = (i32)i;
+    const i32 base = at[1];
+    i64 counted = 0;
+    for (i64 i = 0; i < n; i++) {
+        const i64 id = ids[i];
+        const i32 rep = latest[id];
+        const int real = id != sentinel_row;
+        const int valid = real && rep == i;
+        rows_out[i] = valid ? id : sentinel_row;
+        rep_out[i] = rep;
+        valid_out[i] = (u8)valid;
+        pos_out[i] = base + (i32)i;
+        counted += real;
+    }
+    *total += counted;
 }

@@ -64,7 +64,10 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
         (_I64, _I64, _I64, _I64, _I64, _I64, _I64, "i", "i", "i", "i", "i"),
         ("CHECK", "PADDED"),
     ),
-    "sort": ((_I32, _I32, _I64, _I32, _I64, "i"), ()),  # (C only: `fused.enter`)
+    # C only (`fused.enter`, `fused.select_counted`, `fused.distinct`):
+    "sort": ((_I32, _I32, _I64, _I32, _I64, "i"), ()),
+    "select": ((_I32, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
+    "distinct": ((_I64, _I32, _I32, _I64, _I64, _I32, _U8, _I32, "i", "i"), ()),
 }
 
 

@@ -222,13 +222,13 @@ class Scheduler:
 
     def _enqueue_device(self, ids: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`enqueue`'s device work: the window's, the policy's, the id count."""
-        if self._kernels is not None and not self.whole:
-            ids_total = self._totals.select(0, _IDS)
-            return fused_passes.enter(
-                self._kernels, self.window, self.residency, ids_total, ids, at
-            )
+        found, ids_total = self._kernels, self._totals.select(0, _IDS)
+        if found is not None and not self.whole:
+            return fused_passes.enter(found, self.window, self.residency, ids_total, ids, at)
+        if found is not None and "distinct" in found:  # (the C kernels)
+            return fused_passes.distinct(found, self.window, ids_total, ids, at)
         real = ids != self.residency.sentinel_row
-        self._totals.select(0, _IDS).add_(real.sum())
+        ids_total.add_(real.sum())
         if self.whole:  # no next use is read, no sort (`_stage_whole`)
             return self.window.distinct_device(ids, at, real)
         rows, inv, valid, positions, fresh, distinct = self.window.enter_device(ids, at)
