@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from distcache.cache import fused_native
+from distcache.cache import fused, fused_native, select
 from distcache.errors import DistcacheError
 
 native = pytest.mark.skipif(fused_native.load() is None, reason="no C compiler built them")
@@ -90,3 +90,24 @@ def test_an_unwritable_cache_falls_back_to_the_next_folder(tmp_path, monkeypatch
     monkeypatch.setattr(fused_native, "_folders", lambda: [blocked / "distcache"])
     with pytest.raises(DistcacheError, match="no writable folder"):
         fused_native._built()
+
+
+@native
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_pass_selection_picks_as_the_torch_ops(seed):
+    """`fused.select_counted` with the C kernels (the boundary found from the top class down)
+    against `select.select_counted`: ties, pinned keys (-1), wanting none, more than the
+    candidates, and a result shorter than the selection."""
+    gen = torch.Generator().manual_seed(seed)
+    classes, m = [4, 64, 300][seed % 3], [1, 50, 2000][seed // 2 % 3]
+    keys = torch.randint(-1, classes, (m,), generator=gen, dtype=torch.int32)
+    hist = torch.zeros(classes + 1, dtype=torch.int32).index_add_(
+        0, (keys + 1).long(), torch.ones(m, dtype=torch.int32)
+    )
+    for want in sorted({0, 1, m // 3, m - 1, m, m + 2}):
+        for size in sorted({1, want + 1, m + 1}):
+            want_t = torch.tensor(want)
+            expected = select.select_counted(keys, hist, classes, want_t, size)
+            got = fused.select_counted(fused_native.load(), keys, hist, classes, want_t, size)
+            for name, a, b in zip(("picked", "taken", "candidates"), expected, got, strict=True):
+                assert torch.equal(a, b), f"want {want}, size {size}: {name}"
