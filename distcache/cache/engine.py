@@ -22,6 +22,7 @@ from dataclasses import asdict
 
 import torch
 
+from distcache.cache import fused
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
 from distcache.cache.host_store import HostStore
@@ -108,6 +109,8 @@ class CacheEngine:
             graphs=config.graphs_on(device),
             fused=config.fused_on(device),
         )
+        # The C kernels' SGD step (`fused.sgd`), where the scheduler runs them (CPU).
+        self._sgd = (self.scheduler.kernels or {}).get("sgd") if self.kernel == "torch" else None
         direct = config.staging_on(device) == "direct"
         self.stager = Stager(self.store, self.weights, self.state, self.streams, direct=direct)
         self._checks: dict[int, torch.Tensor] = {}  # seq -> caller's check words, until staged
@@ -210,6 +213,17 @@ class CacheEngine:
         if self.optimizer.per_id and self.weights.dtype == torch.float32:
             # Stateless and linear (SGD): scatter-add each id's step -lr * g, as a sparse SGD
             # step does. Scaling the few bags first is cheaper than index_add_(alpha=...).
+            if (
+                self._sgd is not None
+                and bag_grad.dtype == torch.float32
+                and (id_weights is None or id_weights.dtype == torch.float32)
+            ):  # the same in one C kernel (CPU)
+                fused.sgd(
+                    self._sgd, self.weights, bag_grad, bag_of_id, id_weights, plan.id_slots,
+                    self.optimizer.lr,
+                )  # fmt: skip
+                self._updated(plan)
+                return
             step = bag_grad * -self.optimizer.lr
             if bag_of_id is not None:
                 step = step.index_select(0, bag_of_id)  # [n, dim]

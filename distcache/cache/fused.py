@@ -270,6 +270,26 @@ def distinct(
     return rows, rep, valid, positions
 
 
+def sgd(
+    found: dict,
+    weights: torch.Tensor,
+    bag_grad: torch.Tensor,
+    bag_of_id: torch.Tensor | None,
+    id_weights: torch.Tensor | None,
+    id_slots: torch.Tensor,
+    lr: float,
+) -> None:
+    """`CacheEngine.apply_gradients`'s SGD step on fp32 rows in one C kernel (CPU only: `"sgd"
+    in found`), the same float32 operations in the same order: each id's row (`id_slots`)
+    plus its bag's gradient (`bag_of_id`; None: its own) times -lr, times its weight."""
+    n, dim, grad = id_slots.numel(), weights.shape[1], bag_grad.contiguous()
+    found["sgd"][(1,)](
+        weights, grad, id_slots if bag_of_id is None else bag_of_id,
+        grad if id_weights is None else id_weights.contiguous(), id_slots, n, dim, lr,
+        POOLED=bag_of_id is not None, WEIGHTED=id_weights is not None,
+    )  # fmt: skip
+
+
 def route(
     found: dict,
     values: torch.Tensor,

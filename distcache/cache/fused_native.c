@@ -360,3 +360,29 @@ void dc_distinct(const i64 *ids, const i32 *at, i32 *latest, i64 *total, i64 *ro
     }
     *total += counted;
 }
+
+/* The SGD step of a batch's rows (C only; `CacheEngine.apply_gradients`'s torch ops for fp32
+ * rows: each id's step, its bag's gradient times -lr, times its weight where it has one, added
+ * to its slot's row in id order, as `index_add_` adds them; the same float32 operations in the
+ * same order, so the same bits). `bag_of_id` is read where `pooled`, `id_weights` where
+ * `weighted`. */
+void dc_sgd(float *weights, const float *bag_grad, const i64 *bag_of_id, const float *id_weights,
+            const i64 *id_slots, i64 n, i64 dim, double lr, i64 pooled, i64 weighted) {
+    const float scale = (float)-lr;
+    for (i64 i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            PREFETCH_W(&weights[id_slots[i + AHEAD] * dim]);
+        const float *g = bag_grad + (pooled ? bag_of_id[i] : i) * dim;
+        float *w = weights + id_slots[i] * dim;
+        if (weighted) {
+            const float by = id_weights[i];
+            for (i64 d = 0; d < dim; d++) {
+                const float step = g[d] * scale;
+                w[d] += step * by;
+            }
+        } else {
+            for (i64 d = 0; d < dim; d++)
+                w[d] += g[d] * scale;
+        }
+    }
+}

@@ -37,8 +37,9 @@ _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("fused_native.c")
 
 # Each kernel's arguments, as Triton's kernel takes them: a tensor's dtype (its data passed as
-# a pointer), "i" for an int, then its constexpr flags by name (passed as ints, in this order).
-_I32, _I64, _U8 = torch.int32, torch.int64, torch.uint8
+# a pointer), "i" for an int, "f" for a float, then its constexpr flags by name (passed as
+# ints, in this order).
+_I32, _I64, _U8, _F32 = torch.int32, torch.int64, torch.uint8, torch.float32
 _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
     "first": ((_I32, _I32, "i"), ()),
     "enter": (
@@ -68,6 +69,7 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
     "sort": ((_I32, _I32, _I64, _I32, _I64, "i"), ()),
     "select": ((_I32, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
     "distinct": ((_I64, _I32, _I32, _I64, _I64, _I32, _U8, _I32, "i", "i"), ()),
+    "sgd": ((_F32, _F32, _I64, _F32, _I64, "i", "i", "f"), ("POOLED", "WEIGHTED")),
 }
 
 
@@ -80,8 +82,9 @@ class NativeKernel:
     def __init__(self, name: str, function: ctypes._CFuncPtr):
         self.name = name
         self._args, self._flags = _SPECS[name]
-        function.argtypes = [
-            ctypes.c_int64 if kind == "i" else ctypes.c_void_p for kind in self._args + self._flags
+        types = {"i": ctypes.c_int64, "f": ctypes.c_double}
+        function.argtypes = [types.get(kind, ctypes.c_void_p) for kind in self._args] + [
+            ctypes.c_int64 for _ in self._flags
         ]
         function.restype = None
         self._function = function
@@ -94,8 +97,8 @@ class NativeKernel:
             raise DistcacheError(f"{self.name}: {len(args)} arguments, expected {len(self._args)}")
         values: list[int] = []
         for at, (value, kind) in enumerate(zip(args, self._args, strict=True)):
-            if kind == "i":
-                values.append(int(value))
+            if kind == "i" or kind == "f":
+                values.append(int(value) if kind == "i" else float(value))
                 continue
             if (kind is not None and value.dtype != kind) or not value.is_contiguous():
                 raise DistcacheError(

@@ -171,6 +171,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- window
     @property
+    def kernels(self) -> dict | None:
+        """The fused passes' kernels (`fused.kernels`), or None where they are off."""
+        return self._kernels
+
+    @property
     def num_unstaged(self) -> int:
         return len(self._unstaged)
 

@@ -111,3 +111,29 @@ def test_the_one_pass_selection_picks_as_the_torch_ops(seed):
             got = fused.select_counted(fused_native.load(), keys, hist, classes, want_t, size)
             for name, a, b in zip(("picked", "taken", "candidates"), expected, got, strict=True):
                 assert torch.equal(a, b), f"want {want}, size {size}: {name}"
+
+
+@native
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_the_sgd_step_is_the_torch_ops_bit_for_bit(pooled, weighted):
+    """`fused.sgd` against `CacheEngine.apply_gradients`'s torch ops on fp32 rows: random
+    gradients and weights, an lr that rounds, slots that repeat (duplicates, padding), a
+    gradient that is not contiguous."""
+    gen = torch.Generator().manual_seed(int(pooled) * 2 + int(weighted))
+    slots, dim, n, bags = 40, 16, 3000, 500
+    weights = torch.randn(slots, dim, generator=gen)
+    bag_grad = torch.randn(dim, bags, generator=gen).t()  # (not contiguous)
+    id_slots = torch.randint(0, slots, (n,), generator=gen)
+    bag_of_id = torch.randint(0, bags, (n,), generator=gen) if pooled else None
+    grad = bag_grad if pooled else torch.randn(n, dim, generator=gen)
+    id_weights = torch.rand(n, generator=gen) if weighted else None
+    lr = 0.0137
+    step = grad * -lr
+    if bag_of_id is not None:
+        step = step.index_select(0, bag_of_id)
+    if id_weights is not None:
+        step = step * id_weights.unsqueeze(1)
+    expected = weights.clone().index_add_(0, id_slots, step)
+    fused.sgd(fused_native.load(), weights, grad, bag_of_id, id_weights, id_slots, lr)
+    assert torch.equal(weights, expected)
