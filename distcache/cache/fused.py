@@ -290,6 +290,19 @@ def sgd(
     )  # fmt: skip
 
 
+def check(
+    found: dict, values: torch.Tensor, ids_per_feature: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's int64 ids in feature-major order with each invalid one (outside [0, rows) of
+    its feature's table) replaced by 0, and how many were (`[1]` int64), in one C kernel (CPU
+    only: `"check" in found`): `ids.find_invalid_per_feature` and the replacement."""
+    n = values.numel()
+    checked = torch.empty_like(values)
+    count = torch.zeros(1, dtype=torch.int64, device=values.device)
+    found["check"][(1,)](values, ids_per_feature, rows, checked, count, n, rows.numel())
+    return checked, count
+
+
 def route(
     found: dict,
     values: torch.Tensor,

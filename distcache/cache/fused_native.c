@@ -386,3 +386,23 @@ void dc_sgd(float *weights, const float *bag_grad, const i64 *bag_of_id, const f
         }
     }
 }
+
+/* A batch's ids checked against their tables before they are routed (C only: `fused.check`,
+ * `ids.find_invalid_per_feature` and the replacement of the invalid ids by 0): `values` in
+ * feature-major order, `ids_per_key[k]` of them feature k's, valid in [0, rows[k]); `checked`
+ * the ids with each invalid one 0, their count added to `count`. */
+void dc_check(const i64 *values, const i64 *ids_per_key, const i64 *rows, i64 *checked,
+              i64 *count, i64 n, i64 keys) {
+    i64 i = 0, invalid = 0;
+    for (i64 k = 0; k <= keys; k++) {
+        /* (past the last key: ids the lengths do not cover, which no table holds) */
+        const i64 end = k < keys ? i + ids_per_key[k] : n, bound = k < keys ? rows[k] : 0;
+        for (; i < end && i < n; i++) {
+            const i64 value = values[i];
+            const int bad = value < 0 || value >= bound;
+            checked[i] = bad ? 0 : value;
+            invalid += bad;
+        }
+    }
+    *count += invalid;
+}

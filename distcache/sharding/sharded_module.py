@@ -31,6 +31,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
+from distcache.cache import fused
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
 from distcache.cache.ids import find_invalid_per_feature, first_invalid, raise_if_invalid
@@ -100,6 +101,7 @@ class CachedShardedModule:
     """
 
     check_ids: bool = True
+    fused_ids: bool = False  # ids checked by the C kernels (`fused.check`; CPU)
     _collection: str  # the TorchRec collection's name, for messages
     _lookups: list[nn.Module]
     module_sharding_plan: dict
@@ -404,10 +406,14 @@ class CachedShardedModule:
         device = values.device
         rows = self._device_ints(self._rows_of_keys(keys), device)
         ids_per_key = self._ids_per_key(features)
-        bad, count = find_invalid_per_feature(values, ids_per_key, rows)
+        found = fused.kernels(device) if self.fused_ids and device.type == "cpu" else {}
+        if "check" in found and values.dtype == torch.int64:  # the C kernels' (CPU)
+            checked_values, count = fused.check(found, values, ids_per_key, rows)
+        else:
+            bad, count = find_invalid_per_feature(values, ids_per_key, rows)
+            checked_values = torch.where(bad, 0, values)
         # A copy: the caller's batch is left as it was.
-        checked = with_values(features, torch.where(bad, 0, values))
-        return checked, HostCopy(count), (values, ids_per_key, rows)
+        return with_values(features, checked_values), HostCopy(count), (values, ids_per_key, rows)
 
     def _ids_per_key(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """How many ids each key of `features` holds `[keys]` int64, on its device: the sums of

@@ -116,6 +116,7 @@ class CachedEmbeddingBagCollectionSharder(_CachedSharder, EmbeddingBagCollection
             module_fqn=module_fqn,
         )
         sharded.check_ids = self.cache_config.check_ids
+        sharded.fused_ids = self.cache_config.fused_on(torch.device(device or "cpu"))
         sharded.setup_hot_rows()
         return sharded
 
@@ -152,6 +153,7 @@ class CachedEmbeddingCollectionSharder(_CachedSharder, EmbeddingCollectionSharde
             module_fqn=module_fqn,
         )
         sharded.check_ids = self.cache_config.check_ids
+        sharded.fused_ids = self.cache_config.fused_on(torch.device(device or "cpu"))
         # TorchRec's sharded EC keeps no sharding infos (the tables' fused params): rebuilt.
         infos = ShardedCachedEmbeddingCollection.create_grouped_sharding_infos(
             module, params, self.fused_params

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distcache.cache import fused, fused_native, select
+from distcache.cache.ids import find_invalid_per_feature
 from distcache.errors import DistcacheError
 
 native = pytest.mark.skipif(fused_native.load() is None, reason="no C compiler built them")
@@ -137,3 +138,16 @@ def test_the_sgd_step_is_the_torch_ops_bit_for_bit(pooled, weighted):
     expected = weights.clone().index_add_(0, id_slots, step)
     fused.sgd(fused_native.load(), weights, grad, bag_of_id, id_weights, id_slots, lr)
     assert torch.equal(weights, expected)
+
+
+@native
+def test_the_id_check_is_the_torch_ops():
+    """`fused.check` against `ids.find_invalid_per_feature` and the replacement by 0: ids out of
+    range both ways, a feature without ids, the last feature's ids."""
+    rows = torch.tensor([10, 3, 7, 5])
+    ids_per_feature = torch.tensor([4, 0, 5, 3])
+    values = torch.tensor([0, 9, 10, -1, 6, 7, 0, 2, -5, 4, 5, 1])
+    bad, count = find_invalid_per_feature(values, ids_per_feature, rows)
+    checked, got = fused.check(fused_native.load(), values, ids_per_feature, rows)
+    assert torch.equal(checked, torch.where(bad, 0, values))
+    assert torch.equal(got, count) and got.tolist() == [5]

@@ -9,6 +9,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from distcache.cache import fused_native
 from distcache.cache.ids import first_invalid
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import cache_stats
@@ -57,6 +58,7 @@ class _Rows(CachedShardedModule):
         self._rows_of_feature = {"a": ("ta", 3), "b": ("tb", 4), "c": ("tc", 5)}
 
 
+@pytest.mark.parametrize("fused_ids", [False, True])  # the torch ops, the C kernel (CPU)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize(
     ("strides", "lengths", "values", "record"),
@@ -70,7 +72,7 @@ class _Rows(CachedShardedModule):
     ],
 )
 def test_check_feature_ids_records_the_first_invalid_id(
-    strides: list[int], lengths: list[int], values: list[int], record: list[int], dtype
+    strides: list[int], lengths: list[int], values: list[int], record: list[int], dtype, fused_ids
 ) -> None:
     """Ids out of their key's rows become 0, they are counted and the record names the first;
     keys may have different strides (variable batch) and no bags or no ids."""
@@ -82,7 +84,9 @@ def test_check_feature_ids_records_the_first_invalid_id(
         **({"stride_per_key_per_rank": [[s] for s in strides]} if variable else {}),
         **({} if variable else {"stride": strides[0]}),
     )
-    checked, check, kept = _Rows()._check_feature_ids(features)
+    rows = _Rows()
+    rows.fused_ids = fused_ids and fused_native.load() is not None
+    checked, check, kept = rows._check_feature_ids(features)
     assert check.read() == record[:1]  # the count reaches the host with the batch
     if record[0]:  # and only then is the batch read to name the first invalid id
         assert first_invalid(*kept) == record
