@@ -32,8 +32,9 @@
    (--sched-rows) at each of --cap-fractions of its rows, each cache first filled with rows the
    trace rarely needs so that every timed batch evicts: a batch's cost must follow the batch,
    not the cache's size ("x fastest" near 1).
-With --fused, sections 1 and 6 run the scheduler's fused passes (`CacheConfig.fused`): compiled
-on CUDA; on CPU Triton's interpreter, whose times say nothing of a GPU's.
+Sections 1 and 6 run the scheduler as `CacheConfig.fused` has it by default (on CPU the C
+kernels of its fused passes where a C compiler builds them; on CUDA the torch ops); --fused runs
+the fused passes (compiled Triton kernels on CUDA), --no-fused the torch ops.
 
 On CPU the process keeps freed host memory for reuse, as distcache's CPU ranks do
 (`distcache.job.host_memory`; DISTCACHE_KEEP_FREED_MEMORY=0: glibc's defaults).
@@ -73,6 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_json  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
+from distcache.cache import fused as fused_passes  # noqa: E402
 from distcache.cache import graphs  # noqa: E402
 from distcache.cache.engine import CacheEngine  # noqa: E402
 from distcache.data.traces import zipf_trace  # noqa: E402
@@ -121,7 +123,7 @@ class Replay:
         policy: str,
         lookahead: int,
         device: str = "cpu",
-        fused: bool = False,
+        fused: bool | None = None,
     ):
         config = CacheConfig(
             capacity=capacity,
@@ -418,11 +420,16 @@ def _cuda_defaults(args, batches) -> Cached:
 def bench_ops(args) -> list[dict]:
     """Ops per steady-state step of the forward + backward variants (section 4), and of the 5 %
     cache with the scheduler's fused passes (`CacheConfig.fused`, where Triton is installed:
-    each kernel launch counts one)."""
+    each kernel launch counts one; on CPU Triton's kernels, interpreted, not the C ones: the
+    count is what a GPU launches)."""
     variants = _launch_variants(args)
     kernels: list[int] = [0]
     if args.device == "cuda" or importlib.util.find_spec("triton") is not None:
-        fused = Cached(args, _batches(args), 0.05, "lookahead", fused=True)
+        kept, fused_passes.CPU_KERNELS = fused_passes.CPU_KERNELS, "triton"
+        try:
+            fused = Cached(args, _batches(args), 0.05, "lookahead", fused=True)
+        finally:
+            fused_passes.CPU_KERNELS = kept
         kernels = _count_kernels(fused)
         variants["distcache 0.05 fused"] = fused
     results = []
@@ -601,9 +608,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--fused",
-        action="store_true",
-        help="sections 1 and 6: the scheduler's fused passes (CacheConfig.fused; on CPU Triton's"
-        "\ninterpreter runs them: slow)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sections 1 and 6: the scheduler's fused passes (CacheConfig.fused; default: per"
+        "\ndevice, on CPU the C kernels where a C compiler builds them)",
     )
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", default=None)

@@ -74,16 +74,16 @@ class CacheConfig:
     """What looks rows up and applies the fused optimizer in backward: 'fbgemm' (FBGEMM's
     table-batched embedding, TBE, run over the cache's slots: one forward and one backward
     kernel per cache, the optimizer fused, the cache its storage; `distcache.cache.tbe`) or
-    'torch' (`F.embedding_bag` over the slots, the update by index_add_/index_copy_). Both
-    compute the same update. None (the default): 'fbgemm' on a CPU for the stateful
-    optimizers (Adagrad, row-wise Adagrad: its fused update is faster there) where FBGEMM's
-    TBE computes them as distcache defines them for the cache's rows (a width that is a
-    multiple of 4; fp32 or fp16 rows), else 'torch': for SGD (a scatter-add, which FBGEMM's
-    Python wrapper outweighs on small batches) and on CUDA devices (there the wrapper and its
-    backward launcher cost the host more than its kernels save the device:
-    benchmarks/results/README.md, "Results on a GPU"). 'fbgemm' where it cannot serve
-    (fbgemm_gpu without CUDA kernels on a GPU, Adam, bf16 rows, among others) is an error when
-    the cache is built."""
+    'torch' (`F.embedding_bag` over the slots, the update by index_add_/index_copy_; SGD's in
+    one C pass where `fused` runs the C kernels). Both compute the same update. None (the
+    default): 'fbgemm' on a CPU for the stateful optimizers (Adagrad, row-wise Adagrad: its
+    fused update is faster there) where FBGEMM's TBE computes them as distcache defines them
+    for the cache's rows (a width that is a multiple of 4; fp32 or fp16 rows), else 'torch':
+    for SGD (a scatter-add, which FBGEMM's Python wrapper outweighs on small batches) and on
+    CUDA devices (there the wrapper and its backward launcher cost the host more than its
+    kernels save the device: benchmarks/results/README.md, "Results on a GPU"). 'fbgemm' where
+    it cannot serve (fbgemm_gpu without CUDA kernels on a GPU, Adam, bf16 rows, among others)
+    is an error when the cache is built."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
