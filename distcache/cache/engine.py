@@ -112,7 +112,10 @@ class CacheEngine:
         # The C kernels' SGD step (`fused.sgd`), where the scheduler runs them (CPU).
         self._sgd = (self.scheduler.kernels or {}).get("sgd") if self.kernel == "torch" else None
         direct = config.staging_on(device) == "direct"
-        self.stager = Stager(self.store, self.weights, self.state, self.streams, direct=direct)
+        move = (self.scheduler.kernels or {}).get("move")
+        self.stager = Stager(
+            self.store, self.weights, self.state, self.streams, direct=direct, move=move
+        )
         self._checks: dict[int, torch.Tensor] = {}  # seq -> caller's check words, until staged
         self._ahead: deque[StagePlan] = deque()  # staged, not yet looked up
         self._active: deque[StagePlan] = deque()  # looked up, not yet released

@@ -303,6 +303,26 @@ def check(
     return checked, count
 
 
+def move(
+    found: dict,
+    src: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    """Rows `src[src_rows[k]]` copied to `dst[dst_rows[k]]` (`[count]` int64 each), in one C
+    kernel (CPU only: `"move" in found`): the stager's gathers and scatters of rows between
+    the host store and the cache. Both tables row-major, rows of the same bytes."""
+    width = src.shape[1] * src.element_size()
+    if dst.shape[1] * dst.element_size() != width or src.dtype != dst.dtype:
+        raise DistcacheConfigError(
+            f"rows of {src.dtype} x {src.shape[1]} cannot move into rows of {dst.dtype} x "
+            f"{dst.shape[1]}"
+        )
+    if width:
+        found["move"][(1,)](src, src_rows, dst, dst_rows, src_rows.numel(), width)
+
+
 def route(
     found: dict,
     values: torch.Tensor,

@@ -6,6 +6,7 @@
  * order. Built and loaded by `fused_native.py`; plain C, no Python or torch headers. */
 
 #include <stdint.h>
+#include <string.h>
 
 typedef int32_t i32;
 typedef int64_t i64;
@@ -405,4 +406,17 @@ void dc_check(const i64 *values, const i64 *ids_per_key, const i64 *rows, i64 *c
         }
     }
     *count += invalid;
+}
+
+/* Rows copied between two row-major tables of `width`-byte rows (C only: `fused.move`, the
+ * stager's copies on CPU): row src_rows[k] of `src` to row dst_rows[k] of `dst`, k < count. */
+void dc_move(const u8 *src, const i64 *src_rows, u8 *dst, const i64 *dst_rows, i64 count,
+             i64 width) {
+    for (i64 k = 0; k < count; k++) {
+        if (k + AHEAD < count) {
+            PREFETCH(src + src_rows[k + AHEAD] * width);
+            PREFETCH_W(dst + dst_rows[k + AHEAD] * width);
+        }
+        memcpy(dst + dst_rows[k] * width, src + src_rows[k] * width, (size_t)width);
+    }
 }

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distcache.cache import fused
 from distcache.cache.host_store import HostStore
 from distcache.cache.scheduler import LOADS, WRITEBACKS, StagePlan
 from distcache.cache.streams import Streams, mirror
@@ -73,6 +74,8 @@ class Stager:
             device; on CPU a plan runs when it is submitted: there a worker thread has no
             device to wait for, and its copies would only compete with the training thread
             for the cores of its OpenMP team: benchmarks/results/README.md, "The engine").
+        move: the C kernels' row copy (`fused.move`), used on CPU; None: torch's gathers and
+            scatters through host buffers.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class Stager:
         *,
         direct: bool = False,
         threaded: bool | None = None,
+        move: object | None = None,
     ):
         self.store = store
         self.direct = direct
@@ -94,6 +98,8 @@ class Stager:
         self.streams = streams
         self.device = weights.device
         self.victims_free: torch.cuda.Event | None = None  # set by the engine after a backward
+        # The C kernels' row copies (`fused.move`), where the cache is in host memory (CPU).
+        self.move = move if self.device.type == "cpu" else None
         self._jobs: dict[int, tuple[_Job, Future[None]]] = {}
         self._executor: ThreadPoolExecutor | None = None
         # The worker's host rows (`_host_rows`), and the event after the copy that last read
@@ -228,7 +234,9 @@ class Stager:
         with s.on(s.staging):
             s.wait(job.mirrored, s.staging)
             s.wait(job.victims_free, s.staging)
-            if writebacks:
+            if self.move is not None:  # the C kernels: row to row, no host buffer (CPU)
+                self._move(job, writebacks, loads)
+            elif writebacks:
                 host = self._host_rows(writebacks)
                 for buffer, values in zip(
                     host, self._cached_rows(plan.writeback_slots[:writebacks]), strict=True
@@ -236,13 +244,26 @@ class Stager:
                     buffer.copy_(values, non_blocking=True)
                 s.host_wait(s.record(s.staging, host=True))
                 self.store.scatter(job.writeback_rows[:writebacks], *host)
-            if loads:
+            if loads and self.move is None:
                 host = self.store.gather(job.load_rows[:loads], out=self._host_rows(loads))
                 slots = plan.load_slots[:loads]
                 for cache, buffer in zip((self.weights, self.state), host, strict=True):
                     cache.index_copy_(0, slots, buffer.to(self.device, non_blocking=True))
                 self._rows_read = s.record(s.staging, host=True)
             job.ready = s.record(s.staging)
+
+    def _move(self, job: _Job, writebacks: int, loads: int) -> None:
+        """`_execute`'s copies by the C kernels (on CPU, where the cache is host memory): the
+        dirty victims' rows to the store, then the loaded rows into their slots."""
+        plan, store, cache = job.plan, self.store, (self.weights, self.state)
+        slots, rows = plan.writeback_slots[:writebacks], job.writeback_rows[:writebacks]
+        for src, dst in zip(cache, (store.weights, store.state), strict=True):
+            fused.move(self.move, src, slots, dst, rows)
+        store.rows_written += writebacks
+        rows, slots = job.load_rows[:loads], plan.load_slots[:loads]
+        for src, dst in zip((store.weights, store.state), cache, strict=True):
+            fused.move(self.move, src, rows, dst, slots)
+        store.rows_read += loads
 
     # ------------------------------------------------------------ direct
     def _stage_direct(self, job: _Job) -> None:

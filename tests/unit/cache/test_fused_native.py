@@ -11,7 +11,7 @@ import torch
 
 from distcache.cache import fused, fused_native, select
 from distcache.cache.ids import find_invalid_per_feature
-from distcache.errors import DistcacheError
+from distcache.errors import DistcacheConfigError, DistcacheError
 
 native = pytest.mark.skipif(fused_native.load() is None, reason="no C compiler built them")
 
@@ -151,3 +151,21 @@ def test_the_id_check_is_the_torch_ops():
     checked, got = fused.check(fused_native.load(), values, ids_per_feature, rows)
     assert torch.equal(checked, torch.where(bad, 0, values))
     assert torch.equal(got, count) and got.tolist() == [5]
+
+
+@native
+def test_rows_move_as_index_copy_moves_them():
+    """`fused.move`: rows of any dtype (here fp16 and float32 of two widths), by row lists;
+    tables whose rows differ are refused."""
+    load = fused_native.load()
+    for dtype, dim in ((torch.float16, 8), (torch.float32, 3)):
+        src = torch.randn(50, dim).to(dtype)
+        dst = torch.zeros(20, dim, dtype=dtype)
+        rows, slots = torch.tensor([7, 0, 49, 12]), torch.tensor([3, 19, 0, 4])
+        expected = dst.clone().index_copy_(0, slots, src.index_select(0, rows))
+        fused.move(load, src, rows, dst, slots)
+        assert torch.equal(dst, expected)
+    with pytest.raises(DistcacheConfigError, match="cannot move"):
+        fused.move(
+            load, torch.zeros(4, 8), rows[:1], torch.zeros(4, 8, dtype=torch.float16), rows[:1]
+        )

@@ -27,9 +27,11 @@ def _train(cached, batches, lookahead):
         yield t
 
 
-def _cached(capacity=12):
+def _cached(capacity=12, fused=None):
     tables = make_tables([4], [200])
-    config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=1, learning_rate=0.1)
+    config = CacheConfig(
+        capacity=capacity, lookahead=3, prefetch_depth=1, learning_rate=0.1, fused=fused
+    )
     cached = CachedEmbeddingBags(tables, config)
     batches = make_batches(tables, batch_size=4, num_batches=30, max_len=3, seed=3)
     return cached, batches, config
@@ -45,7 +47,8 @@ def test_plans_run_when_submitted_on_cpu():
 
 
 def test_staging_reuses_its_host_rows_and_grows_them_when_a_plan_moves_more():
-    cached, batches, config = _cached(capacity=12)
+    """(torch's copies, through host rows: the CUDA worker's; the C kernels copy row to row)"""
+    cached, batches, config = _cached(capacity=12, fused=False)
     (engine,) = cached.engines
     stager = engine.stager
     assert stager._rows is None
