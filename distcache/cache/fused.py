@@ -323,6 +323,37 @@ def move(
         found["move"][(1,)](src, src_rows, dst, dst_rows, src_rows.numel(), width)
 
 
+def finish(
+    found: dict,
+    valid: torch.Tensor,
+    slot: torch.Tensor,
+    inv: torch.Tensor,
+    placed: tuple[torch.Tensor, ...],
+    victims: torch.Tensor,
+    chosen: tuple[torch.Tensor, ...],
+    fill: torch.Tensor,
+    capacity: int,
+    totals: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The last of `Scheduler._stage_device`'s work in one C kernel (CPU only: `"finish" in
+    found`): each id's slot, the dirty victims' rows and slots packed (`[size]` each, padded
+    with the sentinel victim's) and the plan's counts (`[NUM_COUNTS]` int64, added to
+    `totals`). `placed`: `place`'s old rows, evictions and write-backs; `chosen`: the misses,
+    the victims taken and the candidates (0-dim int64); `fill`: the first free slot."""
+    old, evicted, writeback = placed
+    want, taken, candidates = chosen
+    size, device = victims.numel() - 1, slot.device
+    id_slots = torch.empty(inv.numel(), dtype=torch.int64, device=device)
+    rows, slots = (torch.empty(size, dtype=torch.int64, device=device) for _ in range(2))
+    counts = torch.empty(totals.numel(), dtype=torch.int64, device=device)
+    found["finish"][(1,)](
+        valid.view(torch.uint8), slot, inv, writeback.view(torch.uint8),
+        evicted.view(torch.uint8), old, victims, want, taken, candidates, fill, id_slots, rows,
+        slots, counts, totals, valid.numel(), inv.numel(), size, capacity,
+    )  # fmt: skip
+    return id_slots, rows, slots, counts
+
+
 def route(
     found: dict,
     values: torch.Tensor,

@@ -420,3 +420,40 @@ void dc_move(const u8 *src, const i64 *src_rows, u8 *dst, const i64 *dst_rows, i
         memcpy(dst + dst_rows[k] * width, src + src_rows[k] * width, (size_t)width);
     }
 }
+
+/* The end of a staging batch's plan (C only: `fused.finish`, `Scheduler._stage_device`'s last
+ * torch ops): each id's slot (`slot[inv[j]]`), the dirty victims' rows and slots packed (the
+ * first `size`, then the sentinel victim's, entry `size`: `nonzero_static`'s padding), and the
+ * plan's counts (unique rows, misses, victims taken, write-backs, evictions, candidates, free
+ * slots: `NUM_COUNTS`), which are also added to `totals`. */
+void dc_finish(const u8 *valid, const i64 *slot, const i32 *inv, const u8 *writeback,
+               const u8 *evicted, const i64 *old, const i64 *victims, const i64 *want,
+               const i64 *taken, const i64 *candidates, const i64 *fill, i64 *id_slots,
+               i64 *writeback_rows, i64 *writeback_slots, i64 *counts, i64 *totals, i64 m,
+               i64 num_ids, i64 size, i64 capacity) {
+    i64 unique = 0, written = 0, evictions = 0, k = 0;
+    for (i64 i = 0; i < m; i++)
+        unique += valid[i] != 0;
+    for (i64 j = 0; j < num_ids; j++)
+        id_slots[j] = slot[inv[j]];
+    for (i64 v = 0; v <= size; v++) {
+        if (writeback[v]) {
+            if (k < size) {
+                writeback_rows[k] = old[v];
+                writeback_slots[k] = victims[v];
+                k++;
+            }
+            written++;
+        }
+        evictions += evicted[v] != 0;
+    }
+    for (; k < size; k++) {
+        writeback_rows[k] = old[size];
+        writeback_slots[k] = victims[size];
+    }
+    const i64 plan[7] = {unique, *want, *taken, written, evictions, *candidates, capacity - *fill};
+    for (int c = 0; c < 7; c++) {
+        counts[c] = plan[c];
+        totals[c] += plan[c];
+    }
+}

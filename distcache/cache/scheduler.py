@@ -350,6 +350,14 @@ class Scheduler:
         if found is None or uses is None:  # (else the kernel did it)
             self.policy.on_stage(seq, rows, slot, got)
 
+        if found is not None and "finish" in found:  # (the C kernels)
+            chosen, placed = (want, taken, candidates), (old, evicted, writeback)
+            totals = self._totals[_PLANS:]
+            finished = fused_passes.finish(
+                found, valid, slot, inv, placed, victims, chosen, self._fill, self.capacity, totals
+            )
+            id_slots, writeback_rows, writeback_slots, counts = finished
+            return slot, id_slots, loads, victims[:size], writeback_rows, writeback_slots, counts
         unique = valid.sum()
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
         wb_at = torch.nonzero_static(writeback, size=size, fill_value=size).squeeze(1)
