@@ -354,6 +354,22 @@ def finish(
     return id_slots, rows, slots, counts
 
 
+def finish_whole(
+    found: dict, valid: torch.Tensor, rows: torch.Tensor, inv: torch.Tensor, totals: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`finish` for a cache of every row (`Scheduler._stage_whole`), in one C kernel (CPU
+    only: `"finish_whole" in found`): each id's slot (its row) and the plan's counts, its
+    unique rows alone (added to `totals`)."""
+    device = rows.device
+    id_slots = torch.empty(inv.numel(), dtype=torch.int64, device=device)
+    counts = torch.empty(totals.numel(), dtype=torch.int64, device=device)
+    found["finish_whole"][(1,)](
+        valid.view(torch.uint8), rows, inv, id_slots, counts, totals, valid.numel(), inv.numel(),
+        totals.numel(),
+    )  # fmt: skip
+    return id_slots, counts
+
+
 def route(
     found: dict,
     values: torch.Tensor,

@@ -457,3 +457,18 @@ void dc_finish(const u8 *valid, const i64 *slot, const i32 *inv, const u8 *write
         totals[c] += plan[c];
     }
 }
+
+/* `dc_finish` for a cache of every row (C only: `fused.finish_whole`, `Scheduler._stage_whole`):
+ * each id's slot, its row (`rows[inv[j]]`), and the plan's counts, its unique rows alone, also
+ * added to `totals`. */
+void dc_finish_whole(const u8 *valid, const i64 *rows, const i32 *inv, i64 *id_slots,
+                     i64 *counts, i64 *totals, i64 m, i64 num_ids, i64 num_counts) {
+    i64 unique = 0;
+    for (i64 i = 0; i < m; i++)
+        unique += valid[i] != 0;
+    for (i64 j = 0; j < num_ids; j++)
+        id_slots[j] = rows[inv[j]];
+    for (i64 c = 0; c < num_counts; c++)
+        counts[c] = c == 0 ? unique : 0;
+    totals[0] += unique;
+}

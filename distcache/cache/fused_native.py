@@ -66,7 +66,7 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
         ("CHECK", "PADDED"),
     ),
     # C only (`fused.enter`, `fused.select_counted`, `fused.distinct`, `fused.sgd`, `fused.check`,
-    # `fused.move`, `fused.finish`):
+    # `fused.move`, `fused.finish`, `fused.finish_whole`):
     "sort": ((_I32, _I32, _I64, _I32, _I64, "i"), ()),
     "select": ((_I32, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
     "distinct": ((_I64, _I32, _I32, _I64, _I64, _I32, _U8, _I32, "i", "i"), ()),
@@ -78,6 +78,7 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
         + (_I64, "i", "i", "i", "i"),
         (),
     ),
+    "finish_whole": ((_U8, _I64, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
 }
 
 

@@ -351,13 +351,11 @@ class Scheduler:
             self.policy.on_stage(seq, rows, slot, got)
 
         if found is not None and "finish" in found:  # (the C kernels)
-            chosen, placed = (want, taken, candidates), (old, evicted, writeback)
-            totals = self._totals[_PLANS:]
-            finished = fused_passes.finish(
-                found, valid, slot, inv, placed, victims, chosen, self._fill, self.capacity, totals
-            )
-            id_slots, writeback_rows, writeback_slots, counts = finished
-            return slot, id_slots, loads, victims[:size], writeback_rows, writeback_slots, counts
+            done = fused_passes.finish(
+                found, valid, slot, inv, (old, evicted, writeback), victims,
+                (want, taken, candidates), self._fill, self.capacity, self._totals[_PLANS:],
+            )  # fmt: skip
+            return slot, done[0], loads, victims[:size], *done[1:]
         unique = valid.sum()
         # The dirty victims, packed; padding points at victims[size], the sentinel slot (and row).
         wb_at = torch.nonzero_static(writeback, size=size, fill_value=size).squeeze(1)
@@ -435,13 +433,15 @@ class Scheduler:
     ) -> tuple[torch.Tensor, ...]:
         """`_stage_device` for a cache that holds every row, all loaded (`fill_whole`): row r
         is in slot r (the sentinel row in the sentinel slot), so a batch's slots are its rows
-        and its plan moves nothing: nothing is loaded, evicted, written back, scored or pinned,
-        and no next use is kept (the window only deduplicates: `Window.distinct_device`). The
-        same plan tensors and counts as `_stage_device`, the transfers empty."""
+        and its plan moves nothing (nothing loaded, evicted, written back, scored or pinned, no
+        next use kept: the window only deduplicates), the same plan tensors, transfers empty."""
         size = min(rows.numel(), self.capacity)
         none = self._no_transfers.get(size)  # (read only, by the stager: made once a size)
         if none is None:
             none = self._no_transfers[size] = rows.new_full((size,), self.residency.sentinel_row)
+        if "finish_whole" in (self._kernels or {}):  # (the C kernels)
+            done = fused_passes.finish_whole(self._kernels, valid, rows, inv, self._totals[_PLANS:])
+            return rows, done[0], none, none, none, none, done[1]
         counts = F.pad(valid.sum().view(1), (0, NUM_COUNTS - 1))  # unique; nothing else
         self._totals[_PLANS:].add_(counts)
         return rows, rows.index_select(0, inv), none, none, none, none, counts
