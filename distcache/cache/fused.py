@@ -116,17 +116,16 @@ def enter(
         empty = ids.new_empty(0)
         none = torch.zeros(1, dtype=torch.int32, device=device)
         return empty, empty.int(), empty.bool(), empty.int(), none
-    ids = ids.to(torch.int32)
-    if "sort" in found:  # the C kernels' own (a radix sort of the batch alone)
+    ids, grid = ids.to(torch.int32), _grid(n)
+    if "sort" in found:  # the C kernels' own: a radix sort of the batch, and its count
         ordered, order = torch.empty_like(ids), torch.empty(n, dtype=torch.int64, device=device)
-        scratch = (torch.empty_like(ids), torch.empty_like(order))
-        found["sort"][(1,)](ids, ordered, order, *scratch, n)
+        count, scratch = torch.empty_like(ids), (torch.empty_like(ids), torch.empty_like(order))
+        found["sort"][(1,)](ids, ordered, order, count, *scratch, n)
     else:
         ordered, order = window.sort(ids)
-    grid = _grid(n)
-    first = torch.empty(n, dtype=torch.int32, device=device)
-    found["first"][grid](ordered, first, n, BLOCK=BLOCK)
-    count = first.cumsum(0, dtype=torch.int32)  # distinct rows among ordered[: i + 1]
+        first = torch.empty(n, dtype=torch.int32, device=device)
+        found["first"][grid](ordered, first, n, BLOCK=BLOCK)
+        count = first.cumsum(0, dtype=torch.int32)  # distinct rows among ordered[: i + 1]
     rows = torch.empty(n, dtype=torch.int64, device=device)
     inv = torch.empty(n, dtype=torch.int32, device=device)
     valid = torch.empty(n, dtype=torch.bool, device=device)

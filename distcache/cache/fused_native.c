@@ -264,12 +264,12 @@ void dc_route(const i64 *values, const i64 *offsets, const i64 *rows, const i64 
 
 /* `[n]` non-negative int32 `ids` sorted: `ordered` ascending and `order` (int64) the position
  * of each in `ids`, equal ids in the order they came (what `torch.sort` returns, up to the order
- * of equal ids, which no pass reads). A radix sort of 11-bit digits, from the lowest, skipping
+ * of equal ids, which no pass reads), and `count[i]` the distinct ids among ordered[: i + 1]. A radix sort of 11-bit digits, from the lowest, skipping
  * the digits all ids share; `scratch_keys` and `scratch_order` hold n entries each. */
-void dc_sort(const i32 *ids, i32 *ordered, i64 *order, i32 *scratch_keys, i64 *scratch_order,
-             i64 n) {
+void dc_sort(const i32 *ids, i32 *ordered, i64 *order, i32 *count, i32 *scratch_keys,
+             i64 *scratch_order, i64 n) {
     enum { BITS = 11, BINS = 1 << BITS };
-    i64 count[BINS];
+    i64 bins[BINS];
     i32 any = 0, all = -1;
     for (i64 i = 0; i < n; i++) {
         any |= ids[i];
@@ -284,17 +284,17 @@ void dc_sort(const i32 *ids, i32 *ordered, i64 *order, i32 *scratch_keys, i64 *s
         if ((((any ^ all) >> shift) & mask) == 0)
             continue; /* every id has this digit */
         for (int b = 0; b < BINS; b++)
-            count[b] = 0;
+            bins[b] = 0;
         for (i64 i = 0; i < n; i++)
-            count[(keys[i] >> shift) & mask]++;
+            bins[(keys[i] >> shift) & mask]++;
         i64 sum = 0;
         for (int b = 0; b < BINS; b++) {
-            const i64 c = count[b];
-            count[b] = sum;
+            const i64 c = bins[b];
+            bins[b] = sum;
             sum += c;
         }
         for (i64 i = 0; i < n; i++) {
-            const i64 to = count[(keys[i] >> shift) & mask]++;
+            const i64 to = bins[(keys[i] >> shift) & mask]++;
             other_keys[to] = keys[i];
             other_at[to] = at[i];
         }
@@ -306,6 +306,11 @@ void dc_sort(const i32 *ids, i32 *ordered, i64 *order, i32 *scratch_keys, i64 *s
             ordered[i] = keys[i];
             order[i] = at[i];
         }
+    i32 distinct = 0; /* `count`: Triton's `_first` and its running count, at once */
+    for (i64 i = 0; i < n; i++) {
+        distinct += i == 0 || ordered[i] != ordered[i - 1];
+        count[i] = distinct;
+    }
 }
 
 /* `select.select_counted` in one pass (C only; Triton's `_boundary`, `_ties` and `_take` with

@@ -67,7 +67,7 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
     ),
     # C only (`fused.enter`, `fused.select_counted`, `fused.distinct`, `fused.sgd`, `fused.check`,
     # `fused.move`, `fused.finish`, `fused.finish_whole`):
-    "sort": ((_I32, _I32, _I64, _I32, _I64, "i"), ()),
+    "sort": ((_I32, _I32, _I64, _I32, _I32, _I64, "i"), ()),
     "select": ((_I32, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
     "distinct": ((_I64, _I32, _I32, _I64, _I64, _I32, _U8, _I32, "i", "i"), ()),
     "sgd": ((_F32, _F32, _I64, _F32, _I64, "i", "i", "f"), ("POOLED", "WEIGHTED")),
@@ -158,7 +158,8 @@ def _built() -> Path:
             )
             if done.returncode != 0:
                 lines = (done.stderr or done.stdout).strip().splitlines()
-                raise DistcacheError(f"{compiler} failed: {lines[0] if lines else done.returncode}")
+                said = [line for line in lines if "error" in line] or lines
+                raise DistcacheError(f"{compiler} failed: {said[0] if said else done.returncode}")
             os.replace(partial, library)  # atomic: ranks building at once each finish one
         finally:
             partial.unlink(missing_ok=True)

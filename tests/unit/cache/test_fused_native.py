@@ -16,12 +16,12 @@ from distcache.errors import DistcacheConfigError, DistcacheError
 native = pytest.mark.skipif(fused_native.load() is None, reason="no C compiler built them")
 
 
-def _sort(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sort(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = ids.numel()
-    ordered, order = torch.empty_like(ids), torch.empty(n, dtype=torch.int64)
+    ordered, order, count = torch.empty_like(ids), torch.empty(n, dtype=torch.int64), ids.clone()
     scratch = (torch.empty_like(ids), torch.empty_like(order))
-    fused_native.load()["sort"][(1,)](ids, ordered, order, *scratch, n)
-    return ordered, order
+    fused_native.load()["sort"][(1,)](ids, ordered, order, count, *scratch, n)
+    return ordered, order, count
 
 
 @native
@@ -36,9 +36,12 @@ def _sort(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         torch.randint(1 << 22, (1 << 22) + 50, (5_000,), dtype=torch.int32),  # shared high bits
     ],
 )
-def test_the_sort_orders_as_torch_and_keeps_equal_ids_in_order(ids):
-    ordered, order = _sort(ids)
+def test_the_sort_orders_as_torch_keeps_equal_ids_in_order_and_counts_them(ids):
+    ordered, order, count = _sort(ids)
     assert torch.equal(ordered, torch.sort(ids).values)
+    first = torch.ones_like(ordered)
+    first[1:] = (ordered[1:] != ordered[:-1]).int()
+    assert torch.equal(count, first.cumsum(0, dtype=torch.int32))  # distinct ids so far
     assert torch.equal(ids[order], ordered)
     assert torch.equal(order.sort().values, torch.arange(ids.numel()))  # a permutation
     same = ordered[1:] == ordered[:-1]
