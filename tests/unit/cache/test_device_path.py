@@ -42,10 +42,13 @@ TABLES = make_tables([8, 8, 4], [4000, 3000, 2000], ["sum", "mean", "sum"])
         # staging="direct": copies bounded on the device
         ("lookahead", "adam", 2, "direct", "torch"),
         ("lru", "sgd", 0, "direct", "fbgemm"),
+        # the CPU's default: the fused passes' C kernels (what torch ops remain around them)
+        ("lookahead", "sgd", 1, "c kernels", "torch"),
     ],
 )
 def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant, kernel):
-    """With either kernel (`CacheConfig.kernel`; FBGEMM's reads only its host counters)."""
+    """With either kernel (`CacheConfig.kernel`; FBGEMM's reads only its host counters), and
+    the scheduler's torch ops (`fused=False`: what CUDA runs by default) but in one variant."""
     lookahead = 8
     half = variant == "weighted fp16"
     tables = [dataclasses.replace(t, dtype=torch.float16) for t in TABLES] if half else TABLES
@@ -61,6 +64,7 @@ def test_steady_state_path_has_no_read_back(policy, optimizer, depth, variant, k
         learning_rate=0.1,
         staging="direct" if variant == "direct" else "worker",
         kernel=kernel,
+        fused=None if variant == "c kernels" else False,
     )
     cached = module(tables, config)
     assert all(e.kernel == kernel for e in cached.engines)
