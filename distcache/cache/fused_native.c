@@ -1,9 +1,14 @@
-/* The scheduler's fused passes for CPU tensors: one C function per Triton kernel of
- * `fused_kernels.py`, with its arguments in the same order (the constexpr flags last; BLOCK and
- * STEPS are not needed), computing the same values and leaving the same state. Each Triton
- * kernel was written so that its programs may run in any order (every address one program
- * writes is its own, or written by an atomic add); a loop over its entries in order is one such
- * order. Built and loaded by `fused_native.py`; plain C, no Python or torch headers. */
+/* The scheduler's fused passes for CPU tensors. First Triton's kernels of `fused_kernels.py`
+ * (enter, look_up, evict, place, candidates, route), each a C function with the same arguments
+ * in the same order (the constexpr flags last; BLOCK and STEPS are not needed), computing the
+ * same values and leaving the same state: each Triton kernel was written so that its programs
+ * may run in any order (every address one program writes is its own, or written by an atomic
+ * add), and a loop over its entries in order is one such order. Then the passes only the CPU
+ * fuses ("C only", each the torch ops or Triton kernels named beside it, the same values): the
+ * batch's sort with its running count (for `_first`), the victims' selection (for `_boundary`,
+ * `_ties` and `_take`), a cache of every row's entry and plan, a plan's end, the SGD step, the
+ * id check and the stager's row copies. Built and loaded by `fused_native.py`; plain C, no
+ * Python or torch headers. */
 
 #include <stdint.h>
 #include <string.h>
@@ -23,12 +28,6 @@ typedef uint8_t u8;
 #define PREFETCH_W(address) ((void)(address))
 #endif
 enum { AHEAD = 16 };
-
-/* first[i]: 1 where sorted position i starts a distinct row. */
-void dc_first(const i32 *ordered, i32 *first, i64 n) {
-    for (i64 i = 0; i < n; i++)
-        first[i] = i == 0 || ordered[i] != ordered[i - 1];
-}
 
 /* A batch entering the window (`_enter`). */
 void dc_enter(const i32 *ordered, const i64 *order, const i32 *count, const i32 *at, i32 *latest,
@@ -200,41 +199,6 @@ void dc_candidates(const i64 *hand, const i32 *seq_at, const i32 *pin, const i32
     slots_out[m] = sentinel_slot;
     if (sweep)
         *hand_out = slot >= capacity ? slot - capacity : slot;
-}
-
-/* Where `select_counted` draws the line (`_boundary`). */
-void dc_boundary(const i32 *below, const i64 *want, i64 *out, i64 classes) {
-    const i64 candidates = below[classes - 1];
-    const i64 wanted = *want;
-    const i32 spare = (i32)(candidates - wanted);
-    i64 lo = 0, hi = classes;
-    while (lo < hi) {  /* the first class whose running count exceeds `spare` */
-        const i64 mid = (lo + hi) / 2;
-        if (below[mid] <= spare)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    const i64 boundary = lo < classes - 1 ? lo : classes - 1;
-    out[0] = boundary;
-    out[1] = wanted - (candidates - below[boundary]);
-    out[2] = wanted < candidates ? wanted : candidates;
-    out[3] = candidates;
-}
-
-/* tie[c]: candidate c's key is the boundary class (`_ties`). */
-void dc_ties(const i32 *keys, const i64 *line, i32 *tie, i64 m) {
-    const i32 boundary = (i32)line[0];
-    for (i64 c = 0; c < m; c++)
-        tie[c] = keys[c] == boundary;
-}
-
-/* take[c]: candidate c is selected (`_take`). */
-void dc_take(const i32 *keys, const i64 *line, const i32 *ties, u8 *take, i64 m) {
-    const i32 boundary = (i32)line[0];
-    const i64 need = line[1];
-    for (i64 c = 0; c < m; c++)
-        take[c] = keys[c] > boundary || (keys[c] == boundary && (i64)ties[c] <= need);
 }
 
 /* A batch's routing into a cache whose one group serves every feature (`_route`). The bag of

@@ -3,11 +3,13 @@
 On CPU the scheduler's per-batch work as torch ops is a hundred-odd passes over arrays of a
 batch's size, each reading its operands from memory again, and it costs the training thread
 about as much as the lookups it serves (`benchmarks/throughput.py`). Triton's kernels
-(`fused_kernels`) fuse those passes on a GPU; these are the same kernels for the host: one C
-function each, the same arguments in the same order, the same values and state left behind
-(`tests/unit/cache/test_fused.py` runs them beside the torch ops and Triton's interpreter).
-`fused.kernels` returns them for a CPU device, in a dict of the same names, each indexed by
-a launch grid (ignored) as a Triton kernel is.
+(`fused_kernels`) fuse those passes on a GPU; these are the same kernels for the host (one C
+function each, the same arguments in the same order, the same values and state left behind),
+less the three that select victims and the one that starts the running count of rows, which
+the CPU does its own way, plus passes only the CPU fuses (`fused_native.c` lists them).
+`tests/unit/cache/test_fused.py` runs them beside the torch ops and Triton's interpreter.
+`fused.kernels` returns them for a CPU device, in a dict of Triton's names (and their own),
+each indexed by a launch grid (ignored) as a Triton kernel is.
 
 They are compiled with the system's C compiler (`$CC`, else `cc` or `gcc`) into
 `$XDG_CACHE_HOME/distcache` (else `~/.cache/distcache`, else the temporary directory), once per
@@ -41,7 +43,6 @@ _SOURCE = Path(__file__).with_name("fused_native.c")
 # ints, in this order).
 _I32, _I64, _U8, _F32 = torch.int32, torch.int64, torch.uint8, torch.float32
 _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
-    "first": ((_I32, _I32, "i"), ()),
     "enter": (
         (_I32, _I64, _I32, _I32, _I32, _I32, _I32, _I32, _I64, _I64, _I32, _U8, _I32)
         + ("i", "i", "i"),
@@ -58,9 +59,6 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
         (_I64, _I32, _I32, _I32, _I32, _I64, _I32, _I32, _I64, "i", "i", "i", "i", "i", "i"),
         ("SWEEP",),
     ),
-    "boundary": ((_I32, _I64, _I64, "i"), ()),
-    "ties": ((_I32, _I64, _I32, "i"), ()),
-    "take": ((_I32, _I64, _I32, _U8, "i"), ()),
     "route": (
         (_I64, _I64, _I64, _I64, _I64, _I64, _I64, "i", "i", "i", "i", "i"),
         ("CHECK", "PADDED"),

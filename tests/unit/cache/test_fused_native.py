@@ -50,16 +50,16 @@ def test_the_sort_orders_as_torch_keeps_equal_ids_in_order_and_counts_them(ids):
 
 @native
 def test_a_kernel_refuses_arguments_it_would_misread():
-    first = fused_native.load()["first"][(1,)]
-    ids, out = torch.arange(4, dtype=torch.int32), torch.empty(4, dtype=torch.int32)
-    first(ids, out, 4, BLOCK=1024)
-    assert out.tolist() == [1, 1, 1, 1]
-    with pytest.raises(DistcacheError, match="argument 0 is a torch.int64 tensor"):
-        first(ids.long(), out, 4)
+    move = fused_native.load()["move"][(1,)]
+    src, dst, rows = torch.arange(8.0).view(4, 2), torch.zeros(4, 2), torch.tensor([3, 0])
+    move(src, rows, dst, rows, 2, 8, BLOCK=1024)  # (constexprs it has no use for: ignored)
+    assert dst.tolist() == [[0, 1], [0, 0], [0, 0], [6, 7]]
+    with pytest.raises(DistcacheError, match="argument 1 is a torch.int32 tensor"):
+        move(src, rows.int(), dst, rows, 2, 8)
     with pytest.raises(DistcacheError, match="contiguous: False"):
-        first(torch.arange(8, dtype=torch.int32)[::2], out, 4)
-    with pytest.raises(DistcacheError, match="2 arguments, expected 3"):
-        first(ids, out)
+        move(src, torch.arange(4)[::2], dst, rows, 2, 8)
+    with pytest.raises(DistcacheError, match="5 arguments, expected 6"):
+        move(src, rows, dst, rows, 2)
 
 
 def test_the_build_is_kept_and_reused(tmp_path, monkeypatch):
