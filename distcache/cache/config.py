@@ -107,8 +107,9 @@ class CacheConfig:
     Triton's, compiled (Triton must be installed) and captured into the scheduler's graphs; on
     CPU they are C (`fused_native`, built on first use with the system's C compiler; Triton's
     interpreter where none is found) and run without graphs. None (the default): on for a CPU
-    device without graph emulation where the C kernels build (the host's scheduling takes a
-    third of the time: benchmarks/results/README.md), off on CUDA until measured on a GPU."""
+    device without graph emulation where the C kernels build (with the torch ops a 5 % cache's
+    DLRM step ran a fifth longer: benchmarks/results/README.md), off on CUDA until measured on
+    a GPU."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
