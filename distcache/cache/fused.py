@@ -34,9 +34,10 @@ forward and backward, without graphs: 165 -> 51 launches, the same 6,447 evictio
 The reactive policies' candidates, and free slots, stay torch ops.
 
 On CUDA the kernels are Triton's (`fused_kernels`), compiled. On CPU they are C
-(`fused_native`: the same kernels one for one, and the batch's sort, which on CPU costs as
-much as the rest of its entry), the default there; Triton's interpreter runs Triton's where no C
-compiler is found (slow: for tests, which compare both with the torch ops). Their launches are
+(`fused_native`, the default there: Triton's kernels one for one, but for the batch's sort and
+the victims' selection, which the CPU does its own way, and passes only the CPU fuses, each
+named "C only" here); Triton's interpreter runs Triton's where no C compiler is found (slow:
+for tests, which compare both with the torch ops). Their launches are
 not torch ops, so the CPU emulation of graphs (`graphs.CPUGraph`) cannot record them: on CPU
 they run without graphs. A CUDA graph captures them like any kernel.
 """
