@@ -203,7 +203,10 @@ void dc_candidates(const i64 *hand, const i32 *seq_at, const i32 *pin, const i32
 
 /* A batch's routing into a cache whose one group serves every feature (`_route`). The bag of
  * id i is the number of bag ends at most i (Triton's binary search), found here by walking the
- * bags alongside the ids: offsets do not decrease, so it only moves forward. */
+ * bags alongside the ids: offsets do not decrease, so it only moves forward. Unlike Triton's,
+ * an id out of its table's range goes to the sentinel row without `check_ids` too (uncounted):
+ * the later kernels index maps by the routed rows, and C has no bounds check to fail instead
+ * (the torch ops raise there; a GPU's kernels fault). */
 void dc_route(const i64 *values, const i64 *offsets, const i64 *rows, const i64 *row_offset,
               i64 *ids_out, i64 *bag_out, i64 *check, i64 n, i64 num_bags, i64 batch_size,
               i64 num_features, i64 sentinel_row, i64 check_ids, i64 padded) {
@@ -215,7 +218,7 @@ void dc_route(const i64 *values, const i64 *offsets, const i64 *rows, const i64 
         feature = feature < num_features - 1 ? feature : num_features - 1;
         const i64 value = values[i];
         int bad = padded && bag >= num_bags;
-        if (check_ids && (value < 0 || value >= rows[feature])) {
+        if (value < 0 || value >= rows[feature]) {
             invalid++;
             bad = 1;
         }

@@ -226,18 +226,22 @@ def _train_bags(fused_passes: bool, device: str):
     return cached, outs
 
 
-@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("padded_ids", [False, True])
 @pytest.mark.parametrize("check_ids", [True, False])
-def test_the_fused_routing_matches_the_torch_ops(padded_ids, check_ids):
-    compare_routing("cpu", padded_ids, check_ids)
+def test_the_fused_routing_matches_the_torch_ops(padded_ids, check_ids, cpu_kernels):
+    # (unchecked ids out of range: the C kernels route them to the sentinel row, having no
+    # bounds check to fail later; the torch ops and Triton's route them unchanged)
+    compare_routing("cpu", padded_ids, check_ids, unchecked_to_sentinel=cpu_kernels == "native")
 
 
-def compare_routing(device: str, padded_ids: bool, check_ids: bool) -> None:
+def compare_routing(
+    device: str, padded_ids: bool, check_ids: bool, *, unchecked_to_sentinel: bool = False
+) -> None:
     """A batch routed by the one-group kernel and by the torch ops: each id's engine row (the
     sentinel row for invalid ids and padding), its bag, the bags' divisors and the count of
     invalid ids; jagged bags, empty ones, and ids out of range both ways (also
-    `tests/gpu/test_fused_cuda.py`'s)."""
+    `tests/gpu/test_fused_cuda.py`'s). `unchecked_to_sentinel`: the kernel routes ids out of
+    range to the sentinel row without `check_ids` too."""
     tables = make_tables([4, 4, 4], [30, 7, 50], ["sum", "mean", "sum"])
     config = CacheConfig(capacity=1.0, check_ids=check_ids, cuda_graphs=False)
     modules = [
@@ -250,12 +254,17 @@ def compare_routing(device: str, padded_ids: bool, check_ids: bool) -> None:
     if padded_ids:  # ids past the last bag (what graphs pad with)
         values = torch.cat([values, torch.zeros(5, dtype=torch.long)])
     values, offsets = values.to(device), offsets.to(device)
-    routed = [m._route_device(values, offsets, padded_ids=padded_ids) for m in modules]
-    assert len(routed[0]) == len(routed[1])
-    for k, (a, b) in enumerate(zip(*routed, strict=True)):
+    ref, got = (m._route_device(values, offsets, padded_ids=padded_ids) for m in modules)
+    assert len(ref) == len(got)
+    if unchecked_to_sentinel and not check_ids:
+        bound = torch.tensor([30] * 6 + [7] * 7 + [50] * 7 + [1] * (values.numel() - 20))
+        out = (values < 0) | (values >= bound.to(device))  # (padding: value 0, in range)
+        assert out.sum().item() == 3  # -1, 7 and 50 of table 1 (7 rows)
+        ref = (torch.where(out, modules[0]._groups[0].sentinel_row, ref[0]), *ref[1:])
+    for k, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert torch.equal(a, b), f"output {k}"
     if check_ids:
-        assert routed[1][-1].tolist() == [3]  # -1, 7 and 50 of table 1 (7 rows)
+        assert got[-1].tolist() == [3]  # -1, 7 and 50 of table 1 (7 rows)
 
 
 @needs_triton

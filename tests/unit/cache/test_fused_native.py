@@ -9,9 +9,11 @@ import subprocess
 import pytest
 import torch
 
+from distcache import CacheConfig, CachedEmbeddingBags
 from distcache.cache import fused, fused_native, select
 from distcache.cache.ids import find_invalid_per_feature
 from distcache.errors import DistcacheConfigError, DistcacheError
+from tests.unit.cache.reference import make_tables
 
 native = pytest.mark.skipif(fused_native.load() is None, reason="no C compiler built them")
 
@@ -172,3 +174,21 @@ def test_rows_move_as_index_copy_moves_them():
         fused.move(
             load, torch.zeros(4, 8), rows[:1], torch.zeros(4, 8, dtype=torch.float16), rows[:1]
         )
+
+
+@native
+def test_unchecked_ids_out_of_range_are_routed_to_the_sentinel_row():
+    """Without `check_ids` the torch ops index out of range later and raise; the C kernels
+    have no bounds check to fail, so their routing sends such ids to the sentinel row, and
+    training goes on without reading or writing outside the maps."""
+    tables = make_tables([4], [30])
+    config = CacheConfig(capacity=10, lookahead=2, check_ids=False, cuda_graphs=False)
+    cached = CachedEmbeddingBags(tables, config)
+    values, offsets = torch.tensor([3, 30, -2, 5, 1 << 40]), torch.tensor([0, 2, 3, 5])
+    routed = cached._route_device(values, offsets)
+    sentinel = cached._groups[0].sentinel_row
+    assert routed[0].tolist() == [3, sentinel, sentinel, 5, sentinel]
+    for _ in range(3):
+        cached.enqueue(values, offsets)
+    cached.prefetch()
+    cached(values, offsets).sum().backward()
