@@ -121,7 +121,7 @@ def enter(
     if "sort" in found:  # the C kernels' own: a radix sort of the batch, and its count
         ordered, order = torch.empty_like(ids), torch.empty(n, dtype=torch.int64, device=device)
         count, scratch = torch.empty_like(ids), (torch.empty_like(ids), torch.empty_like(order))
-        found["sort"][(1,)](ids, ordered, order, count, *scratch, n)
+        found["sort"][(1,)](ids, ordered, order, count, *scratch, n, window.sentinel_row)
     else:
         ordered, order = window.sort(ids)
         first = torch.empty(n, dtype=torch.int32, device=device)

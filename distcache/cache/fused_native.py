@@ -65,7 +65,7 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
     ),
     # C only (`fused.enter`, `fused.select_counted`, `fused.distinct`, `fused.sgd`, `fused.check`,
     # `fused.move`, `fused.finish`, `fused.finish_whole`):
-    "sort": ((_I32, _I32, _I64, _I32, _I32, _I64, "i"), ()),
+    "sort": ((_I32, _I32, _I64, _I32, _I32, _I64, "i", "i"), ()),
     "select": ((_I32, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
     "distinct": ((_I64, _I32, _I32, _I64, _I64, _I32, _U8, _I32, "i", "i"), ()),
     "sgd": ((_F32, _F32, _I64, _F32, _I64, "i", "i", "f"), ("POOLED", "WEIGHTED")),

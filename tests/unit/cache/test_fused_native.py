@@ -22,7 +22,7 @@ def _sort(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = ids.numel()
     ordered, order, count = torch.empty_like(ids), torch.empty(n, dtype=torch.int64), ids.clone()
     scratch = (torch.empty_like(ids), torch.empty_like(order))
-    fused_native.load()["sort"][(1,)](ids, ordered, order, count, *scratch, n)
+    fused_native.load()["sort"][(1,)](ids, ordered, order, count, *scratch, n, 2**31 - 1)
     return ordered, order, count
 
 
@@ -192,3 +192,21 @@ def test_unchecked_ids_out_of_range_are_routed_to_the_sentinel_row():
         cached.enqueue(values, offsets)
     cached.prefetch()
     cached(values, offsets).sum().backward()
+
+
+@native
+@pytest.mark.parametrize("capacity", [10, 1.0])  # evicting, and a cache of every row
+def test_unchecked_rows_out_of_range_enter_the_window_as_the_sentinel_row(capacity):
+    """Tables of two widths route by the torch ops (one group each), which pass unchecked ids
+    on unchanged; the C kernels' sort and a cache of every row's entry take an engine row out
+    of range as the sentinel row instead of addressing outside the window's maps."""
+    tables = make_tables([4, 8], [30, 20])
+    config = CacheConfig(capacity=capacity, lookahead=2, check_ids=False, cuda_graphs=False)
+    cached = CachedEmbeddingBags(tables, config)
+    assert len(cached.engines) == 2
+    values, offsets = torch.tensor([3, 100, -40, 5, 1 << 33]), torch.tensor([0, 1, 3, 4, 5])
+    for _ in range(3):
+        cached.enqueue(values, offsets)
+    for _ in range(3):
+        cached.prefetch()
+        cached(values, offsets).sum().backward()
