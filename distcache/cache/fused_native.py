@@ -102,22 +102,26 @@ class NativeKernel:
     def __call__(self, *args: object, **constexprs: object) -> None:
         if len(args) != len(self._args):
             raise DistcacheError(f"{self.name}: {len(args)} arguments, expected {len(self._args)}")
-        values: list[int] = []
-        for at, (value, kind) in enumerate(zip(args, self._args, strict=True)):
-            if kind == "i" or kind == "f":
-                values.append(int(value) if kind == "i" else float(value))
-                continue
-            if (kind is not None and value.dtype != kind) or not value.is_contiguous():
-                raise DistcacheError(
-                    f"{self.name}: argument {at} is a {value.dtype} tensor (contiguous: "
-                    f"{value.is_contiguous()}), expected a contiguous {kind}"
-                )
-            if value.device.type != "cpu":
-                where = value.device
-                raise DistcacheError(f"{self.name}: argument {at} is on {where}, not the CPU")
-            values.append(value.data_ptr())
+        values: list[int | float] = []
+        for value, kind in zip(args, self._args, strict=True):
+            if kind == "i":
+                values.append(int(value))
+            elif kind == "f":
+                values.append(float(value))
+            elif (kind is None or value.dtype is kind) and value.is_cpu and value.is_contiguous():
+                values.append(value.data_ptr())
+            else:
+                raise self._refused(next(i for i, a in enumerate(args) if a is value), value, kind)
         values += [int(constexprs[flag]) for flag in self._flags]
         self._function(*values)
+
+    def _refused(self, at: int, value: torch.Tensor, kind: torch.dtype | None) -> DistcacheError:
+        if not value.is_cpu:
+            return DistcacheError(f"{self.name}: argument {at} is on {value.device}, not the CPU")
+        return DistcacheError(
+            f"{self.name}: argument {at} is a {value.dtype} tensor (contiguous: "
+            f"{value.is_contiguous()}), expected a contiguous {kind or 'tensor'}"
+        )
 
 
 @functools.cache

@@ -62,6 +62,8 @@ def test_a_kernel_refuses_arguments_it_would_misread():
         move(src, torch.arange(4)[::2], dst, rows, 2, 8)
     with pytest.raises(DistcacheError, match="5 arguments, expected 6"):
         move(src, rows, dst, rows, 2)
+    with pytest.raises(DistcacheError, match="argument 2 is on meta, not the CPU"):
+        move(src, rows, dst.to("meta"), rows, 2, 8)
 
 
 def test_the_build_is_kept_and_reused(tmp_path, monkeypatch):
