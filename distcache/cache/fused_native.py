@@ -11,10 +11,10 @@ the CPU does its own way, plus passes only the CPU fuses (`fused_native.c` lists
 `fused.kernels` returns them for a CPU device, in a dict of Triton's names (and their own),
 each indexed by a launch grid (ignored) as a Triton kernel is.
 
-They are compiled with the system's C compiler (`$CC`, else `cc` or `gcc`) into
-`$XDG_CACHE_HOME/distcache` (else `~/.cache/distcache`, else the temporary directory), once per
-source and compiler: about a second. Where no compiler works, `load()` returns None and says
-why in the log once; the caller then runs the torch ops.
+They are compiled with the system's C compiler (`$CC`, with any flags it holds, else `cc` or
+`gcc`) into `$XDG_CACHE_HOME/distcache` (else `~/.cache/distcache`, else the temporary
+directory), once per source and compiler: about a second. Where no compiler works, `load()`
+returns None and says why in the log once; the caller then runs the torch ops.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -154,7 +155,8 @@ def _built() -> Path:
         except OSError:
             continue  # not writable: the next folder
         try:
-            command = [compiler, "-O3", "-std=c99", "-shared", "-fPIC", "-o", str(partial)]
+            command = [*shlex.split(compiler), "-O3", "-std=c99", "-shared", "-fPIC"]
+            command += ["-o", str(partial)]
             done = subprocess.run(
                 [*command, str(_SOURCE)], capture_output=True, text=True, timeout=120
             )

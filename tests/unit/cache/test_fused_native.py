@@ -66,8 +66,10 @@ def test_a_kernel_refuses_arguments_it_would_misread():
         move(src, rows, dst.to("meta"), rows, 2, 8)
 
 
+@native
 def test_the_build_is_kept_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "cc -O1")  # (a compiler with flags of its own)
     library = fused_native._built()
     assert library.parent == tmp_path / "distcache" and library.exists()
     assert not list(library.parent.glob("*.partial"))  # (renamed into place)
@@ -90,6 +92,7 @@ def test_a_compiler_that_fails_is_named_and_leaves_nothing(tmp_path, monkeypatch
         fused_native._built()
 
 
+@native
 def test_an_unwritable_cache_falls_back_to_the_next_folder(tmp_path, monkeypatch):
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the folder would be")
