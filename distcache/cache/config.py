@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from distcache.cache import fused_native
 from distcache.constants import DEFAULT_LOOKAHEAD, HOT_ALL, HOT_REDUCE
 from distcache.errors import DistcacheConfigError
 
@@ -204,9 +205,7 @@ class CacheConfig:
             return self.fused
         if device.type != "cpu" or self.graphs_on(device):
             return False
-        from distcache.cache import fused_native  # (builds the C kernels the first time)
-
-        return fused_native.load() is not None
+        return fused_native.load() is not None  # (builds the C kernels the first time)
 
     @property
     def is_reactive(self) -> bool:

@@ -109,12 +109,18 @@ class CacheEngine:
             graphs=config.graphs_on(device),
             fused=config.fused_on(device),
         )
-        # The C kernels' SGD step (`fused.sgd`), where the scheduler runs them (CPU).
-        self._sgd = (self.scheduler.kernels or {}).get("sgd") if self.kernel == "torch" else None
+        # The C kernels' SGD step and row copies (`fused.sgd`, `fused.move`), where the
+        # scheduler runs them (CPU).
+        found = self.scheduler.kernels or {}
+        self._sgd = found.get("sgd") if self.kernel == "torch" else None
         direct = config.staging_on(device) == "direct"
-        move = (self.scheduler.kernels or {}).get("move")
         self.stager = Stager(
-            self.store, self.weights, self.state, self.streams, direct=direct, move=move
+            self.store,
+            self.weights,
+            self.state,
+            self.streams,
+            direct=direct,
+            move=found.get("move"),
         )
         self._checks: dict[int, torch.Tensor] = {}  # seq -> caller's check words, until staged
         self._ahead: deque[StagePlan] = deque()  # staged, not yet looked up

@@ -365,7 +365,6 @@ def finish_whole(
     counts = torch.empty(totals.numel(), dtype=torch.int64, device=device)
     found["finish_whole"][(1,)](
         valid.view(torch.uint8), rows, inv, id_slots, counts, totals, valid.numel(), inv.numel(),
-        totals.numel(),
     )  # fmt: skip
     return id_slots, counts
 

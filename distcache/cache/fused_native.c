@@ -398,6 +398,27 @@ void dc_move(const u8 *src, const i64 *src_rows, u8 *dst, const i64 *dst_rows, i
     }
 }
 
+enum { NUM_COUNTS = 7 }; /* a plan's counts: `scheduler.NUM_COUNTS` */
+
+/* A plan's unique rows (its `valid` ones among `m`), and each id's slot: `slot[inv[j]]`. */
+static i64 slots_of_ids(const u8 *valid, i64 m, const i64 *slot, const i32 *inv, i64 num_ids,
+                        i64 *id_slots) {
+    i64 unique = 0;
+    for (i64 i = 0; i < m; i++)
+        unique += valid[i] != 0;
+    for (i64 j = 0; j < num_ids; j++)
+        id_slots[j] = slot[inv[j]];
+    return unique;
+}
+
+/* A plan's counts written to `counts` and added to `totals`. */
+static void count_plan(const i64 *plan, i64 *counts, i64 *totals) {
+    for (int c = 0; c < NUM_COUNTS; c++) {
+        counts[c] = plan[c];
+        totals[c] += plan[c];
+    }
+}
+
 /* The end of a staging batch's plan (C only: `fused.finish`, `Scheduler._stage_device`'s last
  * torch ops): each id's slot (`slot[inv[j]]`), the dirty victims' rows and slots packed (the
  * first `size`, then the sentinel victim's, entry `size`: `nonzero_static`'s padding), and the
@@ -408,11 +429,8 @@ void dc_finish(const u8 *valid, const i64 *slot, const i32 *inv, const u8 *write
                const i64 *taken, const i64 *candidates, const i64 *fill, i64 *id_slots,
                i64 *writeback_rows, i64 *writeback_slots, i64 *counts, i64 *totals, i64 m,
                i64 num_ids, i64 size, i64 capacity) {
-    i64 unique = 0, written = 0, evictions = 0, k = 0;
-    for (i64 i = 0; i < m; i++)
-        unique += valid[i] != 0;
-    for (i64 j = 0; j < num_ids; j++)
-        id_slots[j] = slot[inv[j]];
+    const i64 unique = slots_of_ids(valid, m, slot, inv, num_ids, id_slots);
+    i64 written = 0, evictions = 0, k = 0;
     for (i64 v = 0; v <= size; v++) {
         if (writeback[v]) {
             if (k < size) {
@@ -428,24 +446,17 @@ void dc_finish(const u8 *valid, const i64 *slot, const i32 *inv, const u8 *write
         writeback_rows[k] = old[size];
         writeback_slots[k] = victims[size];
     }
-    const i64 plan[7] = {unique, *want, *taken, written, evictions, *candidates, capacity - *fill};
-    for (int c = 0; c < 7; c++) {
-        counts[c] = plan[c];
-        totals[c] += plan[c];
-    }
+    const i64 plan[NUM_COUNTS] = {
+        unique, *want, *taken, written, evictions, *candidates, capacity - *fill,
+    };
+    count_plan(plan, counts, totals);
 }
 
 /* `dc_finish` for a cache of every row (C only: `fused.finish_whole`, `Scheduler._stage_whole`):
  * each id's slot, its row (`rows[inv[j]]`), and the plan's counts, its unique rows alone, also
  * added to `totals`. */
 void dc_finish_whole(const u8 *valid, const i64 *rows, const i32 *inv, i64 *id_slots,
-                     i64 *counts, i64 *totals, i64 m, i64 num_ids, i64 num_counts) {
-    i64 unique = 0;
-    for (i64 i = 0; i < m; i++)
-        unique += valid[i] != 0;
-    for (i64 j = 0; j < num_ids; j++)
-        id_slots[j] = rows[inv[j]];
-    for (i64 c = 0; c < num_counts; c++)
-        counts[c] = c == 0 ? unique : 0;
-    totals[0] += unique;
+                     i64 *counts, i64 *totals, i64 m, i64 num_ids) {
+    const i64 plan[NUM_COUNTS] = {slots_of_ids(valid, m, rows, inv, num_ids, id_slots)};
+    count_plan(plan, counts, totals);
 }

@@ -77,7 +77,7 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
         + (_I64, "i", "i", "i", "i"),
         (),
     ),
-    "finish_whole": ((_U8, _I64, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
+    "finish_whole": ((_U8, _I64, _I32, _I64, _I64, _I64, "i", "i"), ()),
 }
 
 

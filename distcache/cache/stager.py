@@ -230,27 +230,31 @@ class Stager:
         s.host_wait(job.mirrored)  # the worker, not the training thread, waits for the plan
         counts = job.counts.numpy()  # a host buffer: no device read
         loads, writebacks = int(counts[LOADS]), int(counts[WRITEBACKS])
-        plan = job.plan
         with s.on(s.staging):
             s.wait(job.mirrored, s.staging)
             s.wait(job.victims_free, s.staging)
-            if self.move is not None:  # the C kernels: row to row, no host buffer (CPU)
-                self._move(job, writebacks, loads)
-            elif writebacks:
-                host = self._host_rows(writebacks)
-                for buffer, values in zip(
-                    host, self._cached_rows(plan.writeback_slots[:writebacks]), strict=True
-                ):
-                    buffer.copy_(values, non_blocking=True)
-                s.host_wait(s.record(s.staging, host=True))
-                self.store.scatter(job.writeback_rows[:writebacks], *host)
-            if loads and self.move is None:
-                host = self.store.gather(job.load_rows[:loads], out=self._host_rows(loads))
-                slots = plan.load_slots[:loads]
-                for cache, buffer in zip((self.weights, self.state), host, strict=True):
-                    cache.index_copy_(0, slots, buffer.to(self.device, non_blocking=True))
-                self._rows_read = s.record(s.staging, host=True)
+            # The C kernels copy row to row (CPU); else through host buffers.
+            (self._copy if self.move is None else self._move)(job, writebacks, loads)
             job.ready = s.record(s.staging)
+
+    def _copy(self, job: _Job, writebacks: int, loads: int) -> None:
+        """`_execute`'s copies through the host buffers (on the staging stream): the dirty
+        victims' rows to the store, then the loaded rows into their slots."""
+        s, plan = self.streams, job.plan
+        if writebacks:
+            host = self._host_rows(writebacks)
+            for buffer, values in zip(
+                host, self._cached_rows(plan.writeback_slots[:writebacks]), strict=True
+            ):
+                buffer.copy_(values, non_blocking=True)
+            s.host_wait(s.record(s.staging, host=True))
+            self.store.scatter(job.writeback_rows[:writebacks], *host)
+        if loads:
+            host = self.store.gather(job.load_rows[:loads], out=self._host_rows(loads))
+            slots = plan.load_slots[:loads]
+            for cache, buffer in zip((self.weights, self.state), host, strict=True):
+                cache.index_copy_(0, slots, buffer.to(self.device, non_blocking=True))
+            self._rows_read = s.record(s.staging, host=True)
 
     def _move(self, job: _Job, writebacks: int, loads: int) -> None:
         """`_execute`'s copies by the C kernels (on CPU, where the cache is host memory): the
