@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from distcache.cache import fused_native
 from distcache.constants import DEFAULT_LOOKAHEAD, HOT_ALL, HOT_REDUCE
 from distcache.errors import DistcacheConfigError
 
@@ -205,6 +204,9 @@ class CacheConfig:
             return self.fused
         if device.type != "cpu" or self.graphs_on(device):
             return False
+        # Here, not at the top: the planner imports this module, and the plan command no torch.
+        from distcache.cache import fused_native
+
         return fused_native.load() is not None  # (builds the C kernels the first time)
 
     @property
