@@ -42,6 +42,10 @@ Threads: each rank gets --threads torch threads (default: CPUs / ranks). On a ma
 cores are shared with other jobs, use 1: more threads than free cores make OpenMP spin, which
 measured 15x slower backward passes here (2 threads, 2 shared cores) and drowns the comparison.
 
+--phases adds where each variant's step goes: wall and the training thread's CPU time per
+phase (forward, backward, input and output distribution, the pipelines' stages, distcache's
+engine calls), per rank (`phases.py`).
+
 Usage::
 
     python benchmarks/throughput.py --ranks 2 --threads 1 \
@@ -52,6 +56,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -65,6 +70,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table, write_json  # noqa: E402
+from phases import PhaseTimers  # noqa: E402
+from phases import report as phase_report  # noqa: E402
 
 from distcache.constants import DEFAULT_LOOKAHEAD  # noqa: E402
 
@@ -137,6 +144,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds before the run fails")
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each phase of the timed steps (wall and the training thread's CPU;"
+        "\nbenchmarks/phases.py), per variant and rank",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device == "auto":
@@ -402,6 +415,9 @@ def _timed(variants: list[_Variant], args, device: torch.device, host_pg) -> lis
     times: list[list[float]] = [[] for _ in variants]
     losses: list[list[torch.Tensor]] = [[] for _ in variants]
     before: list[dict] = [{} for _ in variants]
+    timers = PhaseTimers() if args.phases else None
+    if timers is not None:
+        timers.install()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             before = [v.stats() for v in variants]
@@ -411,9 +427,10 @@ def _timed(variants: list[_Variant], args, device: torch.device, host_pg) -> lis
             if cuda:
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            losses[i].append(variants[i].step())
-            if cuda:
-                torch.cuda.synchronize(device)
+            with timers.step(i) if timers and step >= args.warmup else contextlib.nullcontext():
+                losses[i].append(variants[i].step())
+                if cuda:
+                    torch.cuda.synchronize(device)
             if step >= args.warmup:
                 times[i].append(time.perf_counter() - start)
     results = []
@@ -430,8 +447,11 @@ def _timed(variants: list[_Variant], args, device: torch.device, host_pg) -> lis
                 "losses": [float(x) for x in losses[i]],
                 "timed": timed,  # counters of the timed steps
                 "run": after,  # counters since the start (the warm-up too)
+                **({"phases": timers.per_step(i)} if timers else {}),
             }
         )
+    if timers is not None:
+        timers.uninstall()
     return results
 
 
@@ -593,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = [r["variants"] for r in results]
     summary = summarize(per_rank, args, rows)
     status = _report(summary, args, rows)
+    for line in phase_report(per_rank) if args.phases else ():
+        print(line)
     config = {**vars(args), "rows": list(rows)}
     write_json(args.json, config, [{"summary": summary, "per_rank": per_rank}])
     return status

@@ -30,7 +30,7 @@ def test_throughput_smoke(tmp_path):
         "--ranks", "1", "--steps", "3", "--warmup", "1", "--scale", "1000", "--batch", "64",
         "--capacities", "0.05", "--lru-capacities", "0.05", "--lookahead", "2",
         "--sync-capacities", "0.05", "--hook-capacities", "0.05",
-        "--threads", "1", "--timeout", "100", "--json", str(out),
+        "--threads", "1", "--timeout", "100", "--json", str(out), "--phases",
     ]  # fmt: skip
     run = _bench("throughput.py", *argv, timeout=110)
     assert "0 critical-path misses" in run.stdout
@@ -61,6 +61,16 @@ def test_throughput_smoke(tmp_path):
     assert summary[-1]["x_torchrec"] == 1.0
     per_rank = payload["results"][0]["per_rank"]
     assert len(per_rank) == 1 and len(per_rank[0][0]["step_s"]) == 3
+    # --phases: each variant's timed steps by phase, the pipelines' own stages where they ran.
+    phases = {v["variant"]: v["phases"] for v in per_rank[0]}
+    for name, found in phases.items():
+        assert found["step"]["calls"] == 1 and found["backward"]["calls"] == 1, name
+        assert 0 < found["backward"]["wall_ms"] < found["step"]["wall_ms"], name
+    assert "distcache: route finish" in phases["distcache"]
+    assert "engine: stage" in phases["prefetch_hook"]  # (sync stages inside its lookup)
+    assert "torchrec: wait_sparse_data_dist" in phases["torchrec"]
+    assert not any(p.startswith(("distcache:", "engine:")) for p in phases["torchrec"])
+    assert "per phase, ms a step" in run.stdout
 
 
 @pytest.mark.timeout(120)
