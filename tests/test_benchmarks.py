@@ -338,3 +338,43 @@ def test_planner_loads_against_the_engine(tmp_path):
         if r["steps_from"] > 0:
             tolerance = 0.05 if r["policy"] == "lru" else 0.15
             assert r["engine_x_model"] == pytest.approx(1.0, abs=tolerance), r
+
+
+def test_phase_timers_count_each_phase_once_and_put_methods_back():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import phases
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Base:
+        def inherited(self, n: int) -> int:
+            return n if n <= 0 else self.inherited(n - 1)  # recursive: counted once a call
+
+    class Model(Base):
+        def own(self) -> int:
+            return self.inherited(3)
+
+    here = __name__
+    timers = phases.PhaseTimers(
+        {"step": "", "own": f"{here}:Model.own", "inherited": f"{here}:Model.inherited",
+         "missing": f"{here}:Nowhere.method"}
+    )  # fmt: skip
+    globals()["Model"] = Model
+    try:
+        own = Model.own
+        timers.install()
+        model = Model()
+        model.own()  # outside a step: not counted
+        for _ in range(2):
+            with timers.step(0):
+                model.own()
+        found = timers.per_step(0)
+        assert set(found) == {"step", "own", "inherited"}
+        assert found["own"]["calls"] == 1 and found["inherited"]["calls"] == 1
+        assert 0 <= found["inherited"]["wall_ms"] <= found["own"]["wall_ms"]
+        assert found["own"]["wall_ms"] <= found["step"]["wall_ms"]
+        timers.uninstall()
+        assert Model.own is own and "inherited" not in vars(Model)
+    finally:
+        del globals()["Model"]
