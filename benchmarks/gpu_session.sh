@@ -364,7 +364,8 @@ stage_host() {
 # Issue 36: what a TorchRec user runs, on one GPU: DMP + LookaheadTrainPipeline against TorchRec's
 # fused (every row in HBM) and fused_uvm_caching under TrainPipelineSparseDist and
 # PrefetchTrainPipelineSparseDist, at Criteo Terabyte's sizes (dim 16: 12 GB of rows per variant
-# in host memory) and Kaggle's; then the training job's GPU test (resume, bitwise):
+# in host memory) and Kaggle's, each step's host time by phase (--phases: the pipelines' stages and
+# distcache's engine calls, against TorchRec's); then the training job's GPU test (resume, bitwise):
 #     run(command="bash benchmarks/gpu_session.sh issue36", carry=[".fbg", ".whl"], timeout_s=570)
 stage_issue36() {
     DEADLINE=$(($(date +%s) + ${ISSUE36_SECONDS:-530}))
@@ -372,11 +373,12 @@ stage_issue36() {
     environment
     step throughput_terabyte 240 $PY benchmarks/throughput.py --device cuda --ranks 1 \
         --tables terabyte --scale 1 --batch 4096 --capacities 0.02 --uvm-capacities 0.02 \
-        --lru-capacities "" --warmup 20 --steps 50 --threads 8 --timeout 230 \
+        --lru-capacities "" --warmup 20 --steps 50 --threads 8 --timeout 230 --phases \
         --json "$OUT/throughput_cuda_terabyte.json"
     step throughput_kaggle 120 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
         --batch 4096 --capacities 1.0,0.05,0.02 --uvm-capacities 0.05,0.02 --lru-capacities "" \
-        --warmup 20 --steps 50 --threads 8 --timeout 110 --json "$OUT/throughput_cuda_kaggle.json"
+        --warmup 20 --steps 50 --threads 8 --timeout 110 --phases \
+        --json "$OUT/throughput_cuda_kaggle.json"
     step job_gpu 150 $PY -m pytest tests/gpu/test_job_cuda.py -q -p no:cacheprovider -rs
     pack_out
 }
