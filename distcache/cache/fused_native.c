@@ -29,6 +29,13 @@ typedef uint8_t u8;
 #endif
 enum { AHEAD = 16 };
 
+/* An engine row as the kernels that index maps by it read it: one outside [0, sentinel_row],
+ * which only a caller that skips the id check can pass (the torch ops would fail on it), as the
+ * sentinel row, so that no kernel addresses outside a map. */
+static inline i64 row_or_sentinel(i64 id, i64 sentinel_row) {
+    return id < 0 || id > sentinel_row ? sentinel_row : id;
+}
+
 /* A batch entering the window (`_enter`). */
 void dc_enter(const i32 *ordered, const i64 *order, const i32 *count, const i32 *at, i32 *latest,
               i32 *next_use, const i32 *slot_of, i32 *slot_next_use, i64 *total, i64 *rows_out,
@@ -229,19 +236,18 @@ void dc_route(const i64 *values, const i64 *offsets, const i64 *rows, const i64 
         *check += invalid;
 }
 
-/* `[n]` int32 `ids` sorted (an id outside [0, sentinel_row], which only a caller that skips the
- * id check can pass and the torch ops would fail on, as the sentinel row: no later kernel then
- * addresses outside a map): `ordered` ascending and `order` (int64) the position
- * of each in `ids`, equal ids in the order they came (what `torch.sort` returns, up to the order
- * of equal ids, which no pass reads), and `count[i]` the distinct ids among ordered[: i + 1]. A radix sort of 11-bit digits, from the lowest, skipping
- * the digits all ids share; `scratch_keys` and `scratch_order` hold n entries each. */
+/* `[n]` int32 `ids` sorted (each as `row_or_sentinel` reads it): `ordered` ascending and `order`
+ * (int64) the position of each in `ids`, equal ids in the order they came (what `torch.sort`
+ * returns, up to the order of equal ids, which no pass reads), and `count[i]` the distinct ids
+ * among ordered[: i + 1]. A radix sort of 11-bit digits, from the lowest, skipping the digits
+ * all ids share; `scratch_keys` and `scratch_order` hold n entries each. */
 void dc_sort(const i32 *ids, i32 *ordered, i64 *order, i32 *count, i32 *scratch_keys,
              i64 *scratch_order, i64 n, i64 sentinel_row) {
     enum { BITS = 11, BINS = 1 << BITS };
     i64 bins[BINS];
     i32 any = 0, all = -1;
     for (i64 i = 0; i < n; i++) {
-        const i32 id = ids[i] < 0 || ids[i] > sentinel_row ? (i32)sentinel_row : ids[i];
+        const i32 id = (i32)row_or_sentinel(ids[i], sentinel_row);
         any |= id;
         all &= id;
         ordered[i] = id;
@@ -319,13 +325,12 @@ void dc_select(const i32 *keys, const i32 *hist, const i64 *want, i64 *picked, i
  * the occurrence found there represents the row. */
 void dc_distinct(const i64 *ids, const i32 *at, i32 *latest, i64 *total, i64 *rows_out,
                  i32 *rep_out, u8 *valid_out, i32 *pos_out, i64 n, i64 sentinel_row) {
-#define ROW(i) (ids[i] < 0 || ids[i] > sentinel_row ? sentinel_row : ids[i]) /* (as dc_sort) */
     for (i64 i = 0; i < n; i++)
-        latest[ROW(i)] = (i32)i;
+        latest[row_or_sentinel(ids[i], sentinel_row)] = (i32)i;
     const i32 base = at[1];
     i64 counted = 0;
     for (i64 i = 0; i < n; i++) {
-        const i64 id = ROW(i);
+        const i64 id = row_or_sentinel(ids[i], sentinel_row);
         const i32 rep = latest[id];
         const int real = id != sentinel_row;
         const int valid = real && rep == i;
@@ -336,7 +341,6 @@ void dc_distinct(const i64 *ids, const i32 *at, i32 *latest, i64 *total, i64 *ro
         counted += real;
     }
     *total += counted;
-#undef ROW
 }
 
 /* The SGD step of a batch's rows (C only; `CacheEngine.apply_gradients`'s torch ops for fp32

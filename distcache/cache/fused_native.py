@@ -104,7 +104,7 @@ class NativeKernel:
         if len(args) != len(self._args):
             raise DistcacheError(f"{self.name}: {len(args)} arguments, expected {len(self._args)}")
         values: list[int | float] = []
-        for value, kind in zip(args, self._args, strict=True):
+        for at, (value, kind) in enumerate(zip(args, self._args, strict=True)):
             if kind == "i":
                 values.append(int(value))
             elif kind == "f":
@@ -112,7 +112,7 @@ class NativeKernel:
             elif (kind is None or value.dtype is kind) and value.is_cpu and value.is_contiguous():
                 values.append(value.data_ptr())
             else:
-                raise self._refused(next(i for i, a in enumerate(args) if a is value), value, kind)
+                raise self._refused(at, value, kind)
         values += [int(constexprs[flag]) for flag in self._flags]
         self._function(*values)
 
