@@ -337,11 +337,12 @@ stage_issue33b() {
 # else the device: without graphs, the profile names the scheduler's kernels and their device
 # time), then distcache against the same with its scheduler's fused passes (`fused=True`, which
 # shortens the enqueue graph from about 40 kernels to 5: if the step shortens, the device's
-# work bounds it), then distcache's timed steps under cProfile (the functions of most host time):
-#     run(command="bash benchmarks/gpu_session.sh host", carry=[".fbg", ".whl"], timeout_s=550)
+# work bounds it), the GPU's calibration for the planner (--quick), then distcache's timed steps
+# under cProfile (the functions of most host time), each step cut to the budget left:
+#     run(command="bash benchmarks/gpu_session.sh host", carry=[".fbg", ".whl"], timeout_s=590)
 # (tests/gpu's limit allows for Triton compiling the fused kernels: about 20 of them.)
 stage_host() {
-    DEADLINE=$(($(date +%s) + ${HOST_SECONDS:-520}))
+    DEADLINE=$(($(date +%s) + ${HOST_SECONDS:-560}))
     install_packages
     environment
     export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json
@@ -355,6 +356,10 @@ stage_host() {
     step host_fused 70 $PY benchmarks/gpu_headline.py --device cuda --scale 100 --batch 4096 \
         --variants fbgemm_device,distcache,distcache_fused --capacities 0.02 --max-warmup 800 \
         --warmup 20 --steps 200 --profile-steps 2 --json "$OUT/headline_host_fused.json"
+    # The GPU as the planner's topology (issue 35, item 1), before the profile: planner_vs_gpu.py
+    # prices the committed headline runs with it here afterwards.
+    step calibrate_quick 90 $PY -m distcache calibrate --device cuda --ranks 1 --quick \
+        --timeout 80 --out "$OUT/calibrated_gpu_quick.json"
     step host_cprofile 60 $PY benchmarks/gpu_headline.py --device cuda --scale 100 --batch 4096 \
         --variants distcache --capacities 0.02 --max-warmup 800 --warmup 20 --steps 200 \
         --profile-steps 0 --cprofile 60 --json "$OUT/headline_host_cprofile.json"
