@@ -126,6 +126,10 @@ install_packages() {  # the install prefixes of fbgemm_cuda.sh (.fbg), then of w
             echo "could not unpack $FBG: the FBGEMM variants skip"
             status=1
         fi
+    elif [ -d /tmp/site/fbgemm_gpu ]; then  # unpacked by an earlier call (`unpack`)
+        export CUDA_MODULE_LOADING=LAZY
+        fbgemm=1
+        export PYTHONPATH=/tmp/site:$PYTHONPATH
     else
         echo "no $FBG here: the FBGEMM variants skip (run ../shared/device/fbgemm_cuda.sh, carry .fbg)"
     fi
@@ -446,7 +450,21 @@ stage_calibrate() {
     pack_out
 }
 
+# When the tree, .fbg and .whl together pass the 64 MiB a call may carry: a first short call
+# unpacks .fbg into /tmp/site, which stays while the machine is warm (30 s idle), and the next
+# call carries .whl only; install_packages takes the unpacked FBGEMM from /tmp/site:
+#     run(command="bash benchmarks/gpu_session.sh unpack", carry=[".fbg"], timeout_s=90)
+#     run(command="bash benchmarks/gpu_session.sh host", carry=[".whl"], timeout_s=590)
+stage_unpack() {  # no step: nothing for the check mode to record
+    [ -n "$CHECK" ] && return
+    [ -s "$FBG" ] || { echo "no $FBG here: carry .fbg"; exit 1; }
+    install_packages
+    [ -d /tmp/site/fbgemm_gpu ] || { echo "FBGEMM not unpacked into /tmp/site"; exit 1; }
+    echo "FBGEMM unpacked into /tmp/site"
+}
+
 case "${1:-}" in
+    unpack) stage_unpack ;;
     quick) stage_quick ;;
     calibrate) stage_calibrate ;;
     issue35) stage_issue35 ;;
@@ -464,7 +482,7 @@ case "${1:-}" in
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 quick|calibrate|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 unpack|quick|calibrate|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac

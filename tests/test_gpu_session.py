@@ -47,6 +47,8 @@ def test_every_stage_has_steps(tmp_path):
     stages = _stages()
     assert {"quick", "issue33a", "issue33b", "issue35", "issue36"} <= set(stages)
     for stage in stages:
+        if stage == "unpack":  # unpacks .fbg for the next call: no step of its own
+            continue
         assert _commands(stage, tmp_path), f"stage {stage} records no step"
 
 
