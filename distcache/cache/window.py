@@ -157,15 +157,18 @@ class Window:
         """A batch's `rows`, `inv`, `valid` and `positions` for a cache of every row
         (`Scheduler._stage_whole`), which links no next uses and so leaves `latest` free to
         deduplicate without sorting, in O(n): each id writes its position into its row's entry,
-        and the occurrence whose position stays there represents the row. `rows[k]` is then the
-        row of id k where id k represents it, else the sentinel row (not packed: a cache of
+        and the last occurrence, whose position stays there, represents the row. `rows[k]` is
+        then the row of id k where id k represents it, else the sentinel row (not packed: a cache of
         every row moves no rows, and its slots are its rows), and `inv[k]` is the position of
         id k's representative (so `rows[inv]` is the ids). Its batches need no `leave_device`.
         `real` `[n]`: which ids are not the sentinel row (the caller counts them too).
         """
         n = ids.numel()
         here = torch.arange(n, dtype=torch.int32, device=self.device)
-        self.latest.scatter_(0, ids, here)  # one occurrence of each row wins its entry
+        # The last occurrence of each row wins its entry: a max, so the same one on every
+        # device (a plain scatter's winner among duplicates is unspecified on CUDA), the one a
+        # sequential scatter and the C kernel (`dc_distinct`) keep.
+        self.latest.scatter_reduce_(0, ids, here, reduce="amax", include_self=False)
         rep = self.latest.index_select(0, ids)  # [n] each id's representative
         valid = (rep == here) & real
         rows = torch.where(valid, ids, self.sentinel_row)

@@ -271,3 +271,18 @@ def test_a_full_cache_offers_no_free_slots_and_chooses_the_same(policy, rows, ca
         _check_bijection(told)
     assert told._full and not untold._full  # the cache filled, and only one was told
     assert told.counters.evictions > 0
+
+
+def test_a_whole_cache_dedups_with_the_last_occurrence_of_each_row():
+    """`Window.distinct_device`'s choice among a row's occurrences is a max, the same on every
+    device (a plain scatter's winner is unspecified on CUDA: two runs' plans differed there)."""
+    from distcache.cache.window import Window
+
+    window = Window(10, torch.device("cpu"))
+    ids = torch.tensor([3, 7, 3, 10, 7, 3, 1, 10])  # 10: the sentinel row (padding)
+    real = ids != window.sentinel_row
+    rows, rep, valid, positions = window.distinct_device(ids, torch.tensor([0, 100]), real)
+    assert rep.tolist() == [5, 4, 5, 7, 4, 5, 6, 7]
+    assert valid.tolist() == [False, False, False, False, True, True, True, False]
+    assert rows.tolist() == [10, 10, 10, 10, 7, 3, 1, 10]
+    assert torch.equal(rows[rep][real], ids[real]) and positions.tolist() == list(range(100, 108))
