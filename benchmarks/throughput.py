@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import sys
 import time
@@ -107,6 +108,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="TorchRec's fused_uvm_caching at these load factors, under TrainPipelineSparseDist"
         "\nand PrefetchTrainPipelineSparseDist (CUDA only; default: the --capacities below 1"
         "\non CUDA, none on CPU)",
+    )
+    ap.add_argument(
+        "--no-cpu-embeddings",
+        dest="cpu_embeddings",
+        action="store_false",
+        help="leave out the cpu_embeddings variant on CUDA (one model fewer to build)",
     )
     ap.add_argument(
         "--lookahead", type=int, default=DEFAULT_LOOKAHEAD, help="L: batches routed ahead"
@@ -256,6 +263,16 @@ def _hook_step(model, optimizer, batches: list, device: torch.device):
     return step
 
 
+def _progress(what: str, since: float) -> float:
+    """Rank 0 prints what it has just made and in how long (a run cut by its time limit then
+    shows where it was; building the variants at Criteo's full sizes takes minutes); returns
+    the time now."""
+    now = time.perf_counter()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"rank 0: {what} in {now - since:.1f} s", flush=True)
+    return now
+
+
 def _cache_totals(model) -> dict[str, float]:
     from distcache.sharding import cache_stats
 
@@ -285,10 +302,14 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
     from distcache.pipeline import LookaheadTrainPipeline
     from distcache.sharding import CachedEmbeddingBagCollectionSharder
 
-    config = DLRMConfig(rows=rows, dim=args.dim)
+    # Every variant starts from the same weights: one model built, a copy for each (drawing
+    # the rows again took most of a variant's build at Criteo's sizes; a copy is a memcpy).
+    clock = time.perf_counter()
+    initial = build_dlrm(DLRMConfig(rows=rows, dim=args.dim), seed=0)
+    clock = _progress("built the initial model", clock)
 
     def model():
-        m = build_dlrm(config, seed=0)  # every variant starts from the same weights
+        m = copy.deepcopy(initial)
         apply_embedding_optimizer(m, args.optimizer, lr=args.lr)
         return m
 
@@ -308,6 +329,7 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
         return shard_dlrm(model(), CachedEmbeddingBagCollectionSharder(cache, whole), device=device)
 
     out = []
+    clock = _progress("counted the in-flight ids", clock)
     base = CacheConfig(
         lookahead=args.lookahead,
         prefetch_depth=args.prefetch_depth,
@@ -328,11 +350,13 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
                 lambda p=pipeline, m=dmp: {**_cache_totals(m), **_pipeline_totals(p)},
             )
         )
+        clock = _progress(f"built distcache at {cap:g}", clock)
     for cap in args.lru_capacities:
         cache = dataclasses.replace(base, capacity=cap, policy="lru", lookahead=0, prefetch_depth=0)
         dmp = cached(cache)
         step = _plain_step(dmp, dense(dmp), iter(batches), device)
         out.append(_Variant("lru", cap, dmp, step, lambda m=dmp: _cache_totals(m)))
+        clock = _progress(f"built lru at {cap:g}", clock)
     # Look-ahead policy without the pipeline: staged at lookup (sync) or one batch ahead (hook).
     plain = dataclasses.replace(base, lookahead=1, prefetch_depth=1)
     for name, caps in (("sync", args.sync_capacities), ("prefetch_hook", args.hook_capacities)):
@@ -343,16 +367,20 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
             else:
                 step = _hook_step(dmp, dense(dmp), batches, device)
             out.append(_Variant(name, cap, dmp, step, lambda m=dmp: _cache_totals(m)))
+            clock = _progress(f"built {name} at {cap:g}", clock)
     dmp = shard_dlrm(model(), device=device)
     pipeline = TrainPipelineSparseDist(dmp, dense(dmp), device)
     feed = iter(batches)
     out.append(_Variant("torchrec", None, dmp, lambda: pipeline.progress(feed)[0].detach()))
+    clock = _progress("built torchrec", clock)
     for cap in args.uvm_capacities:
         out += _uvm_variants(cap, model, dense, batches, device)
-    if device.type == "cuda":
+        clock = _progress(f"built torchrec_uvm at {cap:g} (both pipelines)", clock)
+    if device.type == "cuda" and args.cpu_embeddings:
         hosted = host_embedding_dlrm(model(), device=device, host_pg=host_pg)
         step = _plain_step(hosted, dense(hosted), iter(batches), None)  # it moves what it needs
         out.append(_Variant("cpu_embeddings", None, hosted, step))
+        _progress("built cpu_embeddings", clock)
     return out
 
 
@@ -470,7 +498,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     criteo = CRITEO_TERABYTE_ROWS if args.tables == "terabyte" else CRITEO_KAGGLE_ROWS
     rows = scaled_rows(criteo, args.scale)
     # Pipelines read ahead: enough batches that every timed step is a steady-state one.
+    clock = time.perf_counter()
     batches = _batches(rank, args, rows, args.warmup + args.steps + args.lookahead + 2)
+    _progress(f"made {len(batches)} batches", clock)
     variants = _variants(args, rows, batches, device, host_pg)
     return {"rows": list(rows), "variants": _timed(variants, args, device, host_pg)}
 
