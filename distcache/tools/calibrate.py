@@ -119,7 +119,7 @@ from distcache.errors import DistcacheConfigError
 from distcache.job.distributed import run_ranks, single_rank_group
 from distcache.planner.topology import HBM_RESERVE_FRACTION, preset
 from distcache.planner.types import Topology
-from distcache.tools.compute_figures import Figures, compute_figures
+from distcache.tools.compute_figures import Figures, compute_figures, progress
 from distcache.tools.densebench import (
     measure_activation_bandwidth,
     measure_dense_flops,
@@ -278,7 +278,8 @@ def _framework(
     notes = []
 
     def measure(data_parallel: bool) -> FrameworkCosts:
-        with single_rank_group("nccl" if device == "cuda" else "gloo"):
+        what = f"the framework's costs ({'with' if data_parallel else 'without'} DP plans)"
+        with single_rank_group("nccl" if device == "cuda" else "gloo"), progress(what):
             return measure_framework_costs(
                 rates, big_rows=sizes.framework_rows, big_batch=sizes.framework_batch,
                 options=options, device=device, data_parallel=data_parallel,

@@ -8,6 +8,11 @@ measured rate is the host-to-device rate (`calibrate`'s module docstring has the
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+
 from distcache.tools.densebench import (
     measure_activation_bandwidth,
     measure_dense_flops,
@@ -30,6 +35,16 @@ Figures = dict[str, float | None]
 """`Measurements` fields by name."""
 
 
+@contextlib.contextmanager
+def progress(what: str) -> Iterator[None]:
+    """Say on stderr what was measured and in how long, as each measurement ends: a
+    calibration cut by a time limit then shows where it was (on a GPU, where FBGEMM's UVM
+    cache and TorchRec's plans take the longest)."""
+    start = time.perf_counter()
+    yield
+    print(f"calibrate: {what} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 def compute_figures(device: str, s: CalibrationSizes) -> tuple[Figures, list[str]]:
     """This rank's compute measurements, and notes on those it could not make (a fit lost in
     the noise, FBGEMM's kernel missing).
@@ -39,28 +54,32 @@ def compute_figures(device: str, s: CalibrationSizes) -> tuple[Figures, list[str
         s: Problem sizes (`microbench.sizes_for`).
     """
     repeats = s.repeats
-    out: Figures = {
-        "copy_bw_bytes_per_s": measure_copy_bandwidth(
-            nbytes=s.copy_bytes, repeats=repeats, device=device
-        )
-    }
+    with progress("memory copy"):
+        out: Figures = {
+            "copy_bw_bytes_per_s": measure_copy_bandwidth(
+                nbytes=s.copy_bytes, repeats=repeats, device=device
+            )
+        }
     notes = _lookups(device, s, out)
-    flops = measure_dense_flops(
-        batch=s.mlp_batch, widths=s.mlp_widths, repeats=repeats, device=device
-    )
-    out["dense_flops_per_s"] = flops
-    interaction = measure_interaction_costs(
-        batch=s.interaction_batch, shapes=s.interaction_shapes, repeats=repeats, device=device
-    )
+    with progress("dense compute"):
+        flops = measure_dense_flops(
+            batch=s.mlp_batch, widths=s.mlp_widths, repeats=repeats, device=device
+        )
+        out["dense_flops_per_s"] = flops
+    with progress("interaction"):
+        interaction = measure_interaction_costs(
+            batch=s.interaction_batch, shapes=s.interaction_shapes, repeats=repeats, device=device
+        )
     out["interaction_s_per_element"] = interaction.s_per_element
     out["interaction_s_per_pair"] = interaction.s_per_pair
     notes += _staging(device, s, out)
-    layer = measure_dense_layer_overhead(repeats=repeats, device=device)
-    out["dense_layer_overhead_s"] = layer
-    out["dense_activation_bytes_per_s"] = measure_activation_bandwidth(
-        batch=s.activation_batch, widths=s.activation_widths, flops_per_s=flops,
-        layer_overhead_s=layer, repeats=repeats, device=device,
-    )  # fmt: skip
+    with progress("dense layers"):
+        layer = measure_dense_layer_overhead(repeats=repeats, device=device)
+        out["dense_layer_overhead_s"] = layer
+        out["dense_activation_bytes_per_s"] = measure_activation_bandwidth(
+            batch=s.activation_batch, widths=s.activation_widths, flops_per_s=flops,
+            layer_overhead_s=layer, repeats=repeats, device=device,
+        )  # fmt: skip
     if out["dense_activation_bytes_per_s"] is None:
         notes.append("activation traffic lost in the noise: dense_flops_per_s covers it")
     return out, notes
@@ -72,10 +91,12 @@ def _lookups(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
     no kernel here, or its cache could not be measured (or its misses told apart)."""
     kw = {"rows": s.lookup_rows, "dims": s.lookup_dims, "bags": s.lookup_bags}
     kw |= {"pooling": s.lookup_pooling, "alpha": s.lookup_alpha, "repeats": s.repeats}
-    lookup = measure_lookup_costs(**kw, device=device, kernel="distcache")
+    with progress("distcache's lookups"):
+        lookup = measure_lookup_costs(**kw, device=device, kernel="distcache")
     out |= {"lookup_rows_per_s": lookup.rows_per_s, "lookup_bytes_per_s": lookup.bytes_per_s}
     try:
-        fused = measure_lookup_costs(**kw, device=device, kernel="fused")
+        with progress("FBGEMM's lookups"):
+            fused = measure_lookup_costs(**kw, device=device, kernel="fused")
     except (ImportError, NotImplementedError) as error:  # no fbgemm_gpu; its CPU build on CUDA
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         return [f"FBGEMM's TBE not measured ({reason}): device tables at distcache's rates"]
@@ -84,10 +105,11 @@ def _lookups(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
     if device != "cuda":  # (FBGEMM's UVM cache is CUDA only)
         return []
     try:
-        uvm = measure_uvm_cache_costs(
-            rows=s.lookup_rows, dim=s.lookup_dims[-1], bags=s.lookup_bags,
-            pooling=s.lookup_pooling, alpha=s.lookup_alpha, repeats=s.repeats,
-        )  # fmt: skip
+        with progress("FBGEMM's UVM cache"):
+            uvm = measure_uvm_cache_costs(
+                rows=s.lookup_rows, dim=s.lookup_dims[-1], bags=s.lookup_bags,
+                pooling=s.lookup_pooling, alpha=s.lookup_alpha, repeats=s.repeats,
+            )  # fmt: skip
     except Exception as error:  # e.g. a packed FBGEMM build without its cache's kernels
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
         return [f"FBGEMM's UVM cache not measured ({reason}): reactive caches priced by staging"]
@@ -106,11 +128,12 @@ def _staging(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
     lost in the noise). Notes on the fits the noise lost."""
     repeats, notes = s.repeats, []
     out["host_to_device_latency_s"] = measure_copy_latency(device=device)
-    staging = measure_staging_costs(
-        rows=s.lookup_rows, dim=s.lookup_dims[0], bags=s.lookup_bags[-1],
-        pooling=s.lookup_pooling, alpha=s.lookup_alpha, capacities=s.staging_capacities,
-        repeats=repeats, device=device,
-    )  # fmt: skip
+    with progress("distcache's staging"):
+        staging = measure_staging_costs(
+            rows=s.lookup_rows, dim=s.lookup_dims[0], bags=s.lookup_bags[-1],
+            pooling=s.lookup_pooling, alpha=s.lookup_alpha, capacities=s.staging_capacities,
+            repeats=repeats, device=device,
+        )  # fmt: skip
     out["staging_bytes_per_s"] = staging.bytes_per_s
     out["cache_scan_rows_per_s"] = staging.scan_rows_per_s
     if device == "cuda":
@@ -124,10 +147,11 @@ def _staging(device: str, s: CalibrationSizes, out: Figures) -> list[str]:
         out["host_to_device_bw_bytes_per_s"] = staging.bytes_per_s or out["copy_bw_bytes_per_s"]
         if staging.bytes_per_s is None:
             notes.append("the stager's rate lost in the noise: host-device at the copy's rate")
-    schedule = measure_schedule_costs(
-        rows=s.schedule_rows, points=s.schedule_points, alpha=s.lookup_alpha, repeats=repeats,
-        device=device,
-    )  # fmt: skip
+    with progress("distcache's scheduler"):
+        schedule = measure_schedule_costs(
+            rows=s.schedule_rows, points=s.schedule_points, alpha=s.lookup_alpha,
+            repeats=repeats, device=device,
+        )  # fmt: skip
     if schedule is None:
         notes.append("the scheduler's fit lost in the noise: priced by cache_scan_rows_per_s")
     else:
