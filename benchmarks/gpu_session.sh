@@ -462,6 +462,27 @@ stage_calibrate() {
     pack_out
 }
 
+# After 2026-11-28 (the H200 cut the CUDA tests at 66 of 104, the quick calibration at 90 s
+# and both throughput.py runs while building), the checks of what was fixed, in one call
+# after `unpack` (below): the CUDA tests, the sync and run-ahead ones first; the GPU's
+# calibration for the planner (saying what it measured as it goes); throughput.py at
+# Kaggle's size (DMP, LookaheadTrainPipeline against fused and fused_uvm_caching):
+#     run(command="bash benchmarks/gpu_session.sh verify", carry=[".fbg2", ".whl"], timeout_s=590)
+stage_verify() {
+    DEADLINE=$(($(date +%s) + ${VERIFY_SECONDS:-560}))
+    install_packages
+    environment
+    export DISTCACHE_SYNC_REPORT=$OUT/host_syncs.json
+    gpu_tests pytest_gpu 260 --ignore=tests/gpu/test_calibrate_cuda.py
+    step calibrate_quick 120 $PY -m distcache calibrate --device cuda --ranks 1 --quick \
+        --timeout 110 --out "$OUT/calibrated_gpu_quick.json"
+    step throughput_kaggle 170 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
+        --batch 4096 --capacities 1.0,0.02 --uvm-capacities 0.02 --lru-capacities "" \
+        --no-cpu-embeddings --warmup 20 --steps 50 --threads 8 --timeout 160 --phases \
+        --json "$OUT/throughput_cuda_kaggle.json"
+    pack_out
+}
+
 # When the tree, .fbg and .whl together pass the 64 MiB a call may carry: split .fbg in two here,
 #     mkdir -p .fbg1 .fbg2 && split -n 2 -d "$FBG" .fbg/x && mv .fbg/x00 .fbg/zstd .fbg1/ \
 #         && mv .fbg/x01 .fbg2/    (both folders in .git/info/exclude)
@@ -477,6 +498,7 @@ stage_unpack() {  # no step: nothing for the check mode to record
 
 case "${1:-}" in
     unpack) stage_unpack ;;
+    verify) stage_verify ;;
     quick) stage_quick ;;
     calibrate) stage_calibrate ;;
     issue35) stage_issue35 ;;
@@ -494,7 +516,7 @@ case "${1:-}" in
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 unpack|quick|calibrate|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 unpack|verify|quick|calibrate|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac
