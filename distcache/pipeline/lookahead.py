@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from distcache.cache.counters import sum_stats
+from distcache.cache.streams import stream_on
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
 from distcache.sharding.sharded_module import CachedShardedModule, RoutedInput, user_path
 
@@ -186,6 +187,7 @@ class LookaheadTrainPipeline(Generic[In, Out]):
         self._copy_stream = (
             torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
         )
+        self._index = None if self._copy_stream is None else self._copy_stream.device_index
         self._window: deque[_InFlight[In]] = deque()
         left = sum(bags.num_enqueued for bags in self._bags)
         if left:  # an earlier pipeline was left with batches in its window (not trained)
@@ -308,9 +310,9 @@ class LookaheadTrainPipeline(Generic[In, Out]):
             return batch
         if self._copy_stream is None:
             return batch.to(self._device)
-        with torch.cuda.stream(self._copy_stream):
+        with stream_on(self._copy_stream, self._index):
             batch = batch.to(self._device, non_blocking=True)
-        current = torch.cuda.current_stream(self._device)
+        current = torch.cuda.current_stream(self._index)  # (by index: `Streams`)
         current.wait_stream(self._copy_stream)
         if hasattr(batch, "record_stream"):  # its memory is used on the default stream
             batch.record_stream(current)
