@@ -134,7 +134,11 @@ install_packages() {  # the install prefixes of fbgemm_cuda.sh (.fbg), then of w
         src=(/tmp/fbgparts/x00 .fbg2/x01)
         command -v zstd >/dev/null || z=/tmp/fbgparts/zstd
     fi
-    if [ ${#src[@]} -gt 0 ]; then
+    if [ -d /tmp/site/fbgemm_gpu ]; then  # unpacked by an earlier call on this machine
+        export CUDA_MODULE_LOADING=LAZY
+        fbgemm=1
+        export PYTHONPATH=/tmp/site:$PYTHONPATH
+    elif [ ${#src[@]} -gt 0 ]; then
         export CUDA_MODULE_LOADING=LAZY
         [ -x "$z" ] || chmod +x "$z" 2>/dev/null
         if cat "${src[@]}" | "$z" -dc --long=27 | tar xf - -C /tmp/site; then
@@ -483,6 +487,19 @@ stage_verify() {
     pack_out
 }
 
+# Then, with the device time left (about 150 s), what the host-path changes after 2026-11-28
+# bought (stream calls by device index, a85b3f5): host_fused's run again, at 2 % and 100 %:
+#     run(command="bash benchmarks/gpu_session.sh hostcheck", carry=[".fbg2"], timeout_s=150)
+stage_hostcheck() {
+    DEADLINE=$(($(date +%s) + ${HOSTCHECK_SECONDS:-135}))
+    install_packages
+    step host_check 120 $PY benchmarks/gpu_headline.py --device cuda --scale 100 --batch 4096 \
+        --variants fbgemm_device,distcache,distcache_fused --capacities 0.02,1.0 \
+        --max-warmup 800 --warmup 20 --steps 200 --profile-steps 2 \
+        --json "$OUT/headline_host_check.json"
+    pack_out
+}
+
 # When the tree, .fbg and .whl together pass the 64 MiB a call may carry: split .fbg in two here,
 #     mkdir -p .fbg1 .fbg2 && split -n 2 -d "$FBG" .fbg/x && mv .fbg/x00 .fbg/zstd .fbg1/ \
 #         && mv .fbg/x01 .fbg2/    (both folders in .git/info/exclude)
@@ -499,6 +516,7 @@ stage_unpack() {  # no step: nothing for the check mode to record
 case "${1:-}" in
     unpack) stage_unpack ;;
     verify) stage_verify ;;
+    hostcheck) stage_hostcheck ;;
     quick) stage_quick ;;
     calibrate) stage_calibrate ;;
     issue35) stage_issue35 ;;
@@ -516,7 +534,7 @@ case "${1:-}" in
     headline) stage_headline ;;
     kaggle) stage_kaggle ;;
     *)
-        echo "usage: $0 unpack|verify|quick|calibrate|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
+        echo "usage: $0 unpack|verify|hostcheck|quick|calibrate|issue35|staging|issue36|fbgemm|issue33|issue33a|issue33b|host|fused|tests|headline|kaggle|direct|engine (see the top of this file)" >&2
         exit 2
         ;;
 esac
