@@ -120,36 +120,46 @@ gpu_tests() {  # gpu_tests NAME SECONDS [ARGS...]: tests/gpu, the sync and run-a
         -rfEs --tb=short; b=\$?; exit \$((a | b))"
 }
 
+throughput_kaggle() {  # throughput.py on one GPU at Kaggle's sizes (issue36 and verify)
+    step throughput_kaggle 170 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
+        --batch 4096 --capacities 1.0,0.02 --uvm-capacities 0.02 --lru-capacities "" \
+        --no-cpu-embeddings --warmup 20 --steps 50 --threads 8 --timeout 160 --phases \
+        --json "$OUT/throughput_cuda_kaggle.json"
+}
+
 FBG=.fbg/fbgemm_gpu-1.6.0-sm90.tar.zst  # made by ../shared/device/fbgemm_cuda.sh
 
 install_packages() {  # the install prefixes of fbgemm_cuda.sh (.fbg), then of wheels.sh (.whl)
     [ -n "$CHECK" ] && return
     local fbgemm=0 wheels=()
     mkdir -p /tmp/site
-    local src=() z
-    z=$(command -v zstd || echo .fbg/zstd)
-    if [ -s "$FBG" ]; then
-        src=("$FBG")
-    elif [ -s /tmp/fbgparts/x00 ] && [ -s .fbg2/x01 ]; then  # see `unpack` below
-        src=(/tmp/fbgparts/x00 .fbg2/x01)
-        command -v zstd >/dev/null || z=/tmp/fbgparts/zstd
+    # (FBGEMM's CUDA build unpacked by an earlier call on this machine is kept: its marker,
+    # which fbgemm-gpu-cpu installed from .whl into the same folder does not leave)
+    if [ ! -e /tmp/site/.fbgemm_cuda ]; then
+        local src=() z
+        z=$(command -v zstd || echo .fbg/zstd)
+        if [ -s "$FBG" ]; then
+            src=("$FBG")
+        elif [ -s /tmp/fbgparts/x00 ] && [ -s .fbg2/x01 ]; then  # see `unpack` below
+            src=(/tmp/fbgparts/x00 .fbg2/x01)
+            command -v zstd >/dev/null || z=/tmp/fbgparts/zstd
+        fi
+        if [ ${#src[@]} -eq 0 ]; then
+            echo "no $FBG here: the FBGEMM variants skip (run ../shared/device/fbgemm_cuda.sh, carry .fbg)"
+        else
+            [ -x "$z" ] || chmod +x "$z" 2>/dev/null
+            if cat "${src[@]}" | "$z" -dc --long=27 | tar xf - -C /tmp/site; then
+                touch /tmp/site/.fbgemm_cuda
+            else
+                echo "could not unpack ${src[*]}: the FBGEMM variants skip"
+                status=1
+            fi
+        fi
     fi
-    if [ -d /tmp/site/fbgemm_gpu ]; then  # unpacked by an earlier call on this machine
+    if [ -e /tmp/site/.fbgemm_cuda ]; then
         export CUDA_MODULE_LOADING=LAZY
         fbgemm=1
         export PYTHONPATH=/tmp/site:$PYTHONPATH
-    elif [ ${#src[@]} -gt 0 ]; then
-        export CUDA_MODULE_LOADING=LAZY
-        [ -x "$z" ] || chmod +x "$z" 2>/dev/null
-        if cat "${src[@]}" | "$z" -dc --long=27 | tar xf - -C /tmp/site; then
-            fbgemm=1
-            export PYTHONPATH=/tmp/site:$PYTHONPATH
-        else
-            echo "could not unpack ${src[*]}: the FBGEMM variants skip"
-            status=1
-        fi
-    else
-        echo "no $FBG here: the FBGEMM variants skip (run ../shared/device/fbgemm_cuda.sh, carry .fbg)"
     fi
     for w in .whl/*.whl; do  # fbgemm-gpu-cpu would replace the CUDA build's fbgemm_gpu
         [ -e "$w" ] || continue
@@ -396,10 +406,7 @@ stage_issue36() {
     # (2026-11-28 on an H200 neither finished building its variants within 240 s and 116 s:
     # the models are built from one now, each step prints what it built and when, and the
     # Kaggle run comes first, with fewer variants)
-    step throughput_kaggle 170 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
-        --batch 4096 --capacities 1.0,0.02 --uvm-capacities 0.02 --lru-capacities "" \
-        --no-cpu-embeddings --warmup 20 --steps 50 --threads 8 --timeout 160 --phases \
-        --json "$OUT/throughput_cuda_kaggle.json"
+    throughput_kaggle
     step throughput_terabyte 300 $PY benchmarks/throughput.py --device cuda --ranks 1 \
         --tables terabyte --scale 1 --batch 4096 --capacities 0.02 --uvm-capacities 0.02 \
         --lru-capacities "" --no-cpu-embeddings --warmup 20 --steps 50 --threads 8 \
@@ -480,10 +487,7 @@ stage_verify() {
     gpu_tests pytest_gpu 260 --ignore=tests/gpu/test_calibrate_cuda.py
     step calibrate_quick 120 $PY -m distcache calibrate --device cuda --ranks 1 --quick \
         --timeout 110 --out "$OUT/calibrated_gpu_quick.json"
-    step throughput_kaggle 170 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
-        --batch 4096 --capacities 1.0,0.02 --uvm-capacities 0.02 --lru-capacities "" \
-        --no-cpu-embeddings --warmup 20 --steps 50 --threads 8 --timeout 160 --phases \
-        --json "$OUT/throughput_cuda_kaggle.json"
+    throughput_kaggle
     pack_out
 }
 
