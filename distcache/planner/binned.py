@@ -135,13 +135,21 @@ class BinnedProfile:
         many as the busiest: `sharding.hot_reduce`): the mean `head(rows, n)[1]` plus its
         standard deviation (rows touched independently, each with its q) times the expected
         maximum of `batches` standard normals; at most `rows` and n."""
+        key = ("hm", int(rows), float(n), int(batches))
+        if key in self._memo:
+            return self._memo[key]
         mean = self.head(rows, n)[1]
         if batches <= 1 or mean <= 0:
             return mean
-        q = self._touch(n)
-        variance = self._head_sum(rows, q * (1 - q))
+        spread = ("v", float(n))  # each row's variance of being touched
+        if spread not in self._memo:
+            q = self._touch(n)
+            self._memo[spread] = q * (1 - q)
+        variance = self._head_sum(rows, self._memo[spread])
         rows = min(max(int(rows), 0), self.rows)
-        return min(mean + math.sqrt(variance) * expected_normal_max(batches), rows, n)
+        most = min(mean + math.sqrt(variance) * expected_normal_max(batches), rows, n)
+        self._memo[key] = most
+        return most
 
     def _head_bin(self, rows: int) -> int:
         """The bin holding the last of the `rows` likeliest rows."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distcache.constants import HOT_ALL
+from distcache.planner.cost import SharedTerms
 from distcache.planner.dense import all_reduce_s, dense_compute_s, dense_parameter_bytes
 from distcache.planner.ranks import expose_staging, node_layout, traffic_units
 from distcache.planner.shards import ShardTerms, shard_access, shard_terms
@@ -100,6 +101,7 @@ class Problem:
         self.world = W = topology.world_size
         self.dense_s = dense_compute_s(workload, topology)
         self.dense_bytes = dense_parameter_bytes(workload)
+        self.shared = SharedTerms(workload, topology, self.dense_bytes)  # `global_terms`
         self.node, self.node_starts, self.node_size = node_layout(topology)
         self.nodes = len(self.node_starts)
         self.same_node = (self.node[None, :] == np.arange(self.nodes)[:, None]).astype(float)
@@ -169,13 +171,13 @@ class Problem:
     ) -> list[Mode]:
         opts = self.options
         modes = []
+        # Every mode of the layout serves the same ids (no replica here): priced once.
+        access = shard_access(table, self.workload, self.topology, sharding=sharding, shards=shards)
         if DEVICE in opts.storages or sharding == DATA_PARALLEL:
-            modes.append(self.mode(table, Placement(sharding=sharding, shards=shards)))
+            modes.append(self.mode(table, Placement(sharding=sharding, shards=shards), access))
         if HOST_CACHED not in opts.storages or sharding == DATA_PARALLEL:
             return modes
-        rows, _, unique = shard_access(
-            table, self.workload, self.topology, sharding=sharding, shards=shards
-        )
+        rows, _, unique = access
 
         def cached(fraction: float, lookahead: int, depth: int) -> Placement:
             return Placement(
@@ -195,18 +197,23 @@ class Problem:
                     continue
                 if math.ceil(fraction * rows) >= rows and DEVICE in opts.storages:
                     break  # a cache of every row: device storage without the metadata
-                modes.append(self.mode(table, cached(fraction, L, K)))
+                modes.append(self.mode(table, cached(fraction, L, K), access))
             if too_small is not None:
                 reason = (
                     f"a cache of {100 * too_small:.3g}% or less holds fewer than the "
                     f"{math.ceil((K + 1) * unique)} rows of {K + 1} batches in flight"
                 )
-                self._reject(index, self.mode(table, cached(too_small, L, K)), reason)
+                self._reject(index, self.mode(table, cached(too_small, L, K), access), reason)
         return modes
 
-    def mode(self, table: TableStats, placement: Placement) -> Mode:
-        """`table` placed as `placement`, priced."""
-        return Mode(placement, shard_terms(table, self.workload, self.topology, placement))
+    def mode(
+        self,
+        table: TableStats,
+        placement: Placement,
+        access: tuple[int, float, float] | None = None,
+    ) -> Mode:
+        """`table` placed as `placement`, priced (`access`: its `shard_access`, if known)."""
+        return Mode(placement, shard_terms(table, self.workload, self.topology, placement, access))
 
     def _fits(self, index: int, mode: Mode) -> bool:
         """Whether a shard fits an empty rank (else recorded as rejected, with the reason)."""

@@ -292,35 +292,82 @@ def global_terms(
     every rank, one collective (and one small all-reduce of its sizes). The all-gather's
     time is counted in the all-reduce term. `dense_bytes`: `dense_parameter_bytes(workload)`,
     where the caller knows it (the solver prices thousands of plans of one workload)."""
-    kinds = set(shardings)
-    several, sync = topology.world_size > 1, sync_latency_s(topology)
-    routed = len(kinds - {DATA_PARALLEL}) if several else 0
-    if dense_bytes is None:
-        dense_bytes = dense_parameter_bytes(workload)
-    all_reduce = all_reduce_s(dense_bytes + dp_bytes + hot_bytes, topology)
-    if dp_bytes > 0 and several:
-        all_reduce += sync  # the data-parallel tables' own all-reduce
-    compact_reads = 0
-    if hot_tables and several:  # one all-reduce of every replica
-        whole = hot_tables > gathered_tables  # some replica all-reduces all its rows
-        all_reduce += (HOT_COLLECTIVES - (not whole)) * sync
-        if gathered_tables:
-            all_reduce += all_gather_s(gather_bytes, topology) + sync
-        compact_reads = len(kinds & {TABLE_WISE, COLUMN_WISE})  # their split sizes' reads
     return GlobalTerms(
-        all_reduce_s=all_reduce,
-        input_latency_s=INPUT_COLLECTIVES * topology.network_latency_s * routed,
-        # Table-row-wise outputs take two collectives each way: the node's reduce-scatter, then
-        # the all-to-all across nodes.
-        output_latency_s=OUTPUT_COLLECTIVES
-        * sync
-        * (routed + (TABLE_ROW_WISE in kinds and several))
-        + compact_reads * topology.host_to_device_latency_s
-        + topology.row_wise_output_latency_s * (ROW_WISE in kinds and several),
-        overhead_s=topology.step_overhead_s
-        + topology.sharding_overhead_s * len(kinds)
-        + topology.id_overhead_s * sent_bags,
+        *SharedTerms(workload, topology, dense_bytes).parts(
+            dp_bytes, shardings, sent_bags, hot_bytes, hot_tables, gather_bytes, gathered_tables
+        )
     )
+
+
+class SharedTerms:
+    """`global_terms` of the plans of one workload and topology: what depends only on the set
+    of collectives a plan uses computed once per set (the solver prices thousands of plans)."""
+
+    def __init__(self, workload: Workload, topology: Topology, dense_bytes: float | None = None):
+        self.topology = topology
+        self.several, self.sync = topology.world_size > 1, sync_latency_s(topology)
+        self.dense_bytes = dense_parameter_bytes(workload) if dense_bytes is None else dense_bytes
+        # collectives -> (input latency, output latency without and with replicas, overhead
+        # without the bags sent)
+        self._of_kinds: dict[frozenset[str], tuple[float, float, float, float]] = {}
+
+    def parts(
+        self,
+        dp_bytes: float,
+        shardings: Collection[str],
+        sent_bags: float = 0.0,
+        hot_bytes: float = 0.0,
+        hot_tables: int = 0,
+        gather_bytes: float = 0.0,
+        gathered_tables: int = 0,
+    ) -> tuple[float, float, float, float]:
+        """`global_terms`' fields, in their order (what `GlobalTerms.shared_s` sums)."""
+        topology, several, sync = self.topology, self.several, self.sync
+        kinds = shardings if isinstance(shardings, frozenset) else frozenset(shardings)
+        of_kinds = self._of_kinds.get(kinds) or self._kinds_terms(kinds)
+        input_latency, output_latency, output_latency_hot, overhead = of_kinds
+        all_reduce = all_reduce_s(self.dense_bytes + dp_bytes + hot_bytes, topology)
+        if dp_bytes > 0 and several:
+            all_reduce += sync  # the data-parallel tables' own all-reduce
+        if hot_tables and several:  # one all-reduce of every replica
+            whole = hot_tables > gathered_tables  # some replica all-reduces all its rows
+            all_reduce += (HOT_COLLECTIVES - (not whole)) * sync
+            if gathered_tables:
+                all_reduce += all_gather_s(gather_bytes, topology) + sync
+            output_latency = output_latency_hot
+        return (
+            all_reduce,
+            input_latency,
+            output_latency,
+            overhead + topology.id_overhead_s * sent_bags,
+        )
+
+    def shared_s(self, *args: object) -> float:
+        """`global_terms(...).shared_s` of `parts(*args)`."""
+        all_reduce, input_latency, output_latency, overhead = self.parts(*args)
+        return all_reduce + input_latency + output_latency + overhead
+
+    def _kinds_terms(self, kinds: frozenset[str]) -> tuple[float, float, float, float]:
+        topology, several = self.topology, self.several
+        routed = len(kinds - {DATA_PARALLEL}) if several else 0
+
+        def output_latency(compact_reads: int) -> float:
+            # Table-row-wise outputs take two collectives each way: the node's reduce-scatter,
+            # then the all-to-all across nodes. Replicas' compaction reads its split sizes.
+            return (
+                OUTPUT_COLLECTIVES * self.sync * (routed + (TABLE_ROW_WISE in kinds and several))
+                + compact_reads * topology.host_to_device_latency_s
+                + topology.row_wise_output_latency_s * (ROW_WISE in kinds and several)
+            )
+
+        terms = (
+            INPUT_COLLECTIVES * topology.network_latency_s * routed,
+            output_latency(0),
+            output_latency(len(kinds & {TABLE_WISE, COLUMN_WISE})),
+            topology.step_overhead_s + topology.sharding_overhead_s * len(kinds),
+        )
+        self._of_kinds[kinds] = terms
+        return terms
 
 
 def plan_cost(plan: Plan, workload: Workload, topology: Topology) -> PlanCost:

@@ -44,7 +44,7 @@ from distcache.planner.candidates import (
     gb,
 )
 from distcache.planner.ranks import RANK_TERMS, RankStep, RankTerms, rank_step, traffic_units
-from distcache.planner.state import LINK_WORK, State, shared_s, traffic_work
+from distcache.planner.state import LINK_WORK, State, shared_with_modes, traffic_work
 from distcache.planner.types import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE
 
 __all__ = ["State", "evaluate", "price_tables", "traffic_work"]
@@ -187,7 +187,7 @@ class _Batch:
         self.link_work_s = flats[:, size + LINK_WORK].reshape(K, 1, 1)
         self.const = np.array(  # [K, layouts] what every rank pays alike with the layout
             [
-                [shared_s(p, flat[size:], kind, g.modes[0]) for g in table.groups]
+                shared_with_modes(p, flat[size:], kind, [g.modes[0] for g in table.groups])
                 for flat, kind, table in zip(flats, kinds, tables, strict=True)
             ]
         )

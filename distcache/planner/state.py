@@ -26,7 +26,6 @@ import numpy as np
 
 from distcache.constants import HOT_TOUCHED
 from distcache.planner.candidates import Mode, Problem
-from distcache.planner.cost import global_terms
 from distcache.planner.ranks import (
     RANK_TERMS,
     TRAFFIC,
@@ -166,7 +165,7 @@ class State:
         p, start = self.p, self.size
         terms = flats[:, :start].reshape(len(flats), len(RANK_TERMS), p.world)
         load = RankTerms(terms.swapaxes(0, 1))  # rows of [K, W]
-        shared = np.array([shared_s(p, f[start:], k) for f, k in zip(flats, kinds, strict=True)])
+        shared = np.array(_shared_of_rows(p, flats[:, start:], kinds))
         step = rank_step_of(load, dense_s=p.dense_s, topology=p.topology)  # [K, W]
         totals = step.total_s(shared[:, None]).max(axis=-1)
         work = step.core_s.sum(axis=-1) + flats[:, start + LINK_WORK] + p.world * shared
@@ -208,30 +207,55 @@ def shared_s(
     problem: Problem, scalars: np.ndarray, kinds: Counter[str], mode: Mode | None = None
 ) -> float:
     """`State.constant_s` of a state of `problem` whose `_SCALARS` are `scalars` and whose
-    tables use the collectives `kinds` (counts)."""
-    dp, sent, hot_bytes, hot_tables, gather, gathered, _ = scalars.tolist()
-    used = {k for k, n in kinds.items() if n > 0}
-    if mode is not None:
-        t = mode.terms
-        dp += t.all_reduce_bytes
-        sent += sent_bags_per_rank(t, mode.placement.shards)
-        used.add(t.collectives)
-        hot_bytes += t.hot_reduce_bytes
-        hot_tables += t.hot_rows > 0
-        gather += t.hot_gather_bytes
-        gathered += _gathers(t)
-    return global_terms(
-        problem.workload,
-        problem.topology,
-        dp,
-        used,
-        sent,
-        hot_bytes,
-        int(hot_tables),
-        gather,
-        int(gathered),
-        dense_bytes=problem.dense_bytes,
-    ).shared_s
+    tables use the collectives `kinds` (counts), with `mode` added if given."""
+    return shared_with_modes(problem, scalars, kinds, [mode])[0]
+
+
+def shared_with_modes(
+    problem: Problem, scalars: np.ndarray, kinds: Counter[str], modes: Sequence[Mode | None]
+) -> list[float]:
+    """`shared_s(problem, scalars, kinds, mode)` of each of `modes`."""
+    base = scalars.tolist()
+    used = frozenset(k for k, n in kinds.items() if n > 0)
+    out = []
+    for mode in modes:
+        dp, sent, hot_bytes, hot_tables, gather, gathered, _ = base
+        with_mode = used
+        if mode is not None:
+            t = mode.terms
+            dp += t.all_reduce_bytes
+            sent += sent_bags_per_rank(t, mode.placement.shards)
+            with_mode = used | {t.collectives}
+            hot_bytes += t.hot_reduce_bytes
+            hot_tables += t.hot_rows > 0
+            gather += t.hot_gather_bytes
+            gathered += _gathers(t)
+        out.append(
+            problem.shared.shared_s(
+                dp, with_mode, sent, hot_bytes, int(hot_tables), gather, int(gathered)
+            )
+        )
+    return out
+
+
+def _shared_of_rows(
+    problem: Problem, scalars: np.ndarray, kinds: Sequence[Counter[str]]
+) -> list[float]:
+    """`shared_s` of each row of `scalars` [K, scalars] with `kinds[k]` (the same counts are
+    often passed for many rows: their set of collectives is made once)."""
+    used: dict[int, frozenset[str]] = {}
+    out = []
+    for (dp, sent, hot_bytes, hot_tables, gather, gathered, _), k in zip(
+        scalars.tolist(), kinds, strict=True
+    ):
+        if id(k) not in used:
+            used[id(k)] = frozenset(name for name, n in k.items() if n > 0)
+        out.append(
+            problem.shared.shared_s(
+                dp, used[id(k)], sent, hot_bytes, int(hot_tables), gather, int(gathered)
+            )
+        )
+    return out
 
 
 def _link_work(terms: ShardTerms, pair_s: float) -> float:

@@ -120,3 +120,16 @@ def test_most_touched_hot_rows_match_a_simulation(hot, n, ranks):
     touched = seen.sum(axis=1).reshape(trials, ranks).astype(np.float64)  # distinct hot rows
     assert binned.head_most(hot, n, ranks) == pytest.approx(touched.max(axis=1).mean(), rel=0.02)
     assert binned.head_most(hot, n, 1) == pytest.approx(binned.head(hot, n)[1])
+
+
+def test_kept_answers_equal_a_fresh_profiles():
+    """A profile keeps what it computed (the solver asks the same questions thousands of
+    times): asked again, in any order, it answers as a profile asked once."""
+    rows, alpha = 100_000, 1.1
+    kept = BinnedProfile.power_law(rows, alpha)
+    questions = [(300, 200.0, 2), (2000, 500.0, 8), (300, 500.0, 8), (300, 200.0, 64)]
+    for hot, n, ranks in questions * 2:
+        fresh = BinnedProfile.power_law(rows, alpha)
+        assert kept.head_most(hot, n, ranks) == fresh.head_most(hot, n, ranks)
+        assert kept.head(hot, n) == fresh.head(hot, n)
+        assert kept.unique(n) == fresh.unique(n)

@@ -7,14 +7,16 @@ import re
 import pytest
 
 from distcache.errors import DistcacheConfigError
-from distcache.planner.cost import all_to_all_sent_bytes, global_terms, plan_cost
+from distcache.planner.cost import SharedTerms, all_to_all_sent_bytes, global_terms, plan_cost
 from distcache.planner.dense import dense_flops_per_sample, dense_parameter_bytes
 from distcache.planner.shards import (
     CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
     CACHE_SLOT_BYTES,
     DENSE_UPDATE_PASSES,
     SCHEDULER_MIN_SCAN,
+    ShardTerms,
     scheduled_candidates,
+    shard_access,
     shard_terms,
     staging_time_s,
 )
@@ -727,3 +729,76 @@ def test_a_reactive_caches_misses_are_priced_per_miss_on_a_gpu_where_calibrated(
     assert cpu_terms[0] == cpu_terms[1]
     with pytest.raises(DistcacheConfigError, match="reactive_cache_s_per_miss needs"):
         dataclasses.replace(TOPOLOGY, reactive_cache_s_per_miss=4e-7)
+
+
+def test_shard_terms_made_without_the_dataclass_init_equal_it():
+    """`shard_terms` builds its `ShardTerms` past the frozen `__init__` (`ShardTerms.of`) and
+    `reduced_as` replaces fields the same way (`replaced`): the results are the dataclass's own,
+    every field set, equal and hashed alike, still frozen; a known `shard_access` changes
+    nothing."""
+    placements = [
+        Placement(sharding=TABLE_WISE, shards=1),
+        Placement(sharding=DATA_PARALLEL, shards=2),
+        Placement(sharding=ROW_WISE, shards=2, hot_rows=10),
+        Placement(
+            sharding=ROW_WISE,
+            shards=2,
+            storage=HOST_CACHED,
+            cache_fraction=0.5,
+            lookahead=4,
+            prefetch_depth=1,
+            hot_rows=5,
+            hot_reduce="touched",
+        ),
+    ]
+    names = [f.name for f in dataclasses.fields(ShardTerms)]
+    for table in WORKLOAD.tables:
+        for placement in placements:
+            terms = shard_terms(table, WORKLOAD, TOPOLOGY, placement)
+            made = ShardTerms(**{name: getattr(terms, name) for name in names})
+            assert terms == made and hash(terms) == hash(made)
+            assert terms.replaced(hot_rows=3, lookup_s=1.0) == dataclasses.replace(
+                made, hot_rows=3, lookup_s=1.0
+            )
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                terms.lookup_s = 0.0
+            access = shard_access(
+                table,
+                WORKLOAD,
+                TOPOLOGY,
+                sharding=placement.sharding,
+                shards=placement.shards,
+                hot_rows=placement.hot_rows if placement.sharding != DATA_PARALLEL else 0,
+            )
+            assert shard_terms(table, WORKLOAD, TOPOLOGY, placement, access) == terms
+
+
+def test_shared_terms_kept_per_set_of_collectives_equal_fresh_ones():
+    """`SharedTerms` (one per solve) keeps what depends only on the set of collectives: reused
+    across plans of other sets, with replicas and without, it prices each as a fresh one and
+    as `global_terms` does."""
+    topology = dataclasses.replace(
+        TOPOLOGY,
+        world_size=16,
+        ranks_per_node=8,
+        sync_latency_s=3e-5,
+        row_wise_output_latency_s=7e-6,
+        sharding_overhead_s=1e-4,
+        id_overhead_s=1e-8,
+    )
+    kept = SharedTerms(WORKLOAD, topology)
+    sets = [
+        (),
+        (TABLE_WISE,),
+        (ROW_WISE, TABLE_WISE),
+        (TABLE_ROW_WISE, COLUMN_WISE, DATA_PARALLEL),
+        (DATA_PARALLEL,),
+        ("row_wise/sequence", ROW_WISE),
+    ]
+    for kinds in sets * 2:
+        for dp_bytes, hot_tables, gathered in ((0.0, 0, 0), (4e6, 2, 0), (0.0, 2, 2), (1.0, 3, 1)):
+            args = (dp_bytes, kinds, 37.0, 1e5 * hot_tables, hot_tables, 5e4 * gathered, gathered)
+            fresh = SharedTerms(WORKLOAD, topology).parts(*args)
+            assert kept.parts(*args) == fresh
+            assert kept.shared_s(*args) == global_terms(WORKLOAD, topology, *args).shared_s
+            assert fresh[1] > 0 or not set(kinds) - {DATA_PARALLEL}  # routed: input latency
