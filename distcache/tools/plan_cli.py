@@ -376,14 +376,16 @@ def _wrap(text: str, first: str, rest: str) -> str:
     """`text` in lines of at most `_WIDTH` characters (a word longer stays whole), the first
     starting with `first`, the others with `rest` (`textwrap.fill` takes 6 x as long on a
     thousand tables' reasons)."""
-    lines, line = [], first
+    lines, prefix, words, width = [], first, [], len(first)
     for word in text.split():
-        if line not in (first, rest) and len(line) + 1 + len(word) > _WIDTH:
-            lines.append(line)
-            line = rest + word
+        if words and width + 1 + len(word) > _WIDTH:
+            lines.append(prefix + " ".join(words))
+            prefix, words, width = rest, [word], len(rest) + len(word)
         else:
-            line += word if line in (first, rest) else f" {word}"
-    return "\n".join([*lines, line])
+            width += len(word) + bool(words)
+            words.append(word)
+    lines.append(prefix + " ".join(words))
+    return "\n".join(lines)
 
 
 def _plan(args: argparse.Namespace) -> int:

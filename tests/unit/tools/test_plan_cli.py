@@ -257,3 +257,26 @@ def test_compare_writes_its_json_beside_the_table(
     assert compare_main([*SMALL, "--no-torchrec", "--json-out", str(out)]) == 0
     assert "step ms" in capsys.readouterr().out  # the table
     assert {r["name"] for r in json.loads(out.read_text())["rows"]} >= {"distcache"}
+
+
+def test_reasons_wrap_as_textwrap_does():
+    """`plan`'s reasons are wrapped as `textwrap.fill` wraps them (words whole, a longer word
+    on a line of its own), by a loop that takes a fraction of its time."""
+    import random
+    import textwrap
+
+    from distcache.tools.plan_cli import _WIDTH, _wrap
+
+    rng = random.Random(0)
+    for _ in range(200):
+        words = ["x" * rng.choice([1, 3, 8, 20, _WIDTH + 5]) for _ in range(rng.randrange(0, 60))]
+        text = " ".join(words)
+        expected = textwrap.fill(
+            text,
+            width=_WIDTH,
+            initial_indent="  t1: ",
+            subsequent_indent="    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        assert _wrap(text, "  t1: ", "    ") == (expected or "  t1: ")
