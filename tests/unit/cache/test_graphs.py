@@ -375,8 +375,9 @@ def test_cuda_graphs_is_a_bool_or_none_which_means_on_for_cuda():
 
 
 def test_the_packed_buffer_round_trips_every_kind_of_tensor():
-    """`_Layout` packs a call's tensors into one byte buffer and views them back: 1-D or not,
-    non-contiguous, 0-dim, bytes, bools, sizes that need padding, all come back equal."""
+    """`_Layout` packs a call's tensors into one buffer per dtype and views them back: 1-D or
+    not, non-contiguous, 0-dim, bytes, bools, one or several of a dtype, all come back equal;
+    packed into given buffers, the same."""
     from distcache.cache.graphs import _Layout
 
     g = torch.Generator().manual_seed(3)
@@ -385,10 +386,16 @@ def test_the_packed_buffer_round_trips_every_kind_of_tensor():
         torch.randint(0, 9, (3, 4), generator=g, dtype=torch.int32).t(),  # 2-D, non-contiguous
         torch.tensor(7, dtype=torch.int32),  # 0-dim
         torch.randint(0, 255, (3,), generator=g, dtype=torch.uint8),
-        torch.rand(5, generator=g) > 0.5,  # bool, 5 bytes: padded
+        torch.rand(5, generator=g) > 0.5,  # bool
         torch.rand(2, 3, generator=g, dtype=torch.float16),
+        torch.randint(0, 9, (0,), generator=g),  # empty, int64 again
+        torch.randint(0, 9, (4,), generator=g, dtype=torch.int32)[::2],  # 1-D, strided
     )
     layout = _Layout.of(tensors)
-    back = layout.unpack(torch.cat(layout.pieces(tensors)))
-    for t, b in zip(tensors, back, strict=True):
-        assert b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t)
+    packed = layout.pack(tensors)
+    assert [b.dtype for b in packed] == list(layout.dtypes) and all(b.dim() == 1 for b in packed)
+    into = tuple(torch.empty_like(b) for b in packed)
+    for buffers in (packed, layout.pack(tensors, into=into)):
+        back = layout.unpack(buffers)
+        for t, b in zip(tensors, back, strict=True):
+            assert b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t)
