@@ -62,7 +62,8 @@ def _text(
     for c in candidates:
         p = c.mode.placement
         kind = (p.sharding, p.shards, p.storage)
-        if (c.mode, c.ranks) != (mode, ranks) and (
+        # (A table's modes are equal where their placements are: terms follow placement.)
+        if (p, c.ranks) != (mode.placement, ranks) and (
             kind not in best or _rank(c) < _rank(best[kind])
         ):
             best[kind] = c
