@@ -271,32 +271,12 @@ class GlobalTerms:
 
 
 def global_terms(
-    workload: Workload,
-    topology: Topology,
-    dp_bytes: float,
-    shardings: Collection[str],
-    sent_bags: float = 0.0,
-    hot_bytes: float = 0.0,
-    hot_tables: int = 0,
-    gather_bytes: float = 0.0,
-    gathered_tables: int = 0,
-    dense_bytes: float | None = None,
+    workload: Workload, topology: Topology, *plan: object, dense_bytes: float | None = None
 ) -> GlobalTerms:
-    """The shared terms of a plan with `dp_bytes` of data-parallel gradients whose tables use
-    the collectives `shardings` (the set of their `ShardTerms.collectives`: the sharding types
-    of the pooled tables, 'row_wise/sequence' and the like for sequence tables), each rank sending
-    `sent_bags` bags per step (`sent_bags_per_rank`), and `hot_tables` tables with hot-row
-    replicas: those that reduce all their rows ('all') all-reduce their gradients and touched
-    counts (`hot_bytes` in all) together, one collective whatever their number; the
-    `gathered_tables` of them that reduce their touched rows all-gather `gather_bytes` from
-    every rank, one collective (and one small all-reduce of its sizes). The all-gather's
-    time is counted in the all-reduce term. `dense_bytes`: `dense_parameter_bytes(workload)`,
-    where the caller knows it (the solver prices thousands of plans of one workload)."""
-    return GlobalTerms(
-        *SharedTerms(workload, topology, dense_bytes).parts(
-            dp_bytes, shardings, sent_bags, hot_bytes, hot_tables, gather_bytes, gathered_tables
-        )
-    )
+    """The shared terms of one plan, `SharedTerms.parts(*plan)`: its data-parallel bytes, the
+    collectives its tables use, the bags each rank sends, its replicas. `dense_bytes`:
+    `dense_parameter_bytes(workload)`, where the caller knows it."""
+    return GlobalTerms(*SharedTerms(workload, topology, dense_bytes).parts(*plan))
 
 
 class SharedTerms:
@@ -321,7 +301,16 @@ class SharedTerms:
         gather_bytes: float = 0.0,
         gathered_tables: int = 0,
     ) -> tuple[float, float, float, float]:
-        """`global_terms`' fields, in their order (what `GlobalTerms.shared_s` sums)."""
+        """`GlobalTerms`' fields, in their order (what `GlobalTerms.shared_s` sums), of a plan
+        with `dp_bytes` of data-parallel gradients whose tables use the collectives `shardings`
+        (the set of their `ShardTerms.collectives`: the sharding types of the pooled tables,
+        'row_wise/sequence' and the like for sequence tables), each rank sending `sent_bags`
+        bags per step (`sent_bags_per_rank`), and `hot_tables` tables with hot-row replicas:
+        those that reduce all their rows ('all') all-reduce their gradients and touched counts
+        (`hot_bytes` in all) together, one collective whatever their number; the
+        `gathered_tables` of them that reduce their touched rows all-gather `gather_bytes` from
+        every rank, one collective (and one small all-reduce of its sizes). The all-gather's
+        time is counted in the all-reduce term."""
         topology, several, sync = self.topology, self.several, self.sync
         kinds = shardings if isinstance(shardings, frozenset) else frozenset(shardings)
         of_kinds = self._of_kinds.get(kinds) or self._kinds_terms(kinds)
