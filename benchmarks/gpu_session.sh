@@ -492,7 +492,8 @@ stage_verify() {
 }
 
 # Then, with the device time left (about 150 s), what the host-path changes after 2026-11-28
-# bought (stream calls by device index, a85b3f5): host_fused's run again, at 2 % and 100 %:
+# bought (stream calls by device index, a85b3f5; graph inputs and results packed per dtype,
+# ad08b0e): host_fused's run again, at 2 % and 100 %:
 #     run(command="bash benchmarks/gpu_session.sh hostcheck", carry=[".fbg2"], timeout_s=150)
 stage_hostcheck() {
     DEADLINE=$(($(date +%s) + ${HOSTCHECK_SECONDS:-135}))
