@@ -11,8 +11,10 @@ way, the best of these kept: the replicas share their collectives, whose latency
 table's saving may pay for. Then each table tries H = 0 and the H that takes each share, each
 reduced both ways, keeping the one with the least step (then work) that fits; a second pass
 runs when the first changed anything, since one table's replica changes what the others'
-would save. Placements, caches and ranks stay as chosen: the replicas are a
-refinement, not a search of their own.
+would save. The tables of a pass are priced in chunks against the state as it is, again
+from the first that moves (`CHUNK`): the choices are those of one table at a time.
+Placements, caches and ranks stay as chosen: the replicas are a refinement, not a search of
+their own.
 
 Example::
 
@@ -37,6 +39,7 @@ from distcache.planner.state import Footprint, State
 from distcache.planner.types import DATA_PARALLEL, Placement
 
 PASSES = 2
+CHUNK = 32  # tables priced together (speculatively: `choose_hot_rows`)
 
 
 def hot_row_counts(state: State, index: int, shares: Sequence[float]) -> list[int]:
@@ -82,9 +85,22 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
     tried: dict[int, list[tuple[int, str, float | None]]] = {}  # the last pass's: the notes'
     for _ in range(PASSES):
         changed = False
-        for index in _sharded(state):
-            tried[index], moved = _choose_one(state, index, shares, variants)
-            changed |= moved
+        sharded, at = _sharded(state), 0
+        while at < len(sharded):
+            # Speculatively, a chunk's tables priced together against the state as it is; in
+            # order, each keeps its best. The first that moves changes the state for those
+            # after it, which are priced again from there: as one table at a time would.
+            chunk = sharded[at : at + CHUNK]
+            tries = [_tries(state, index, shares, variants) for index in chunk]
+            now, scores = state.trial_scores(
+                [(index, t[2]) for index, t in zip(chunk, tries, strict=True)]
+            )
+            for index, table_tries, table_scores in zip(chunk, tries, scores, strict=True):
+                at += 1
+                tried[index], moved = _choose_one(state, index, table_tries, now, table_scores)
+                changed |= moved
+                if moved:
+                    break
         if not changed:
             break
     for index, steps in tried.items():
@@ -170,24 +186,36 @@ def _same_share_everywhere(state: State, shares: Sequence[float], variants: _Var
         state.add(i, mode, ranks, footprint)
 
 
-def _choose_one(
+def _tries(
     state: State, index: int, shares: Sequence[float], variants: _Variants
-) -> tuple[list[tuple[int, str, float | None]], bool]:
-    """Try each replica size for table `index` (priced together: `State.trial_scores`); keep
-    the best. ((hot rows, reduction, step or None where it does not fit) of each replica
-    tried, whether the table changed)."""
-    (mode, ranks), now = state.placed[index], state.contrib[index]
+) -> tuple[list[tuple[int, str]], list[Mode], list[Footprint]]:
+    """The replicas table `index` tries ((hot rows, reduction) each, its current one among
+    them), their modes, and the footprints of those other than the current one."""
+    mode, now = state.placed[index][0], state.contrib[index]
     counts = hot_row_counts(state, index, shares)
     tries = [(h, r) for h in counts for r in (HOT_REDUCE if h else (HOT_ALL,))]
     now_key = (mode.placement.hot_rows, mode.placement.hot_reduce)
     modes = [mode if key == now_key else variants.get(index, mode, *key) for key in tries]
     fresh = iter(variants.placed(index, [m for m in modes if m is not mode]))
-    footprints = [now if m is mode else next(fresh) for m in modes]
+    return tries, modes, [now if m is mode else next(fresh) for m in modes]
+
+
+def _choose_one(
+    state: State,
+    index: int,
+    tries: tuple[list[tuple[int, str]], list[Mode], list[Footprint]],
+    now_score: tuple[float, float] | None,
+    scores: list[tuple[float, float] | None],
+) -> tuple[list[tuple[int, str, float | None]], bool]:
+    """Keep the best of the replicas `tries` (`_tries`) for table `index`, whose states score
+    `scores` and the state as it is `now_score` (`State.trial_scores`). ((hot rows,
+    reduction, step or None where it does not fit) of each replica tried, whether the table
+    changed)."""
+    (mode, ranks), keys, modes, footprints = state.placed[index], *tries
     tried: list[tuple[int, str, float | None]] = []
-    best_score, *scores = state.trial_scores(index, footprints)
-    best, kept = mode, now
+    best, best_score, kept = mode, now_score, state.contrib[index]
     for (hot, reduce), variant, footprint, score in zip(
-        tries, modes, footprints, scores, strict=True
+        keys, modes, footprints, scores, strict=True
     ):
         tried.append((hot, reduce, score[0] if score else None))
         if score is not None and (best_score is None or _better(score, best_score)):

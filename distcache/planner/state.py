@@ -175,19 +175,30 @@ class State:
         return list(zip(totals.tolist(), work.tolist(), fits.tolist(), strict=True))
 
     def trial_scores(
-        self, index: int, footprints: Sequence[Footprint]
-    ) -> list[tuple[float, float] | None]:
-        """The `score` of the state as it is, then with table `index` in each of `footprints`
-        instead (None where it does not fit), priced together; the state is left as it is."""
-        now, flat = self.contrib[index], self.flat
-        trials = np.empty((len(footprints) + 1, flat.size))
-        trials[0] = flat
-        if footprints:
-            trials[1:] = flat - now.flat  # the state without the table, plus each footprint
-            trials[1:] += np.stack([footprint.flat for footprint in footprints])
-        kinds = [self.kinds]
-        kinds += [_swapped(self.kinds, now.collectives, f.collectives) for f in footprints]
-        return [(step, work) if fits else None for step, work, fits in self.scores(trials, kinds)]
+        self, trials: Sequence[tuple[int, Sequence[Footprint]]]
+    ) -> tuple[tuple[float, float] | None, list[list[tuple[float, float] | None]]]:
+        """The `score` of the state as it is, and for each (index, footprints) of `trials`
+        the score with table `index` in each of its footprints instead (None where it does not
+        fit), all priced together; the state is left as it is. (Each row is priced as alone:
+        a batch of trials scores them as one at a time would.)"""
+        flat, blocks, kinds = self.flat, [self.flat[None]], [self.kinds]
+        for index, footprints in trials:
+            now = self.contrib[index]
+            if footprints:
+                block = np.empty((len(footprints), flat.size))
+                block[:] = flat - now.flat  # the state without the table, plus each footprint
+                block += np.stack([footprint.flat for footprint in footprints])
+                blocks.append(block)
+            kinds += [_swapped(self.kinds, now.collectives, f.collectives) for f in footprints]
+        scored = [
+            (step, work) if fits else None
+            for step, work, fits in self.scores(np.concatenate(blocks), kinds)
+        ]
+        out, at = [], 1
+        for _, footprints in trials:
+            out.append(scored[at : at + len(footprints)])
+            at += len(footprints)
+        return scored[0], out
 
     def fits(self) -> bool:
         return bool(

@@ -339,3 +339,46 @@ def test_sequence_tables_are_never_table_row_wise_and_their_replicas_run_on_our_
     assert hot.device_memory_bytes == full.device_memory_bytes > plain.device_memory_bytes
     pooled_hot = shard_terms(pooled.tables[1], pooled, topology, replica)
     assert pooled_hot.host_memory_bytes == 0  # a bag collection's replica: TorchRec's kernel
+
+
+def test_tables_priced_in_speculative_chunks_choose_as_one_at_a_time(monkeypatch):
+    """`choose_hot_rows` prices a chunk of tables against the state at once and prices the
+    rest again after the first that moves: the replicas, the notes and the state come out
+    exactly as when each table is priced alone (a chunk of one), on a plan where tables move
+    (300 tables on 128 ranks: some take a replica of their own)."""
+    from distcache.planner import hot
+    from distcache.planner.search import improve, starts
+    from distcache.planner.solver import _baselines
+
+    workload = workload_preset("synthetic:tables=300")
+    topology = preset("h100", world_size=128, device_memory_bytes="16GB")
+    options = SolverOptions()
+    problem = Problem(workload, topology, options)
+    states = starts(problem, seeds=_baselines(workload, topology, options))
+    placed = improve(states, max_moves=options.max_moves, time_limit_s=600.0).placed
+
+    def state() -> State:  # the same placed tables, added in the same order: the same floats
+        s = State(problem)
+        for index, (mode, ranks) in enumerate(placed):
+            s.add(index, mode, ranks)
+        return s
+
+    moves = []
+    choose = hot._choose_one
+    monkeypatch.setattr(hot, "_choose_one", lambda *a: _counted(choose, moves, *a))
+    out = {}
+    for chunk in (1, hot.CHUNK):
+        monkeypatch.setattr(hot, "CHUNK", chunk)
+        s = state()
+        notes = choose_hot_rows(s, options.hot_row_shares)
+        out[chunk] = (notes, s.placed, s.flat.copy(), s.score())
+    alone, chunked = out[1], out[hot.CHUNK]
+    assert any(moves) and hot.CHUNK > 1
+    assert alone[0] == chunked[0] and alone[1] == chunked[1] and alone[3] == chunked[3]
+    assert np.array_equal(alone[2], chunked[2])
+
+
+def _counted(choose, moves: list, *args):  # noqa: ANN001
+    tried, moved = choose(*args)
+    moves.append(moved)
+    return tried, moved
