@@ -242,12 +242,24 @@ def better_state(new: tuple[float, float], old: tuple[float, float], rtol: float
 def _load_plan(problem: Problem, plan: Plan) -> State | None:
     """A state holding `plan` (a seed); None when it does not fit."""
     state = State(problem)
+    placed = []
     for index, (table, tp) in enumerate(zip(problem.tables, plan.tables, strict=True)):
         placement = tp.placement
         if placement.hot_rows or placement.hot_reduce != HOT_ALL:  # a menu mode: no replica
             placement = dataclasses.replace(placement, hot_rows=0, hot_reduce=HOT_ALL)
         mode = problem.known[index].get(placement) or problem.mode(table, placement)
-        state.add(index, mode, tp.ranks)
+        placed.append((mode, tp.ranks))
+    # The footprints of the tables on the same ranks made together (a uniform plan puts many
+    # tables on each rank set), then added in order, as one table at a time would.
+    together: dict[tuple, list[int]] = {}
+    for index, (mode, ranks) in enumerate(placed):
+        together.setdefault((ranks, mode.terms.reduced_in_node), []).append(index)
+    footprints = {}
+    for (ranks, _), indices in together.items():
+        made = state.footprints([placed[i][0] for i in indices], ranks)
+        footprints.update(zip(indices, made, strict=True))
+    for index, (mode, ranks) in enumerate(placed):
+        state.add(index, mode, ranks, footprints[index])
         if not mode.terms.fits_working_set or not state.fits():
             return None
     return state
