@@ -106,7 +106,8 @@ class State:
         return self.step().total_s(self.constant_s())
 
     def footprints(self, modes: Sequence[Mode], ranks: tuple[int, ...]) -> list[Footprint]:
-        """What placing a table on `ranks` as each of `modes` (of one layout) would add."""
+        """What placing a table on `ranks` as each of `modes` would add (modes of one layout, or
+        of tables on the same ranks all reduced in their node or none: `shard_contributions`)."""
         p, terms = self.p, [m.terms for m in modes]
         flat = np.empty((len(modes), self.flat.size))
         values = flat[:, : self.size].reshape(len(modes), len(RANK_TERMS), p.world)
