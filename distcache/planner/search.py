@@ -319,7 +319,9 @@ def improve(states: list[State], *, max_moves: int, time_limit_s: float) -> Stat
     """The best state after a local search from each of `states` (distinct ones, best first,
     the best with twice the others' share of `max_moves`; starts too far behind the best are
     not searched), with a wall-time safety limit `time_limit_s`."""
-    unique = {tuple((m, r) for m, r, *_ in s.placed): s for s in states}  # drop duplicates
+    # Duplicates dropped: a table's modes are equal where their placements are (terms follow
+    # placement), whose hash is a third of the mode's.
+    unique = {tuple((m.placement, r) for m, r, *_ in s.placed): s for s in states}
     states = sorted(unique.values(), key=lambda s: s.score())
     budget = _MoveBudget(max_moves, time_limit_s)
     for i, state in enumerate(states):
