@@ -146,6 +146,13 @@ class _Table:
             p.cache[key] = cls(p, [g for g in p.groups[index] if g.sharding in kinds])
         return p.cache[key]
 
+    def units(self, p: Problem) -> np.ndarray:
+        """[8, T, W] the traffic templates of its steps (kept: tables share them)."""
+        key = ("units", self.templates.tobytes())
+        if key not in p.cache:
+            p.cache[key] = p.units[:, self.templates]
+        return p.cache[key]
+
     def modes(self, j: int) -> slice:
         """The rows of layout `j`'s modes."""
         return self.at[(j, _NEEDS[self.groups[j].sharding][0][0])]
@@ -197,9 +204,11 @@ class _Batch:
             values = [getattr(t, name) for t in tables]
             return values[0][None] if K == 1 else np.stack(values)
 
-        traffic = p.units[:, first.templates][:, None] * np.stack(  # [8, K, T, W]
-            [t.scale for t in tables], axis=1
-        )
+        units = first.units(p)  # [8, T, W]
+        if K == 1:
+            traffic = (units * first.scale)[:, None]  # [8, K, T, W]
+        else:
+            traffic = units[:, None] * np.stack([t.scale for t in tables], axis=1)
         self.step = rank_step(
             dense_s=p.dense_s,
             lookup_s=load.lookup_s + stack("lookup"),
