@@ -193,7 +193,7 @@ def _tries(
     state: State, index: int, shares: Sequence[float], variants: _Variants
 ) -> tuple[list[tuple[int, str]], list[Mode], list[Footprint]]:
     """The replicas table `index` tries ((hot rows, reduction) each, its current one among
-    them), their modes, and the footprints of those other than the current one."""
+    them), their modes and their footprints (the current one's as placed)."""
     mode, now = state.placed[index][0], state.contrib[index]
     counts = hot_row_counts(state, index, shares)
     tries = [(h, r) for h in counts for r in (HOT_REDUCE if h else (HOT_ALL,))]
