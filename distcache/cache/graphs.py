@@ -194,13 +194,9 @@ class _Layout:
 class _Entry:
     graph: CPUGraph | CUDAGraph
     layout_in: _Layout
-    inputs: tuple[
-        torch.Tensor, ...
-    ]  # the inputs, packed; owned by the graph, written before replays
+    inputs: tuple[torch.Tensor, ...]  # the inputs, packed: the graph's, written before replays
     layout_out: _Layout
-    outputs: tuple[
-        torch.Tensor, ...
-    ]  # the results, packed by the graph; overwritten by each replay
+    outputs: tuple[torch.Tensor, ...]  # the results, packed by the graph: each replay's
 
 
 class GraphCache:
