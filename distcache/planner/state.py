@@ -114,17 +114,8 @@ class State:
         values[:] = shard_contributions(terms, ranks, p.topology)
         out = []
         for row, rank_terms, mode in zip(flat, values, modes, strict=True):
-            t = mode.terms
-            row[self.size :] = (
-                t.all_reduce_bytes,
-                sent_bags_per_rank(t, mode.placement.shards),
-                t.hot_reduce_bytes,
-                t.hot_rows > 0,
-                t.hot_gather_bytes,
-                _gathers(t),
-                self._link_work(mode, ranks, rank_terms),
-            )
-            out.append(Footprint(row, rank_terms, t.collectives))
+            row[self.size :] = (*_mode_scalars(mode), self._link_work(mode, ranks, rank_terms))
+            out.append(Footprint(row, rank_terms, mode.terms.collectives))
         return out
 
     def add(
@@ -227,26 +218,15 @@ def shared_with_modes(
     problem: Problem, scalars: np.ndarray, kinds: Counter[str], modes: Sequence[Mode | None]
 ) -> list[float]:
     """`shared_s(problem, scalars, kinds, mode)` of each of `modes`."""
-    base = scalars.tolist()
+    base = scalars.tolist()[:LINK_WORK]  # (link work, the last, is not shared)
     used = frozenset(k for k, n in kinds.items() if n > 0)
     out = []
     for mode in modes:
-        dp, sent, hot_bytes, hot_tables, gather, gathered, _ = base
-        with_mode = used
+        values, with_mode = base, used
         if mode is not None:
-            t = mode.terms
-            dp += t.all_reduce_bytes
-            sent += sent_bags_per_rank(t, mode.placement.shards)
-            with_mode = used | {t.collectives}
-            hot_bytes += t.hot_reduce_bytes
-            hot_tables += t.hot_rows > 0
-            gather += t.hot_gather_bytes
-            gathered += _gathers(t)
-        out.append(
-            problem.shared.shared_s(
-                dp, with_mode, sent, hot_bytes, int(hot_tables), gather, int(gathered)
-            )
-        )
+            values = [x + a for x, a in zip(base, _mode_scalars(mode), strict=True)]
+            with_mode = used | {mode.terms.collectives}
+        out.append(_shared(problem, with_mode, *values))
     return out
 
 
@@ -257,17 +237,41 @@ def _shared_of_rows(
     often passed for many rows: their set of collectives is made once)."""
     used: dict[int, frozenset[str]] = {}
     out = []
-    for (dp, sent, hot_bytes, hot_tables, gather, gathered, _), k in zip(
-        scalars.tolist(), kinds, strict=True
-    ):
+    for row, k in zip(scalars.tolist(), kinds, strict=True):
         if id(k) not in used:
             used[id(k)] = frozenset(name for name, n in k.items() if n > 0)
-        out.append(
-            problem.shared.shared_s(
-                dp, used[id(k)], sent, hot_bytes, int(hot_tables), gather, int(gathered)
-            )
-        )
+        out.append(_shared(problem, used[id(k)], *row[:LINK_WORK]))
     return out
+
+
+def _shared(
+    problem: Problem,
+    used: frozenset[str],
+    dp: float,
+    sent: float,
+    hot_bytes: float,
+    hot_tables: float,
+    gather: float,
+    gathered: float,
+) -> float:
+    """`SharedTerms.shared_s` of a state whose `_SCALARS` (link work aside) are the rest and
+    whose tables use the collectives `used`."""
+    return problem.shared.shared_s(
+        dp, used, sent, hot_bytes, int(hot_tables), gather, int(gathered)
+    )
+
+
+def _mode_scalars(mode: Mode) -> tuple[float, float, float, bool, float, bool]:
+    """What placing a table as `mode` adds to a state's `_SCALARS`, link work aside."""
+    t = mode.terms
+    return (
+        t.all_reduce_bytes,
+        sent_bags_per_rank(t, mode.placement.shards),
+        t.hot_reduce_bytes,
+        t.hot_rows > 0,
+        t.hot_gather_bytes,
+        _gathers(t),
+    )
 
 
 def _link_work(terms: ShardTerms, pair_s: float) -> float:
