@@ -87,7 +87,9 @@ class BinnedProfile:
         """q = 1 - (1 - p)^n per bin: the chance a batch of n lookups touches one row."""
         key = ("q", float(n))
         if key not in self._memo:
-            self._memo[key] = -np.expm1(n * np.log1p(-np.minimum(self.probability, 1 - 1e-16)))
+            if "keep" not in self._memo:  # log(1 - p) per bin, the same for every n
+                self._memo["keep"] = np.log1p(-np.minimum(self.probability, 1 - 1e-16))
+            self._memo[key] = -np.expm1(n * self._memo["keep"])
         return self._memo[key]
 
     def unique(self, n: float) -> float:
@@ -122,11 +124,16 @@ class BinnedProfile:
         share of lookups a replica of them serves, and the rows of it a batch touches."""
         key = ("h", int(rows), float(n))
         if key not in self._memo:
-            k = self._head_bin(rows)
-            self._memo[key] = (
-                self._head_sum(rows, self.probability, k),
-                self._head_sum(rows, self._touch(n), k),
-            )
+            touched = self._head_sum(rows, self._touch(n), self._head_bin(rows))
+            self._memo[key] = (self.head_mass(rows), touched)
+        return self._memo[key]
+
+    def head_mass(self, rows: int) -> float:
+        """`head(rows)[0]`: the lookup mass of the `rows` likeliest rows (without the rows a
+        batch touches, which a caller of the mass alone does not need)."""
+        key = ("hm", int(rows))
+        if key not in self._memo:
+            self._memo[key] = self._head_sum(rows, self.probability, self._head_bin(rows))
         return self._memo[key]
 
     def head_most(self, rows: int, n: float, batches: int) -> float:
@@ -135,7 +142,7 @@ class BinnedProfile:
         many as the busiest: `sharding.hot_reduce`): the mean `head(rows, n)[1]` plus its
         standard deviation (rows touched independently, each with its q) times the expected
         maximum of `batches` standard normals; at most `rows` and n."""
-        key = ("hm", int(rows), float(n), int(batches))
+        key = ("most", int(rows), float(n), int(batches))
         if key in self._memo:
             return self._memo[key]
         mean = self.head(rows, n)[1]
@@ -153,8 +160,11 @@ class BinnedProfile:
 
     def _head_bin(self, rows: int) -> int:
         """The bin holding the last of the `rows` likeliest rows."""
-        rows = min(max(int(rows), 0), self.rows)
-        return int(np.searchsorted(self.rows_through, rows, side="left"))
+        key = ("b", int(rows))
+        if key not in self._memo:
+            rows = min(max(int(rows), 0), self.rows)
+            self._memo[key] = int(np.searchsorted(self.rows_through, rows, side="left"))
+        return self._memo[key]
 
     def _head_sum(self, rows: int, per_row: np.ndarray, k: int | None = None) -> float:
         """The sum over the `rows` likeliest rows of a value given per row of each bin

@@ -234,13 +234,13 @@ def _note(
 ) -> str:
     """The replica chosen, then the step of each other replica tried."""
     others = ", ".join(
-        f"{h} ({100 * access.head(h)[0]:.3g}% of lookups{_gathered(h, r)}): "
+        f"{h} ({100 * access.head_mass(h):.3g}% of lookups{_gathered(h, r)}): "
         + (f"{s * 1e3:.4g} ms/step" if s is not None else "does not fit")
         for h, r, s in tried
         if (h, r) != (best.hot_rows, best.hot_reduce if best.hot_rows else HOT_ALL)
     )
     chosen = (
-        f"{best.hot_rows} hot rows replicated ({100 * access.head(best.hot_rows)[0]:.3g}% of "
+        f"{best.hot_rows} hot rows replicated ({100 * access.head_mass(best.hot_rows):.3g}% of "
         f"lookups{_gathered(best.hot_rows, best.hot_reduce)})"
         if best.hot_rows
         else "no hot rows"

@@ -414,7 +414,7 @@ def shard_terms(
         )  # fmt: skip
     staging_bytes = 2 * loads * row_bytes
     scheduling, staging_s = cache_staging(topology, staging_bytes, scheduling, lookahead)
-    hot_mass = table_access(table).head(hot_rows)[0] if hot_rows else 0.0
+    hot_mass = table_access(table).head_mass(hot_rows) if hot_rows else 0.0
     sent = _output_rows_per_peer(table, workload, sharding, rows_split, hot_mass) * dim * dtype
     sent *= output_rate_factor(sharding, topology, table.pooled)
     dim_bytes, bags = dim * element, ids / pooling
