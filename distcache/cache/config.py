@@ -110,6 +110,15 @@ class CacheConfig:
     device without graph emulation where the C kernels build (with the torch ops a 5 % cache's
     DLRM step ran a fifth longer: benchmarks/results/README.md), off on CUDA until measured on
     a GPU."""
+    scheduler_thread: bool = False
+    """Run the cache's scheduling calls (a batch entering the window, staging ahead, releases)
+    in order on a thread of their own (`distcache.cache.lane`): the training thread queues
+    them and, where a batch is looked up, waits for the plan made while the batches before it
+    trained. The plans are the same, bit for bit. On a GPU the host sets a step's pace and the
+    scheduler's host work is 1.4-1.9 ms of a 6.3 ms step (an H200,
+    benchmarks/results/h200_2026-11-28); on its own thread it can overlap the training
+    thread's launches as far as Python's GIL lets them interleave. Off by default: not yet
+    measured on a GPU. On CPU it competes with the training thread for the cores."""
     hot_rows: tuple[int, ...] = ()
     """Rows of a sharded table replicated on every rank (global row ids, e.g. its hottest):
     their lookups stay on the rank (no all-to-all, no cache slot), their gradients are summed
@@ -169,6 +178,8 @@ class CacheConfig:
             _fail("check_ids", self.check_ids, "True or False")
         if self.fused is not None and not isinstance(self.fused, bool):
             _fail("fused", self.fused, "True, False or None (the device's default)")
+        if not isinstance(self.scheduler_thread, bool):
+            _fail("scheduler_thread", self.scheduler_thread, "True or False")
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
             _fail("cuda_graphs", self.cuda_graphs, "True, False, or None (on for CUDA devices)")
         for name in ("learning_rate", "eps"):

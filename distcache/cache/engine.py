@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -26,6 +27,7 @@ from distcache.cache import fused
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
 from distcache.cache.host_store import HostStore
+from distcache.cache.lane import Lane
 from distcache.cache.optimizers import make_optimizer
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler, StagePlan
@@ -123,7 +125,12 @@ class CacheEngine:
             move=found.get("move"),
         )
         self._checks: dict[int, torch.Tensor] = {}  # seq -> caller's check words, until staged
-        self._ahead: deque[StagePlan] = deque()  # staged, not yet looked up
+        # The scheduling calls (enqueue, staging, releases), on the training thread or on a
+        # thread of their own (`CacheConfig.scheduler_thread`); the engine's own counts
+        # answer the training thread meanwhile.
+        self._lane = Lane(self.streams.index, threaded=config.scheduler_thread, name=name)
+        self._window = _Window()
+        self._ahead: deque[Future[StagePlan]] = deque()  # staged, not yet looked up
         self._active: deque[StagePlan] = deque()  # looked up, not yet released
         self._staging_s = 0.0
         self._wait_s = 0.0
@@ -134,8 +141,15 @@ class CacheEngine:
 
     # ------------------------------------------------------------ batch flow
     def check_room(self) -> None:
-        """Raise `LookaheadWindowError` if the window cannot take one more batch."""
-        self.scheduler.check_room()
+        """Raise `LookaheadWindowError` if the window cannot take one more batch (as
+        `Scheduler.check_room`, from the engine's counts)."""
+        in_window, lookahead = self._window.enqueued - self._window.released, self.config.lookahead
+        if in_window > lookahead:
+            raise LookaheadWindowError(
+                f"{self.name}: look-ahead window full: {in_window} batches are enqueued and not "
+                f"released, and lookahead={lookahead} allows {lookahead + 1} "
+                "(the training batch plus L future ones)"
+            )
 
     def enqueue(self, ids: torch.Tensor, check: torch.Tensor | None = None) -> int:
         """Add a future batch's engine rows `[n]` (int64, in range or the sentinel row
@@ -144,18 +158,27 @@ class CacheEngine:
         `check`: device int64 words the caller wants back on the host with the batch's plan
         (`StagePlan.host_check` after `lookup_plan`), e.g. an invalid-id record.
         """
+        self.check_room()
         s = self.streams
         produced = s.record()  # the ids are made on the current stream
-        with s.on(s.schedule):
-            s.wait(produced)
-            s.keep_for(ids, s.schedule)
-            seq = self.scheduler.enqueue(ids)
+        s.keep_for(ids, s.schedule)
+        seq = self._window.enqueued
+        self._lane.submit(self._enqueue, ids, produced, seq)
+        self._window.enqueued += 1
         if check is not None:
             # Copied to the host on the schedule stream when the batch is staged: its memory
             # must not go back to the current stream's pool before that copy has run.
             s.keep_for(check, s.schedule)
             self._checks[seq] = check
         return seq
+
+    def _enqueue(self, ids: torch.Tensor, produced: torch.cuda.Event | None, seq: int) -> None:
+        s = self.streams
+        with s.on(s.schedule):
+            s.wait(produced)
+            made = self.scheduler.enqueue(ids)
+        if made != seq:  # the engine's count and the scheduler's must agree
+            raise LookaheadWindowError(f"{self.name}: batch {made} entered as batch {seq}")
 
     def prefetch(self, depth: int | None = None) -> int:
         """Stage enqueued batches until `depth` (default: the config's `prefetch_depth`) are
@@ -169,8 +192,8 @@ class CacheEngine:
         depth = self.config.prefetch_depth if depth is None else depth
         staged = 0
         start = time.perf_counter()
-        while len(self._ahead) < depth and self.scheduler.num_unstaged:
-            self._ahead.append(self._stage(critical=False))
+        while len(self._ahead) < depth and self._window.unstaged:
+            self._ahead.append(self._submit_stage(critical=False))
             staged += 1
         if staged:
             self._staging_s += time.perf_counter() - start
@@ -186,15 +209,16 @@ class CacheEngine:
         self.release_stale()
         start = time.perf_counter()
         if self._ahead:
-            plan = self._ahead.popleft()
-        elif self.scheduler.num_unstaged:
-            plan = self._stage(critical=True)
+            staged = self._ahead.popleft()
+        elif self._window.unstaged:
+            staged = self._submit_stage(critical=True)
         else:
             raise LookaheadWindowError(f"{self.name}: lookup with no enqueued batch")
+        plan = self._lane.result(staged)
         plan.host_counts, plan.host_check = self.stager.wait(plan)
         self._wait_s += time.perf_counter() - start
         self._active.append(plan)
-        self.scheduler.note_counts(plan.host_counts)
+        self._lane.submit(self.scheduler.note_counts, plan.host_counts)
         error = self.scheduler.capacity_error(plan, plan.host_counts)
         if error is not None:
             self.drop_window()
@@ -290,9 +314,17 @@ class CacheEngine:
 
     def release(self, plan: StagePlan, *, updated: bool = False) -> None:
         """The batch is done: unpin its rows (`updated`: it was trained, its rows are dirty)."""
+        if plan.seq != self._window.released:  # (as the scheduler says it, at once)
+            raise LookaheadWindowError(
+                f"{self.name}: batches must be released in the order they were staged"
+            )
         self._active.remove(plan)
+        done = self.streams.record()  # after the batch's lookup (and update) on this stream
+        self._lane.submit(self._release, plan, updated, done)
+        self._window.released += 1
+
+    def _release(self, plan: StagePlan, updated: bool, done: torch.cuda.Event | None) -> None:
         s = self.streams
-        done = s.record()  # after the batch's lookup (and update) on the current stream
         with s.on(s.schedule):
             s.wait(done)
             self.scheduler.release(plan, updated=updated)
@@ -303,7 +335,12 @@ class CacheEngine:
         while self._active:
             self.release(self._active[0])
 
-    def _stage(self, *, critical: bool) -> StagePlan:
+    def _submit_stage(self, *, critical: bool) -> Future[StagePlan]:
+        """The next batch staged (`_stage`) on the lane."""
+        self._window.staged += 1
+        return self._lane.submit(self._stage, critical)
+
+    def _stage(self, critical: bool) -> StagePlan:
         s = self.streams
         if self.scheduler.needs_fill:  # a cache of every row: all of them, once (then no loads)
             self.stager.load_all(self.capacity)
@@ -318,18 +355,22 @@ class CacheEngine:
     def drop_window(self) -> None:
         """Forget the batches in the window after an error: their queued transfers finish
         (dirty victims reach the host store), resident rows stay, nothing is lost."""
+        self._lane.join()
         self.stager.forget()
         self._ahead.clear()
         self._active.clear()
         self._checks.clear()
         with self._on_schedule_after_current():
             self.scheduler.drop_window()
+        window = self._window  # every batch enqueued is gone: staged and released
+        window.staged = window.released = window.enqueued
 
     def flush(self) -> int:
         """Write every dirty resident row back to the host store; returns rows written.
 
         Not part of the per-batch path: it reads the dirty bits on the host.
         """
+        self._lane.join()
         self.stager.drain()
         res = self.scheduler.residency
         with self._on_schedule_after_current():
@@ -343,6 +384,7 @@ class CacheEngine:
 
         Dirty rows are discarded, so call `flush()` first unless the store was just overwritten.
         """
+        self._lane.join()
         self.stager.forget()
         self._ahead.clear()
         self._active.clear()
@@ -351,6 +393,7 @@ class CacheEngine:
             self.scheduler.clear()
             self.weights.zero_()
             self.state.zero_()
+        self._window = _Window()  # (sequence numbers start again)
 
     def _on_schedule_after_current(self):  # noqa: ANN202
         s = self.streams
@@ -359,6 +402,7 @@ class CacheEngine:
 
     def stats(self) -> CacheStats:
         """The counters (reads the device: call it every few batches, not every batch)."""
+        self._lane.join()
         s = self.streams
         s.wait(s.record(s.schedule))  # the counters are kept on the schedule stream
         c = self.scheduler.counters
@@ -374,3 +418,17 @@ class CacheEngine:
             graph_captures=self.scheduler.graphs.captures,
             graph_replays=self.scheduler.graphs.replays,
         )
+
+
+@dataclass
+class _Window:
+    """The engine's counts of batches since the scheduler was cleared (its seqs), which the
+    training thread reads while the lane changes the scheduler's."""
+
+    enqueued: int = 0
+    staged: int = 0
+    released: int = 0
+
+    @property
+    def unstaged(self) -> int:
+        return self.enqueued - self.staged

@@ -259,10 +259,13 @@ def train_and_compare(
     hot_reduce: str = "all",
     graphs: bool = False,
     staging: str = "worker",
+    scheduler_thread: bool = False,
 ) -> dict:
     """Train sharded+cached and unsharded side by side on the same batches; compare.
     `graphs`: the caches replay their scheduling as graphs (`CacheConfig.cuda_graphs`).
     `staging`: `CacheConfig.staging` (with `graphs`, "direct" is what CUDA runs by default).
+    `scheduler_thread`: the caches' scheduling calls on a thread of their own
+    (`CacheConfig.scheduler_thread`).
     `hot`: t0, t1 and t3 replicate their hottest rows on every rank (`CacheConfig.hot_rows`).
     `hot_reduce`: how their gradients are summed (`CacheConfig.hot_reduce`); "mixed": t0 and t3
     all-gather their touched rows, t1 all-reduces all of its.
@@ -285,8 +288,9 @@ def train_and_compare(
     sharded_src = make_ebc(pooling, weighted=weighted)
     sharded_src.load_state_dict(reference.state_dict())
     config = CacheConfig(
-        capacity=capacity, lookahead=2, prefetch_depth=1, cuda_graphs=graphs, staging=staging
-    )
+        capacity=capacity, lookahead=2, prefetch_depth=1, cuda_graphs=graphs, staging=staging,
+        scheduler_thread=scheduler_thread,
+    )  # fmt: skip
     # The optimizer is configured the TorchRec way; the kernel's CacheConfig takes it from there.
     apply_optimizer_in_backward(opt_cls, sharded_src.embedding_bags.parameters(), kwargs)
     ref_opt = (

@@ -30,6 +30,22 @@ def test_cuda_graphs_equal_unsharded_bitwise(kind, staging):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_scheduler_thread_equals_unsharded_bitwise(prefetch):
+    """The caches' scheduling calls on a thread of their own (`CacheConfig.scheduler_thread`),
+    with graphs and direct staging (CUDA's defaults), staged at the lookup or ahead by
+    TorchRec's prefetch hook: bitwise as the unsharded tables."""
+    kwargs = {"graphs": True, "staging": "direct", "scheduler_thread": True, "steps": 30}
+    kwargs |= {"prefetch": True, "capacity": 24} if prefetch else {}
+    results = run_ranks(train_and_compare, 2, args=("mixed",), kwargs=kwargs, timeout_s=150)
+    stats = [s for rank in results for s in rank.values()]
+    assert any(s["evictions"] > 0 for s in stats)
+    assert sum(s["graph_replays"] for s in stats) > 0
+    if prefetch:
+        assert all(s["critical_misses"] == 0 for s in stats), stats
+
+
+@pytest.mark.timeout(180)
 def test_rowwise_adagrad_within_tolerance():
     run_ranks(
         train_and_compare,
