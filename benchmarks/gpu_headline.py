@@ -31,6 +31,8 @@ copy of the tables at a time), all from the same initial weights and batches:
   kernel of a batch's routing and scheduling launched one by one: the default before 2026-11-26);
 - distcache_fused (only if named in --variants): distcache with `fused=True` (the scheduler's
   fused Triton passes, `distcache.cache.fused`, in place of the torch ops they replace);
+- distcache_thread (only if named in --variants): distcache with `scheduler_thread=True` (the
+  scheduler's calls on a thread of their own, `distcache.cache.lane`, off the training thread);
 - lru: the same engine, reactive (misses loaded at lookup), at each --lru-capacities;
 - device: every row in device memory (`nn.EmbeddingBag`, sparse SGD; SGD only), if it fits;
 - cpu_embeddings (CUDA only): those bags in host memory, pooled embeddings sent to the device.
@@ -122,10 +124,11 @@ VARIANTS = (
     "distcache_eager",
     "distcache_torch",
     "distcache_fused",
+    "distcache_thread",
 )
 CACHED = (
     "distcache", "distcache_worker", "distcache_eager", "distcache_torch", "distcache_fused",
-    "lru",
+    "distcache_thread", "lru",
 )  # fmt: skip
 DEFAULT_VARIANTS = VARIANTS[:7]  # distcache_worker and _eager on request (--variants)
 PLAIN_OPTIMIZERS = ("sgd",)  # what `device` and `cpu_embeddings` (torch.optim) train with
@@ -412,6 +415,7 @@ def cached_run(name, capacity, tables, data, dense_model, args, device) -> Run:
         cuda_graphs=False if name == "distcache_eager" else None,
         kernel="torch" if name == "distcache_torch" else None,
         fused=name == "distcache_fused",
+        scheduler_thread=name == "distcache_thread",
     )
     bags = TiledCachedBags(tables, config, device=device, seed=args.seed)
     dense_opt = torch.optim.SGD(dense_model.parameters(), lr=args.lr)
@@ -753,6 +757,8 @@ def _plan(args) -> list[tuple[str, float | None]]:
         out += [("distcache_torch", c) for c in args.capacities]
     if "distcache_fused" in args.variants:
         out += [("distcache_fused", c) for c in args.capacities]
+    if "distcache_thread" in args.variants:
+        out += [("distcache_thread", c) for c in args.capacities]
     if "device" in args.variants:
         out.append(("device", None))
     if "lru" in args.variants:

@@ -491,29 +491,33 @@ stage_verify() {
     pack_out
 }
 
-# Then, with the device time left (about 150 s), what the host-path changes after 2026-11-28
-# bought (stream calls by device index, a85b3f5; graph inputs and results packed per dtype,
-# ad08b0e): distcache at 2 % of 1/100 of Terabyte's rows beside FBGEMM with every row in HBM,
-# run by the code the H200 measured that day (08a03dc) and by this tree, in turns, in one
-# call. Pack that code here first (/.base/ is in .git/info/exclude; 0.3 MB):
+# The host-path check, the next GPU session's first call after `unpack` (then `verify` with the
+# time left, VERIFY_SECONDS=...): what the host-path changes after 2026-11-28 bought (stream
+# calls by device index, a85b3f5; graph inputs and results packed per dtype, ad08b0e), and the
+# scheduler's calls on a thread of their own (`CacheConfig.scheduler_thread`, gpu_headline's
+# distcache_thread): distcache at 2 % of 1/100 of Terabyte's rows beside FBGEMM with every row
+# in HBM, run by the code the H200 measured that day (08a03dc) and by this tree (with and
+# without the thread, in one process), in turns, in one call. Pack that code here first
+# (/.base/ is in .git/info/exclude; 0.3 MB):
 #     mkdir -p .base && git archive -o .base/base.tar.gz 08a03dc distcache \
 #         $(git ls-tree --name-only 08a03dc benchmarks/ | grep '\.py$')
-#     run(command="bash benchmarks/gpu_session.sh hostcheck", carry=[".fbg2", ".base"], timeout_s=150)
+#     run(command="bash benchmarks/gpu_session.sh hostcheck", carry=[".fbg2", ".base"], timeout_s=230)
 # (Its gpu_headline.py puts its own tree first on the path; its flags are those below, checked
 # here with tests/argv_check.py when it was packed, not by the test of this script.)
 stage_hostcheck() {
-    DEADLINE=$(($(date +%s) + ${HOSTCHECK_SECONDS:-135}))
+    DEADLINE=$(($(date +%s) + ${HOSTCHECK_SECONDS:-210}))
     install_packages
-    local args=(--device cuda --scale 100 --batch 4096 --variants fbgemm_device,distcache
-        --capacities 0.02 --max-warmup 800 --warmup 20 --steps 200 --profile-steps 0)
+    local args=(--device cuda --scale 100 --batch 4096 --capacities 0.02 --max-warmup 800
+        --warmup 20 --steps 200 --profile-steps 0)
     local base=""
     if [ -f .base/base.tar.gz ] && [ -z "$CHECK" ]; then
         mkdir -p /tmp/base && tar -xzf .base/base.tar.gz -C /tmp/base && base=/tmp/base
     fi
     for turn in 1 2; do
         [ -n "$base" ] && step "host_base_$turn" 40 $PY "$base/benchmarks/gpu_headline.py" \
-            "${args[@]}" --json "$OUT/headline_host_base_$turn.json"
-        step "host_head_$turn" 40 $PY benchmarks/gpu_headline.py "${args[@]}" \
+            "${args[@]}" --variants fbgemm_device,distcache --json "$OUT/headline_host_base_$turn.json"
+        step "host_head_$turn" 60 $PY benchmarks/gpu_headline.py "${args[@]}" \
+            --variants fbgemm_device,distcache,distcache_thread \
             --json "$OUT/headline_host_head_$turn.json"
     done
     pack_out

@@ -140,6 +140,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="distcache's caches run the scheduler's fused passes (CacheConfig.fused; default:"
         "\nper device, on CPU the C kernels where a C compiler builds them)",
     )
+    ap.add_argument(
+        "--scheduler-thread",
+        action="store_true",
+        help="distcache's caches run their scheduling calls on a thread of their own"
+        "\n(CacheConfig.scheduler_thread)",
+    )
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument(
         "--check-ids",
@@ -336,6 +342,7 @@ def _variants(args, rows, batches, device: torch.device, host_pg) -> list[_Varia
         check_ids=args.check_ids,
         kernel=args.kernel,
         fused=args.fused,
+        scheduler_thread=args.scheduler_thread,
     )
     for cap in args.capacities:
         dmp = cached(dataclasses.replace(base, capacity=cap))
