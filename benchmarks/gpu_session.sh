@@ -114,7 +114,7 @@ gpu_tests() {  # gpu_tests NAME SECONDS [ARGS...]: tests/gpu, the sync and run-a
     # run cut at 190 s showed two F among 66 dots and nothing else)
     local name=$1 limit=$2
     shift 2
-    local first="tests/gpu/test_overlap_cuda.py tests/gpu/test_transfer_cuda.py"
+    local first="tests/gpu/test_overlap_cuda.py tests/gpu/test_transfer_cuda.py tests/gpu/test_lane_cuda.py"
     step "$name" "$limit" bash -c "$PY -m pytest $first -v -p no:cacheprovider -rfEs --tb=short; \
         a=\$?; $PY -m pytest tests/gpu ${first//tests/--ignore=tests} $* -v -p no:cacheprovider \
         -rfEs --tb=short; b=\$?; exit \$((a | b))"
