@@ -130,7 +130,8 @@ class CacheEngine:
         # answer the training thread meanwhile.
         self._lane = Lane(self.streams.index, threaded=config.scheduler_thread, name=name)
         self._window = _Window()
-        self._ahead: deque[Future[StagePlan]] = deque()  # staged, not yet looked up
+        # Staged, not yet looked up: their plans (inline) or futures of them (the lane's thread).
+        self._ahead: deque[Future[StagePlan] | StagePlan] = deque()
         self._active: deque[StagePlan] = deque()  # looked up, not yet released
         self._staging_s = 0.0
         self._wait_s = 0.0
@@ -335,8 +336,8 @@ class CacheEngine:
         while self._active:
             self.release(self._active[0])
 
-    def _submit_stage(self, *, critical: bool) -> Future[StagePlan]:
-        """The next batch staged (`_stage`) on the lane."""
+    def _submit_stage(self, *, critical: bool) -> Future[StagePlan] | StagePlan:
+        """The next batch staged (`_stage`) on the lane (`Lane.submit`)."""
         self._window.staged += 1
         return self._lane.submit(self._stage, critical)
 

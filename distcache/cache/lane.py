@@ -23,7 +23,7 @@ state it left half changed), and every later call of the engine raises it.
 Example::
 
     lane = Lane(None, threaded=True, name="t0")
-    done = lane.submit(print, "scheduled")  # a Future
+    done = lane.submit(print, "scheduled")  # a Future (inline: print's result)
     lane.join()  # every queued call has run (raises the first error)
 """
 
@@ -56,12 +56,11 @@ class Lane:
         self._executor: ThreadPoolExecutor | None = None
         self._last: Future | None = None
 
-    def submit(self, fn: Callable[..., Any], *args: object) -> Future:
-        """Queue `fn(*args)`; its outcome in a future (inline: already done, or raised)."""
+    def submit(self, fn: Callable[..., Any], *args: object) -> Future | Any:
+        """Queue `fn(*args)`: a future of its outcome; inline, the outcome itself (raised
+        here), with no future to make (the training thread's host time is a GPU step's)."""
         if not self.threaded:
-            done: Future = Future()
-            done.set_result(fn(*args))
-            return done
+            return fn(*args)
         self._raise_if_failed()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
@@ -72,10 +71,11 @@ class Lane:
         self._last = self._executor.submit(self._run, stream, fn, args)
         return self._last
 
-    def result(self, future: Future) -> Any:
-        """`future`'s result, waiting for it (a lane's error raised as `DistcacheError`)."""
+    def result(self, future: Future | Any) -> Any:
+        """The outcome of a call `submit` queued, waiting for it (a lane's error raised as
+        `DistcacheError`)."""
         if not self.threaded:
-            return future.result()
+            return future
         try:
             return future.result()
         except _Stopped:

@@ -164,6 +164,7 @@ def test_a_lane_runs_its_calls_in_order_on_one_other_thread():
     assert ident != threading.get_ident()
     lane.close()
     inline = Lane(None, threaded=False, name="t0")
-    assert inline.result(inline.submit(lambda: threading.get_ident())) == threading.get_ident()
+    assert inline.submit(lambda: threading.get_ident()) == threading.get_ident()
+    assert inline.result(inline.submit(lambda: 7)) == 7
     with pytest.raises(ZeroDivisionError):
         inline.submit(lambda: 1 / 0)
