@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -55,6 +56,7 @@ class Lane:
         self._error: BaseException | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._last: Future | None = None
+        self._pid = os.getpid()  # the process whose thread `_executor` runs
 
     def submit(self, fn: Callable[..., Any], *args: object) -> Future | Any:
         """Queue `fn(*args)`: a future of its outcome; inline, the outcome itself (raised
@@ -62,6 +64,8 @@ class Lane:
         if not self.threaded:
             return fn(*args)
         self._raise_if_failed()
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._executor, self._last, self._pid = None, None, os.getpid()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix=f"distcache-schedule-{self.name}"[:40],

@@ -3,6 +3,7 @@
 bit, against the uncached reference; errors raised where they are raised inline."""
 
 import dataclasses
+import multiprocessing
 import threading
 import time
 
@@ -168,3 +169,30 @@ def test_a_lane_runs_its_calls_in_order_on_one_other_thread():
     assert inline.result(inline.submit(lambda: 7)) == 7
     with pytest.raises(ZeroDivisionError):
         inline.submit(lambda: 1 / 0)
+
+
+def _in_child(lane: Lane, queue) -> None:  # noqa: ANN001
+    ran = []
+    lane.submit(ran.append, 1)
+    lane.join()
+    queue.put(ran)
+
+
+def test_a_forked_child_gets_a_lane_thread_of_its_own():
+    """A process forked after its parent's lane started a thread (a rank forked from a built
+    model) runs its calls on a thread of its own, instead of queueing them for the parent's,
+    which is not in the child."""
+    lane = Lane(None, threaded=True, name="t0")
+    lane.submit(int)
+    lane.join()
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_in_child, args=(lane, queue))
+    child.start()
+    try:
+        assert queue.get(timeout=30) == [1]
+    finally:
+        child.join(timeout=10)
+        child.kill()
+    assert child.exitcode == 0
+    lane.close()
