@@ -46,6 +46,33 @@ def train_windowed(
     return outs
 
 
+def train_without_syncs(
+    cached: CachedEmbeddingBags, batches: list[Batch], *, lookahead: int, warm: int
+) -> None:
+    """Train `cached` as the pipeline does (L ahead, K staged before each lookup), from step
+    `warm` on (graphs captured, caches full) under `set_sync_debug_mode("error")`: any
+    synchronization raises. Every engine's queued calls are waited for before that step and at
+    the end (a scheduler thread's error is raised there)."""
+    device = cached.device
+    enqueued = 0
+    try:
+        for t, batch in enumerate(batches):
+            if t == warm:
+                for engine in cached.engines:
+                    engine._lane.join()
+                torch.cuda.synchronize(device)
+                torch.cuda.set_sync_debug_mode("error")
+            while enqueued < len(batches) and enqueued <= t + lookahead:
+                cached.enqueue(*to_device(batches[enqueued], device))
+                enqueued += 1
+            cached.prefetch()
+            loss_of(cached(*to_device(batch, device))).backward()
+        for engine in cached.engines:
+            engine._lane.join()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def counters(cached: CachedEmbeddingBags) -> dict[str, dict[str, float]]:
     """Each engine's counters, without the host timings (which differ run to run) and the graph
     counters (`cuda_graphs` is on by default for CUDA only)."""

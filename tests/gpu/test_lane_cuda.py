@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags
-from tests.gpu.common import CUDA_REASON
-from tests.unit.cache.reference import loss_of, make_tables
+from tests.gpu.common import CUDA_REASON, train_without_syncs
+from tests.unit.cache.reference import make_tables
 from tests.unit.cache.test_graphs import batches_of, train
 
 DEVICE = torch.device("cuda")
@@ -46,25 +46,10 @@ def test_neither_thread_synchronizes_once_captured():
     """After the captures, enqueue, prefetch, forward and backward under
     `set_sync_debug_mode("error")` (process-wide: the lane thread's calls too)."""
     batches = batches_of([6] * 40, 2, seed=4, tables=TABLES)
-    batches = [(v.to(DEVICE), o.to(DEVICE)) for v, o in batches]
     config = CacheConfig(
         capacity=40, lookahead=4, prefetch_depth=1, cuda_graphs=True, scheduler_thread=True
     )
     cached = CachedEmbeddingBags(TABLES, config, device=DEVICE)
-    enqueued = 0
-    try:
-        for t, batch in enumerate(batches):
-            if t == 20:  # captured by then, and evicting
-                cached.engines[0]._lane.join()
-                torch.cuda.synchronize(DEVICE)
-                torch.cuda.set_sync_debug_mode("error")
-            while enqueued < len(batches) and enqueued <= t + config.lookahead:
-                cached.enqueue(*batches[enqueued])
-                enqueued += 1
-            cached.prefetch()
-            loss_of(cached(*batch)).backward()
-        cached.engines[0]._lane.join()  # (a lane call's error raised here)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    train_without_syncs(cached, batches, lookahead=config.lookahead, warm=20)
     assert cached.engines[0].scheduler.graphs.replays > 20
     assert all(s.evictions > 0 for s in cached.stats().values())
