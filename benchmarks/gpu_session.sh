@@ -477,8 +477,11 @@ stage_calibrate() {
 # and both throughput.py runs while building), the checks of what was fixed, in one call
 # after `unpack` (below): the CUDA tests, the sync and run-ahead ones first; the GPU's
 # calibration for the planner (saying what it measured as it goes); throughput.py at
-# Kaggle's size (DMP, LookaheadTrainPipeline against fused and fused_uvm_caching):
-#     run(command="bash benchmarks/gpu_session.sh verify", carry=[".fbg2", ".whl"], timeout_s=590)
+# Kaggle's size (DMP, LookaheadTrainPipeline against fused and fused_uvm_caching). Since
+# 2026-11-28 (fourth session) the second call after `unpack`, `hostcheck` (below) the first;
+# give it the time left:
+#     run(command="VERIFY_SECONDS=<left - 30> bash benchmarks/gpu_session.sh verify",
+#         carry=[".fbg2", ".whl"], timeout_s=<left>)
 stage_verify() {
     DEADLINE=$(($(date +%s) + ${VERIFY_SECONDS:-560}))
     install_packages
