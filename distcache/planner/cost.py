@@ -145,6 +145,8 @@ from distcache.constants import HOT_TOUCHED
 from distcache.errors import DistcacheConfigError
 from distcache.planner.caches import rank_caches
 from distcache.planner.dense import (
+    all_gather_s,
+    all_reduce_s,
     dense_compute_s,
     dense_parameter_bytes,
     sync_latency_s,
@@ -285,15 +287,6 @@ class SharedTerms:
         self.topology = topology
         self.several, self.sync = topology.world_size > 1, sync_latency_s(topology)
         self.dense_bytes = dense_parameter_bytes(workload) if dense_bytes is None else dense_bytes
-        # `dense.all_reduce_s` and `all_gather_s`'s factors, their operations in their order
-        # (the same floats, without a call and a dozen attribute reads per plan).
-        per_node, nodes = min(topology.ranks_per_node, topology.world_size), topology.num_nodes
-        self._per_node = per_node
-        self._intra_bw = topology.intra_node_bw_bytes_per_s
-        self._inter_bw = topology.inter_node_bw_bytes_per_s
-        self._reduce_intra = 2 * (per_node - 1) / per_node
-        self._reduce_inter = 2 * (nodes - 1) / nodes
-        self._gather_intra, self._gather_inter = per_node - 1, topology.world_size - per_node
         # collectives -> (input latency, output latency without and with replicas, overhead
         # without the bags sent)
         self._of_kinds: dict[frozenset[str], tuple[float, float, float, float]] = {}
@@ -322,14 +315,14 @@ class SharedTerms:
         kinds = shardings if isinstance(shardings, frozenset) else frozenset(shardings)
         of_kinds = self._of_kinds.get(kinds) or self._kinds_terms(kinds)
         input_latency, output_latency, output_latency_hot, overhead = of_kinds
-        all_reduce = self._all_reduce(self.dense_bytes + dp_bytes + hot_bytes)
+        all_reduce = all_reduce_s(self.dense_bytes + dp_bytes + hot_bytes, topology)
         if dp_bytes > 0 and several:
             all_reduce += sync  # the data-parallel tables' own all-reduce
         if hot_tables and several:  # one all-reduce of every replica
             whole = hot_tables > gathered_tables  # some replica all-reduces all its rows
             all_reduce += (HOT_COLLECTIVES - (not whole)) * sync
             if gathered_tables:
-                all_reduce += self._all_gather(gather_bytes) + sync
+                all_reduce += all_gather_s(gather_bytes, topology) + sync
             output_latency = output_latency_hot
         return (
             all_reduce,
@@ -337,22 +330,6 @@ class SharedTerms:
             output_latency,
             overhead + topology.id_overhead_s * sent_bags,
         )
-
-    def _all_reduce(self, num_bytes: float) -> float:
-        """`dense.all_reduce_s(num_bytes, topology)`."""
-        if not self.several or num_bytes <= 0:
-            return 0.0
-        intra = self._reduce_intra * num_bytes / self._intra_bw
-        inter = self._reduce_inter * num_bytes / self._per_node / self._inter_bw
-        return intra + inter + self.sync
-
-    def _all_gather(self, num_bytes: float) -> float:
-        """`dense.all_gather_s(num_bytes, topology)`."""
-        if not self.several or num_bytes <= 0:
-            return 0.0
-        intra = self._gather_intra * num_bytes / self._intra_bw
-        inter = self._gather_inter * num_bytes / self._inter_bw
-        return intra + inter + self.sync
 
     def shared_s(self, *args: object) -> float:
         """`global_terms(...).shared_s` of `parts(*args)`."""

@@ -3,18 +3,12 @@
 import dataclasses
 import math
 import re
-from random import Random
 
 import pytest
 
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import SharedTerms, all_to_all_sent_bytes, global_terms, plan_cost
-from distcache.planner.dense import (
-    all_gather_s,
-    all_reduce_s,
-    dense_flops_per_sample,
-    dense_parameter_bytes,
-)
+from distcache.planner.dense import dense_flops_per_sample, dense_parameter_bytes
 from distcache.planner.shards import (
     CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
     CACHE_SLOT_BYTES,
@@ -808,28 +802,3 @@ def test_shared_terms_kept_per_set_of_collectives_equal_fresh_ones():
             assert kept.parts(*args) == fresh
             assert kept.shared_s(*args) == global_terms(WORKLOAD, topology, *args).shared_s
             assert fresh[1] > 0 or not set(kinds) - {DATA_PARALLEL}  # routed: input latency
-
-
-def test_shared_terms_collectives_equal_dense_bit_for_bit():
-    """`SharedTerms` prices its all-reduce and all-gather from factors made once; the floats
-    are `dense.all_reduce_s`' and `all_gather_s`' exactly (the plans' ties depend on them),
-    on one rank, one node and several, for sizes from none to terabytes."""
-    random = Random(0)
-    for world, per_node in (
-        (1, 8),
-        (4, 8),
-        (16, 8),
-        (128, 8),
-        (24, 16),
-        (100, 8),
-        (18, 6),
-        (21, 7),
-    ):
-        topology = dataclasses.replace(
-            TOPOLOGY, world_size=world, ranks_per_node=per_node, sync_latency_s=3e-5
-        )
-        shared = SharedTerms(WORKLOAD, topology)
-        sizes = [0.0, -1.0, 1.0] + [10 ** random.uniform(0, 13) for _ in range(200)]
-        for num_bytes in sizes:
-            assert shared._all_reduce(num_bytes) == all_reduce_s(num_bytes, topology)
-            assert shared._all_gather(num_bytes) == all_gather_s(num_bytes, topology)
