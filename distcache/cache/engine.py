@@ -30,7 +30,7 @@ from distcache.cache.host_store import HostStore
 from distcache.cache.lane import Lane
 from distcache.cache.optimizers import make_optimizer
 from distcache.cache.policies import make_policy
-from distcache.cache.scheduler import Scheduler, StagePlan
+from distcache.cache.scheduler import Scheduler, StagePlan, check_room
 from distcache.cache.stager import Stager
 from distcache.cache.streams import Streams
 from distcache.cache.tbe import TbeKernel, kernel_for
@@ -144,13 +144,8 @@ class CacheEngine:
     def check_room(self) -> None:
         """Raise `LookaheadWindowError` if the window cannot take one more batch (as
         `Scheduler.check_room`, from the engine's counts)."""
-        in_window, lookahead = self._window.enqueued - self._window.released, self.config.lookahead
-        if in_window > lookahead:
-            raise LookaheadWindowError(
-                f"{self.name}: look-ahead window full: {in_window} batches are enqueued and not "
-                f"released, and lookahead={lookahead} allows {lookahead + 1} "
-                "(the training batch plus L future ones)"
-            )
+        in_window = self._window.enqueued - self._window.released
+        check_room(self.name, in_window, self.config.lookahead)
 
     def enqueue(self, ids: torch.Tensor, check: torch.Tensor | None = None) -> int:
         """Add a future batch's engine rows `[n]` (int64, in range or the sentinel row
@@ -315,10 +310,6 @@ class CacheEngine:
 
     def release(self, plan: StagePlan, *, updated: bool = False) -> None:
         """The batch is done: unpin its rows (`updated`: it was trained, its rows are dirty)."""
-        if plan.seq != self._window.released:  # (as the scheduler says it, at once)
-            raise LookaheadWindowError(
-                f"{self.name}: batches must be released in the order they were staged"
-            )
         self._active.remove(plan)
         done = self.streams.record()  # after the batch's lookup (and update) on this stream
         self._lane.submit(self._release, plan, updated, done)

@@ -96,6 +96,18 @@ class StagePlan:
         return self.batch.inv[: self.batch.num_ids]
 
 
+def check_room(name: str, in_window: int, lookahead: int) -> None:
+    """Raise `LookaheadWindowError` if a window of `lookahead` holding `in_window` batches
+    (enqueued, not released) cannot take one more (`Scheduler.check_room`, and the engine's
+    from its own counts while a scheduler thread runs)."""
+    if in_window > lookahead:
+        raise LookaheadWindowError(
+            f"{name}: look-ahead window full: {in_window} batches are enqueued and not "
+            f"released, and lookahead={lookahead} allows {lookahead + 1} "
+            "(the training batch plus L future ones)"
+        )
+
+
 # `Victims` sweeps at least MIN_SCAN slots: caches up to that size are swept whole (below it a
 # sweep costs less than its launches, and small caches choose as if every slot were scored).
 MIN_SCAN = 4096
@@ -190,13 +202,7 @@ class Scheduler:
 
     def check_room(self) -> None:
         """Raise `LookaheadWindowError` if one more batch would overflow the window."""
-        in_window = len(self._unstaged) + len(self._staged)
-        if in_window > self.lookahead:
-            raise LookaheadWindowError(
-                f"{self.name}: look-ahead window full: {in_window} batches are enqueued and not "
-                f"released, and lookahead={self.lookahead} allows {self.lookahead + 1} "
-                "(the training batch plus L future ones)"
-            )
+        check_room(self.name, len(self._unstaged) + len(self._staged), self.lookahead)
 
     def enqueue(self, ids: torch.Tensor) -> int:
         """Add the next batch's ids `[n]` (int64 rows in range, or the sentinel row) to the
