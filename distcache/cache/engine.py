@@ -30,10 +30,11 @@ from distcache.cache.host_store import HostStore
 from distcache.cache.lane import Lane
 from distcache.cache.optimizers import make_optimizer
 from distcache.cache.policies import make_policy
-from distcache.cache.scheduler import Scheduler, StagePlan, check_room
+from distcache.cache.scheduler import Scheduler, StagePlan
 from distcache.cache.stager import Stager
 from distcache.cache.streams import Streams
 from distcache.cache.tbe import TbeKernel, kernel_for
+from distcache.cache.window import check_room
 from distcache.errors import DistcacheConfigError, LookaheadWindowError
 
 #: The dtypes rows may have (a TorchRec table's `data_type`: FP32, FP16, BF16).

@@ -54,7 +54,7 @@ from distcache.cache.residency import NO_USE, Residency
 from distcache.cache.select import pack
 from distcache.cache.streams import HostCopy
 from distcache.cache.victims import Victims
-from distcache.cache.window import Window, WindowBatch
+from distcache.cache.window import Window, WindowBatch, check_room
 from distcache.errors import CacheCapacityError, LookaheadWindowError
 
 # Entries of `StagePlan.counts` (int64, on the device until the stager mirrors them). FREE:
@@ -94,18 +94,6 @@ class StagePlan:
     def inverse(self) -> torch.Tensor:
         """`[n]` index in `batch.rows` of each id's row (as `unique(return_inverse=True)`)."""
         return self.batch.inv[: self.batch.num_ids]
-
-
-def check_room(name: str, in_window: int, lookahead: int) -> None:
-    """Raise `LookaheadWindowError` if a window of `lookahead` holding `in_window` batches
-    (enqueued, not released) cannot take one more (`Scheduler.check_room`, and the engine's
-    from its own counts while a scheduler thread runs)."""
-    if in_window > lookahead:
-        raise LookaheadWindowError(
-            f"{name}: look-ahead window full: {in_window} batches are enqueued and not "
-            f"released, and lookahead={lookahead} allows {lookahead + 1} "
-            "(the training batch plus L future ones)"
-        )
 
 
 # `Victims` sweeps at least MIN_SCAN slots: caches up to that size are swept whole (below it a

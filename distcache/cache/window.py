@@ -240,3 +240,15 @@ class Window:
         grown[: self.ring_size] = self.next_use[: self.ring_size]  # positions keep their meaning
         self.next_use = grown
         self.generation += 1
+
+
+def check_room(name: str, in_window: int, lookahead: int) -> None:
+    """Raise `LookaheadWindowError` if a window of `lookahead` holding `in_window` batches
+    (enqueued, not released) cannot take one more (`Scheduler.check_room`, and the engine's
+    from its own counts while a scheduler thread runs)."""
+    if in_window > lookahead:
+        raise LookaheadWindowError(
+            f"{name}: look-ahead window full: {in_window} batches are enqueued and not "
+            f"released, and lookahead={lookahead} allows {lookahead + 1} "
+            "(the training batch plus L future ones)"
+        )
