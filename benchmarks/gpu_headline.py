@@ -57,8 +57,9 @@ and the stager's submit; for FBGEMM's caches their slots (`cache_rows`). Then --
 steps run under `torch.profiler`: top ops by self CPU and device time and the `## headline:* ##`
 phases go to the JSON. Every variant's host time per timed step in each phase
 (`host_ms_per_step`: wall time on the host, a wait for the device included; where the host
-is the bottleneck, they sum to the step), and with --cprofile N the timed steps under cProfile:
-the N functions of most host time of their own, after the Python of distcache's own files.
+is the bottleneck, they sum to the step), and with --cprofile N as many steps again after the
+timed ones (which run without it) under cProfile: the N functions of most host time of their
+own, after the Python of distcache's own files.
 `loss_max_diff`: largest difference of a variant's per-step losses from the first variant's
 (same batches, same weights). Throughput ratios: `x_fbgemm_device` (the
 table's column when fbgemm_device ran) and `x_device` (nn.EmbeddingBag), `x_cpu_embeddings`.
@@ -75,7 +76,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import gc
 import math
@@ -187,7 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cprofile",
         type=int,
         default=0,
-        help="N > 0: the timed steps under cProfile, the N functions of most host time each",
+        help="N > 0: --steps more steps under cProfile, the N functions of most host time",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
@@ -660,14 +660,13 @@ def measure(run: Run, args, device: torch.device) -> dict:
     if run.probe is not None:
         run.probe.reset()
     HOST_S.clear()
-    profiler = cProfile.Profile() if args.cprofile else None
     start = time.perf_counter()
-    with profiler or contextlib.nullcontext():
-        for t in range(first, first + args.steps):
-            losses.append(run.step(t))
+    for t in range(first, first + args.steps):
+        losses.append(run.step(t))
     host = {name: 1e3 * s / args.steps for name, s in sorted(HOST_S.items())}
     _sync(device)
     wall = time.perf_counter() - start
+    after = first + args.steps  # the next step: profiled ones come after the timed
     out: dict = {
         "variant": run.name,
         "capacity": run.capacity,
@@ -679,7 +678,13 @@ def measure(run: Run, args, device: torch.device) -> dict:
     }
     out["final_loss"] = sum(out["losses"][-5:]) / 5
     out["host_ms_per_step"] = host  # each phase's host wall time (any wait in it included)
-    if profiler is not None:
+    if args.cprofile:  # as many steps again, under cProfile (the timed ones ran without it)
+        profiler = cProfile.Profile()
+        with profiler:
+            for t in range(after, after + args.steps):
+                run.step(t)
+        _sync(device)
+        after += args.steps
         out["host_functions"] = host_functions(profiler, args.steps, args.cprofile)
     out.update(run.info)
     if run.full is not None:
@@ -689,7 +694,7 @@ def measure(run: Run, args, device: torch.device) -> dict:
         out.update(_cache_metrics(run, before, wall, args.steps))
     if args.profile_steps:
         try:
-            out["profile"] = profile_summary(run, first + args.steps, args, device)
+            out["profile"] = profile_summary(run, after, args, device)
         except Exception as err:  # e.g. no CUPTI: keep the measurement
             out["profile"] = {"error": f"{type(err).__name__}: {err}"}
     return out
@@ -849,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
         TableSpec(name=f"t{i}", num_embeddings=r, embedding_dim=args.dim)
         for i, r in enumerate(rows)
     ]
-    steps = args.max_warmup + args.warmup + args.steps + args.profile_steps
+    steps = args.max_warmup + args.warmup + args.steps * (2 if args.cprofile else 1)
+    steps += args.profile_steps
     data = Data(rows, args, steps + args.lookahead + 1, device)
     config = {**vars(args), "rows": list(rows), "total_rows": sum(rows)}
     if any(name in FBGEMM_VARIANTS for name in args.variants):
