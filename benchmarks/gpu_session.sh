@@ -500,17 +500,20 @@ stage_verify() {
 # scheduler's calls on a thread of their own (`CacheConfig.scheduler_thread`, gpu_headline's
 # distcache_thread): distcache at 2 % of 1/100 of Terabyte's rows beside FBGEMM with every row
 # in HBM, run by the code the H200 measured that day (08a03dc) and by this tree (with and
-# without the thread, in one process), in turns, in one call. Pack that code here first
+# without the thread, in one process), in turns, in one call; between the turns
+# `host_overlap.py`: the training step alone and beside distcache's scheduling inline, on a
+# thread and in a process of its own (what moving that host work off the training thread can
+# buy at all, on a GPU whose contexts are time-sliced). Pack that code here first
 # (/.base/ is in .git/info/exclude; 0.3 MB):
 #     mkdir -p .base && git archive -o .base/base.tar.gz 08a03dc distcache \
 #         $(git ls-tree --name-only 08a03dc benchmarks/ | grep '\.py$')
-#     run(command="bash benchmarks/gpu_session.sh hostcheck", carry=[".fbg2", ".base"], timeout_s=230)
+#     run(command="bash benchmarks/gpu_session.sh hostcheck", carry=[".fbg2", ".base"], timeout_s=290)
 # (Its gpu_headline.py puts its own tree first on the path; its flags are those below, checked
 # here with tests/argv_check.py when it was packed, not by the test of this script.) This tree's
 # first run also profiles as many steps again under cProfile, after the timed ones: where the
 # host's time goes once those changes are in, without slowing the steps that are timed.
 stage_hostcheck() {
-    DEADLINE=$(($(date +%s) + ${HOSTCHECK_SECONDS:-210}))
+    DEADLINE=$(($(date +%s) + ${HOSTCHECK_SECONDS:-270}))
     install_packages
     local args=(--device cuda --scale 100 --batch 4096 --capacities 0.02 --max-warmup 800
         --warmup 20 --steps 200 --profile-steps 0)
@@ -526,6 +529,11 @@ stage_hostcheck() {
             --variants fbgemm_device,distcache,distcache_thread \
             --json "$OUT/headline_host_head_$turn.json"
         profiled=()
+        # Between the turns: whether the scheduling's host work can leave the training thread
+        # at all, on a thread or in a process of its own (its own CUDA context), against the
+        # step alone and with it inline.
+        [ "$turn" = 1 ] && step host_overlap 70 $PY benchmarks/host_overlap.py --device cuda \
+            --json "$OUT/host_overlap.json"
     done
     pack_out
 }

@@ -378,3 +378,24 @@ def test_phase_timers_count_each_phase_once_and_put_methods_back():
         assert Model.own is own and "inherited" not in vars(Model)
     finally:
         del globals()["Model"]
+
+
+@pytest.mark.timeout(180)
+def test_host_overlap_runs_the_side_work_in_each_mode(tmp_path):
+    """host_overlap.py: the training step alone, and beside a cache's scheduling inline, on a
+    thread and in a spawned process, each mode's side work done once per timed step (none
+    alone), the process gone at the end."""
+    out = tmp_path / "overlap.json"
+    argv = [
+        "--device", "cpu", "--scale", "5000", "--capacity", "0.3", "--batch", "16", "--dim", "8",
+        "--lookahead", "4", "--warmup", "3", "--steps", "5", "--rounds", "2",
+        "--threads", "1", "--json", str(out),
+    ]  # fmt: skip
+    run = _bench("host_overlap.py", *argv, timeout=170)
+    assert "x alone" in run.stdout
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(results) == ["alone", "inline", "thread", "process"]
+    assert results["alone"]["x_alone"] == 1.0 and results["alone"]["side_steps"] == 0
+    for mode in ("inline", "thread", "process"):
+        assert results[mode]["side_steps"] == 2 * 5, mode
+        assert len(results[mode]["rounds"]) == 2 and results[mode]["steps_per_s"] > 0

@@ -1,0 +1,319 @@
+"""Can a cache's scheduling leave the training thread, and where to? (issue 33)
+
+On a GPU the host sets a step's pace (benchmarks/results/h200_2026-11-28): distcache's
+scheduling calls took 1.4-1.9 ms of the training thread's 6.3 ms step, while FBGEMM's whole step
+took 3.3 ms. Two places could take that host work off the training thread:
+- a thread of its own (`CacheConfig.scheduler_thread`): it shares the GIL, which torch
+  releases while it dispatches each op, so the threads hand it over at every op (on CPU the
+  engine's thread ran at 0.51-0.53 x inline);
+- a process of its own: no GIL shared, but a CUDA context of its own, which the GPU
+  time-slices with the trainer's (without MPS), and every plan would have to cross to the
+  trainer through shared memory.
+
+This measures both before either carries the engine's plans: a host-bound training step
+(`gpu_headline.py`'s DLRM dense part over an `nn.EmbeddingBag` with sparse SGD, every row on
+the device) runs
+- `alone`;
+- `inline`: with distcache's per-batch work other than the lookup and update on the same
+  thread, as it runs by default: `gpu_headline.py`'s distcache variant at --capacity of
+  Criteo's tables / --scale (a batch routed and entering the window L ahead, staging K = 1
+  ahead, the oldest batch's plan taken and released; the device's defaults: CUDA graphs and
+  direct staging on a GPU);
+- `thread`: that work on a thread of its own, at most --lag steps behind the training step;
+- `process`: that work in a process of its own (spawned; its own engine and batches, the same
+  sizes), at most --lag steps behind.
+The side work's plans are not used by the training step: what is measured is what running
+it costs the step where it runs. The modes take turns for --rounds rounds of --steps steps
+each; reported are each mode's steps/s (median and range over rounds) and its ratio to
+`alone`'s median.
+
+Usage::
+
+    python benchmarks/host_overlap.py --device cuda --json $OUT/host_overlap.json
+    python benchmarks/host_overlap.py --device cpu --scale 1000 --batch 256 --steps 30 \\
+        --rounds 2 --threads 1     # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import print_table, write_json  # noqa: E402
+from gpu_headline import DENSE_FEATURES, TABLE_ROWS, Data, DenseDLRM  # noqa: E402
+
+from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
+
+MODES = ("alone", "inline", "thread", "process")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--tables", choices=tuple(TABLE_ROWS), default="terabyte")
+    ap.add_argument("--scale", type=float, default=100, help="table rows = Criteo rows / scale")
+    ap.add_argument("--capacity", type=float, default=0.02, help="the side's cache, a fraction")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4096, help="samples per step (one id a table)")
+    ap.add_argument("--alpha", type=float, default=1.05, help="power-law exponent of the ids")
+    ap.add_argument("--lookahead", type=int, default=64)
+    ap.add_argument("--lag", type=int, default=1, help="steps the side work may fall behind")
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per mode and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"some of {MODES}")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown or "alone" not in args.modes:
+        ap.error(f"--modes {unknown or args.modes}: expected 'alone' and others of {MODES}")
+    if min(args.batch, args.steps, args.rounds, args.dim) < 1 or not args.scale > 0:
+        ap.error("--batch, --dim, --steps and --rounds must be >= 1, --scale > 0")
+    if args.lag < 1 or not 0 < args.capacity <= 1:
+        ap.error("expected --lag >= 1 and 0 < --capacity <= 1")
+    args.json = args.json or str(
+        Path(__file__).resolve().parent / "results" / f"host_overlap_{args.device}.json"
+    )
+    return args
+
+
+def _rows(args: argparse.Namespace) -> list[int]:
+    return [max(3, round(r / args.scale)) for r in TABLE_ROWS[args.tables]]
+
+
+class Side:
+    """distcache's per-batch work outside the lookup and update, on batches of its own, as
+    `gpu_headline.py`'s distcache variant drives `CachedEmbeddingBags` (one cache for its
+    tables, the device's defaults): each `step` enqueues the batch L ahead (its routing and
+    entry into the window), stages, looks up the oldest batch without gradients (its plan
+    taken and released) and stages the next."""
+
+    BATCHES = 64  # cycled
+
+    def __init__(self, args: argparse.Namespace, seed: int = 1):
+        device = torch.device(args.device)
+        rows = _rows(args)
+        config = CacheConfig(capacity=args.capacity, lookahead=args.lookahead, prefetch_depth=1)
+        tables = [
+            TableSpec(name=f"t{i}", num_embeddings=r, embedding_dim=args.dim)
+            for i, r in enumerate(rows)
+        ]
+        self.bags = CachedEmbeddingBags(tables, config, device=device, seed=seed)
+        self.data = Data(
+            rows, argparse.Namespace(**{**vars(args), "seed": seed}), self.BATCHES, device
+        )
+        self.lookahead, self.t, self.enqueued = args.lookahead, 0, 0
+
+    def step(self) -> None:
+        bags, data, n = self.bags, self.data, self.BATCHES
+        while self.enqueued <= self.t + self.lookahead:
+            bags.enqueue(data.values(self.enqueued % n), data.offsets)
+            self.enqueued += 1
+        bags.prefetch()
+        with torch.no_grad():
+            bags(data.values(self.t % n), data.offsets)
+        bags.prefetch()  # the next batch's rows move while this step trains
+        self.t += 1
+
+
+class Trainer:
+    """The training step: pooled rows of an `nn.EmbeddingBag` (sparse SGD, every row on the
+    device), the DLRM dense part, its backward and SGD."""
+
+    def __init__(self, args: argparse.Namespace):
+        device = torch.device(args.device)
+        gen = torch.Generator().manual_seed(0)
+        self.features, self.batch = len(TABLE_ROWS[args.tables]), args.batch
+        rows = max(sum(_rows(args)) // self.features, 1)
+        self.bag = torch.nn.EmbeddingBag(rows, args.dim, mode="sum", sparse=True).to(device)
+        self.dense_model = DenseDLRM(self.features, args.dim).to(device)
+        self.opts = [
+            torch.optim.SGD(self.bag.parameters(), lr=0.01),
+            torch.optim.SGD(self.dense_model.parameters(), lr=0.01),
+        ]
+        n = 16  # batches, cycled
+        ids = torch.randint(rows, (n, self.features * args.batch), generator=gen)
+        self.ids = ids.to(device)
+        self.offsets = torch.arange(self.features * args.batch, device=device)
+        self.dense = torch.randn(n, args.batch, DENSE_FEATURES, generator=gen).to(device)
+        self.labels = (torch.rand(n, args.batch, generator=gen) < 0.25).float().to(device)
+        self.t = 0
+
+    def step(self) -> None:
+        k = self.t % self.ids.shape[0]
+        pooled = self.bag(self.ids[k], self.offsets)  # [F * B, D], feature major
+        pooled = pooled.view(self.features, self.batch, -1).transpose(0, 1).flatten(1)
+        logits = self.dense_model(self.dense[k], pooled)
+        loss = F.binary_cross_entropy_with_logits(logits, self.labels[k])
+        for opt in self.opts:
+            opt.zero_grad()
+        loss.backward()
+        for opt in self.opts:
+            opt.step()
+        self.t += 1
+
+
+def _side_process(args, requested, done, stop, ready) -> None:  # noqa: ANN001
+    """The `process` mode's side: its own engine, stepping while `requested` is ahead."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    side = Side(args)
+    for _ in range(args.lookahead + 2):
+        side.step()
+    done.value = requested.value = side.t
+    ready.set()
+    while not stop.is_set():
+        if side.t < requested.value:
+            side.step()
+            done.value = side.t
+        else:
+            time.sleep(1e-5)
+
+
+class Modes:
+    """Each mode's `run(steps)`: the trainer's steps with the side work as the mode runs it."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.process = None
+        if "process" in args.modes:  # first: it builds its side while this process builds its own
+            ctx = mp.get_context("spawn")  # (a forked child cannot use CUDA)
+            self.requested, self.done = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False)
+            self.stop, ready = ctx.Event(), ctx.Event()
+            self.process = ctx.Process(
+                target=_side_process,
+                args=(args, self.requested, self.done, self.stop, ready),
+                daemon=True,
+            )
+            self.process.start()
+        self.trainer = Trainer(args)
+        self.side = Side(args) if {"inline", "thread"} & set(args.modes) else None
+        self.executor = ThreadPoolExecutor(1) if "thread" in args.modes else None
+        if self.process is not None:
+            while not ready.wait(timeout=1):
+                self._check_alive()
+            self.base = self.done.value
+
+    def _check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise RuntimeError(f"the side process died (exit code {self.process.exitcode})")
+
+    def _wait_side(self, step: int) -> None:
+        """Wait until the side process has done `step` steps (it must be alive)."""
+        while self.done.value < step:
+            self._check_alive()
+            time.sleep(0)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def side_steps(self) -> int:
+        """Steps the side work has done so far, in this process and in the side process."""
+        here = 0 if self.side is None else self.side.t
+        return here + (0 if self.process is None else self.done.value - self.base)
+
+    def run(self, mode: str, steps: int) -> float:
+        """Steps/s of `steps` steps of `mode` (the device synchronized at both ends)."""
+        trainer, side, lag = self.trainer, self.side, self.args.lag
+        self.sync()
+        start = time.perf_counter()
+        if mode == "alone":
+            for _ in range(steps):
+                trainer.step()
+        elif mode == "inline":
+            for _ in range(steps):
+                side.step()
+                trainer.step()
+        elif mode == "thread":
+            pending: list[Future] = []
+            for _ in range(steps):
+                pending.append(self.executor.submit(side.step))
+                while len(pending) > lag:
+                    pending.pop(0).result()
+                trainer.step()
+            for f in pending:
+                f.result()
+        else:
+            first = self.requested.value
+            for i in range(1, steps + 1):
+                self.requested.value = first + i
+                self._wait_side(first + i - lag)
+                trainer.step()
+            self._wait_side(first + steps)
+        self.sync()
+        return steps / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+        if self.process is not None:
+            self.stop.set()
+            self.process.join(timeout=60)
+            if self.process.is_alive():
+                self.process.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = Modes(args)
+    try:
+        for mode in args.modes:
+            modes.run(mode, args.warmup)
+        rates: dict[str, list[float]] = {m: [] for m in args.modes}
+        side: dict[str, int] = dict.fromkeys(args.modes, 0)  # the side work's steps, timed
+        for r in range(args.rounds):
+            order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
+            for mode in order:
+                before = modes.side_steps()
+                rates[mode].append(modes.run(mode, args.steps))
+                side[mode] += modes.side_steps() - before
+    finally:
+        modes.close()
+    alone = statistics.median(rates["alone"])
+    results = [
+        {
+            "mode": m,
+            "steps_per_s": statistics.median(r),
+            "low": min(r),
+            "high": max(r),
+            "x_alone": statistics.median(r) / alone,
+            "rounds": r,
+            "side_steps": side[m],
+        }
+        for m, r in rates.items()
+    ]
+    config = {k: v for k, v in vars(args).items() if k != "json"}
+    if args.device == "cuda":
+        config["gpu"] = torch.cuda.get_device_name()
+    print(f"a training step with a cache's scheduling beside it, on {args.device}, "
+          f"median [range] over {args.rounds} rounds:")  # fmt: skip
+    print_table(
+        results,
+        [("mode", "mode"), ("steps_per_s", "steps/s"), ("low", "low"), ("high", "high"),
+         ("x_alone", "x alone")],
+    )  # fmt: skip
+    write_json(args.json, config, results)
+    print(f"results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
