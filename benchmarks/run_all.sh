@@ -30,6 +30,11 @@ $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 \
 $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 --small-tables resident \
     --json $out/throughput_cpu_2ranks_resident.json
 $PY benchmarks/planner.py --threads 1 --json $out/planner_cpu.json
+# Where the scheduling's host work could go: inline, a thread, a process (issue 33).
+for i in 1 2 3; do
+    $PY benchmarks/host_overlap.py --device cpu --scale 1000 --batch 256 --steps 60 --rounds 3 \
+        --warmup 10 --threads 1 --json $out/host_overlap_cpu/run$i.json
+done
 # Hot rows (sequence and pooled tables): distcache's plan, the same without, TorchRec's plan.
 # (the cpu preset: calibrated at 59d4f57, the planner replicates no row of this workload)
 $PY benchmarks/hot_rows.py --rounds 5 --steps 20 --json $out/hot_rows_sequence_cpu_2ranks.json
