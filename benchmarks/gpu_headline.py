@@ -678,7 +678,14 @@ def measure(run: Run, args, device: torch.device) -> dict:
     }
     out["final_loss"] = sum(out["losses"][-5:]) / 5
     out["host_ms_per_step"] = host  # each phase's host wall time (any wait in it included)
-    if args.cprofile:  # as many steps again, under cProfile (the timed ones ran without it)
+    out.update(run.info)
+    if run.full is not None:
+        out["cache_full"] = run.full()
+    if run.bags is not None:
+        out["cache_full"] = _full(run.bags)
+        out.update(_cache_metrics(run, before, wall, args.steps))
+    if args.cprofile:  # as many steps again under cProfile, once the timed steps' counters
+        # and timers were read
         profiler = cProfile.Profile()
         with profiler:
             for t in range(after, after + args.steps):
@@ -686,12 +693,6 @@ def measure(run: Run, args, device: torch.device) -> dict:
         _sync(device)
         after += args.steps
         out["host_functions"] = host_functions(profiler, args.steps, args.cprofile)
-    out.update(run.info)
-    if run.full is not None:
-        out["cache_full"] = run.full()
-    if run.bags is not None:
-        out["cache_full"] = _full(run.bags)
-        out.update(_cache_metrics(run, before, wall, args.steps))
     if args.profile_steps:
         try:
             out["profile"] = profile_summary(run, after, args, device)

@@ -265,6 +265,13 @@ def test_gpu_headline_rowwise_adagrad_on_cpu(tmp_path):
     assert sum(host.values()) <= by_name["distcache"]["step_ms"] * 1.05
     assert functions[0]["function"].startswith("(distcache") and functions[0]["own_ms"] > 0
     assert len(functions) == 6 and all(f["calls"] > 0 for f in functions[1:])
+    # The profiled steps come after the timed ones and leave their figures alone (the losses
+    # differ: the batches' dense features and labels are drawn for every step of a run).
+    (plain,) = _headline(
+        tmp_path, "--optimizer", "rowwise_adagrad", "--warmup", "10", "--variants", "distcache"
+    )
+    for key in ("loads_per_step", "writebacks_per_step", "hit_rate"):
+        assert plain[key] == by_name["distcache"][key], key
     if not fbgemm:
         assert "fbgemm_gpu" in by_name["fbgemm_device"]["skipped"]
         return
