@@ -21,7 +21,10 @@ the device) runs
   direct staging on a GPU);
 - `thread`: that work on a thread of its own, at most --lag steps behind the training step;
 - `process`: that work in a process of its own (spawned; its own engine and batches, the same
-  sizes), at most --lag steps behind.
+  sizes), at most --lag steps behind;
+- `process_cpu`: the same with the side's cache on the CPU (the scheduler's C kernels, rows
+  copied in host memory): whether a CPU process could plan a GPU's batches as fast as it
+  trains them, without a second CUDA context (cDLRM's look-ahead pre-processor, in spirit).
 The side work's plans are not used by the training step: what is measured is what running
 it costs the step where it runs. The modes take turns for --rounds rounds of --steps steps
 each; reported are each mode's steps/s (median and range over rounds) and its ratio to
@@ -54,7 +57,7 @@ from gpu_headline import DENSE_FEATURES, TABLE_ROWS, Data, DenseDLRM  # noqa: E4
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
 
-MODES = ("alone", "inline", "thread", "process")
+MODES = ("alone", "inline", "thread", "process", "process_cpu")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES), help=f"some of {MODES}")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--side-threads", type=int, default=1, help="torch threads of a side process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device == "auto":
@@ -83,8 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--modes {unknown or args.modes}: expected 'alone' and others of {MODES}")
     if min(args.batch, args.steps, args.rounds, args.dim) < 1 or not args.scale > 0:
         ap.error("--batch, --dim, --steps and --rounds must be >= 1, --scale > 0")
-    if args.lag < 1 or not 0 < args.capacity <= 1:
-        ap.error("expected --lag >= 1 and 0 < --capacity <= 1")
+    if min(args.lag, args.side_threads) < 1 or not 0 < args.capacity <= 1:
+        ap.error("expected --lag and --side-threads >= 1 and 0 < --capacity <= 1")
     args.json = args.json or str(
         Path(__file__).resolve().parent / "results" / f"host_overlap_{args.device}.json"
     )
@@ -167,21 +171,71 @@ class Trainer:
         self.t += 1
 
 
-def _side_process(args, requested, done, stop, ready) -> None:  # noqa: ANN001
-    """The `process` mode's side: its own engine, stepping while `requested` is ahead."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    side = Side(args)
+def _side_process(args, device, go, done, stop, ready) -> None:  # noqa: ANN001
+    """A side process's loop: its own `Side` on `device`, one step for each release of `go`
+    (blocked, not spinning, while it has none: the other modes' steps share the cores)."""
+    torch.set_num_threads(args.side_threads)
+    side = Side(argparse.Namespace(**{**vars(args), "device": device}))
     for _ in range(args.lookahead + 2):
         side.step()
-    done.value = requested.value = side.t
+    done.value = side.t
     ready.set()
     while not stop.is_set():
-        if side.t < requested.value:
+        if go.acquire(timeout=0.05):
             side.step()
             done.value = side.t
-        else:
-            time.sleep(1e-5)
+
+
+class SideProcess:
+    """A spawned process running a `Side` on `device`, which the trainer asks for steps (a
+    semaphore) and waits for (a counter in shared memory); nothing on a device is shared."""
+
+    def __init__(self, args: argparse.Namespace, device: str):
+        ctx = mp.get_context("spawn")  # (a forked child cannot use CUDA)
+        self.go, self.done = ctx.Semaphore(0), ctx.Value("q", 0, lock=False)
+        self.stop, self._ready = ctx.Event(), ctx.Event()
+        self.process = ctx.Process(
+            target=_side_process,
+            args=(args, device, self.go, self.done, self.stop, self._ready),
+            daemon=True,
+        )
+        self.process.start()
+        self.base = self.requested = 0
+
+    def ready(self) -> None:
+        """Wait until its side has warmed up (the window full, its graphs captured)."""
+        while not self._ready.wait(timeout=1):
+            self._check_alive()
+        self.base = self.requested = self.done.value
+
+    def steps(self) -> int:
+        """Steps done since it was ready."""
+        return self.done.value - self.base
+
+    def run(self, trainer: Trainer, steps: int, lag: int) -> None:
+        """`steps` training steps, each at most `lag` steps ahead of the side's."""
+        first = self.requested
+        for i in range(1, steps + 1):
+            self.go.release()
+            self.requested = first + i
+            self._wait(first + i - lag)
+            trainer.step()
+        self._wait(first + steps)
+
+    def _wait(self, step: int) -> None:
+        while self.done.value < step:
+            self._check_alive()
+            time.sleep(0)
+
+    def _check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise RuntimeError(f"a side process died (exit code {self.process.exitcode})")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
 
 
 class Modes:
@@ -190,43 +244,26 @@ class Modes:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.device = torch.device(args.device)
-        self.process = None
-        if "process" in args.modes:  # first: it builds its side while this process builds its own
-            ctx = mp.get_context("spawn")  # (a forked child cannot use CUDA)
-            self.requested, self.done = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False)
-            self.stop, ready = ctx.Event(), ctx.Event()
-            self.process = ctx.Process(
-                target=_side_process,
-                args=(args, self.requested, self.done, self.stop, ready),
-                daemon=True,
-            )
-            self.process.start()
+        # First: they build their sides while this process builds its own.
+        self.processes = {
+            mode: SideProcess(args, args.device if mode == "process" else "cpu")
+            for mode in ("process", "process_cpu")
+            if mode in args.modes
+        }
         self.trainer = Trainer(args)
         self.side = Side(args) if {"inline", "thread"} & set(args.modes) else None
         self.executor = ThreadPoolExecutor(1) if "thread" in args.modes else None
-        if self.process is not None:
-            while not ready.wait(timeout=1):
-                self._check_alive()
-            self.base = self.done.value
-
-    def _check_alive(self) -> None:
-        if not self.process.is_alive():
-            raise RuntimeError(f"the side process died (exit code {self.process.exitcode})")
-
-    def _wait_side(self, step: int) -> None:
-        """Wait until the side process has done `step` steps (it must be alive)."""
-        while self.done.value < step:
-            self._check_alive()
-            time.sleep(0)
+        for process in self.processes.values():
+            process.ready()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def side_steps(self) -> int:
-        """Steps the side work has done so far, in this process and in the side process."""
+        """Steps the side work has done so far, in this process and in the side processes."""
         here = 0 if self.side is None else self.side.t
-        return here + (0 if self.process is None else self.done.value - self.base)
+        return here + sum(p.steps() for p in self.processes.values())
 
     def run(self, mode: str, steps: int) -> float:
         """Steps/s of `steps` steps of `mode` (the device synchronized at both ends)."""
@@ -250,23 +287,15 @@ class Modes:
             for f in pending:
                 f.result()
         else:
-            first = self.requested.value
-            for i in range(1, steps + 1):
-                self.requested.value = first + i
-                self._wait_side(first + i - lag)
-                trainer.step()
-            self._wait_side(first + steps)
+            self.processes[mode].run(trainer, steps, lag)
         self.sync()
         return steps / (time.perf_counter() - start)
 
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown()
-        if self.process is not None:
-            self.stop.set()
-            self.process.join(timeout=60)
-            if self.process.is_alive():
-                self.process.kill()
+        for process in self.processes.values():
+            process.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -390,8 +390,8 @@ def test_phase_timers_count_each_phase_once_and_put_methods_back():
 @pytest.mark.timeout(180)
 def test_host_overlap_runs_the_side_work_in_each_mode(tmp_path):
     """host_overlap.py: the training step alone, and beside a cache's scheduling inline, on a
-    thread and in a spawned process, each mode's side work done once per timed step (none
-    alone), the process gone at the end."""
+    thread and in spawned processes (its cache on the run's device, and on the CPU), each
+    mode's side work done once per timed step (none alone)."""
     out = tmp_path / "overlap.json"
     argv = [
         "--device", "cpu", "--scale", "5000", "--capacity", "0.3", "--batch", "16", "--dim", "8",
@@ -401,8 +401,8 @@ def test_host_overlap_runs_the_side_work_in_each_mode(tmp_path):
     run = _bench("host_overlap.py", *argv, timeout=170)
     assert "x alone" in run.stdout
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
-    assert list(results) == ["alone", "inline", "thread", "process"]
+    assert list(results) == ["alone", "inline", "thread", "process", "process_cpu"]
     assert results["alone"]["x_alone"] == 1.0 and results["alone"]["side_steps"] == 0
-    for mode in ("inline", "thread", "process"):
+    for mode in ("inline", "thread", "process", "process_cpu"):
         assert results[mode]["side_steps"] == 2 * 5, mode
         assert len(results[mode]["rounds"]) == 2 and results[mode]["steps_per_s"] > 0
