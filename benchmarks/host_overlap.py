@@ -27,8 +27,8 @@ the device) runs
   trains them, without a second CUDA context (cDLRM's look-ahead pre-processor, in spirit).
 The side work's plans are not used by the training step: what is measured is what running
 it costs the step where it runs. The modes take turns for --rounds rounds of --steps steps
-each; reported are each mode's steps/s (median and range over rounds) and its ratio to
-`alone`'s median.
+each; reported are each mode's steps/s (median and range over rounds), its ratio to
+`alone`'s median, and the host time of a side step where it ran.
 
 Usage::
 
@@ -121,8 +121,10 @@ class Side:
             rows, argparse.Namespace(**{**vars(args), "seed": seed}), self.BATCHES, device
         )
         self.lookahead, self.t, self.enqueued = args.lookahead, 0, 0
+        self.busy_s = 0.0  # host seconds in `step`
 
     def step(self) -> None:
+        start = time.perf_counter()
         bags, data, n = self.bags, self.data, self.BATCHES
         while self.enqueued <= self.t + self.lookahead:
             bags.enqueue(data.values(self.enqueued % n), data.offsets)
@@ -132,6 +134,7 @@ class Side:
             bags(data.values(self.t % n), data.offsets)
         bags.prefetch()  # the next batch's rows move while this step trains
         self.t += 1
+        self.busy_s += time.perf_counter() - start
 
 
 class Trainer:
@@ -171,19 +174,19 @@ class Trainer:
         self.t += 1
 
 
-def _side_process(args, device, go, done, stop, ready) -> None:  # noqa: ANN001
+def _side_process(args, device, go, done, busy, stop, ready) -> None:  # noqa: ANN001
     """A side process's loop: its own `Side` on `device`, one step for each release of `go`
     (blocked, not spinning, while it has none: the other modes' steps share the cores)."""
     torch.set_num_threads(args.side_threads)
     side = Side(argparse.Namespace(**{**vars(args), "device": device}))
     for _ in range(args.lookahead + 2):
         side.step()
-    done.value = side.t
+    busy.value, done.value = side.busy_s, side.t
     ready.set()
     while not stop.is_set():
         if go.acquire(timeout=0.05):
             side.step()
-            done.value = side.t
+            busy.value, done.value = side.busy_s, side.t
 
 
 class SideProcess:
@@ -193,10 +196,11 @@ class SideProcess:
     def __init__(self, args: argparse.Namespace, device: str):
         ctx = mp.get_context("spawn")  # (a forked child cannot use CUDA)
         self.go, self.done = ctx.Semaphore(0), ctx.Value("q", 0, lock=False)
+        self.busy = ctx.Value("d", 0.0, lock=False)  # its side's `busy_s`
         self.stop, self._ready = ctx.Event(), ctx.Event()
         self.process = ctx.Process(
             target=_side_process,
-            args=(args, device, self.go, self.done, self.stop, self._ready),
+            args=(args, device, self.go, self.done, self.busy, self.stop, self._ready),
             daemon=True,
         )
         self.process.start()
@@ -260,10 +264,12 @@ class Modes:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def side_steps(self) -> int:
-        """Steps the side work has done so far, in this process and in the side processes."""
-        here = 0 if self.side is None else self.side.t
-        return here + sum(p.steps() for p in self.processes.values())
+    def side_steps(self) -> tuple[int, float]:
+        """Steps the side work has done so far, in this process and in the side processes,
+        and the host seconds they took where they ran."""
+        here = (0, 0.0) if self.side is None else (self.side.t, self.side.busy_s)
+        there = [(p.steps(), p.busy.value) for p in self.processes.values()]
+        return here[0] + sum(n for n, _ in there), here[1] + sum(b for _, b in there)
 
     def run(self, mode: str, steps: int) -> float:
         """Steps/s of `steps` steps of `mode` (the device synchronized at both ends)."""
@@ -307,13 +313,15 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes:
             modes.run(mode, args.warmup)
         rates: dict[str, list[float]] = {m: [] for m in args.modes}
-        side: dict[str, int] = dict.fromkeys(args.modes, 0)  # the side work's steps, timed
+        side = {m: [0, 0.0] for m in args.modes}  # the side work's steps and host s, timed
         for r in range(args.rounds):
             order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
             for mode in order:
-                before = modes.side_steps()
+                steps, busy = modes.side_steps()
                 rates[mode].append(modes.run(mode, args.steps))
-                side[mode] += modes.side_steps() - before
+                now = modes.side_steps()
+                side[mode][0] += now[0] - steps
+                side[mode][1] += now[1] - busy
     finally:
         modes.close()
     alone = statistics.median(rates["alone"])
@@ -325,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             "high": max(r),
             "x_alone": statistics.median(r) / alone,
             "rounds": r,
-            "side_steps": side[m],
+            "side_steps": side[m][0],
+            # a side step's host time where it ran (its device work is queued, not waited for)
+            "side_host_ms": 1e3 * side[m][1] / side[m][0] if side[m][0] else None,
         }
         for m, r in rates.items()
     ]
@@ -337,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         results,
         [("mode", "mode"), ("steps_per_s", "steps/s"), ("low", "low"), ("high", "high"),
-         ("x_alone", "x alone")],
+         ("x_alone", "x alone"), ("side_host_ms", "side host ms")],
     )  # fmt: skip
     write_json(args.json, config, results)
     print(f"results: {args.json}")

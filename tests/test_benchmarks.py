@@ -403,6 +403,8 @@ def test_host_overlap_runs_the_side_work_in_each_mode(tmp_path):
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert list(results) == ["alone", "inline", "thread", "process", "process_cpu"]
     assert results["alone"]["x_alone"] == 1.0 and results["alone"]["side_steps"] == 0
+    assert results["alone"]["side_host_ms"] is None
     for mode in ("inline", "thread", "process", "process_cpu"):
         assert results[mode]["side_steps"] == 2 * 5, mode
+        assert results[mode]["side_host_ms"] > 0, mode
         assert len(results[mode]["rounds"]) == 2 and results[mode]["steps_per_s"] > 0
