@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(args.modes) - set(MODES))
     if unknown or "alone" not in args.modes:
