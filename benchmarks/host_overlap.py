@@ -266,7 +266,7 @@ class Modes:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def side_steps(self) -> tuple[int, float]:
+    def side_totals(self) -> tuple[int, float]:
         """Steps the side work has done so far, in this process and in the side processes,
         and the host seconds they took where they ran."""
         here = (0, 0.0) if self.side is None else (self.side.t, self.side.busy_s)
@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
             for mode in order:
-                steps, busy = modes.side_steps()
+                steps, busy = modes.side_totals()
                 rates[mode].append(modes.run(mode, args.steps))
-                now = modes.side_steps()
+                now = modes.side_totals()
                 side[mode][0] += now[0] - steps
                 side[mode][1] += now[1] - busy
     finally:
