@@ -47,7 +47,7 @@ from distcache.planner.ranks import RANK_TERMS, RankStep, RankTerms, rank_step, 
 from distcache.planner.state import LINK_WORK, State, shared_with_modes, traffic_work
 from distcache.planner.types import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE
 
-__all__ = ["State", "evaluate", "price_tables", "traffic_work"]
+__all__ = ["State", "cut_as_enough", "evaluate", "price_tables", "traffic_work"]
 
 # The partial steps each layout needs: (traffic template of `Problem.units`, whether with a
 # shard of each mode on every rank); a layout's first step is the one with its modes.
@@ -76,12 +76,31 @@ def evaluate(
     batch = _Batch(state.p, [table], state.flat[None], [state.kinds])
     out: list[Candidate] = []
     for j, group in enumerate(table.groups):  # data parallel, table-wise, then the others
-        if group.sharding in (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE) and enough is not None:
-            if any(c.fits and c.mode.placement.sharding == TABLE_WISE and enough(c) for c in out):
+        if group.sharding in _SPREAD and enough is not None:
+            if _table_wise_enough(out, enough):
                 break
             enough = None  # decided: the spread layouts are priced
         out += batch.layout(j)[0]
     return out
+
+
+def cut_as_enough(
+    candidates: list[Candidate], enough: Callable[[Candidate], bool]
+) -> list[Candidate]:
+    """A table's candidates (every layout, in `evaluate`'s order: `price_tables`) as
+    `evaluate` with `enough` returns them: without the spread layouts when a table-wise
+    candidate satisfies `enough`."""
+    for at, c in enumerate(candidates):
+        if c.mode.placement.sharding in _SPREAD:
+            return candidates[:at] if _table_wise_enough(candidates[:at], enough) else candidates
+    return candidates
+
+
+_SPREAD = (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE)
+
+
+def _table_wise_enough(candidates: list[Candidate], enough: Callable[[Candidate], bool]) -> bool:
+    return any(c.fits and c.mode.placement.sharding == TABLE_WISE and enough(c) for c in candidates)
 
 
 def price_tables(

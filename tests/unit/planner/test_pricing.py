@@ -1,25 +1,22 @@
 """The solver's vectorized pricing against `plan_cost`."""
 
+import math
+from collections import Counter
+
+import numpy as np
 import pytest
 
 from distcache.planner.candidates import Problem
 from distcache.planner.cost import plan_cost
-from distcache.planner.pricing import State, evaluate
+from distcache.planner.pricing import State, cut_as_enough, evaluate, price_tables
 from distcache.planner.types import TABLE_ROW_WISE, TABLE_WISE, SolverOptions, Topology
 from distcache.planner.workloads import workload_preset
 
 QUICK = SolverOptions(cache_fractions=(0.25, 0.5), column_wise_shards=(2,), max_moves=500)
 
 
-@pytest.mark.parametrize(
-    ("world", "per_node"),
-    [(6, 4), (8, 4)],  # nodes of 4 and 2 ranks; two full nodes (table-row-wise is offered)
-)
-def test_evaluation_agrees_with_plan_cost(world, per_node):
-    """The solver's vectorized pricing and its state equal `plan_cost`, on uneven nodes and
-    on whole nodes, where table-row-wise candidates are priced too."""
-    workload = workload_preset("synthetic:tables=5,rows=1e5,dim=32,seed=1")
-    topology = Topology(
+def _nodes(world: int, per_node: int) -> Topology:
+    return Topology(
         name="nodes",
         world_size=world,
         ranks_per_node=per_node,
@@ -31,6 +28,17 @@ def test_evaluation_agrees_with_plan_cost(world, per_node):
         inter_node_bw_bytes_per_s=1e10,
         dense_flops_per_s=1e12,
     )
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node"),
+    [(6, 4), (8, 4)],  # nodes of 4 and 2 ranks; two full nodes (table-row-wise is offered)
+)
+def test_evaluation_agrees_with_plan_cost(world, per_node):
+    """The solver's vectorized pricing and its state equal `plan_cost`, on uneven nodes and
+    on whole nodes, where table-row-wise candidates are priced too."""
+    workload = workload_preset("synthetic:tables=5,rows=1e5,dim=32,seed=1")
+    topology = _nodes(world, per_node)
     problem = Problem(workload, topology, QUICK)
     state = State(problem)
     seen = set()
@@ -53,3 +61,38 @@ def test_evaluation_agrees_with_plan_cost(world, per_node):
     assert state.totals() == pytest.approx(totals, rel=1e-12)
     assert {t.sharding for t in plan.tables} != {TABLE_WISE}
     assert (TABLE_ROW_WISE in seen) == (world % per_node == 0)
+
+
+def test_tables_priced_together_equal_evaluate():
+    """`price_tables` prices many tables at once, each against a plan of its own (here the
+    placed plan without it); cut as `evaluate`'s `enough` would stop (`cut_as_enough`), each
+    table's candidates are those `evaluate` gives, bit for bit, whether `enough` cuts the
+    spread layouts or not."""
+    workload = workload_preset("synthetic:tables=8,rows=1e5,dim=32,seed=3")
+    problem = Problem(workload, _nodes(8, 4), QUICK)
+    state = State(problem)
+    for index in range(len(workload.tables)):
+        fitting = [c for c in evaluate(state, index) if c.fits]
+        pick = fitting[(5 * index) % len(fitting)]
+        state.add(index, pick.mode, pick.ranks)
+    indices = list(range(len(workload.tables)))
+    flats = np.stack([state.flat - state.contrib[i].flat for i in indices])
+    kinds = [state.kinds - Counter({state.contrib[i].collectives: 1}) for i in indices]
+    together = price_tables(problem, indices, flats, kinds)
+    cuts, placed = 0, state.flat.copy()
+    for index, candidates in zip(indices, together, strict=True):
+        removed = state.remove(index)
+        floor = state.score()[0]
+        for limit in (-math.inf, floor, math.inf):
+            enough = lambda c, limit=limit: c.step_s <= limit  # noqa: E731
+            alone = [_key(c) for c in evaluate(state, index, enough)]
+            assert [_key(c) for c in cut_as_enough(candidates, enough)] == alone
+            cuts += len(alone) < len(candidates)
+        assert [_key(c) for c in evaluate(state, index)] == [_key(c) for c in candidates]
+        state.add(index, *removed)
+        state.flat[:] = placed  # without the rounding of the remove and add
+    assert cuts  # the cut happened
+
+
+def _key(c) -> tuple:  # noqa: ANN001
+    return (c.mode, c.ranks, c.step_s, c.work_s, c.reason)

@@ -245,9 +245,9 @@ def test_same_inputs_give_the_same_plan_whatever_the_clock(monkeypatch):
     assert slow == first and slow.explanations == first.explanations
 
 
-def test_move_budget_bounds_the_search():
-    workload = workload_preset("synthetic:tables=40,rows=1e6,seed=1")
-    topology = Topology(
+def _tight() -> Topology:
+    """8 ranks whose device memory binds on 40 tables: caches, and moves the search keeps."""
+    return Topology(
         name="tight",
         world_size=8,
         ranks_per_node=4,
@@ -259,6 +259,10 @@ def test_move_budget_bounds_the_search():
         inter_node_bw_bytes_per_s=5e10,
         dense_flops_per_s=2e14,
     )
+
+
+def test_move_budget_bounds_the_search():
+    workload, topology = workload_preset("synthetic:tables=40,rows=1e6,seed=1"), _tight()
     greedy = plan_cost(
         solve(workload, topology, options=SolverOptions(max_moves=0, explain=False)),
         workload,
@@ -270,3 +274,60 @@ def test_move_budget_bounds_the_search():
     ]
     assert searched[0] == searched[1]
     assert plan_cost(searched[0], workload, topology).step_s <= greedy.step_s * (1 + 1e-9)
+
+
+def test_moves_priced_together_pick_as_one_at_a_time(monkeypatch):
+    """The local search prices a chunk of moves at once (`search._speculate`), each against
+    the state as it is: every move's picks equal those of taking its tables out and placing
+    them one after the other with `evaluate` (the one-at-a-time search, written out here),
+    on every start; a move not kept leaves the state bit for bit as it was; and the whole
+    search ends in the same state, floats and all, with chunks of one move and of
+    `MOVE_CHUNK`."""
+    from distcache.planner import search
+    from distcache.planner.candidates import TIE_S, Problem
+    from distcache.planner.pricing import evaluate
+
+    workload, topology = workload_preset("synthetic:tables=40,rows=1e6,seed=1"), _tight()
+    options = SolverOptions(explain=False)
+    problem = Problem(workload, topology, options)
+
+    def reference(state, move: tuple[int, ...]) -> list:  # noqa: ANN001
+        before, old, picks = state.flat.copy(), [state.remove(i) for i in move], []
+        for k, index in enumerate(move):
+            rest, floor = sum(problem.work[i] for i in move[k + 1 :]), state.score()[0]
+            last = k == len(move) - 1
+            enough = (lambda c, f=floor: c.step_s <= f + TIE_S) if last else None
+            best = search._pick(evaluate(state, index, enough), rest, problem.world, "time")
+            if best is None:
+                break
+            state.add(index, best.mode, best.ranks)
+            picks.append((best.mode, best.ranks))
+        for index in move[: len(picks)]:
+            state.remove(index)
+        for index, removed in zip(move, old, strict=True):
+            state.add(index, *removed)
+        state.flat[:] = before
+        return picks
+
+    moves = [(i,) for i in range(16)] + [(i, j) for i in range(4) for j in range(12) if i != j]
+    for state in search.starts(problem, seeds=()):
+        before = state.flat.copy()
+        picked = search._speculate(state, moves)
+        assert np.array_equal(state.flat, before)
+        for move, picks in zip(moves, picked, strict=True):
+            assert [(m, r) for m, r, _ in picks] == reference(state, move), move
+            kept = search._try_move(state, move, picks)
+            assert kept or np.array_equal(state.flat, before), move
+            if kept:
+                break
+
+    ends = {}
+    for chunk in (1, search.MOVE_CHUNK):
+        monkeypatch.setattr(search, "MOVE_CHUNK", chunk)
+        states = search.starts(problem, seeds=())
+        best = search.improve(states, max_moves=300, time_limit_s=600.0)
+        ends[chunk] = (best.placed, best.flat.copy())
+    (placed, flat), (placed_chunked, flat_chunked) = ends.values()
+    assert search.MOVE_CHUNK > 1 and placed == placed_chunked
+    assert np.array_equal(flat, flat_chunked)
+    assert placed != search.starts(problem, seeds=())[0].placed  # the search moved tables
