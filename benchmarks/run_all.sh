@@ -30,6 +30,8 @@ $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 \
 $PY benchmarks/throughput.py --ranks 2 --threads 1 --warmup 30 --steps 60 --small-tables resident \
     --json $out/throughput_cpu_2ranks_resident.json
 $PY benchmarks/planner.py --threads 1 --json $out/planner_cpu.json
+# Planning 1,000 tables on 128 ranks (issue 35: <= 3 s), beside the machine's reference workload.
+$PY benchmarks/planner_speed.py --runs 5 --json $out/planner_speed_cpu.json
 # Where the scheduling's host work could go: inline, a thread, a process (issue 33).
 for i in 1 2 3; do
     $PY benchmarks/host_overlap.py --device cpu --scale 1000 --batch 256 --steps 60 --rounds 3 \

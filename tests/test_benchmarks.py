@@ -408,3 +408,26 @@ def test_host_overlap_runs_the_side_work_in_each_mode(tmp_path):
         assert results[mode]["side_steps"] == 2 * 5, mode
         assert results[mode]["side_host_ms"] > 0, mode
         assert len(results[mode]["rounds"]) == 2 and results[mode]["steps_per_s"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_planner_speed_times_the_stages_and_a_base_in_turns(tmp_path):
+    """planner_speed.py: fresh `plan` processes of this tree and of a base commit (HEAD's
+    distcache/, unpacked), in turns; the solver's stages read from its log, the outputs' md5
+    equal (the same code plans alike), and the machine's reference workload timed."""
+    out = tmp_path / "speed.json"
+    argv = ["--plan-args", "--preset synthetic:tables=6 --world-size 4", "--runs", "2"]
+    run = _bench("planner_speed.py", *argv, "--base", "HEAD", "--json", str(out), timeout=170)
+    assert "reference workload" in run.stdout
+    data = json.loads(out.read_text())
+    head, base = data["results"]
+    assert (head["variant"], base["variant"], head["runs"], base["runs"]) == ("head", "base", 2, 2)
+    assert head["same_output_as_base"] and len(head["md5"]) == 1
+    assert len(head["x_base_pairs"]) == 2 and head["x_base_median"] > 0
+    for row in (head, base):
+        stages = row["all"][0]["stages_s"]
+        assert list(stages) == ["menus", "starts", "search", "hot_rows", "explain"]
+        assert 0 < row["all"][0]["solve_s"] < row["min_s"] <= row["median_s"]
+    assert (
+        data["config"]["reference"]["python_s"] > 0 and data["config"]["reference"]["numpy_s"] > 0
+    )
