@@ -11,8 +11,8 @@ took 3.3 ms. Two places could take that host work off the training thread:
   trainer through shared memory.
 
 This measures both before either carries the engine's plans: a host-bound training step
-(`gpu_headline.py`'s DLRM dense part over an `nn.EmbeddingBag` with sparse SGD, every row on
-the device) runs
+(`gpu_headline.py`'s `device` variant: its DLRM dense part over an `nn.EmbeddingBag` per table
+with sparse SGD, every row on the device) runs
 - `alone`;
 - `inline`: with distcache's per-batch work other than the lookup and update on the same
   thread, as it runs by default: `gpu_headline.py`'s distcache variant at --capacity of
@@ -48,12 +48,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_table, write_json  # noqa: E402
-from gpu_headline import DENSE_FEATURES, TABLE_ROWS, Data, DenseDLRM  # noqa: E402
+from gpu_headline import TABLE_ROWS, Data, DenseDLRM, plain_run  # noqa: E402
 
 from distcache import CacheConfig, CachedEmbeddingBags, TableSpec  # noqa: E402
 
@@ -140,39 +139,27 @@ class Side:
 
 
 class Trainer:
-    """The training step: pooled rows of an `nn.EmbeddingBag` (sparse SGD, every row on the
-    device), the DLRM dense part, its backward and SGD."""
+    """The training step: `gpu_headline.py`'s `device` variant (`plain_run`: an `nn.EmbeddingBag`
+    per table with sparse SGD, every row on the device, the DLRM dense part, its backward and
+    SGD), the step whose figures the H200 has, on batches of its own."""
+
+    BATCHES = 16  # cycled
 
     def __init__(self, args: argparse.Namespace):
         device = torch.device(args.device)
-        gen = torch.Generator().manual_seed(0)
-        self.features, self.batch = len(TABLE_ROWS[args.tables]), args.batch
-        rows = max(sum(_rows(args)) // self.features, 1)
-        self.bag = torch.nn.EmbeddingBag(rows, args.dim, mode="sum", sparse=True).to(device)
-        self.dense_model = DenseDLRM(self.features, args.dim).to(device)
-        self.opts = [
-            torch.optim.SGD(self.bag.parameters(), lr=0.01),
-            torch.optim.SGD(self.dense_model.parameters(), lr=0.01),
+        rows = _rows(args)
+        tables = [
+            TableSpec(name=f"t{i}", num_embeddings=r, embedding_dim=args.dim)
+            for i, r in enumerate(rows)
         ]
-        n = 16  # batches, cycled
-        ids = torch.randint(rows, (n, self.features * args.batch), generator=gen)
-        self.ids = ids.to(device)
-        self.offsets = torch.arange(self.features * args.batch, device=device)
-        self.dense = torch.randn(n, args.batch, DENSE_FEATURES, generator=gen).to(device)
-        self.labels = (torch.rand(n, args.batch, generator=gen) < 0.25).float().to(device)
+        settings = argparse.Namespace(**{**vars(args), "seed": 0, "lr": 0.01})
+        data = Data(rows, settings, self.BATCHES, device)
+        dense_model = DenseDLRM(len(rows), args.dim).to(device)
+        self.run = plain_run("device", tables, data, dense_model, settings, device)
         self.t = 0
 
     def step(self) -> None:
-        k = self.t % self.ids.shape[0]
-        pooled = self.bag(self.ids[k], self.offsets)  # [F * B, D], feature major
-        pooled = pooled.view(self.features, self.batch, -1).transpose(0, 1).flatten(1)
-        logits = self.dense_model(self.dense[k], pooled)
-        loss = F.binary_cross_entropy_with_logits(logits, self.labels[k])
-        for opt in self.opts:
-            opt.zero_grad()
-        loss.backward()
-        for opt in self.opts:
-            opt.step()
+        self.run.step(self.t % self.BATCHES)
         self.t += 1
 
 
