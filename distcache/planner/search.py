@@ -230,9 +230,9 @@ _Pick = tuple[Mode, tuple[int, ...], Footprint]
 def _speculate(state: State, moves: list[tuple[int, ...]]) -> list[list[_Pick]]:
     """Where each of `moves` would re-place its tables, each move alone against the state:
     its tables taken out, then placed one after the other at their best (the last one's
-    spread layouts priced only when no table-wise candidate leaves the step below the state's
-    without it: `evaluate`'s shortcut, which only holds with nothing left to place). The
-    picks of a move stop at a table with none. Each step's tables are priced together."""
+    spread layouts dropped where a table-wise candidate leaves the step at most the state's
+    without it, as `evaluate`'s shortcut does, which only holds with nothing left to place).
+    The picks of a move stop at a table with none. Each step's tables are priced together."""
     p = state.p
     flats, kinds = [], []
     for move in moves:
