@@ -284,9 +284,12 @@ def _traffic_templates(p: Problem, topology: Topology) -> tuple[np.ndarray, np.n
     return nodes, units
 
 
+# The layouts that spread a table's shards over several ranks (more than one, each its part).
+SPREAD = (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE)
+
+
 def kind_text(sharding: str, shards: int, storage: str) -> str:
-    spread = (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE)
-    where = f"{sharding} x{shards}" if sharding in spread else sharding
+    where = f"{sharding} x{shards}" if sharding in SPREAD else sharding
     return f"{where} {'device' if storage == DEVICE else 'host + cache'}"
 
 

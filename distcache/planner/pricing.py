@@ -36,6 +36,7 @@ from distcache.planner.candidates import (
     NEAR,
     NODE_CONSUMER,
     NODE_OWNER,
+    SPREAD,
     TIE_S,
     Candidate,
     Group,
@@ -76,7 +77,7 @@ def evaluate(
     batch = _Batch(state.p, [table], state.flat[None], [state.kinds])
     out: list[Candidate] = []
     for j, group in enumerate(table.groups):  # data parallel, table-wise, then the others
-        if group.sharding in _SPREAD and enough is not None:
+        if group.sharding in SPREAD and enough is not None:
             if _table_wise_enough(out, enough):
                 break
             enough = None  # decided: the spread layouts are priced
@@ -91,12 +92,9 @@ def cut_as_enough(
     `evaluate` with `enough` returns them: without the spread layouts when a table-wise
     candidate satisfies `enough`."""
     for at, c in enumerate(candidates):
-        if c.mode.placement.sharding in _SPREAD:
+        if c.mode.placement.sharding in SPREAD:
             return candidates[:at] if _table_wise_enough(candidates[:at], enough) else candidates
     return candidates
-
-
-_SPREAD = (ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE)
 
 
 def _table_wise_enough(candidates: list[Candidate], enough: Callable[[Candidate], bool]) -> bool:
