@@ -151,6 +151,7 @@ from distcache.tools.network import (
     measure_collectives,
     measure_sync_latency,
 )
+from distcache.tools.plan_cli import output_file
 from distcache.tools.schedbench import ScheduleCosts, measure_schedule_costs
 
 __all__ = [
@@ -551,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m distcache calibrate", description="Measure this machine as a Topology."
     )
-    parser.add_argument("--out", help="JSON file to write (default: stdout)")
+    parser.add_argument("--out", type=output_file, help="JSON file to write (default: stdout)")
     parser.add_argument("--ranks", type=int, default=2, help="local ranks (default 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (tests, smoke runs)")
@@ -573,8 +574,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     topology = topology_from(m, name=args.name or f"calibrated-{args.device}-x{args.ranks}")
     text = json.dumps(topology.to_dict(), indent=2) + "\n"
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        try:
+            args.out.write_text(text)
+        except OSError as e:  # the measurement is not lost: the topology goes to stdout
+            sys.stdout.write(text)
+            print(_summary(m), file=sys.stderr)
+            print(f"calibrate: cannot write --out {args.out} ({e}); printed it", file=sys.stderr)
+            return 1
     else:
         sys.stdout.write(text)
         sys.stdout.flush()

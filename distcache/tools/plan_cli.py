@@ -136,6 +136,24 @@ def _byte_size(text: str) -> int:
     return value
 
 
+def output_file(text: str) -> Path:
+    """An argparse type for a file a command writes when it ends: refused at once (before a
+    solve or a measurement that the write would then lose) when its folder is missing or not
+    writable, or when it names a folder."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file's path")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"the folder {str(folder)!r} of {text!r} does not exist; create it or give a "
+            "path in an existing folder"
+        )
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} is not writable")
+    return path
+
+
 def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     source = parser.add_mutually_exclusive_group(required=True)
@@ -459,8 +477,8 @@ def _topology_text(topology: Topology) -> str:
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """`python -m distcache plan`: solve, print the placement, write JSON / TorchRec plans."""
     parser = _common_parser("python -m distcache plan", "Plan a workload on a topology.")
-    parser.add_argument("--out", type=Path, help="write the plan as JSON")
-    parser.add_argument("--torchrec-out", type=Path, help="write a TorchRec ShardingPlan")
+    parser.add_argument("--out", type=output_file, help="write the plan as JSON")
+    parser.add_argument("--torchrec-out", type=output_file, help="write a TorchRec ShardingPlan")
     parser.add_argument("--module-path", default="", help="the EBC's path in the model")
     parser.add_argument(
         "--sequence-module-path",
@@ -517,13 +535,14 @@ def _compare(args: argparse.Namespace) -> int:
         rows, skipped = measure_rows(rows, workload, topology, options=options, device=args.device)
         if skipped:
             print(f"--measure: {skipped}", file=sys.stderr)
-    if args.json_out is not None:
-        text = rows_to_json(rows, workload=workload, topology=topology)
-        _flag(f"--json-out {args.json_out}", lambda: args.json_out.write_text(text + "\n"))
+    # Printed first: a write that fails still leaves the rows (measured ones took minutes).
     if args.json:
         print(rows_to_json(rows, workload=workload, topology=topology))
     else:
         print(format_table(rows, title=f"{workload.name} on {_topology_text(topology)}"))
+    if args.json_out is not None:
+        text = rows_to_json(rows, workload=workload, topology=topology)
+        _flag(f"--json-out {args.json_out}", lambda: args.json_out.write_text(text + "\n"))
     return 0
 
 
@@ -551,7 +570,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         "--torchrec-timeout", type=_positive_int, help="seconds for TorchRec's proposals"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--json-out", type=Path, help="also write the JSON to this file")
+    parser.add_argument("--json-out", type=output_file, help="also write the JSON to this file")
     parser.add_argument(
         "--measure",
         action="store_true",

@@ -184,6 +184,25 @@ def test_fit_stays_positive_on_noise():
 def test_bad_arguments_fail_cleanly(capsys):
     assert main(["--quick", "--ranks", "0"]) == 2
     assert "ranks must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # refused before measuring, not after
+        main(["--quick", "--ranks", "1", "--out", "no/such/folder/t.json"])
+    assert "--out: the folder 'no/such/folder' of" in capsys.readouterr().err
+
+
+def test_a_measurement_that_cannot_be_written_is_printed(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "topology.json"
+    real = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        if path == out:
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert main(["--quick", "--ranks", "1", "--threads", "1", "--out", str(out)]) == 1
+    printed, err = capsys.readouterr()
+    assert Topology.from_dict(json.loads(printed)).world_size == 1
+    assert f"cannot write --out {out} ([Errno 28] No space left on device)" in err
     with pytest.raises(DistcacheConfigError, match="mlp_widths"):
         type(QUICK)(mlp_widths=(8,))
 

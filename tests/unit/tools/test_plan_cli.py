@@ -110,13 +110,25 @@ def test_config_errors_name_the_key(
         (["--preset", SPEC, "--config", "x.toml"], "--config"),
         (["--world-size", "2"], "--preset"),
         (["--preset", SPEC, "--bogus"], "--bogus"),
+        (["--preset", SPEC, "--out", "no/such/folder/plan.json"], "--out"),
+        (["--preset", SPEC, "--torchrec-out", "."], "--torchrec-out"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert plan_main(argv) == 2
-    assert flag in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert flag in err and len(err.strip().splitlines()[-1]) < 300
+    assert out == ""  # refused before planning: nothing solved, nothing printed
+
+
+def test_compare_refuses_an_unwritable_json_out_before_comparing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert compare_main([*SMALL, "--no-torchrec", "--json-out", "no/such/c.json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--json-out" in err and "'no/such' of 'no/such/c.json' does not" in err
 
 
 def test_a_workload_that_fits_nowhere_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
@@ -257,6 +269,24 @@ def test_compare_writes_its_json_beside_the_table(
     assert compare_main([*SMALL, "--no-torchrec", "--json-out", str(out)]) == 0
     assert "step ms" in capsys.readouterr().out  # the table
     assert {r["name"] for r in json.loads(out.read_text())["rows"]} >= {"distcache"}
+
+
+def test_compare_prints_its_rows_when_the_json_cannot_be_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "compare.json"
+    real = Path.write_text
+
+    def full_disk(path: Path, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if path == out:
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert compare_main([*SMALL, "--no-torchrec", "--json-out", str(out)]) == 2
+    printed, err = capsys.readouterr()
+    assert "step ms" in printed  # the rows, not lost
+    assert f"--json-out {out}: [Errno 28] No space left on device" in err
 
 
 def test_reasons_wrap_as_textwrap_does():
