@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,19 @@ def without_bad_batch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """20 steps, a checkpoint every 10: the run the checkpoint faults damage (each a copy)."""
+    run_dir = tmp_path_factory.mktemp("faults") / "twenty"
+    _ok(_job(run_dir, "--train.steps=20", *EVERY_10))
+    return run_dir
+
+
+def _copy(run_dir: Path, to: Path) -> Path:
+    shutil.copytree(run_dir, to)
+    return to
+
+
 def _scribble(path: Path) -> None:
     raw = bytearray(path.read_bytes())
     middle = len(raw) // 2
@@ -99,12 +113,11 @@ def _digests(directory: Path) -> dict[str, str]:
 
 @pytest.mark.timeout(600)
 def test_checkpoints_are_never_overwritten_by_a_run_that_did_not_load_them(
-    clean: Path, tmp_path: Path
+    clean: Path, twenty: Path, tmp_path: Path
 ):
     """Without latest.json, --resume continues from the newest checkpoint that verifies; a
     fresh run in that directory refuses, and leaves every checkpoint file as it was."""
-    run_dir = tmp_path / "run"
-    _ok(_job(run_dir, "--train.steps=20", *EVERY_10))
+    run_dir = _copy(twenty, tmp_path / "run")
     checkpoints = run_dir / "checkpoints"
     (checkpoints / "latest.json").unlink()
     before = _digests(checkpoints)
@@ -118,9 +131,10 @@ def test_checkpoints_are_never_overwritten_by_a_run_that_did_not_load_them(
 
 
 @pytest.mark.timeout(600)
-def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(clean: Path, tmp_path: Path):
-    run_dir = tmp_path / "run"
-    _ok(_job(run_dir, "--train.steps=20", *EVERY_10))
+def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(
+    clean: Path, twenty: Path, tmp_path: Path
+):
+    run_dir = _copy(twenty, tmp_path / "run")
     _scribble(run_dir / "checkpoints" / "step_00000020" / "__1_0.distcp")  # rank 1's part
     log = _ok(_job(run_dir, "--train.steps=30", *EVERY_10, "--resume"))
     assert "the checkpoint of step 20 failed verification" in log
