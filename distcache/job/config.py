@@ -475,16 +475,20 @@ def _toml_value(value: object) -> str:
     return repr(value)
 
 
-def parse_args(argv: list[str]) -> JobConfig:
-    """The job config from `--config FILE`, `--resume` and `--section.key=value` overrides.
+def parse_args(argv: list[str], command: str = "train") -> JobConfig:
+    """The job config from `--config FILE`, `--resume` and `--section.key=value` overrides
+    (`command`: 'train', or 'check', which takes the same arguments: its usage and errors).
 
     Example::
 
         config = parse_args(["--config", "configs/tiny_cpu.toml", "--train.steps=20"])
     """
     parser = argparse.ArgumentParser(
-        prog="python -m distcache train",
-        description="Train a DLRM with distcache's look-ahead caches.",
+        prog=f"python -m distcache {command}",
+        description="Train a DLRM with distcache's look-ahead caches."
+        if command == "train"
+        else "Check the arguments of `python -m distcache train`, its config and inputs, "
+        "without training (silent when all is well).",
         epilog="Any config key can be overridden: --section.key=value (TOML values).",
     )
     parser.add_argument("--config", help="TOML job config (default: all defaults)")
@@ -549,7 +553,7 @@ def check_main(argv: list[str]) -> int:
     """`python -m distcache check`: check a training job's command line (the arguments of
     `python -m distcache train`) and its inputs without starting it; silent when they are
     fine. `launch/torchrun.sh` runs it before it starts any worker."""
-    check_inputs(parse_args(argv))
+    check_inputs(parse_args(argv, "check"))
     return 0
 
 

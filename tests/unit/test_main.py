@@ -40,3 +40,6 @@ def test_check_is_silent_on_a_good_job_and_names_every_mistake(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("distcache check: DistcacheConfigError: 2 ")
     assert "['capacty']" in err and "[train] steps = 0 is invalid" in err
+    with pytest.raises(SystemExit, match="2"):  # argparse's usage and error, naming check
+        main(["check", "--config", CONFIG, "train.steps=5"])
+    assert "python -m distcache check: error: unrecognized" in capsys.readouterr().err
