@@ -407,6 +407,8 @@ def calibrate(
         raise DistcacheConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if ranks < 1:
         raise DistcacheConfigError(f"ranks must be >= 1, got {ranks}")
+    if not timeout_s > 0:  # NaN too
+        raise DistcacheConfigError(f"timeout must be > 0 seconds, got {timeout_s}")
     if device == "cuda" and not torch.cuda.is_available():
         raise DistcacheConfigError("device 'cuda' asked for, but torch sees no CUDA device")
     start = time.perf_counter()

@@ -184,6 +184,8 @@ def test_fit_stays_positive_on_noise():
 def test_bad_arguments_fail_cleanly(capsys):
     assert main(["--quick", "--ranks", "0"]) == 2
     assert "ranks must be >= 1" in capsys.readouterr().err
+    assert main(["--quick", "--ranks", "1", "--timeout", "-5"]) == 2
+    assert "timeout must be > 0 seconds, got -5.0" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):  # refused before measuring, not after
         main(["--quick", "--ranks", "1", "--out", "no/such/folder/t.json"])
     assert "--out: the folder 'no/such/folder' of" in capsys.readouterr().err
