@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from distcache.job.demo import main
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -30,3 +34,12 @@ def test_demo_runs_and_matches_the_uncached_model() -> None:
     misses = [int(m) for m in re.findall(r"\| critical-path misses (\d+)", out)]
     assert misses and all(m == 0 for m in misses), out[-2000:]
     assert re.search(r"lookahead loads\s+[\d,]+\s+\(\d", out), out[-2000:]
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size"])
+def test_a_count_below_one_is_one_line_naming_its_flag(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit, match="2"):
+        main([flag, "0"])
+    assert f"argument {flag}: expected an int >= 1, got '0'" in capsys.readouterr().err
