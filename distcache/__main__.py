@@ -19,7 +19,7 @@ COMMANDS = {
     "demo": ("distcache.job.demo", "main", "the cache at work on a small synthetic job"),
     "train": ("distcache.train", "main", "train a DLRM from a TOML config (see configs/)"),
     "check": (
-        "distcache.job.config",
+        "distcache.job.check",
         "check_main",
         "check train's arguments, config and inputs without training",
     ),

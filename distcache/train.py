@@ -20,8 +20,9 @@ import sys
 import torch
 
 from distcache.data.sources import JobData
+from distcache.job.check import check_inputs
 from distcache.job.checkpoint import Checkpointer
-from distcache.job.config import check_inputs, parse_args, write_resolved_config
+from distcache.job.config import parse_args, write_resolved_config
 from distcache.job.distributed import process_group
 from distcache.job.dlrm import dense_optimizer
 from distcache.job.placement import build_model, shard_model

@@ -8,8 +8,8 @@ values (`--cache.capacity=0.02`, `--model.bottom_mlp=[64,16]`, `--data.source=sy
 a bare word is a string). The resolved config is written to the run directory
 (`resolved_config.toml`), so a run can be repeated exactly.
 
-`parse_args` reads the command line of `python -m distcache train` and `check_inputs` checks
-what a job can know before any process starts (files, packages, devices).
+`parse_args` reads the command line of `python -m distcache train` (`distcache.job.check`
+checks what a job can know before any process starts: files, packages, devices).
 
 Example::
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
+import math
 import re
 import tomllib
 import types
@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import torch
-
 from distcache.cache.config import CacheConfig
+from distcache.data.synthetic import synthetic_preset
 from distcache.errors import DistcacheConfigError
 from distcache.planner.topology import PRESETS, load_topology, preset
 from distcache.planner.types import Topology
@@ -122,6 +121,11 @@ class DataConfig:
             self.paths,
             f"at least one path for source {self.source!r}",
         )
+        if self.source == "synthetic":
+            try:
+                synthetic_preset(self.preset)
+            except DistcacheConfigError as err:
+                _fail(f"[data] preset = {self.preset!r} is invalid: {err}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,11 +227,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train", "steps", self.steps, "an integer >= 1")
         _require(
-            self.dense_learning_rate > 0,
+            math.isfinite(self.dense_learning_rate) and self.dense_learning_rate > 0,
             "train",
             "dense_learning_rate",
             self.dense_learning_rate,
-            "> 0",
+            "a finite number > 0",
         )
         _require(self.log_every >= 0, "train", "log_every", self.log_every, ">= 0")
         _require(self.eval_every >= 0, "train", "eval_every", self.eval_every, ">= 0")
@@ -356,7 +360,7 @@ def build_job_config(raw: Mapping[str, object]) -> JobConfig:
     for name, cls in sections.items():
         built[name], found = _build_section(name, cls, raw.get(name, {}))
         problems += found
-    _fail_with(problems)
+    fail_with(problems)
     return JobConfig(**built)
 
 
@@ -389,8 +393,9 @@ def _build_section(name: str, cls: type[_T], values: object) -> tuple[_T | None,
             return (None if problems else section), problems
 
 
-def _fail_with(problems: list[str]) -> None:
+def fail_with(problems: list[str]) -> None:
     """Raise one `DistcacheConfigError` naming every problem (one line), if there are any."""
+    problems = list(dict.fromkeys(problems))  # a section checked again says the same
     if problems:
         numbered = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
         _fail(problems[0] if len(problems) == 1 else f"{len(problems)} mistakes: {numbered}")
@@ -414,7 +419,7 @@ def _section(name: str, cls: type[_T], values: dict[str, object]) -> _T:
 def parse_overrides(overrides: list[str]) -> dict[str, dict[str, object]]:
     """`--section.key=value` arguments as nested dicts (values parsed as TOML)."""
     out: dict[str, dict[str, object]] = {}
-    _fail_with(
+    fail_with(
         [
             f"override {arg!r} is invalid: expected --section.key=value"
             for arg in overrides
@@ -517,44 +522,6 @@ def parse_args(argv: list[str], command: str = "train") -> JobConfig:
             checkpoint=dataclasses.replace(config.checkpoint, resume=True, require=require),
         )
     return config
-
-
-def check_inputs(config: JobConfig) -> None:
-    """Errors a job can know before any process starts (missing files, packages, devices),
-    every one of them in one `DistcacheConfigError`."""
-    problems = [
-        f"[data] path {path!r} does not exist"
-        for path in config.data.paths + config.data.eval_paths
-        if not Path(path).exists()
-    ]
-    planner = config.plan.planner
-    if planner.endswith(".json") and not Path(planner).is_file():
-        problems.append(f"[plan] planner file {planner!r} does not exist")
-    try:
-        plan_topology(config, world_size=1)
-    except DistcacheConfigError as err:
-        problems.append(str(err))
-    if config.cache.hot_rows:
-        problems.append(
-            f"[cache] hot_rows = {list(config.cache.hot_rows)[:8]} is invalid: hot rows are per "
-            "table, and [cache] is every table's; the 'distcache' planner replicates hot rows "
-            "itself (synthetic data): leave it []"
-        )
-    if config.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        problems.append(
-            "[train] tensorboard = true needs the tensorboard package: pip install tensorboard"
-        )
-    if config.train.device == "cuda" and not torch.cuda.is_available():
-        problems.append("[train] device = 'cuda' but CUDA is not available here")
-    _fail_with(problems)
-
-
-def check_main(argv: list[str]) -> int:
-    """`python -m distcache check`: check a training job's command line (the arguments of
-    `python -m distcache train`) and its inputs without starting it; silent when they are
-    fine. `launch/torchrun.sh` runs it before it starts any worker."""
-    check_inputs(parse_args(argv, "check"))
-    return 0
 
 
 def job_topology(name: str, world_size: int) -> Topology:

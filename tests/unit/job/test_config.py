@@ -9,7 +9,8 @@ import pytest
 
 from distcache.cache.config import CacheConfig
 from distcache.errors import DistcacheConfigError
-from distcache.job.config import build_job_config, check_inputs, dump_toml, load_job_config
+from distcache.job.check import check_inputs
+from distcache.job.config import build_job_config, dump_toml, load_job_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.toml"))
 
@@ -87,6 +88,10 @@ def test_capacity_means_what_it_means_in_python():
         ("--model.embedding_dtype=fp8", r"embedding_dtype = 'fp8' is invalid: expected one of"),
         ("--data.on_bad_batch=ignore", r"on_bad_batch = 'ignore' is invalid: expected one of"),
         ("--train.on_nonfinite=zero", r"on_nonfinite = 'zero' is invalid: expected 'stop'"),
+        ("--train.dense_learning_rate=inf", r"dense_learning_rate = inf is invalid: expected a f"),
+        ("--data.preset=nope", r"preset = 'nope' is invalid: unknown synthetic preset 'nope'; al"),
+        ("--data.preset=tiny:alpha=-1", r"preset = 'tiny:alpha=-1' is invalid: alpha must be in"),
+        ("--model.embedding_dim=17", r"^\[model\] bottom_mlp = \[64, 16\] is invalid: [^(]*$"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(override, match):
@@ -191,3 +196,13 @@ def test_the_inputs_mistakes_are_reported_at_once(tmp_path):
     )
     with pytest.raises(DistcacheConfigError, match=r"^3 mistakes: \(1\) \[data\] path .*a\.tsv"):
         check_inputs(config)
+
+
+def test_a_run_folder_that_cannot_be_made_is_a_mistake_before_the_job(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for run_dir in (a_file, a_file / "run"):
+        with pytest.raises(DistcacheConfigError, match=r"^\[run\] dir .* is not a writable fold"):
+            check_inputs(load_job_config(None, [f"--run.dir={run_dir}"]))
+    check_inputs(load_job_config(None, [f"--run.dir={tmp_path}/new/run"]))  # made by the job
+    assert not (tmp_path / "new").exists()  # the check made nothing
