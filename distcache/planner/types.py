@@ -120,7 +120,12 @@ class Workload:
     def __post_init__(self) -> None:
         _check(len(self.tables) > 0, f"workload {self.name!r} has no tables")
         names = [t.name for t in self.tables]
-        _check(len(set(names)) == len(names), f"workload {self.name!r}: duplicate table names")
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            _check(
+                False,
+                f"workload {self.name!r}: duplicate table names {dupes}: names must be unique",
+            )
         _check(self.batch_size_per_rank >= 1, "batch_size_per_rank must be >= 1")
         _check(
             self.optimizer in OPTIMIZER_STATE,

@@ -3,6 +3,7 @@
 import pytest
 
 from distcache.errors import DistcacheConfigError
+from distcache.planner.types import TableStats, Workload
 from distcache.planner.workloads import (
     CRITEO_KAGGLE_ROWS,
     CRITEO_TERABYTE_ROWS,
@@ -84,3 +85,9 @@ def test_errors(spec, message):
     with pytest.raises(DistcacheConfigError, match=message):
         workload_preset(spec)
     assert "synthetic" in WORKLOAD_PRESETS
+
+
+def test_duplicate_table_names_are_named():
+    tables = [TableStats(name=n, rows=10, dim=8) for n in ("a", "b", "a", "c", "b")]
+    with pytest.raises(DistcacheConfigError, match=r"duplicate table names \['a', 'b'\]: names"):
+        Workload(name="w", tables=tables)
