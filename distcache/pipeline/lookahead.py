@@ -93,6 +93,18 @@ class _InFlight(Generic[In]):
     routed: dict[str, RoutedInput]  # module path -> the module's routed input
 
 
+def _sparse_features(batch: object) -> KeyedJaggedTensor:
+    """The default `sparse_input`: TorchRec's `Batch.sparse_features`."""
+    try:
+        return batch.sparse_features  # type: ignore[attr-defined]
+    except AttributeError:
+        raise DistcacheConfigError(
+            f"a batch of type {type(batch).__name__} has no sparse_features; give batches "
+            "like TorchRec's Batch, or LookaheadTrainPipeline(..., sparse_input=lambda batch: "
+            "its KeyedJaggedTensor)"
+        ) from None
+
+
 class LookaheadTrainPipeline(Generic[In, Out]):
     """TorchRec's train-pipeline contract with a look-ahead window.
 
@@ -183,7 +195,7 @@ class LookaheadTrainPipeline(Generic[In, Out]):
         self._model = model
         self._optimizer = optimizer
         self._device = torch.device(device)
-        self._sparse_input = sparse_input or (lambda batch: batch.sparse_features)
+        self._sparse_input = sparse_input or _sparse_features
         self._copy_stream = (
             torch.cuda.Stream(device=self._device) if self._device.type == "cuda" else None
         )
@@ -329,6 +341,12 @@ class LookaheadTrainPipeline(Generic[In, Out]):
                 f"sparse_input returned no features for modules {missing}; expected keys "
                 f"{sorted(self._modules)}"
             )
+        for path, features in sparse.items():
+            if not hasattr(features, "keys") or not hasattr(features, "lengths"):
+                raise DistcacheConfigError(
+                    f"the sparse input of {path!r} is a {type(features).__name__}; expected a "
+                    "KeyedJaggedTensor (from sparse_input, or the batch's sparse_features)"
+                )
         routing = []
         with torch.profiler.record_function("## distcache:route ##"):
             for path, module in self._modules.items():

@@ -301,6 +301,17 @@ def failing_stage(rank: int, world: int) -> str:
         CachedEmbeddingBagCollectionSharder(CacheConfig(capacity=0.5, lookahead=2)),
         init_data_parallel=False,
     )
+    for sparse_input, batch, said in (  # a batch without a KeyedJaggedTensor: named at once
+        (None, (1, 2), "a batch of type tuple has no sparse_features; give batches like"),
+        (lambda b: b.dense_features, local[0], "input of 'ebc' is a Tensor; expected a Keyed"),
+    ):
+        try:
+            LookaheadTrainPipeline(model, None, "cpu", sparse_input=sparse_input).progress(
+                iter([batch] * 3)
+            )
+            raise AssertionError(f"accepted {batch!r}")
+        except DistcacheConfigError as err:
+            assert said in str(err), err
     pipeline = LookaheadTrainPipeline(model, None, "cpu")
     it = iter(local)
     trained = 0
