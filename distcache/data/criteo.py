@@ -18,13 +18,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from itertools import islice
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.errors import DistcacheConfigError, DistcacheError
+
+if TYPE_CHECKING:  # TorchRec loads with the first batch: parsing configs stays light
+    from torchrec.datasets.utils import Batch
 
 __all__ = [
     "CAT_FEATURE_COUNT",
@@ -96,6 +98,9 @@ def _check_reader_args(table_sizes: Sequence[int], batch_size: int, rank: int, w
 
 def _to_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> Batch:
     """A Batch from dense [B, 13] float32, ids [B, 26] int64 (in range) and labels [B] float32."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
     size = dense.shape[0]
     return Batch(
         dense_features=torch.from_numpy(np.ascontiguousarray(dense)),

@@ -25,13 +25,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.data.criteo import (
     CRITEO_KAGGLE_TABLE_SIZES,
@@ -40,6 +38,9 @@ from distcache.data.criteo import (
     feature_names,
 )
 from distcache.errors import DistcacheConfigError
+
+if TYPE_CHECKING:  # TorchRec loads with the first batch: a preset's check stays light
+    from torchrec.datasets.utils import Batch
 
 __all__ = ["SYNTHETIC_PRESETS", "SyntheticClickLog", "SyntheticConfig", "synthetic_preset"]
 
@@ -292,6 +293,9 @@ class SyntheticClickLog(IterableDataset):
 
     def batch(self, index: int) -> Batch:
         """Local batch `index` of this rank (any index >= 0, also past num_batches)."""
+        from torchrec.datasets.utils import Batch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
         if not (_is_int(index) and index >= 0):
             _fail(f"batch index must be an int >= 0, got {index!r}")
         cfg = self.config

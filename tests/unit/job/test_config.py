@@ -1,7 +1,10 @@
 """The job config: strict TOML, typed overrides, the resolved file, the shipped configs."""
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -206,3 +209,21 @@ def test_a_run_folder_that_cannot_be_made_is_a_mistake_before_the_job(tmp_path):
             check_inputs(load_job_config(None, [f"--run.dir={run_dir}"]))
     check_inputs(load_job_config(None, [f"--run.dir={tmp_path}/new/run"]))  # made by the job
     assert not (tmp_path / "new").exists()  # the check made nothing
+
+
+def test_the_check_loads_no_torchrec():
+    """`launch/torchrun.sh` runs the check before every launch: TorchRec's import (seconds)
+    waits for the ranks. In a fresh interpreter (this one may have TorchRec loaded)."""
+    root = Path(__file__).resolve().parents[3]
+    code = (
+        "import sys\n"
+        "from distcache.__main__ import main\n"
+        "assert main(['check', '--config', 'configs/tiny_cpu.toml', '--data.preset=tiny']) == 0\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torchrec', 'fbgemm_gpu'}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
