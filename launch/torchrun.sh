@@ -27,10 +27,9 @@ if [[ "$NNODES" == 1 ]]; then
 else
   RDZV=(--rdzv-backend=c10d "--rdzv-endpoint=${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for NNODES > 1}")
 fi
-# Check the arguments, config and inputs once, before any worker starts: each mistake is
-# named, on one line (--debug: with the traceback).
-"$PYTHON" -m distcache check --config "$CONFIG" "$@"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# torchrun, ending a failed job with one line naming the failed ranks (launch/torchrun.py).
+# torchrun (launch/torchrun.py): it first checks the arguments, config and inputs, before any
+# worker starts, each mistake named on one line (--debug: with the traceback); a failed job
+# ends with one line naming the failed ranks.
 exec "$PYTHON" launch/torchrun.py "${RDZV[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC" \
   --max-restarts="$MAX_RESTARTS" -m distcache train --config "$CONFIG" "$@"
