@@ -169,6 +169,24 @@ def shared_capacity(
 
 
 def log_shortfalls(shortfalls: Sequence[Shortfall], where: str) -> None:
-    """Each shortfall at warning level, prefixed with `where` (the entry that raised it)."""
-    for s in shortfalls:
-        log.warning("%s: %s", where, s.message())
+    """The shortfalls at warning level, prefixed with `where` (the entry that raised them): one
+    line, whatever their number (a job's tiny tables would otherwise fill a screen)."""
+    if len(shortfalls) == 1:
+        log.warning("%s: %s", where, shortfalls[0].message())
+    elif shortfalls:
+        log.warning("%s: %s", where, _summary(shortfalls))
+
+
+def _summary(shortfalls: Sequence[Shortfall]) -> str:
+    """One line for several tables' shortfalls: each one's rows, before and after."""
+    each = ", ".join(
+        f"{s.table!r} {s.capacity_rows:,} -> "
+        + (f"all {s.num_rows:,}" if s.whole else f"{s.needed_rows:,} of {s.num_rows:,}")
+        for s in shortfalls
+    )
+    batches = sorted({s.batches for s in shortfalls})
+    return (
+        f"{len(shortfalls)} tables' caches hold fewer rows than the distinct rows of their "
+        f"{'/'.join(map(str, batches))} batch(es) in flight and were raised (rows): {each}. Set "
+        "their capacity to at least that, or a smaller prefetch_depth, to choose it yourself"
+    )
