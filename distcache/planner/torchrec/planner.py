@@ -349,6 +349,8 @@ def _constraint(
         kernel = "fused_uvm_caching"
         cache = CacheParams(load_factor=table.cache_fraction)
     sharding, min_partition = table.sharding, None
+    if topology.compute_device == "cpu" and sharding in (ROW_WISE, TABLE_ROW_WISE):
+        return None  # TorchRec's sharders offer neither on CPU (its enumerator warns)
     if table.sharding == ROW_WISE and len(table.ranks) != topology.world_size:
         return None  # TorchRec's row_wise spans every rank
     if table.sharding == TABLE_ROW_WISE and len(table.ranks) > topology.ranks_per_node:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 
@@ -11,7 +12,7 @@ from distcache.planner.solver import uniform_plan
 from distcache.planner.topology import preset
 from distcache.planner.torchrec.export import from_sharding_plan
 from distcache.planner.torchrec.planner import torchrec_estimate, torchrec_plan
-from distcache.planner.types import HOST_CACHED, TABLE_WISE, SolverOptions
+from distcache.planner.types import HOST_CACHED, ROW_WISE, TABLE_WISE, SolverOptions
 from distcache.planner.workloads import workload_preset
 from distcache.sharding import CACHED_KERNEL, CachedParameterSharding
 from distcache.tools.compare import (
@@ -93,6 +94,16 @@ def test_torchrec_prices_lookahead_caches_as_its_own_caches_of_that_size() -> No
     cpu = preset("cpu", world_size=2)
     on_cpu = uniform_plan(WORKLOAD, cpu, TABLE_WISE, lookahead=4, prefetch_depth=1, **kwargs)
     assert torchrec_estimate(on_cpu, WORKLOAD, cpu) is None
+
+
+def test_torchrec_has_no_row_wise_sharding_on_cpu_and_says_nothing(caplog) -> None:
+    """TorchRec's sharders offer row-wise sharding only on CUDA: no estimate there, and none
+    of its enumerator's warnings about the constraint that asked for it."""
+    cpu, gpu = preset("cpu", world_size=2), preset("h100", world_size=2)
+    with caplog.at_level(logging.WARNING):
+        assert torchrec_estimate(uniform_plan(WORKLOAD, cpu, ROW_WISE), WORKLOAD, cpu) is None
+    assert not caplog.records, caplog.text
+    assert torchrec_estimate(uniform_plan(WORKLOAD, gpu, ROW_WISE), WORKLOAD, gpu) > 0
 
 
 def test_torchrec_failure_is_a_row_not_a_crash() -> None:
