@@ -14,6 +14,11 @@
 # Extra arguments are config overrides (--section.key=value), --resume[=require|never] or
 # --debug (tracebacks, from the check, the ranks and torchrun).
 set -euo pipefail
+if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then  # this header
+  sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "$0"
+  echo "The job's arguments and config keys: python -m distcache train --help; configs/*.toml."
+  exit 0
+fi
 cd "$(dirname "$0")/.."
 NPROC="${NPROC:-2}"
 CONFIG="${CONFIG:-configs/tiny_cpu.toml}"

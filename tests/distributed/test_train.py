@@ -205,6 +205,15 @@ def test_bad_config_fails_before_any_worker_starts(tmp_path, override, match):
     assert done.stderr.startswith("distcache check: DistcacheConfigError: ")
 
 
+def test_the_launcher_s_help_is_its_own():
+    done = subprocess.run(
+        [str(ROOT / "launch" / "torchrun.sh"), "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith("Launch a distcache training job with torchrun on this node.")
+    assert "NPROC " in done.stdout and "python -m distcache train --help" in done.stdout
+
+
 @pytest.mark.timeout(300)
 def test_debug_passes_through_the_launcher(tmp_path):
     """`--debug`: the check's traceback for a bad config; a good job runs with it (its ranks
