@@ -13,6 +13,7 @@ TorchRec (tests/unit/planner/test_core_imports.py).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -120,12 +121,11 @@ class Workload:
     def __post_init__(self) -> None:
         _check(len(self.tables) > 0, f"workload {self.name!r} has no tables")
         names = [t.name for t in self.tables]
-        if len(set(names)) != len(names):
-            dupes = sorted({n for n in names if names.count(n) > 1})
-            _check(
-                False,
-                f"workload {self.name!r}: duplicate table names {dupes}: names must be unique",
-            )
+        dupes = sorted(name for name, count in Counter(names).items() if count > 1)
+        _check(
+            not dupes,
+            f"workload {self.name!r}: duplicate table names {dupes}: names must be unique",
+        )
         _check(self.batch_size_per_rank >= 1, "batch_size_per_rank must be >= 1")
         _check(
             self.optimizer in OPTIMIZER_STATE,
