@@ -91,11 +91,6 @@ def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
-def _copy(run_dir: Path, to: Path) -> Path:
-    shutil.copytree(run_dir, to)
-    return to
-
-
 def _scribble(path: Path) -> None:
     raw = bytearray(path.read_bytes())
     middle = len(raw) // 2
@@ -117,7 +112,7 @@ def test_checkpoints_are_never_overwritten_by_a_run_that_did_not_load_them(
 ):
     """Without latest.json, --resume continues from the newest checkpoint that verifies; a
     fresh run in that directory refuses, and leaves every checkpoint file as it was."""
-    run_dir = _copy(twenty, tmp_path / "run")
+    run_dir = shutil.copytree(twenty, tmp_path / "run")
     checkpoints = run_dir / "checkpoints"
     (checkpoints / "latest.json").unlink()
     before = _digests(checkpoints)
@@ -134,7 +129,7 @@ def test_checkpoints_are_never_overwritten_by_a_run_that_did_not_load_them(
 def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(
     clean: Path, twenty: Path, tmp_path: Path
 ):
-    run_dir = _copy(twenty, tmp_path / "run")
+    run_dir = shutil.copytree(twenty, tmp_path / "run")
     _scribble(run_dir / "checkpoints" / "step_00000020" / "__1_0.distcp")  # rank 1's part
     log = _ok(_job(run_dir, "--train.steps=30", *EVERY_10, "--resume"))
     assert "the checkpoint of step 20 failed verification" in log
