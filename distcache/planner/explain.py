@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,12 +25,14 @@ from distcache.planner.state import State
 CHUNK = 64  # tables priced together: their plans' terms, [CHUNK, TERMS, W], stay small
 
 
-def explain(state: State) -> dict[str, str]:
-    """Per table: the chosen placement and the best of every other kind (sharding, shards,
-    storage) with the step the plan would have, or why it does not fit."""
+def explain(state: State, indices: Sequence[int] | None = None) -> dict[str, str]:
+    """Per table (those of `indices`, in order; default every table): the chosen placement
+    and the best of every other kind (sharding, shards, storage) with the step the plan would
+    have, or why it does not fit."""
     p, out = state.p, {}
-    for start in range(0, len(p.tables), CHUNK):
-        chunk = range(start, min(start + CHUNK, len(p.tables)))
+    indices = range(len(p.tables)) if indices is None else indices
+    for start in range(0, len(indices), CHUNK):
+        chunk = indices[start : start + CHUNK]
         placed, without, after, kinds_without, kinds_after = [], [], [], [], []
         for index in chunk:  # each table out and back in, as `remove` and `add` leave the plan
             mode, ranks, contrib = state.remove(index)

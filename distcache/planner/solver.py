@@ -35,8 +35,9 @@ the pricing of a table's modes against it in `pricing.py`, the greedy passes and
    restricted to one sharding type, which single moves cannot reach. The best plan wins.
 5. Hot rows (`hot.py`): each sharded table of the best plan tries replicating its likeliest
    rows on every rank (`SolverOptions.hot_row_shares`), kept where the step drops.
-6. Explanations: per table, the chosen placement and the best placement of every other kind
-   with the step the plan would have, or why it does not fit; and the replica sizes tried.
+6. Explanations (of the tables `SolverOptions.explain` names; by default all): per table,
+   the chosen placement and the best placement of every other kind with the step the plan
+   would have, or why it does not fit; and the replica sizes tried.
 
 On 3 tables and 2 ranks the result equals a brute-force search over every placement
 (tests/unit/planner/test_solver.py).
@@ -95,6 +96,7 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     """
     options = options or SolverOptions()
     began = time.monotonic()
+    explained = explained_tables(workload, options.explain)  # (a name it lacks: refused at once)
     problem = Problem(workload, topology, options)
     log.debug("solve: menus of %d tables in %.2f s", len(problem.tables), time.monotonic() - began)
     states = starts(problem, seeds=_baselines(workload, topology, options))
@@ -103,13 +105,36 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     log.debug("solve: improved by %.2f s, step %.4g s", time.monotonic() - began, best.score()[0])
     hot = choose_hot_rows(best, options.hot_row_shares)
     log.debug("solve: hot rows by %.2f s, step %.4g s", time.monotonic() - began, best.score()[0])
-    explanations = explain(best) if options.explain else {}
+    explanations = explain(best, explained)
     for index, note in hot.items():
         name = problem.tables[index].name
         if name in explanations:
             explanations[name] += f"; {note}"
     log.debug("solve: explained by %.2f s", time.monotonic() - began)
     return best.plan(f"distcache-{workload.name}-{topology.name}", explanations)
+
+
+def explained_tables(workload: Workload, explain: bool | tuple[str, ...]) -> list[int]:
+    """The indices of the tables `SolverOptions.explain` names (True: every table).
+
+    Raises:
+        DistcacheConfigError: a name of no table of `workload`, or not a tuple of names."""
+    if explain is True:
+        return list(range(len(workload.tables)))
+    if not isinstance(explain, bool | tuple) or not all(isinstance(n, str) for n in explain or ()):
+        raise DistcacheConfigError(
+            f"SolverOptions.explain must be True, False or a tuple of table names, got {explain!r}"
+        )
+    index = {t.name: i for i, t in enumerate(workload.tables)}
+    names = () if explain is False else explain
+    unknown = [name for name in names if name not in index]
+    if unknown:
+        some = ", ".join(list(index)[:5]) + (", ..." if len(index) > 5 else "")
+        raise DistcacheConfigError(
+            f"no table named {', '.join(map(repr, unknown))} to explain (the workload's "
+            f"tables: {some})"
+        )
+    return sorted({index[name] for name in names})
 
 
 def _baselines(workload: Workload, topology: Topology, options: SolverOptions) -> Iterator[Plan]:

@@ -552,8 +552,8 @@ class SolverOptions:
     hot_row_shares: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)
     """Per sharded table, replicas tried of the fewest likeliest rows taking each share of its
     lookups (`hot.py`); () for none."""
-    explain: bool = True
-    """Fill `Plan.explanations` (one more pass over the tables)."""
+    explain: bool | tuple[str, ...] = True
+    """Fill `Plan.explanations`: for every table (True), none (False) or those named."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:

@@ -215,7 +215,8 @@ def compare(
         include_torchrec: run TorchRec's planner (seconds to a minute on large topologies) and
             fill in TorchRec's own estimates.
         torchrec_timeout_s: passed to TorchRec's planner.
-        options: distcache's solver options.
+        options: distcache's solver options (default: `SolverOptions`'s, explaining no table:
+            the rows show no reasons).
 
     Example::
 
@@ -223,7 +224,7 @@ def compare(
     """
     start = time.perf_counter()
     try:
-        ours = solve(workload, topology, options=options)
+        ours = solve(workload, topology, options=options or SolverOptions(explain=False))
         rows = [_row("distcache", ours, workload, topology, include_torchrec, start)]
         hot = [
             f"{t.table} {t.hot_rows}{' (touched rows all-gathered)' * (t.hot_reduce != HOT_ALL)}"

@@ -83,18 +83,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from distcache.constants import HOT_ALL
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost, validate_plan
-from distcache.planner.solver import solve
+from distcache.planner.solver import explained_tables, solve
 from distcache.planner.topology import PRESETS, load_topology, parse_bytes, preset
-from distcache.planner.types import Plan, TablePlan, TableStats, Topology, Workload
+from distcache.planner.types import Plan, SolverOptions, TableStats, Topology, Workload
 from distcache.planner.workloads import workload_preset
+from distcache.tools.plan_text import default_explained, format_plan, why_header, wrap
 
 # `compare` and `export` import TorchRec (seconds): they are imported where they are used.
 
 _T = TypeVar("_T")
-_WIDTH = 100  # characters: the plan's reasons and violations are wrapped to it
 _MODEL_KEYS = (
     "name",
     "batch_size_per_rank",
@@ -124,6 +123,18 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
     return value
+
+
+def _table_names(text: str) -> bool | tuple[str, ...]:
+    """--explain: 'all' (True), 'none' (False) or names separated by commas."""
+    if text.strip() in ("all", "none"):
+        return text.strip() == "all"
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected 'all', 'none' or table names separated by commas, got {text!r}"
+        )
+    return names
 
 
 def _byte_size(text: str) -> int:
@@ -345,67 +356,6 @@ def _replace(topology: Topology, overrides: dict[str, int | None], flags: str) -
 # plan
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """Ranks as ranges: (0, 1, 2, 3, 7) -> "0-3,7"."""
-    parts, ordered = [], sorted(ranks)
-    start = prev = ordered[0]
-    for rank in [*ordered[1:], None]:
-        if rank is not None and rank == prev + 1:
-            prev = rank
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if rank is not None:
-            start = prev = rank
-    return ",".join(parts)
-
-
-def format_plan(plan: Plan, workload: Workload) -> str:
-    """One line per table (placement, cache, look-ahead, hot rows; a sequence table's name
-    marked '(seq)'), then the solver's reasons."""
-    header = ["table", "rows", "dim", "sharding", "ranks", "storage", "cache", "L", "K", "hot"]
-    body = []
-    for table in workload.tables:
-        tp: TablePlan = plan.table(table.name)
-        cache = f"{100 * tp.cache_fraction:.3g}%" if tp.storage != "device" else "-"
-        body.append(
-            [
-                table.name + ("" if table.pooled else " (seq)"),
-                f"{table.rows:,}",
-                str(table.dim),
-                tp.sharding,
-                _ranks_text(tp.ranks),
-                tp.storage,
-                cache,
-                str(tp.lookahead),
-                str(tp.prefetch_depth),
-                f"{tp.hot_rows:,}{' touched' * (tp.hot_reduce != HOT_ALL)}" if tp.hot_rows else "-",
-            ]
-        )
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    reasons = [_wrap(text, f"  {name}: ", "    ") for name, text in plan.explanations.items()]
-    if reasons:
-        lines += ["", "why:", *reasons]
-    return "\n".join(lines)
-
-
-def _wrap(text: str, first: str, rest: str) -> str:
-    """`text` in lines of at most `_WIDTH` characters (a word longer stays whole), the first
-    starting with `first`, the others with `rest` (`textwrap.fill` takes 6 x as long on a
-    thousand tables' reasons)."""
-    lines, prefix, words, width = [], first, [], len(first)
-    for word in text.split():
-        if words and width + 1 + len(word) > _WIDTH:
-            lines.append(prefix + " ".join(words))
-            prefix, words, width = rest, [word], len(rest) + len(word)
-        else:
-            width += len(word) + bool(words)
-            words.append(word)
-    lines.append(prefix + " ".join(words))
-    return "\n".join(lines)
-
-
 def _plan(args: argparse.Namespace) -> int:
     # The solver makes millions of short-lived objects and few cycles: collecting as it goes
     # costs a tenth of a 1,000-table plan. Collected once, when the plan is printed.
@@ -419,20 +369,22 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_printed(args: argparse.Namespace) -> int:
     workload, topology = workload_from_args(args), topology_from_args(args)
     try:
-        plan = solve(workload, topology)
+        explain = default_explained(workload) if args.explain is None else args.explain
+        _flag("--explain", lambda: explained_tables(workload, explain))
+        plan = solve(workload, topology, options=SolverOptions(explain=explain))
     except DistcacheConfigError as err:
         print(f"no plan: {err}", file=sys.stderr)
         return 1
     cost = plan_cost(plan, workload, topology)
     print(f"{workload.name} on {_topology_text(topology)}")
-    print(format_plan(plan, workload))
+    print(format_plan(plan, workload, why=why_header(workload, plan)))
     print(
         f"\nmodelled step {1e3 * cost.step_s:.3f} ms, {cost.samples_per_s:,.0f} samples/s; "
         f"max per rank: device {max(cost.device_memory_bytes) / 1e9:.2f} GB, "
         f"host {max(cost.host_memory_bytes) / 1e9:.2f} GB; fits: {'yes' if cost.fits else 'NO'}"
     )
     for violation in cost.violations:
-        print(_wrap(violation, "  ", "    "))
+        print(wrap(violation, "  ", "    "))
     if args.out is not None:
         _flag(f"--out {args.out}", lambda: plan.save(args.out))
         print(f"wrote {args.out}")
@@ -479,6 +431,14 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser = _common_parser("python -m distcache plan", "Plan a workload on a topology.")
     parser.add_argument("--out", type=output_file, help="write the plan as JSON")
     parser.add_argument("--torchrec-out", type=output_file, help="write a TorchRec ShardingPlan")
+    parser.add_argument(
+        "--explain",
+        type=_table_names,
+        metavar="TABLES",
+        help="whose placement the solver explains under 'why:' (and in --out): 'all', 'none' or "
+        "table names separated by commas (default: every table of at most 32, else the 32 "
+        "largest)",
+    )
     parser.add_argument("--module-path", default="", help="the EBC's path in the model")
     parser.add_argument(
         "--sequence-module-path",

@@ -10,6 +10,7 @@ from distcache.errors import DistcacheConfigError
 from distcache.planner import solver as solver_module
 from distcache.planner.cost import plan_cost
 from distcache.planner.solver import solve, uniform_plan
+from distcache.planner.topology import preset
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,
@@ -168,6 +169,32 @@ def test_a_table_too_big_for_the_device_is_cached_and_explained():
     assert "rejected:" in text and "table_wise, device (does not fit" in text
     assert "data_parallel" in text
     assert set(plan.explanations) == {"big", "small"}
+
+
+def test_explaining_some_tables_explains_them_as_explaining_all_does():
+    """`SolverOptions.explain` names the tables explained: each one's reason is what explaining
+    every table gives it (with its hot rows' note), and the plan is the same."""
+    workload = workload_preset("synthetic:tables=12,rows=200000,dim=16,seed=4")
+    topology = preset("h100", world_size=4)
+    every = solve(workload, topology, options=QUICK)
+    assert list(every.explanations) == [t.name for t in workload.tables]
+    some = solve(workload, topology, options=dataclasses.replace(QUICK, explain=("t9", "t2")))
+    assert some == every
+    assert some.explanations == {"t2": every.explanations["t2"], "t9": every.explanations["t9"]}
+    assert any("hot rows" in text for text in every.explanations.values())
+    assert solve(workload, topology, options=dataclasses.replace(QUICK, explain=False)) == every
+
+
+@pytest.mark.parametrize(
+    ("explain", "message"),
+    [(("t1", "nope"), "no table named 'nope' to explain"), ("t1", "a tuple of table names")],
+)
+def test_explaining_an_unknown_table_is_refused_before_solving(explain, message, monkeypatch):
+    monkeypatch.setattr(solver_module, "Problem", None)  # solving would fail otherwise
+    workload = workload_preset("synthetic:tables=3")
+    options = dataclasses.replace(QUICK, explain=explain)
+    with pytest.raises(DistcacheConfigError, match=message):
+        solve(workload, _one_rank(10**9), options=options)
 
 
 def test_keeps_everything_on_the_device_when_it_fits():

@@ -17,7 +17,8 @@ from distcache.planner.topology import preset
 from distcache.planner.types import Plan
 from distcache.planner.workloads import workload_preset
 from distcache.sharding import CACHED_KERNEL
-from distcache.tools.plan_cli import compare_main, format_plan, load_workload_config, plan_main
+from distcache.tools.plan_cli import compare_main, load_workload_config, plan_main
+from distcache.tools.plan_text import format_plan
 
 SPEC = "synthetic:tables=4,rows=5000,dim=16,seed=2"
 SMALL = ["--preset", SPEC, "--topology", "h100", "--world-size", "2", "--batch-size", "128"]
@@ -56,6 +57,59 @@ def test_plan_writes_json_that_loads_back_equal(
     for table in expected.tables:
         assert table.table in printed
     assert "modelled step" in printed and "why:" in printed
+
+
+BIG = ["--preset", "synthetic:tables=40,rows=20000,dim=16,seed=3", "--world-size", "4"]
+
+
+def _reasons(printed: str) -> dict[str, str]:
+    """The reasons under "why" of `plan`'s output, by table."""
+    reasons: dict[str, str] = {}
+    for line in printed.split("\n\nmodelled step")[0].split("\nwhy")[1].splitlines()[1:]:
+        if line.startswith("  ") and not line.startswith("    "):
+            name, text = line.strip().split(": ", 1)
+            reasons[name] = text
+        else:
+            reasons[name] += " " + line.strip()
+    return reasons
+
+
+def test_plan_explains_the_largest_tables_of_a_big_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Beyond 32 tables, `plan` explains the 32 largest unless told (the reasons of a thousand
+    tables ran to 1.85 MB), each as --explain all has it; --out holds what was explained."""
+    assert plan_main([*BIG, "--explain", "all"]) == 0
+    every = _reasons(capsys.readouterr().out)
+    workload = workload_preset(BIG[1])
+    assert list(every) == [t.name for t in workload.tables]
+    out = tmp_path / "plan.json"
+    assert plan_main([*BIG, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "\nwhy (32 of 40 tables; --explain all for every table" in printed
+    largest = sorted(workload.tables, key=lambda t: -t.rows)[:32]
+    assert set(_reasons(printed)) == {t.name for t in largest}
+    assert all(every[name] == text for name, text in _reasons(printed).items())
+    assert set(Plan.load(out).explanations) == {t.name for t in largest}
+
+    assert plan_main([*BIG, "--explain", "t7, t2"]) == 0
+    chosen = _reasons(capsys.readouterr().out)
+    assert chosen == {"t2": every["t2"], "t7": every["t7"]}
+    assert plan_main([*BIG, "--explain", "none"]) == 0
+    assert "why" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [("t1,nope", "no table named 'nope'"), ("t1,,t2", "table names separated by commas")],
+)
+def test_plan_refuses_a_bad_explain_before_solving(
+    value: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert plan_main([*BIG, "--explain", value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert named in captured.err.splitlines()[-1] and "--explain" in captured.err
 
 
 def test_plan_writes_a_loadable_torchrec_plan(tmp_path: Path) -> None:
@@ -295,7 +349,8 @@ def test_reasons_wrap_as_textwrap_does():
     import random
     import textwrap
 
-    from distcache.tools.plan_cli import _WIDTH, _wrap
+    from distcache.tools.plan_text import WIDTH as _WIDTH
+    from distcache.tools.plan_text import wrap as _wrap
 
     rng = random.Random(0)
     for _ in range(200):

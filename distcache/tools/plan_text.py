@@ -1,0 +1,105 @@
+"""What `python -m distcache plan` prints: the plan as a table, one line per table, then the
+solver's reasons wrapped to `WIDTH` characters; and whose reasons it prints unless told
+(`default_explained`: every table of a small workload, the largest of a big one, whose
+thousand tables' reasons would run to megabytes and cost the solver a pass over them all).
+
+Example::
+
+    plan = solve(workload, topology, options=SolverOptions(explain=default_explained(workload)))
+    print(format_plan(plan, workload, why=why_header(workload, plan)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from distcache.constants import HOT_ALL
+from distcache.planner.types import Plan, TablePlan, Workload
+
+WIDTH = 100  # characters: the plan's reasons and violations are wrapped to it
+EXPLAINED = 32  # tables whose reasons `plan` prints unless told: every one up to it, else the
+# largest (by bytes) this many
+
+
+def default_explained(workload: Workload) -> bool | tuple[str, ...]:
+    """`SolverOptions.explain` for `plan` without --explain: True (every table) for at most
+    `EXPLAINED` tables, else the names of the `EXPLAINED` largest (rows times row bytes; the
+    first of equal ones), in the workload's order."""
+    tables = workload.tables
+    if len(tables) <= EXPLAINED:
+        return True
+    size = [-t.rows * workload.row_bytes(t) for t in tables]
+    largest = sorted(range(len(tables)), key=size.__getitem__)[:EXPLAINED]
+    return tuple(tables[i].name for i in sorted(largest))
+
+
+def why_header(workload: Workload, plan: Plan) -> str:
+    """The line above the reasons: "why:", saying which tables' they are when not all are."""
+    explained, total = len(plan.explanations), len(workload.tables)
+    if explained == total:
+        return "why:"
+    return (
+        f"why ({explained} of {total:,} tables; --explain all for every table, or "
+        "--explain NAME,NAME):"
+    )
+
+
+def format_plan(plan: Plan, workload: Workload, why: str = "why:") -> str:
+    """One line per table (placement, cache, look-ahead, hot rows; a sequence table's name
+    marked '(seq)'), then the solver's reasons under the line `why`."""
+    header = ["table", "rows", "dim", "sharding", "ranks", "storage", "cache", "L", "K", "hot"]
+    body = []
+    for table in workload.tables:
+        tp: TablePlan = plan.table(table.name)
+        cache = f"{100 * tp.cache_fraction:.3g}%" if tp.storage != "device" else "-"
+        body.append(
+            [
+                table.name + ("" if table.pooled else " (seq)"),
+                f"{table.rows:,}",
+                str(table.dim),
+                tp.sharding,
+                ranks_text(tp.ranks),
+                tp.storage,
+                cache,
+                str(tp.lookahead),
+                str(tp.prefetch_depth),
+                f"{tp.hot_rows:,}{' touched' * (tp.hot_reduce != HOT_ALL)}" if tp.hot_rows else "-",
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    reasons = [wrap(text, f"  {name}: ", "    ") for name, text in plan.explanations.items()]
+    if reasons:
+        lines += ["", why, *reasons]
+    return "\n".join(lines)
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """Ranks as ranges: (0, 1, 2, 3, 7) -> "0-3,7"."""
+    parts, ordered = [], sorted(ranks)
+    start = prev = ordered[0]
+    for rank in [*ordered[1:], None]:
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if rank is not None:
+            start = prev = rank
+    return ",".join(parts)
+
+
+def wrap(text: str, first: str, rest: str) -> str:
+    """`text` in lines of at most `WIDTH` characters (a word longer stays whole), the first
+    starting with `first`, the others with `rest` (`textwrap.fill` takes 6 x as long on a
+    thousand tables' reasons)."""
+    lines, prefix, words, width = [], first, [], len(first)
+    for word in text.split():
+        if words and width + 1 + len(word) > WIDTH:
+            lines.append(prefix + " ".join(words))
+            prefix, words, width = rest, [word], len(rest) + len(word)
+        else:
+            width += len(word) + bool(words)
+            words.append(word)
+    lines.append(prefix + " ".join(words))
+    return "\n".join(lines)
