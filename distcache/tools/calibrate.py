@@ -505,6 +505,18 @@ def _summary(m: Measurements) -> str:
         return f"  {name}: latency {fit.latency_s * 1e6:.1f} us, {si(fit.bw_bytes_per_s, 'B/s')}"
 
     ms = "{:.3f} ms".format
+    host_link = (
+        f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')}, "
+        f"latency {m.host_to_device_latency_s * 1e6:.1f} us; device -> host "
+        f"{si(m.device_to_host_bw_bytes_per_s, 'B/s')}; distcache's stager "
+        f"{si(m.staging_bytes_per_s, 'B/s')}"
+    )
+    if m.device == "cpu":  # no link: the stager's rate, its bookkeeping in (not a copy's)
+        host_link = (
+            f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')} of rows "
+            "staged: distcache's stager with its bookkeeping (no device, no link), latency "
+            f"{m.host_to_device_latency_s * 1e6:.1f} us"
+        )
 
     def ns(v: float | None) -> str:
         return "-" if v is None else f"{v * 1e9:.2f} ns"
@@ -514,10 +526,7 @@ def _summary(m: Measurements) -> str:
             f"calibrated {m.device}, {m.ranks} ranks, {m.threads_per_rank} threads/rank, "
             f"{m.seconds:.1f} s, on {m.machine}",
             f"  memory copy        {si(m.copy_bw_bytes_per_s, 'B/s')}",
-            f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')}, "
-            f"latency {m.host_to_device_latency_s * 1e6:.1f} us; device -> host "
-            f"{si(m.device_to_host_bw_bytes_per_s, 'B/s')}; distcache's stager "
-            f"{si(m.staging_bytes_per_s, 'B/s')}",
+            host_link,
             f"  embedding lookup   {si(m.lookup_rows_per_s, 'rows/s')} + "
             f"{si(m.lookup_bytes_per_s, 'B/s')} (distcache's kernel), "
             f"{si(m.device_lookup_rows_per_s, 'rows/s')} + "
