@@ -28,7 +28,9 @@ JSON with ``--json`` (``--json-out FILE`` writes it beside the table); ``--no-to
 TorchRec's planner. Figures are modelled; with ``--measure`` each plan also runs here for
 ``--measure-steps`` steps after ``--measure-warmup`` (`compare.measure_rows`) when the topology
 fits this machine (``cpu`` or a calibrated JSON, at most 2 ranks), next to its modelled step;
-for larger topologies it says why nothing ran and the figures stay modelled.
+for larger topologies it says why nothing ran and the figures stay modelled. Measured against
+a preset (no `calibrate`), it says how far the modelled steps are from the measured ones, and
+which `calibrate` command prices this machine.
 ``--measure --device cuda`` runs them on this machine's GPU instead, for a CUDA topology of one
 rank (``--topology h100 --world-size 1``): TorchRec's plan on the kernels its planner chose for
 ``--device-memory`` (`fused`, its UVM cache `fused_uvm_caching`, `fused_uvm`), distcache's
@@ -495,6 +497,7 @@ def _compare(args: argparse.Namespace) -> int:
         rows, skipped = measure_rows(rows, workload, topology, options=options, device=args.device)
         if skipped:
             print(f"--measure: {skipped}", file=sys.stderr)
+        _uncalibrated_hint(rows, topology, args)
     # Printed first: a write that fails still leaves the rows (measured ones took minutes).
     if args.json:
         print(rows_to_json(rows, workload=workload, topology=topology))
@@ -504,6 +507,22 @@ def _compare(args: argparse.Namespace) -> int:
         text = rows_to_json(rows, workload=workload, topology=topology)
         _flag(f"--json-out {args.json_out}", lambda: args.json_out.write_text(text + "\n"))
     return 0
+
+
+def _uncalibrated_hint(rows: Sequence, topology: Topology, args: argparse.Namespace) -> None:
+    """Where plans ran against a preset (not this machine's calibration), how far its
+    modelled steps are from the measured ones, and how to price this machine instead."""
+    ratios = [r.measured_step_s / r.cost.step_s for r in rows if r.measured_step_s and r.cost]
+    if topology.calibration is not None or not ratios:
+        return
+    ranks = "--device cuda --ranks 1" if args.device == "cuda" else f"--ranks {topology.world_size}"
+    print(
+        f"--measure: {topology.name} is a preset, not this machine's calibration: the "
+        f"measured steps are {min(ratios):.2g}-{max(ratios):.2g} x the modelled ones; "
+        f"`python -m distcache calibrate {ranks} --out topology.json`, then --topology "
+        "topology.json, prices this machine",
+        file=sys.stderr,
+    )
 
 
 def _check_cuda(measure: bool) -> None:

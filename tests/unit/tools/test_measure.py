@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -111,8 +112,13 @@ def test_compare_measure_runs_every_plan_here(
     args = ["--config", str(config), "--topology", "cpu", "--world-size", "1", "--json"]
     args += ["--measure", "--measure-steps", "2", "--measure-warmup", "1"]
     assert compare_main(args) == 0
-    data = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
     assert data["measured"] is True
+    # A preset is not this machine: the gap is named, and the command that closes it.
+    hint = captured.err.splitlines()[-1]
+    assert "is a preset, not this machine's calibration: the measured steps are " in hint
+    assert "`python -m distcache calibrate --ranks 1 --out topology.json`" in hint
     rows = {r["name"]: r for r in data["rows"]}
     assert {"distcache", "torchrec", "all table-wise"} <= set(rows)
     for name in ("distcache", "torchrec", "all table-wise"):  # TorchRec's plan runs too
@@ -133,7 +139,22 @@ def test_compare_measure_skips_topologies_larger_than_this_machine(
     assert compare_main([*args, "--measure"]) == 0
     captured = capsys.readouterr()
     assert "--measure: not measured" in captured.err and "modelled" in captured.err
+    assert "calibration" not in captured.err  # (nothing ran: no gap to name)
     assert "measured ms" not in captured.out and "modelled" in captured.out
+
+
+def test_a_calibrated_topology_gets_no_calibration_hint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from distcache.tools.plan_cli import _uncalibrated_hint
+
+    row = SimpleNamespace(measured_step_s=0.02, cost=SimpleNamespace(step_s=0.001))
+    args = SimpleNamespace(device="cpu")
+    calibrated = dataclasses.replace(preset("cpu", world_size=2), calibration="calibrated here")
+    _uncalibrated_hint([row], calibrated, args)
+    assert capsys.readouterr().err == ""
+    _uncalibrated_hint([row], preset("cpu", world_size=2), args)
+    assert "the measured steps are 20-20 x the modelled ones" in capsys.readouterr().err
 
 
 def test_a_plan_runs_on_torchrecs_own_kernels() -> None:
