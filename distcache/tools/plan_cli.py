@@ -87,11 +87,11 @@ from typing import TypeVar
 
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost, validate_plan
-from distcache.planner.solver import explained_tables, solve
+from distcache.planner.solver import default_explained, explained_tables, solve
 from distcache.planner.topology import PRESETS, load_topology, parse_bytes, preset
 from distcache.planner.types import Plan, SolverOptions, TableStats, Topology, Workload
 from distcache.planner.workloads import workload_preset
-from distcache.tools.plan_text import default_explained, format_plan, why_header, wrap
+from distcache.tools.plan_text import format_plan, why_header, wrap
 
 # `compare` and `export` import TorchRec (seconds): they are imported where they are used.
 

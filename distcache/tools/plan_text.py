@@ -1,7 +1,6 @@
 """What `python -m distcache plan` prints: the plan as a table, one line per table, then the
-solver's reasons wrapped to `WIDTH` characters; and whose reasons it prints unless told
-(`default_explained`: every table of a small workload, the largest of a big one, whose
-thousand tables' reasons would run to megabytes and cost the solver a pass over them all).
+solver's reasons wrapped to `WIDTH` characters, under a line that says whose they are when
+they are not every table's (`solver.default_explained` picks them unless --explain does).
 
 Example::
 
@@ -17,20 +16,6 @@ from distcache.constants import HOT_ALL
 from distcache.planner.types import Plan, TablePlan, Workload
 
 WIDTH = 100  # characters: the plan's reasons and violations are wrapped to it
-EXPLAINED = 32  # tables whose reasons `plan` prints unless told: every one up to it, else the
-# largest (by bytes) this many
-
-
-def default_explained(workload: Workload) -> bool | tuple[str, ...]:
-    """`SolverOptions.explain` for `plan` without --explain: True (every table) for at most
-    `EXPLAINED` tables, else the names of the `EXPLAINED` largest (rows times row bytes; the
-    first of equal ones), in the workload's order."""
-    tables = workload.tables
-    if len(tables) <= EXPLAINED:
-        return True
-    size = [-t.rows * workload.row_bytes(t) for t in tables]
-    largest = sorted(range(len(tables)), key=size.__getitem__)[:EXPLAINED]
-    return tuple(tables[i].name for i in sorted(largest))
 
 
 def why_header(workload: Workload, plan: Plan) -> str:
