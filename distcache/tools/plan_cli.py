@@ -29,8 +29,8 @@ TorchRec's planner. Figures are modelled; with ``--measure`` each plan also runs
 ``--measure-steps`` steps after ``--measure-warmup`` (`compare.measure_rows`) when the topology
 fits this machine (``cpu`` or a calibrated JSON, at most 2 ranks), next to its modelled step;
 for larger topologies it says why nothing ran and the figures stay modelled. Measured against
-a preset (no `calibrate`), it says how far the modelled steps are from the measured ones, and
-which `calibrate` command prices this machine.
+a topology `calibrate` did not make (a preset), it says how far the modelled steps are from
+the measured ones, and which `calibrate` command prices this machine.
 ``--measure --device cuda`` runs them on this machine's GPU instead, for a CUDA topology of one
 rank (``--topology h100 --world-size 1``): TorchRec's plan on the kernels its planner chose for
 ``--device-memory`` (`fused`, its UVM cache `fused_uvm_caching`, `fused_uvm`), distcache's
@@ -510,14 +510,15 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _uncalibrated_hint(rows: Sequence, topology: Topology, args: argparse.Namespace) -> None:
-    """Where plans ran against a preset (not this machine's calibration), how far its
-    modelled steps are from the measured ones, and how to price this machine instead."""
+    """Where plans ran against a topology `calibrate` did not measure (a preset, or one written
+    by hand), how far its modelled steps are from the measured ones, and how to price this
+    machine instead."""
     ratios = [r.measured_step_s / r.cost.step_s for r in rows if r.measured_step_s and r.cost]
     if topology.calibration is not None or not ratios:
         return
     ranks = "--device cuda --ranks 1" if args.device == "cuda" else f"--ranks {topology.world_size}"
     print(
-        f"--measure: {topology.name} is a preset, not this machine's calibration: the "
+        f"--measure: the topology {topology.name} is not a calibration of this machine: the "
         f"measured steps are {min(ratios):.2g}-{max(ratios):.2g} x the modelled ones; "
         f"`python -m distcache calibrate {ranks} --out topology.json`, then --topology "
         "topology.json, prices this machine",

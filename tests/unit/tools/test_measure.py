@@ -117,7 +117,7 @@ def test_compare_measure_runs_every_plan_here(
     assert data["measured"] is True
     # A preset is not this machine: the gap is named, and the command that closes it.
     hint = captured.err.splitlines()[-1]
-    assert "is a preset, not this machine's calibration: the measured steps are " in hint
+    assert "is not a calibration of this machine: the measured steps are " in hint
     assert "`python -m distcache calibrate --ranks 1 --out topology.json`" in hint
     rows = {r["name"]: r for r in data["rows"]}
     assert {"distcache", "torchrec", "all table-wise"} <= set(rows)
