@@ -59,6 +59,9 @@ def test_throughput_smoke(tmp_path):
     assert by_variant["lru"]["critical_misses"] > 0 and by_variant["sync"]["critical_misses"] > 0
     assert by_variant["prefetch_hook"]["critical_misses"] == 0
     assert summary[-1]["x_torchrec"] == 1.0
+    for row in summary:  # the ratio's paired-bootstrap interval holds the ratio itself
+        assert row["x_torchrec_low"] <= row["x_torchrec"] + 1e-12 <= row["x_torchrec_high"] + 2e-12
+    assert "90 % interval" in run.stdout
     per_rank = payload["results"][0]["per_rank"]
     assert len(per_rank) == 1 and len(per_rank[0][0]["step_s"]) == 3
     # --phases: each variant's timed steps by phase, the pipelines' own stages where they ran.
