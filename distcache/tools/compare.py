@@ -232,7 +232,7 @@ def compare(
             if t.hot_rows
         ]
         if hot:  # the same placements without their replicas: what the hot rows buy
-            rows[0] = _with_note(rows[0], f"hot rows replicated: {', '.join(hot)}")
+            rows[0] = _with_note(rows[0], _hot_note(hot, len(ours.tables)))
             stripped = replace(
                 ours,
                 name=f"{ours.name}-no-hot-rows",
@@ -447,6 +447,20 @@ def _kernel_counts(sharding_plan: ShardingPlan) -> str:
     """'fused 15, fused_uvm_caching 3': tables per kernel of a TorchRec plan."""
     kernels = Counter(s.compute_kernel for m in sharding_plan.plan.values() for s in m.values())
     return ", ".join(f"{kernel} {count}" for kernel, count in sorted(kernels.items()))
+
+
+HOT_LISTED = 12  # tables a row's hot-rows note names (the plan, in --json, has them all)
+
+
+def _hot_note(hot: list[str], tables: int) -> str:
+    """The note naming the tables with replicas ("t3 1200, ..."), the first `HOT_LISTED`
+    of them where more have one."""
+    if len(hot) <= HOT_LISTED:
+        return f"hot rows replicated: {', '.join(hot)}"
+    return (
+        f"hot rows replicated in {len(hot):,} of {tables:,} tables: "
+        f"{', '.join(hot[:HOT_LISTED])}, ... (the plan in --json lists every table's)"
+    )
 
 
 def _with_note(row: ComparisonRow, note: str) -> ComparisonRow:

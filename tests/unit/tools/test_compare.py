@@ -192,3 +192,16 @@ def test_on_cuda_compare_would_run_torchrecs_plan_on_its_uvm_kernels() -> None:
     assert sharders("cuda")[-1].fused_params == {"uvm_host_mapped": True}
     # On CPU TorchRec has no cache: its plan of host-resident tables is not run on its kernels.
     assert measured_runs(compare(workload, topology), device="cpu").torchrec_kernels == ()
+
+
+def test_the_hot_rows_note_names_a_dozen_tables_at_most():
+    """A thousand tables' replicas made one 9 KB line of the table; the plan keeps them all."""
+    from distcache.tools.compare import HOT_LISTED, _hot_note
+
+    few = [f"t{i} {10 * i}" for i in range(3)]
+    assert _hot_note(few, 5) == "hot rows replicated: t0 0, t1 10, t2 20"
+    many = [f"t{i} {10 * i}" for i in range(40)]
+    note = _hot_note(many, 1000)
+    assert note.startswith("hot rows replicated in 40 of 1,000 tables: t0 0, t1 10, ")
+    assert f"t{HOT_LISTED - 1} " in note and f"t{HOT_LISTED} " not in note
+    assert note.endswith("... (the plan in --json lists every table's)")
