@@ -34,7 +34,10 @@ barrier (CUDA: synchronized at both ends), so the machine's drift touches them a
 the slowest rank sets the time. Warm-up steps are excluded, and so are the cache counters of
 the warm-up.
 
-Columns: hit rate = rows found resident / distinct rows looked up; loads and write-backs per step
+Columns: x torchrec = steps/s over TorchRec's, with its 90 % interval (a paired bootstrap of
+the timed steps: how far the shared machine's noise within the run leaves it; runs on other
+days or beside other variants can differ by more); hit rate = rows found resident / distinct
+rows looked up; loads and write-backs per step
 and rank; critical misses = rows loaded while training waited (0 for the look-ahead pipeline,
 checked); wait = time lookups waited on staging / step time.
 
