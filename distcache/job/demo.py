@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from distcache.arguments import positive_int
 from distcache.cache.config import CacheConfig
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.cache.simulate import simulate
@@ -89,20 +90,10 @@ def _models(config: CacheConfig, seed: int) -> tuple[_Model, _Model]:
     return _Model(bags, head, opt), _Model(reference, ref_head, ref_opt)
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distcache demo", description=__doc__)
-    ap.add_argument("--steps", type=_at_least_one, default=200)
-    ap.add_argument("--batch-size", type=_at_least_one, default=256)
+    ap.add_argument("--steps", type=positive_int, default=200)
+    ap.add_argument("--batch-size", type=positive_int, default=256)
     ap.add_argument("--capacity", type=float, default=0.02)
     ap.add_argument("--lookahead", type=int, default=8)
     ap.add_argument("--prefetch-depth", type=int, default=2)

@@ -85,6 +85,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from distcache.arguments import positive_int
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost, validate_plan
 from distcache.planner.solver import default_explained, explained_tables, solve
@@ -115,16 +116,6 @@ class _UsageError(Exception):
 
 # --------------------------------------------------------------------------------------------
 # Arguments
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
 
 
 def _table_names(text: str) -> bool | tuple[str, ...]:
@@ -176,11 +167,11 @@ def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--topology",
         help="h100, h200, cpu or a JSON file (default h100; for a job's config, the job's)",
     )
-    parser.add_argument("--world-size", type=_positive_int, help="ranks (default 8)")
-    parser.add_argument("--ranks-per-node", type=_positive_int)
+    parser.add_argument("--world-size", type=positive_int, help="ranks (default 8)")
+    parser.add_argument("--ranks-per-node", type=positive_int)
     parser.add_argument("--device-memory", type=_byte_size, help="per rank, e.g. 16GB")
     parser.add_argument("--host-memory", type=_byte_size, help="per rank, e.g. 200GB")
-    parser.add_argument("--batch-size", type=_positive_int, help="samples per rank per step")
+    parser.add_argument("--batch-size", type=positive_int, help="samples per rank per step")
     return parser
 
 
@@ -547,7 +538,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-torchrec", action="store_true", help="skip TorchRec's planner")
     parser.add_argument(
-        "--torchrec-timeout", type=_positive_int, help="seconds for TorchRec's proposals"
+        "--torchrec-timeout", type=positive_int, help="seconds for TorchRec's proposals"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--json-out", type=output_file, help="also write the JSON to this file")
@@ -565,9 +556,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         "(cuda: a CUDA topology of one rank)",
     )
     parser.add_argument(
-        "--measure-steps", type=_positive_int, default=20, help="timed steps per plan"
+        "--measure-steps", type=positive_int, default=20, help="timed steps per plan"
     )
     parser.add_argument(
-        "--measure-warmup", type=_positive_int, default=10, help="warm-up steps per plan"
+        "--measure-warmup", type=positive_int, default=10, help="warm-up steps per plan"
     )
     return _run(_compare, parser, sys.argv[1:] if argv is None else argv)

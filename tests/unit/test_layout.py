@@ -21,7 +21,7 @@ PACKAGE = Path(distcache.__file__).resolve().parent
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 # Modules at the package root that every layer may import: they import no other layer.
-BASE = ("errors", "constants")
+BASE = ("errors", "constants", "arguments")
 # layer (a subpackage, or a path below the package) -> the distcache layers it may import
 ALLOWED = {
     "cache": {"cache", *BASE},
