@@ -98,10 +98,6 @@ def _fmt(value: object) -> str:
     return "" if value is None else str(value)
 
 
-if __name__ == "__main__":
-    print(source_digest())
-
-
 def ratio_interval(
     base_s: list[float], other_s: list[float], level: float = 0.9, resamples: int = 2000
 ) -> tuple[float, float]:
@@ -116,3 +112,7 @@ def ratio_interval(
     ratios = base[picks].sum(axis=1) / other[picks].sum(axis=1)
     low, high = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
+
+
+if __name__ == "__main__":
+    print(source_digest())

@@ -118,10 +118,10 @@ EXPLAINED = 32  # tables explained unless told (`default_explained`)
 
 
 def default_explained(workload: Workload) -> bool | tuple[str, ...]:
-    """`SolverOptions.explain` for `plan` without --explain and for a training job: True
-    (every table) for at most `EXPLAINED` tables, else the names of the `EXPLAINED` largest
-    (rows times row bytes; the first of equal ones), in the workload's order: a thousand
-    tables' reasons run to megabytes, and cost a tenth of the plan's time."""
+    """`SolverOptions.explain` for `plan` without --explain: True (every table) for at most
+    `EXPLAINED` tables, else the names of the `EXPLAINED` largest (rows times row bytes; the
+    first of equal ones), in the workload's order: a thousand tables' reasons run to
+    megabytes, and cost a tenth of the plan's time."""
     tables = workload.tables
     if len(tables) <= EXPLAINED:
         return True

@@ -505,17 +505,17 @@ def _summary(m: Measurements) -> str:
         return f"  {name}: latency {fit.latency_s * 1e6:.1f} us, {si(fit.bw_bytes_per_s, 'B/s')}"
 
     ms = "{:.3f} ms".format
-    host_link = (
-        f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')}, "
-        f"latency {m.host_to_device_latency_s * 1e6:.1f} us; device -> host "
-        f"{si(m.device_to_host_bw_bytes_per_s, 'B/s')}; distcache's stager "
-        f"{si(m.staging_bytes_per_s, 'B/s')}"
-    )
+    host_link = f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')}"
+    latency = f"latency {m.host_to_device_latency_s * 1e6:.1f} us"
     if m.device == "cpu":  # no link: the stager's rate, its bookkeeping in (not a copy's)
-        host_link = (
-            f"  host -> device     {si(m.host_to_device_bw_bytes_per_s, 'B/s')} of rows "
-            "staged: distcache's stager with its bookkeeping (no device, no link), latency "
-            f"{m.host_to_device_latency_s * 1e6:.1f} us"
+        host_link += (
+            " of rows staged: distcache's stager with its bookkeeping (no device, no link), "
+            + latency
+        )
+    else:
+        host_link += (
+            f", {latency}; device -> host {si(m.device_to_host_bw_bytes_per_s, 'B/s')}; "
+            f"distcache's stager {si(m.staging_bytes_per_s, 'B/s')}"
         )
 
     def ns(v: float | None) -> str:
