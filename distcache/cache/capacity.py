@@ -143,24 +143,25 @@ def per_table(
 
 
 def shared_capacity(
-    config: CacheConfig, tables: Sequence[tuple[str, int, float | None]]
+    tables: Sequence[tuple[str, int, float | None, CacheConfig]],
 ) -> tuple[int, list[Shortfall]]:
-    """The rows of one cache shared by `tables` ((name, rows, ids a batch or None)): their
-    caches together (`CacheConfig.capacity_rows`), raised when together they cannot hold the
-    rows of the batches in flight, and the tables that raised it.
+    """The rows of one cache shared by `tables` ((name, rows, ids a batch or None, its config:
+    the same but for the capacity)): their caches together (`CacheConfig.capacity_rows`),
+    raised when together they cannot hold the rows of the batches in flight, and the tables
+    that raised it.
 
     A table short on its own is covered by the others' spare rows, since the cache is shared;
     when they do not cover it, each short table's part is raised to what it needs.
     """
-    have = [config.capacity_rows(rows) for _, rows, _ in tables]
+    have = [config.capacity_rows(rows) for _, rows, _, config in tables]
     shorts = [
         shortfall(name, config, rows, ids) if ids is not None else None
-        for name, rows, ids in tables
+        for name, rows, ids, config in tables
     ]
     needed = [h if s is None else max(h, s.needed_rows) for h, s in zip(have, shorts, strict=True)]
     spare = sum(
         h - rows_in_flight(config, rows, ids)
-        for h, (_, rows, ids), s in zip(have, tables, shorts, strict=True)
+        for h, (_, rows, ids, config), s in zip(have, tables, shorts, strict=True)
         if s is None and ids is not None
     )
     if sum(needed) - sum(have) <= spare:

@@ -39,7 +39,9 @@ class CacheConfig:
     capacity: float | int = 1.0
     """Cache size per table. A float in (0, 1] is a fraction of the table's rows (rounded up); an
     int >= 1 is a number of rows (capped at the table's rows). Tables of one width share one
-    cache, as large as their caches together."""
+    cache, as large as their caches together; a table may set its own (`TableSpec.capacity`,
+    or the sharder's `table_configs`): configs that differ only in capacity share the cache
+    too, as TorchRec's UVM-cached tables of different load factors share one kernel."""
     lookahead: int = DEFAULT_LOOKAHEAD
     """L: how many future batches' ids the scheduler may see (>= 0). The scheduler's cost per
     batch does not grow with L; the window holds 21 bytes per id of each batch in it (plus
@@ -141,13 +143,7 @@ class CacheConfig:
             _fail("hot_rows", _short(hot), "a tuple of distinct row ids >= 0")
         if len(set(hot)) != len(hot):
             _fail("hot_rows", _short(hot), "distinct row ids (some repeat)")
-        cap = self.capacity
-        if isinstance(cap, bool) or not isinstance(cap, int | float):
-            _fail("capacity", cap, "a float in (0, 1] (fraction of rows) or an int >= 1 (rows)")
-        if isinstance(cap, float) and not (0.0 < cap <= 1.0 and math.isfinite(cap)):
-            _fail("capacity", cap, "a fraction in (0, 1], or an int >= 1 for a number of rows")
-        if isinstance(cap, int) and cap < 1:
-            _fail("capacity", cap, "an int >= 1 (rows), or a float in (0, 1] (fraction of rows)")
+        check_capacity(self.capacity, "CacheConfig.capacity")
         _check_int("lookahead", self.lookahead, 0)
         _check_int("prefetch_depth", self.prefetch_depth, 0)
         if self.prefetch_depth > self.lookahead:
@@ -229,6 +225,20 @@ class CacheConfig:
 def triton_installed() -> bool:
     """Whether Triton can be imported (direct staging's CUDA kernel needs it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def check_capacity(capacity: object, where: str) -> None:
+    """Raise `DistcacheConfigError` naming `where` unless `capacity` is a `CacheConfig.capacity`:
+    a float in (0, 1] or an int >= 1."""
+    allowed = None
+    if isinstance(capacity, bool) or not isinstance(capacity, int | float):
+        allowed = "a float in (0, 1] (fraction of rows) or an int >= 1 (rows)"
+    elif isinstance(capacity, float) and not (0.0 < capacity <= 1.0 and math.isfinite(capacity)):
+        allowed = "a fraction in (0, 1], or an int >= 1 for a number of rows"
+    elif isinstance(capacity, int) and capacity < 1:
+        allowed = "an int >= 1 (rows), or a float in (0, 1] (fraction of rows)"
+    if allowed:
+        raise DistcacheConfigError(f"{where}={capacity!r} is invalid: expected {allowed}")
 
 
 def _short(value: object) -> object:

@@ -34,7 +34,7 @@ from distcache.cache.ids import find_invalid, first_invalid, raise_if_invalid
 from distcache.cache.pooling import CachedPooledLookup, GroupBatch, pool
 from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
-from distcache.cache.tables import TableSpec
+from distcache.cache.tables import TableSpec, table_config
 from distcache.errors import (
     CacheCapacityError,
     DistcacheConfigError,
@@ -78,7 +78,8 @@ class CachedEmbeddingBags(nn.Module):
 
     Args:
         tables: the tables; names must be unique.
-        config: cache settings shared by all tables.
+        config: cache settings shared by all tables (a table's `TableSpec.capacity`, if
+            set, sizes its part of the cache instead of `config.capacity`).
         device: where caches and lookups live ("cpu" or a CUDA device).
         seed: seed of the default initialization, uniform(-1/sqrt(rows), 1/sqrt(rows)) as in
             TorchRec.
@@ -134,44 +135,14 @@ class CachedEmbeddingBags(nn.Module):
         self.feature_table_map = fmap
         self._rows = torch.tensor([tables[t].num_embeddings for t in fmap], device=self.device)
         self._mean = torch.tensor([tables[t].pooling == "mean" for t in fmap], device=self.device)
-        self._groups: list[_Group] = []
-        num_features = len(fmap)
         ids = per_table(ids_per_batch, names)
-        for dim, dtype in dict.fromkeys((t.embedding_dim, t.dtype) for t in tables):
-            members = [
-                i for i, t in enumerate(tables) if (t.embedding_dim, t.dtype) == (dim, dtype)
-            ]
-            sizes = [tables[i].num_embeddings for i in members]
-            capacity, short = shared_capacity(
-                config, [(names[i], sizes[k], ids[i]) for k, i in enumerate(members)]
+        self._groups = [
+            self._group(
+                [i for i, t in enumerate(tables) if (t.embedding_dim, t.dtype) == kind], ids
             )
-            log_shortfalls(short, "CachedEmbeddingBags")
-            engine = CacheEngine(
-                num_rows=sum(sizes),
-                dim=dim,
-                config=config,
-                device=self.device,
-                name="+".join(tables[i].name for i in members),
-                capacity=capacity,
-                dtype=dtype,
-                pooled=self._pooled,
-            )
-            starts = [sum(sizes[:k]) for k in range(len(sizes))]
-            features = [f for f, t in enumerate(fmap) if t in members]
-            offset = [starts[members.index(t)] if t in members else 0 for t in fmap]
-            position = [features.index(f) if f in features else 0 for f in range(num_features)]
-            group = _Group(
-                engine=engine,
-                tables=members,
-                row_offsets=starts,
-                features=features,
-                feature_row_offset=torch.tensor(offset, device=self.device),
-                member=torch.tensor([t in members for t in fmap], device=self.device),
-                feature_index=torch.tensor(features, dtype=torch.int64, device=self.device),
-                position=torch.tensor(position, device=self.device),
-                has_mean=any(tables[fmap[f]].pooling == "mean" for f in features),
-            )
-            self._groups.append(group)
+            for kind in dict.fromkeys((t.embedding_dim, t.dtype) for t in tables)
+        ]
+        num_features = len(fmap)
         self._in_order = [f for g in self._groups for f in g.features] == list(range(num_features))
         self._anchor = torch.zeros((), requires_grad=True)
         self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
@@ -182,6 +153,43 @@ class CachedEmbeddingBags(nn.Module):
         on = config.fused_on(self.device) and whole
         self._kernels = fused.kernels(self.device, graphs=graphs) if on else None
         self._init_weights(seed)
+
+    def _group(self, members: list[int], ids: list[float | None]) -> _Group:
+        """The cache of the tables `members` (of one width and dtype; `ids`: each table's ids
+        a batch, or None) and how features reach it."""
+        tables, fmap, config = self.tables, self.feature_table_map, self.config
+        sizes = [tables[i].num_embeddings for i in members]
+        parts = [(tables[i], ids[i]) for i in members]
+        capacity, short = shared_capacity(
+            [(t.name, t.num_embeddings, n, table_config(t, config)) for t, n in parts]
+        )
+        log_shortfalls(short, "CachedEmbeddingBags")
+        first = tables[members[0]]
+        engine = CacheEngine(
+            num_rows=sum(sizes),
+            dim=first.embedding_dim,
+            config=config,
+            device=self.device,
+            name="+".join(tables[i].name for i in members),
+            capacity=capacity,
+            dtype=first.dtype,
+            pooled=self._pooled,
+        )
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        features = [f for f, t in enumerate(fmap) if t in members]
+        offset = [starts[members.index(t)] if t in members else 0 for t in fmap]
+        position = [features.index(f) if f in features else 0 for f in range(len(fmap))]
+        return _Group(
+            engine=engine,
+            tables=members,
+            row_offsets=starts,
+            features=features,
+            feature_row_offset=torch.tensor(offset, device=self.device),
+            member=torch.tensor([t in members for t in fmap], device=self.device),
+            feature_index=torch.tensor(features, dtype=torch.int64, device=self.device),
+            position=torch.tensor(position, device=self.device),
+            has_mean=any(tables[fmap[f]].pooling == "mean" for f in features),
+        )
 
     # ------------------------------------------------------------ lookups
     def enqueue(self, values: torch.Tensor, offsets: torch.Tensor) -> None:

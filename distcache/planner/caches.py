@@ -11,17 +11,20 @@ all of them. A shard's group is fixed by:
    per `ShardTerms.collectives`;
 2. its kernel: TorchRec's `group_tables` gives one kernel to a lookup's tables of equal data
    type, pooling and fused params, and a distcache table's fused params hold its
-   `CacheConfig` (`CachedParameterSharding.get_additional_fused_params`, hot rows left out),
-   which `planner.torchrec.export.cache_config_for` fills from the plan: capacity =
-   `cache_fraction`, look-ahead L, prefetch depth K (L = 0: a reactive LRU cache);
+   `CacheConfig` (`CachedParameterSharding.get_additional_fused_params`, hot rows and
+   capacity left out), which `planner.torchrec.export.cache_config_for` fills from the plan:
+   look-ahead L, prefetch depth K (L = 0: a reactive LRU cache);
 3. its width and dtype: a kernel's `cache.module.CachedEmbeddingBags` serves the tables of
-   one (shard dim, dtype) by one engine, of capacity the sum of their
-   `CacheConfig.capacity_rows` (`cache.capacity.shared_capacity`; it raises that only when
-   the batches in flight would not fit, which `plan_cost` still reports per table).
+   one (shard dim, dtype) by one engine, of capacity the sum of their own
+   (`cache_fraction`: `TableSpec.capacity`, `cache.capacity.shared_capacity`; it raises that
+   only when the batches in flight would not fit, which `plan_cost` still reports per table).
 
 So `cache_group` keys a shard by (collectives, shard dim, row bytes (for one dim: the dtype),
-cache fraction, L, K), and `rank_caches` by its rank too; tests/unit/planner/torchrec/
-test_export.py builds the engines of an exported plan under DMP and finds these groups. A
+L, K), and `rank_caches` by its rank too; tests/unit/planner/torchrec/test_export.py builds
+the engines of an exported plan under DMP and finds these groups. (A device-stored table on
+distcache's kernel, a sequence table with a replica, is a cache of every row under the
+look-ahead of the export's base config: where that is a cache's L and K, the engine shares
+that cache with it, which the model, pricing it resident, leaves out.) A
 row-wise (or table-row-wise) shard holds 1/rows-split of each of its table's rows, touched
 as often as the table's (`binned.CacheShare`); hot rows (`TablePlan.hot_rows`) never reach
 the cache, which holds the table's next likeliest rows instead.
@@ -101,7 +104,6 @@ def cache_group(tp: TablePlan, terms: ShardTerms) -> tuple | None:
         terms.collectives,
         terms.shard_dim,
         terms.row_bytes,  # for one dim and optimizer: the rows' dtype
-        tp.cache_fraction,
         tp.lookahead,
         tp.prefetch_depth,
     )

@@ -39,7 +39,7 @@ from distcache.cache.engine import ROW_DTYPES
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
 from distcache.cache.sequence import CachedEmbeddings
 from distcache.errors import DistcacheConfigError, UnsupportedError
-from distcache.sharding.parameter_sharding import CACHE_CONFIG_KEY
+from distcache.sharding.parameter_sharding import CACHE_CAPACITY_KEY, CACHE_CONFIG_KEY
 from distcache.sharding.state import host_table, sharded_state, sharded_weight
 from distcache.sharding.torchrec_private import kernel_process_group, mark_updated_in_backward
 
@@ -72,6 +72,8 @@ def cache_config_from_fused_params(fused_params: dict[str, Any] | None) -> Cache
     params = dict(fused_params or {})
     config = params.get(CACHE_CONFIG_KEY) or CacheConfig()
     updates: dict[str, Any] = {}
+    if table_capacity(params) is not None:
+        updates["capacity"] = table_capacity(params)
     if "optimizer" in params:
         kind = params["optimizer"]
         kind = EmbOptimType(kind) if isinstance(kind, str) else kind
@@ -90,6 +92,13 @@ def cache_config_from_fused_params(fused_params: dict[str, Any] | None) -> Cache
         if theirs in params:
             updates[ours] = float(params[theirs])
     return dataclasses.replace(config, **updates)
+
+
+def table_capacity(fused_params: dict[str, Any] | None) -> float | int | None:
+    """A table's own `CacheConfig.capacity`, from its fused params (`CACHE_CAPACITY_KEY`, set
+    beside its config); None in a kernel's, which TorchRec groups without it."""
+    params = fused_params or {}
+    return params.get(CACHE_CAPACITY_KEY) if CACHE_CONFIG_KEY in params else None
 
 
 class _CacheOptimizer(FusedOptimizer):
@@ -169,6 +178,7 @@ class _CachedKernel:
                 f"distcache's kernel got several shards of one table on one rank ({names}); "
                 "plan column-wise shards so that each rank holds at most one shard per table"
             )
+        # The group's settings; each table's capacity is its own (`TableSpec.capacity`).
         self.cache_config = cache_config_from_fused_params(config.fused_params)
         dtype = data_type_to_dtype(config.data_type)  # TorchRec groups tables by data_type
         if dtype not in ROW_DTYPES:
@@ -183,6 +193,7 @@ class _CachedKernel:
                 embedding_dim=t.local_cols,
                 pooling=pooling,
                 dtype=dtype,
+                capacity=table_capacity(t.fused_params),
             )
             for t in config.embedding_tables
         ]

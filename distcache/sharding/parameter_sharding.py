@@ -3,7 +3,11 @@
 A `CachedParameterSharding` is TorchRec's `ParameterSharding` plus the table's `CacheConfig`.
 TorchRec merges `get_additional_fused_params()` of a customized-kernel table into the fused
 params its kernel is built from, so the settings reach the kernel through the plan, and a saved
-plan reproduces them.
+plan reproduces them. TorchRec gives one kernel to the tables of equal fused params; the
+capacity travels apart, under its own cache-size key (`CACHE_CAPACITY_KEY`), which its grouping
+leaves out: tables whose configs differ only in capacity (a small table cached whole beside
+large ones at 5 %) share one kernel, and per width one cache (`TableSpec.capacity`), as
+TorchRec's UVM-cached tables of different load factors share one kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torchrec.distributed.embedding_sharding import CACHE_LOAD_FACTOR_STR
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
@@ -22,6 +27,12 @@ from distcache.constants import HOT_ALL
 
 #: Key of the table's `CacheConfig` in a customized kernel's fused params.
 CACHE_CONFIG_KEY = "distcache_cache_config"
+#: Key of the table's `CacheConfig.capacity` in its fused params: TorchRec's own cache-size key,
+#: which `group_tables` leaves out of the fused params it groups tables by.
+CACHE_CAPACITY_KEY = CACHE_LOAD_FACTOR_STR
+#: The capacity of the `CacheConfig` that groups tables (each table's is under
+#: `CACHE_CAPACITY_KEY`).
+GROUPED_CAPACITY = 1.0
 #: TorchRec's compute kernel for out-of-tree kernels, which distcache's tables use.
 CACHED_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 #: TorchRec's own kernel for device-resident tables (FBGEMM's table-batched embedding).
@@ -37,13 +48,18 @@ class CachedParameterSharding(ParameterSharding):
     cache_config: CacheConfig | None = None
 
     def get_additional_fused_params(self) -> dict[str, Any]:
-        # Without the hot rows: TorchRec groups tables of equal fused params into one kernel,
-        # and tables replicating different rows, or reducing them differently, should still
-        # share one (the sharded module reads both from the plan). TorchRec's kernels get none.
-        if self.cache_config is None or self.compute_kernel != CACHED_KERNEL:
+        # Without the hot rows and the capacity: TorchRec groups tables of equal fused params
+        # into one kernel, and tables replicating different rows, or reducing them differently,
+        # or caching more or less of their rows, should still share one (the sharded module
+        # reads the hot rows from the plan; the kernel each table's capacity from its own fused
+        # params). TorchRec's kernels get none.
+        config = self.cache_config
+        if config is None or self.compute_kernel != CACHED_KERNEL:
             return {}
-        plain = dataclasses.replace(self.cache_config, hot_rows=(), hot_reduce=HOT_ALL)
-        return {CACHE_CONFIG_KEY: plain}
+        plain = dataclasses.replace(
+            config, hot_rows=(), hot_reduce=HOT_ALL, capacity=GROUPED_CAPACITY
+        )
+        return {CACHE_CONFIG_KEY: plain, CACHE_CAPACITY_KEY: config.capacity}
 
 
 def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> ParameterSharding:

@@ -1,6 +1,7 @@
 """A cache too small for its batches in flight is found and raised before the first batch
 (`distcache.cache.capacity`, `CachedEmbeddingBags(ids_per_batch=...)`)."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -33,12 +34,24 @@ def test_a_shortfall_names_the_capacity_that_holds_the_batches_in_flight():
 def test_a_shared_cache_covers_a_short_table_with_the_others_spare_rows():
     config = CacheConfig(capacity=0.1, lookahead=1, prefetch_depth=1)
     # 'a' holds 10 rows but needs 40; 'b' holds 100 and needs 40: 60 spare cover 'a'.
-    assert shared_capacity(config, [("a", 100, 20), ("b", 1000, 20)]) == (110, [])
+    assert shared_capacity([("a", 100, 20, config), ("b", 1000, 20, config)]) == (110, [])
     # 'b' of unknown use lends nothing: 'a' is raised to 40.
-    capacity, short = shared_capacity(config, [("a", 100, 20), ("b", 1000, None)])
+    capacity, short = shared_capacity([("a", 100, 20, config), ("b", 1000, None, config)])
     assert capacity == 140 and [s.table for s in short] == ["a"]
-    capacity, short = shared_capacity(config, [("a", 100, 20), ("b", 1000, 60)])
+    capacity, short = shared_capacity([("a", 100, 20, config), ("b", 1000, 60, config)])
     assert capacity == 160 and [s.table for s in short] == ["a", "b"]
+
+
+def test_a_shared_cache_adds_up_each_tables_own_capacity():
+    config = CacheConfig(capacity=0.1, lookahead=1, prefetch_depth=1)
+    whole = dataclasses.replace(config, capacity=1.0)
+    # 'a' cached whole (100 rows, holds its 40 in flight), 'b' at 10 % (100 rows, 60 spare).
+    assert shared_capacity([("a", 100, 20, whole), ("b", 1000, 20, config)]) == (200, [])
+    # A capacity of its own that is short is raised as the config's would be.
+    capacity, short = shared_capacity(
+        [("a", 100, 20, dataclasses.replace(config, capacity=5)), ("b", 1000, None, config)]
+    )
+    assert capacity == 140 and short[0].table == "a" and short[0].capacity == 5
 
 
 def test_ids_per_batch_is_checked():

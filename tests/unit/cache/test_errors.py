@@ -52,6 +52,9 @@ def test_table_errors():
         TableSpec(name="a", num_embeddings=3, embedding_dim=-1)
     with pytest.raises(DistcacheConfigError, match=r"pooling='max'"):
         TableSpec(name="a", num_embeddings=3, embedding_dim=4, pooling="max")
+    for capacity, allowed in ((0, "an int >= 1"), (1.5, r"a fraction in \(0, 1\]"), ("5", "")):
+        with pytest.raises(DistcacheConfigError, match=rf"table 'a': capacity=.* {allowed}"):
+            TableSpec(name="a", num_embeddings=3, embedding_dim=4, capacity=capacity)
     t = TableSpec(name="a", num_embeddings=3, embedding_dim=4)
     with pytest.raises(DistcacheConfigError, match=r"duplicate table names \['a'\]"):
         CachedEmbeddingBags([t, t], CacheConfig())

@@ -74,6 +74,20 @@ def test_without_window_every_miss_is_critical_and_results_equal():
     assert stats.loads > 0 and stats.critical_misses == stats.loads
 
 
+def test_tables_of_their_own_capacities_share_one_cache_and_match_the_reference():
+    """t1 cached whole beside t0 at 10 % and t2 at 12 rows (`TableSpec.capacity`): one cache of
+    their rows together (4 + 30 + 12), whose evictions leave the results exact."""
+    tables = make_tables([4, 4, 4], [40, 30, 50])
+    tables[1] = dataclasses.replace(tables[1], capacity=1.0)
+    tables[2] = dataclasses.replace(tables[2], capacity=12)
+    config = CacheConfig(capacity=0.1, lookahead=2, prefetch_depth=1, learning_rate=1.0)
+    batches = make_batches(tables, batch_size=2, num_batches=15, max_len=3, seed=2)
+    cached, ref, pairs = train_both(tables, config, batches, weights=integer_weights(tables, 1))
+    _check_equal(cached, ref, pairs, tables, exact=True)
+    (stats,) = cached.stats().values()
+    assert stats.capacity == 4 + 30 + 12 and stats.loads > 0
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_mean_pooling_matches_within_tolerance(kernel):
     tables = make_tables([4, 6], [50, 40], ["mean", "sum"])

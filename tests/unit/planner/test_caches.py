@@ -124,15 +124,15 @@ def test_tables_of_one_width_on_a_rank_share_one_cache():
 @pytest.mark.parametrize(
     "other",
     [
-        _cached("b", (0,), fraction=0.1),  # another capacity: another kernel
         _cached("b", (0,), lookahead=16),  # another look-ahead: another kernel
         _cached("b", (0,), lookahead=0),  # a reactive cache: another kernel
         _cached("b", (0, 1), sharding=ROW_WISE),  # another sharding type: another lookup
     ],
 )
 def test_caches_of_other_kernels_are_not_shared(other):
-    """Tables whose `CacheConfig` or sharding type differ run on different kernels, each with
-    its own cache, whatever their width: each loads what a cache of its own loads."""
+    """Tables whose `CacheConfig` (but for the capacity) or sharding type differ run on
+    different kernels, each with its own cache, whatever their width: each loads what a cache
+    of its own loads."""
     alone, only_b, both = _cost(_cached("a", (0,))), _cost(other), _cost(_cached("a", (0,)), other)
     want = np.add(alone.loads_per_step, only_b.loads_per_step)
     assert both.loads_per_step == pytest.approx(want, rel=1e-12)
@@ -140,6 +140,17 @@ def test_caches_of_other_kernels_are_not_shared(other):
         [x.staging_s + y.staging_s for x, y in zip(alone.per_rank, only_b.per_rank, strict=True)],
         rel=1e-12,
     )
+
+
+def test_tables_of_other_capacities_share_one_cache_of_their_slots_together():
+    """a at 5 % and d cached whole (as the training job caches a table its cache could not
+    hold) share one cache of both their slots, as one kernel runs them
+    (`CACHE_CAPACITY_KEY`): d's coldest rows make room for a's likelier ones."""
+    whole = _cached("d", (0,), fraction=1.0)
+    shared = _frequency_loads([_touch("a"), _touch("d")], _slots("a") + TABLES["d"].rows)
+    got = _cost(_cached("a", (0,)), whole).loads_per_step[0]
+    assert got == pytest.approx(shared, rel=3e-3)
+    assert got < 0.9 * _cost(_cached("a", (0,))).loads_per_step[0]  # apart: d loads none
 
 
 def test_row_wise_shards_with_hot_rows_share_their_ranks_caches():

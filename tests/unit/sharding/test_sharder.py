@@ -20,7 +20,11 @@ from distcache.sharding import (
     cached_estimators,
 )
 from distcache.sharding.kernel import cache_config_from_fused_params
-from distcache.sharding.parameter_sharding import CACHE_CONFIG_KEY
+from distcache.sharding.parameter_sharding import (
+    CACHE_CAPACITY_KEY,
+    CACHE_CONFIG_KEY,
+    GROUPED_CAPACITY,
+)
 
 
 def _ebc():
@@ -57,9 +61,12 @@ def test_torchrec_planner_chooses_the_cached_kernel(device):
     attached = attach_cache_configs(plan, sharder).plan[""]
     assert all(isinstance(p, CachedParameterSharding) for p in attached.values())
     assert attached["t2"].cache_config.capacity == 0.5
-    assert attached["t0"].get_additional_fused_params() == {
-        CACHE_CONFIG_KEY: CacheConfig(capacity=0.05)
-    }
+    # The capacity travels apart from the config that groups tables into kernels.
+    for name, capacity in (("t0", 0.05), ("t2", 0.5)):
+        assert attached[name].get_additional_fused_params() == {
+            CACHE_CONFIG_KEY: CacheConfig(capacity=GROUPED_CAPACITY),
+            CACHE_CAPACITY_KEY: capacity,
+        }
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -129,6 +136,11 @@ def test_fused_params_set_the_optimizer_the_torchrec_way():
         0.05,
         1e-6,
     )
+    # A table's own fused params carry its capacity apart (the group's config has none).
+    table = cache_config_from_fused_params(
+        {CACHE_CONFIG_KEY: CacheConfig(capacity=GROUPED_CAPACITY), CACHE_CAPACITY_KEY: 300}
+    )
+    assert table == CacheConfig(capacity=300)
     with pytest.raises(DistcacheConfigError, match="lamb is not supported"):
         cache_config_from_fused_params({"optimizer": EmbOptimType.LAMB})
 

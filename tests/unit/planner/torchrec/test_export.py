@@ -291,8 +291,9 @@ def test_exported_plan_trains_under_dmp(one_rank_group: dist.ProcessGroup) -> No
 
 def test_the_cost_models_caches_are_the_engines(one_rank_group: dist.ProcessGroup) -> None:
     """The caches `caches.rank_caches` prices are those DMP builds from the exported plan:
-    table-wise tables of one width and cache settings share one; another width, capacity,
-    look-ahead or sharding type (another lookup) gets its own."""
+    table-wise tables of one width and look-ahead share one, whatever their capacities (its
+    slots theirs together); another width, look-ahead or sharding type (another lookup) gets
+    its own."""
     dims = {"a": 8, "b": 8, "c": 8, "d": 4, "e": 8, "f": 8, "g": 8, "h": 8}
     workload = Workload(
         name="caches",
@@ -319,7 +320,12 @@ def test_the_cost_models_caches_are_the_engines(one_rank_group: dist.ProcessGrou
     model = _one_rank_dmp(plan, workload, one_rank_group)
     engines = {frozenset(key.split("/")[-1].split("+")) for key in cache_stats(model)}
     assert engines == modelled
-    assert frozenset("abc") in engines
+    assert frozenset("abce") in engines
+    slots = {frozenset(c.tables): c.slots for c in rank_caches(plan, terms, workload, topology)}
+    built = {
+        frozenset(k.split("/")[-1].split("+")): s.capacity for k, s in cache_stats(model).items()
+    }
+    assert slots == built and built[frozenset("abce")] == 3 * 32 + 16
 
 
 def _one_rank_dmp(plan: Plan, workload: Workload, group: dist.ProcessGroup) -> torch.nn.Module:
