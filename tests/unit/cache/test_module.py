@@ -86,6 +86,10 @@ def test_tables_of_their_own_capacities_share_one_cache_and_match_the_reference(
     _check_equal(cached, ref, pairs, tables, exact=True)
     (stats,) = cached.stats().values()
     assert stats.capacity == 4 + 30 + 12 and stats.loads > 0
+    # An int is rows, a float a fraction, even where they compare equal.
+    one_row = [dataclasses.replace(tables[0], capacity=1)]
+    (stats,) = CachedEmbeddingBags(one_row, CacheConfig(capacity=1.0)).stats().values()
+    assert stats.capacity == 1
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
