@@ -71,9 +71,8 @@ def cache_config_from_fused_params(fused_params: dict[str, Any] | None) -> Cache
     the sharder's `fused_params`) when they are given."""
     params = dict(fused_params or {})
     config = params.get(CACHE_CONFIG_KEY) or CacheConfig()
-    updates: dict[str, Any] = {}
-    if table_capacity(params) is not None:
-        updates["capacity"] = table_capacity(params)
+    capacity = table_capacity(params)  # a table's own, where these are a table's params
+    updates: dict[str, Any] = {} if capacity is None else {"capacity": capacity}
     if "optimizer" in params:
         kind = params["optimizer"]
         kind = EmbOptimType(kind) if isinstance(kind, str) else kind
