@@ -88,7 +88,7 @@ from typing import TypeVar
 from distcache.arguments import positive_int
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import plan_cost, validate_plan
-from distcache.planner.solver import default_explained, explained_tables, solve
+from distcache.planner.solver import EXPLAINED, default_explained, explained_tables, solve
 from distcache.planner.topology import PRESETS, load_topology, parse_bytes, preset
 from distcache.planner.types import Plan, SolverOptions, TableStats, Topology, Workload
 from distcache.planner.workloads import workload_preset
@@ -429,8 +429,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         type=_table_names,
         metavar="TABLES",
         help="whose placement the solver explains under 'why:' (and in --out): 'all', 'none' or "
-        "table names separated by commas (default: every table of at most 32, else the 32 "
-        "largest)",
+        f"table names separated by commas (default: every table of at most {EXPLAINED}, else "
+        f"the {EXPLAINED} largest)",
     )
     parser.add_argument("--module-path", default="", help="the EBC's path in the model")
     parser.add_argument(
