@@ -49,8 +49,9 @@ class Mode:
     """One way to place a table, priced per shard (ranks chosen later)."""
 
     placement: Placement
-    terms: ShardTerms
-    """`shard_terms` of `placement`."""
+    terms: ShardTerms | None
+    """`shard_terms` of `placement`; None for a mode rejected before it was priced (a cache
+    too small for the batches in flight: `Problem.rejects` needs only its placement)."""
 
     def describe(self, ranks: tuple[int, ...] = ()) -> str:
         p = self.placement
@@ -203,7 +204,7 @@ class Problem:
                     f"a cache of {100 * too_small:.3g}% or less holds fewer than the "
                     f"{math.ceil((K + 1) * unique)} rows of {K + 1} batches in flight"
                 )
-                self._reject(index, self.mode(table, cached(too_small, L, K), access), reason)
+                self._reject(index, Mode(cached(too_small, L, K), None), reason)
         return modes
 
     def mode(

@@ -210,6 +210,21 @@ def test_no_placement_fits():
         solve(workload, _one_rank(10**6), options=QUICK)
 
 
+def test_a_cache_too_small_for_the_batches_in_flight_is_named_as_such():
+    """A cache smaller than the rows of the K + 1 batches in flight is rejected before it is
+    priced, and its reason still reaches the user (here the only cache size allowed)."""
+    workload = Workload(
+        name="w", tables=(TableStats(name="t", rows=100_000, dim=64),), batch_size_per_rank=512
+    )
+    options = dataclasses.replace(QUICK, cache_fractions=(0.001,))
+    with pytest.raises(DistcacheConfigError) as refused:
+        solve(workload, _one_rank(10**6), options=options)
+    message = str(refused.value)
+    assert "table_wise host + cache: a cache of 0.1% or less holds fewer than the" in message
+    assert "rows of 2 batches in flight" in message
+    assert "table_wise device: 0.0256 GB > 0.001 GB device memory" in message
+
+
 def test_uniform_plans():
     workload = workload_preset("synthetic:tables=9,rows=1e5,dim=12,seed=2")
     topology = dataclasses.replace(_one_rank(10**9), world_size=4, ranks_per_node=4)
