@@ -32,6 +32,14 @@ from distcache.errors import DistcacheConfigError
 
 log = logging.getLogger(__name__)
 
+# A cache's device memory beside its slots' rows (`residency.Residency`, the window's positions,
+# the policy's state), as the planners price it: bytes per row of its shard (the slot map and the
+# window's latest position, int32 each; a reactive cache's slot map, int64) and per slot (the row
+# map, stamp, next use and count, int64 each, the dirty and pin flags).
+CACHE_ROW_INDEX_BYTES_LOOKAHEAD = 8
+CACHE_ROW_INDEX_BYTES_REACTIVE = 8
+CACHE_SLOT_BYTES = 40
+
 
 def pinned_batches(config: CacheConfig) -> int:
     """Batches whose rows a cache holds at once: the one looked up and the K staged ahead of

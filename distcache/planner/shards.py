@@ -16,6 +16,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from distcache.cache.capacity import (  # a cache's device metadata
+    CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
+    CACHE_ROW_INDEX_BYTES_REACTIVE,
+    CACHE_SLOT_BYTES,
+)
 from distcache.constants import HOT_ALL, HOT_TOUCHED
 from distcache.planner.binned import table_access
 from distcache.planner.types import (
@@ -35,10 +40,6 @@ from distcache.planner.types import (
 
 ID_BYTES = 8  # int64 ids in the input all-to-all
 FP32_BYTES = 4  # a hot-row replica's rows, gradient and state
-# Device metadata of a distcache cache (cache/residency.py, cache/policies.py):
-CACHE_ROW_INDEX_BYTES_LOOKAHEAD = 8  # per shard row: slot map + latest window position (int32)
-CACHE_ROW_INDEX_BYTES_REACTIVE = 8  # per shard row: slot map (int64), LRU policy
-CACHE_SLOT_BYTES = 40  # per slot: row map, stamp, next use, count (int64), dirty, pin
 ACCESS_BYTES = 32  # granularity of random memory access (a GPU DRAM sector)
 # Passes over a data-parallel table's rows per step without a measured rate: fill the dense
 # gradient, then the optimizer reads it and the weights and writes the weights.

@@ -11,11 +11,13 @@ from distcache.sharding.parameter_sharding import (
     FUSED_KERNEL,
     CachedParameterSharding,
     attach_cache_configs,
+    sized_by_cache_params,
     with_cache_config,
 )
 from distcache.sharding.planning import (
     CachedKernelPerfConfig,
     CachedShardingPlanner,
+    CachedStorageEstimator,
     cached_estimators,
 )
 from distcache.sharding.sharded_module import (
@@ -43,10 +45,12 @@ __all__ = [
     "CachedParameterSharding",
     "CachedShardedModule",
     "CachedShardingPlanner",
+    "CachedStorageEstimator",
     "ShardedCachedEmbeddingBagCollection",
     "ShardedCachedEmbeddingCollection",
     "attach_cache_configs",
     "cache_stats",
     "cached_estimators",
+    "sized_by_cache_params",
     "with_cache_config",
 ]

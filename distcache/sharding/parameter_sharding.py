@@ -19,11 +19,12 @@ from typing import Any
 
 from torchrec.distributed.embedding_sharding import CACHE_LOAD_FACTOR_STR
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
+from torchrec.distributed.types import CacheParams, ParameterSharding, ShardingPlan, ShardingType
 
 from distcache.cache.capacity import Shortfall, shortfall
 from distcache.cache.config import CacheConfig
 from distcache.constants import HOT_ALL
+from distcache.errors import DistcacheConfigError
 
 #: Key of the table's `CacheConfig` in a customized kernel's fused params.
 CACHE_CONFIG_KEY = "distcache_cache_config"
@@ -62,9 +63,12 @@ class CachedParameterSharding(ParameterSharding):
         return {CACHE_CONFIG_KEY: plain, CACHE_CAPACITY_KEY: config.capacity}
 
 
-def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> ParameterSharding:
-    """The same placement with `config` attached, for tables using distcache's kernel, and for
-    tables on TorchRec's kernels when `config` replicates hot rows.
+def with_cache_config(
+    sharding: ParameterSharding, config: CacheConfig, table: str = "the table"
+) -> ParameterSharding:
+    """The same placement with `config` attached, for tables using distcache's kernel (sized by
+    the placement's TorchRec `cache_params.load_factor` where it has one: `sized_by_cache_params`),
+    and for tables on TorchRec's kernels when `config` replicates hot rows.
 
     Other tables (data parallel, TorchRec's kernels) are returned unchanged; a table that already
     carries a config keeps it, so a saved plan wins over the sharder's defaults.
@@ -75,8 +79,31 @@ def with_cache_config(sharding: ParameterSharding, config: CacheConfig) -> Param
         return sharding
     if isinstance(sharding, CachedParameterSharding) and sharding.cache_config is not None:
         return sharding
+    if sharding.compute_kernel == CACHED_KERNEL:
+        config = sized_by_cache_params(config, sharding.cache_params, table)
     fields = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
     return CachedParameterSharding(**fields, cache_config=config)
+
+
+def sized_by_cache_params(
+    config: CacheConfig, cache_params: CacheParams | None, table: str = "the table"
+) -> CacheConfig:
+    """`config` with TorchRec's per-table cache size, `CacheParams.load_factor`, as its capacity
+    where the plan gives one (TorchRec's planner copies it from the table's
+    `ParameterConstraints(cache_params=...)`): the fraction of the table's rows its cache holds,
+    as TorchRec's own UVM cache reads it.
+
+    Raises:
+        DistcacheConfigError: a load factor outside (0, 1], naming `table`."""
+    factor = cache_params.load_factor if cache_params is not None else None
+    if factor is None:
+        return config
+    if not 0 < factor <= 1:
+        raise DistcacheConfigError(
+            f"CacheParams.load_factor={factor} of {table} is invalid: expected the fraction of "
+            "its rows cached, in (0, 1]"
+        )
+    return dataclasses.replace(config, capacity=float(factor))
 
 
 def attach_cache_configs(plan: ShardingPlan, sharder: Any, module: Any = None) -> ShardingPlan:
@@ -104,7 +131,7 @@ def attach_cache_configs(plan: ShardingPlan, sharder: Any, module: Any = None) -
         {
             path: type(module_plan)(
                 {
-                    name: with_cache_config(p, sharder_for(path).config_for(name))
+                    name: with_cache_config(p, sharder_for(path).config_for(name), repr(name))
                     for name, p in module_plan.items()
                 }
             )

@@ -16,11 +16,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -31,18 +33,27 @@ from torchrec.distributed.planner.types import (
     KernelConfig,
     ParameterConstraints,
     ShardEstimator,
+    ShardingOption,
     Topology,
     TopologyFactory,
     TrainerConfig,
 )
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import CacheParams, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from distcache.cache.capacity import Shortfall, log_shortfalls
+from distcache.cache.capacity import (
+    CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
+    CACHE_ROW_INDEX_BYTES_REACTIVE,
+    CACHE_SLOT_BYTES,
+    Shortfall,
+    log_shortfalls,
+)
+from distcache.cache.config import CacheConfig
 from distcache.sharding.parameter_sharding import (
     CACHED_KERNEL,
     attach_cache_configs,
     hold_batches_in_flight,
+    sized_by_cache_params,
 )
 from distcache.sharding.sharder import (
     CachedEmbeddingBagCollectionSharder,
@@ -59,15 +70,78 @@ class CachedKernelPerfConfig(EmbeddingPerfEstimatorConfig):
         return super().get_device_bw(compute_device, compute_kernel, *args, **kwargs)
 
 
+class CachedStorageEstimator(EmbeddingStorageEstimator):
+    """TorchRec's storage estimator, with distcache's kernel priced as what it holds.
+
+    On a GPU a distcache table keeps its rows, with their optimizer state, in host memory, and
+    in device memory a cache of its capacity: priced as TorchRec prices its own UVM cache of
+    that load factor (`fused_uvm_caching`), plus the cache's maps (`CACHE_ROW_INDEX_BYTES_*` a
+    row of the shard, `CACHE_SLOT_BYTES` a slot). TorchRec's estimator alone puts a customized
+    kernel's whole table in device memory, where a table larger than the GPU's memory (what
+    distcache is for) fits nowhere. On CPU all of it is host memory, as TorchRec prices it.
+
+    Args:
+        topology: as TorchRec's.
+        constraints: as TorchRec's; a table's `cache_params.load_factor` sizes its cache
+            (`sized_by_cache_params`).
+        config_for: `(table name, module) -> CacheConfig` of a distcache table (default:
+            `CacheConfig()`); `CachedShardingPlanner.plan` sets it from its sharders.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        config_for: Callable[[str, nn.Module], CacheConfig] | None = None,
+    ):
+        super().__init__(topology=topology, constraints=constraints)
+        self.config_for = config_for or (lambda name, module: CacheConfig())
+
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: Any) -> None:
+        ours = [o for o in sharding_options if o.compute_kernel == CACHED_KERNEL]
+        if self._topology.compute_device == "cpu" or not ours:
+            return super().estimate(sharding_options, sharder_data_map)
+        configs = [self._config(o) for o in ours]
+        kept = [(o.compute_kernel, o.cache_params) for o in ours]
+        for option, config in zip(ours, configs, strict=True):  # priced as TorchRec's UVM cache
+            rows = option.tensor.shape[0]
+            option.compute_kernel = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+            option.cache_params = dataclasses.replace(
+                option.cache_params or CacheParams(), load_factor=config.capacity_rows(rows) / rows
+            )
+        try:
+            super().estimate(sharding_options, sharder_data_map)
+        finally:
+            for option, (kernel, params) in zip(ours, kept, strict=True):
+                option.compute_kernel, option.cache_params = kernel, params
+        for option, config in zip(ours, configs, strict=True):  # the cache's maps
+            index = (
+                CACHE_ROW_INDEX_BYTES_REACTIVE
+                if config.is_reactive
+                else (CACHE_ROW_INDEX_BYTES_LOOKAHEAD)
+            )
+            for shard in option.shards:
+                rows = shard.size[0]
+                maps = rows * index + config.capacity_rows(rows) * CACHE_SLOT_BYTES
+                shard.storage = dataclasses.replace(shard.storage, hbm=shard.storage.hbm + maps)
+
+    def _config(self, option: ShardingOption) -> CacheConfig:
+        """The table's `CacheConfig`, sized by its TorchRec load factor where it has one."""
+        config = self.config_for(option.name, option.module[1])
+        return sized_by_cache_params(config, option.cache_params, repr(option.name))
+
+
 def cached_estimators(
-    topology: Topology, constraints: dict[str, ParameterConstraints] | None = None
+    topology: Topology,
+    constraints: dict[str, ParameterConstraints] | None = None,
+    config_for: Callable[[str, nn.Module], CacheConfig] | None = None,
 ) -> list[ShardEstimator]:
     """Perf and storage estimators for `EmbeddingEnumerator(estimator=...)` that know
-    distcache's kernel."""
+    distcache's kernel (`config_for`: as `CachedStorageEstimator`'s)."""
     perf = EmbeddingPerfEstimatorFactory.create_with_config(
         CachedKernelPerfConfig(), topology=topology, constraints=constraints
     )
-    return [perf, EmbeddingStorageEstimator(topology=topology, constraints=constraints)]
+    return [perf, CachedStorageEstimator(topology, constraints, config_for)]
 
 
 class CachedShardingPlanner(EmbeddingShardingPlanner):
@@ -112,11 +186,10 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
         """The tables whose cache the last plan raised to hold their batches in flight."""
         self._pooling_constraints = constraints or {}
         self._world_batch = batch_size * topology.world_size
+        estimators = cached_estimators(topology, constraints)
+        self._storage = estimators[-1]  # (told the sharders' configs by `plan`)
         enumerator = EmbeddingEnumerator(
-            topology,
-            batch_size,
-            constraints=constraints,
-            estimator=cached_estimators(topology, constraints),
+            topology, batch_size, constraints=constraints, estimator=estimators
         )
         super().__init__(
             topology=topology,
@@ -127,6 +200,7 @@ class CachedShardingPlanner(EmbeddingShardingPlanner):
         )
 
     def plan(self, module: Any, sharders: list[Any]) -> ShardingPlan:
+        self._storage.config_for = _config_lookup(sharders)
         plan = super().plan(module, sharders)
         if self._broadcasting:  # rank 0 inside `collective_plan`: every rank finishes it
             return plan
@@ -173,10 +247,25 @@ def _tables(module: Any) -> dict[str, int]:
     return out
 
 
+def _ours(sharders: list[Any]) -> list[Any]:
+    kinds = (CachedEmbeddingBagCollectionSharder, CachedEmbeddingCollectionSharder)
+    return [s for s in sharders if isinstance(s, kinds)]
+
+
 def _with_cache_configs(plan: ShardingPlan, sharders: list[Any], module: Any) -> ShardingPlan:
-    ours = [
-        s
-        for s in sharders
-        if isinstance(s, (CachedEmbeddingBagCollectionSharder, CachedEmbeddingCollectionSharder))
-    ]
+    ours = _ours(sharders)
     return attach_cache_configs(plan, ours, module) if ours else plan
+
+
+def _config_lookup(sharders: list[Any]) -> Callable[[str, nn.Module], CacheConfig]:
+    """`(table, module) -> CacheConfig`: the table's config from the distcache sharder of the
+    module's type (as `attach_cache_configs` attaches it)."""
+    ours = _ours(sharders)
+
+    def config_for(table: str, module: nn.Module) -> CacheConfig:
+        for sharder in ours:
+            if isinstance(module, sharder.module_type):
+                return sharder.config_for(table)
+        return ours[0].config_for(table) if ours else CacheConfig()
+
+    return config_for

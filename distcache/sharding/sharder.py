@@ -75,7 +75,10 @@ class _CachedSharder:
                 f"table_configs name tables {unknown} that this module does not shard; its "
                 f"tables are {sorted(params)}"
             )
-        return {name: with_cache_config(p, self.config_for(name)) for name, p in params.items()}
+        return {
+            name: with_cache_config(p, self.config_for(name), repr(name))
+            for name, p in params.items()
+        }
 
 
 class CachedEmbeddingBagCollectionSharder(_CachedSharder, EmbeddingBagCollectionSharder):
