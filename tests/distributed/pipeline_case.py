@@ -1,4 +1,6 @@
-"""LookaheadTrainPipeline vs the plain (non-pipelined) loop, on the same DMP model and data."""
+"""LookaheadTrainPipeline vs the plain (non-pipelined) loop, and TorchRec's
+`TrainPipelineSparseDist` over the same distcache-sharded model, on the same DMP model and
+data."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import row_wise, table_wise
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
@@ -65,7 +68,7 @@ def pipelined_vs_plain(
     capacity = {"table_wise": 0.15, "row_wise": 0.08, "one_cached": 0.15}[kind]
     config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=depth, fused=fused)
     runs = {}
-    for name in ("plain", "pipeline"):
+    for name in ("plain", "pipeline", "torchrec_pipeline"):
         model = copy.deepcopy(base)
         ebc = model.model.sparse_arch.embedding_bag_collection
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
@@ -82,6 +85,15 @@ def pipelined_vs_plain(
                 dense.zero_grad()
                 loss.backward()
                 dense.step()
+                logits.append(out)
+        elif name == "torchrec_pipeline":  # TorchRec's own pipeline over distcache's kernel
+            pipeline = TrainPipelineSparseDist(dmp, dense, torch.device("cpu"))
+            it = iter(batches)
+            while True:
+                try:
+                    _, out, _ = pipeline.progress(it)
+                except StopIteration:
+                    break
                 logits.append(out)
         else:
             try:

@@ -1,4 +1,5 @@
-"""LookaheadTrainPipeline: same results as the plain loop, no critical-path miss, all batches."""
+"""LookaheadTrainPipeline: same results as the plain loop, no critical-path miss, all batches;
+and TorchRec's own `TrainPipelineSparseDist` over distcache's kernel: the same results too."""
 
 import pytest
 import torch
@@ -14,13 +15,15 @@ from tests.distributed.pipeline_sweep_case import failing_stage, three_ways, two
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
 def test_pipeline_equals_plain_loop_without_critical_misses(kind):
     for runs in run_ranks(pipelined_vs_plain, 2, args=(kind,), timeout_s=200):
-        plain, piped = runs["plain"], runs["pipeline"]
-        assert piped["logits"].shape == plain["logits"].shape  # every batch trained
-        assert torch.equal(piped["logits"], plain["logits"])
-        for key, shards in plain["weights"].items():
-            for a, b in zip(shards, piped["weights"][key], strict=True):
-                assert torch.equal(a, b), key
+        plain, piped, theirs = runs["plain"], runs["pipeline"], runs["torchrec_pipeline"]
+        for other in (piped, theirs):  # every batch trained, to the same bits
+            assert other["logits"].shape == plain["logits"].shape
+            assert torch.equal(other["logits"], plain["logits"])
+            for key, shards in plain["weights"].items():
+                for a, b in zip(shards, other["weights"][key], strict=True):
+                    assert torch.equal(a, b), key
         assert plain["critical"] > 0 and piped["critical"] == 0
+        assert theirs["critical"] == plain["critical"]  # TorchRec's stages no row ahead
         assert piped["loads"] > 0 and piped["evictions"] > 0
 
 
@@ -31,11 +34,12 @@ def test_pipeline_window_agrees_when_a_rank_holds_no_cache():
     this rank's), so their collectives match, and training equals the plain loop."""
     results = run_ranks(pipelined_vs_plain, 2, args=("one_cached",), timeout_s=200)
     for runs in results:
-        plain, piped = runs["plain"], runs["pipeline"]
-        assert torch.equal(piped["logits"], plain["logits"])
-        for key, shards in plain["weights"].items():
-            for a, b in zip(shards, piped["weights"][key], strict=True):
-                assert torch.equal(a, b), key
+        plain = runs["plain"]
+        for other in (runs["pipeline"], runs["torchrec_pipeline"]):
+            assert torch.equal(other["logits"], plain["logits"])
+            for key, shards in plain["weights"].items():
+                for a, b in zip(shards, other["weights"][key], strict=True):
+                    assert torch.equal(a, b), key
     assert results[0]["pipeline"]["loads"] > 0 and results[1]["pipeline"]["loads"] == 0
 
 
