@@ -41,6 +41,13 @@ CACHE_ROW_INDEX_BYTES_REACTIVE = 8
 CACHE_SLOT_BYTES = 40
 
 
+def maps_bytes(num_rows: int, slots: int, reactive: bool = False) -> int:
+    """Device bytes of the maps of a cache of `slots` slots for a shard of `num_rows` rows
+    (beside the slots' rows): a look-ahead cache's, or a `reactive` one's."""
+    index = CACHE_ROW_INDEX_BYTES_REACTIVE if reactive else CACHE_ROW_INDEX_BYTES_LOOKAHEAD
+    return num_rows * index + slots * CACHE_SLOT_BYTES
+
+
 def pinned_batches(config: CacheConfig) -> int:
     """Batches whose rows a cache holds at once: the one looked up and the K staged ahead of
     it (a reactive policy stages a batch only when it is looked up)."""

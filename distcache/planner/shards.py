@@ -16,11 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from distcache.cache.capacity import (  # a cache's device metadata
-    CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
-    CACHE_ROW_INDEX_BYTES_REACTIVE,
-    CACHE_SLOT_BYTES,
-)
+from distcache.cache.capacity import maps_bytes
 from distcache.constants import HOT_ALL, HOT_TOUCHED
 from distcache.planner.binned import table_access
 from distcache.planner.types import (
@@ -572,10 +568,7 @@ def _device_bytes(rows: int, cache_rows: int, row_bytes: int, cached: bool, look
     """Device memory of a shard: its rows, or its cache's slots and the per-row index."""
     if not cached:
         return int(rows * row_bytes)
-    index_bytes = (
-        CACHE_ROW_INDEX_BYTES_LOOKAHEAD if lookahead > 0 else CACHE_ROW_INDEX_BYTES_REACTIVE
-    )
-    return int(cache_rows * (row_bytes + CACHE_SLOT_BYTES) + rows * index_bytes)
+    return int(cache_rows * row_bytes + maps_bytes(rows, cache_rows, reactive=lookahead == 0))
 
 
 def table_plan_terms(

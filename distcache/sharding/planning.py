@@ -41,13 +41,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import CacheParams, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from distcache.cache.capacity import (
-    CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
-    CACHE_ROW_INDEX_BYTES_REACTIVE,
-    CACHE_SLOT_BYTES,
-    Shortfall,
-    log_shortfalls,
-)
+from distcache.cache.capacity import Shortfall, log_shortfalls, maps_bytes
 from distcache.cache.config import CacheConfig
 from distcache.sharding.parameter_sharding import (
     CACHED_KERNEL,
@@ -75,10 +69,10 @@ class CachedStorageEstimator(EmbeddingStorageEstimator):
 
     On a GPU a distcache table keeps its rows, with their optimizer state, in host memory, and
     in device memory a cache of its capacity: priced as TorchRec prices its own UVM cache of
-    that load factor (`fused_uvm_caching`), plus the cache's maps (`CACHE_ROW_INDEX_BYTES_*` a
-    row of the shard, `CACHE_SLOT_BYTES` a slot). TorchRec's estimator alone puts a customized
-    kernel's whole table in device memory, where a table larger than the GPU's memory (what
-    distcache is for) fits nowhere. On CPU all of it is host memory, as TorchRec prices it.
+    that load factor (`fused_uvm_caching`), plus the cache's maps (`capacity.maps_bytes`).
+    TorchRec's estimator alone puts a customized kernel's whole table in device memory, where a
+    table larger than the GPU's memory (what distcache is for) fits nowhere. On CPU all of it is
+    host memory, as TorchRec prices it.
 
     Args:
         topology: as TorchRec's.
@@ -115,14 +109,9 @@ class CachedStorageEstimator(EmbeddingStorageEstimator):
             for option, (kernel, params) in zip(ours, kept, strict=True):
                 option.compute_kernel, option.cache_params = kernel, params
         for option, config in zip(ours, configs, strict=True):  # the cache's maps
-            index = (
-                CACHE_ROW_INDEX_BYTES_REACTIVE
-                if config.is_reactive
-                else (CACHE_ROW_INDEX_BYTES_LOOKAHEAD)
-            )
             for shard in option.shards:
                 rows = shard.size[0]
-                maps = rows * index + config.capacity_rows(rows) * CACHE_SLOT_BYTES
+                maps = maps_bytes(rows, config.capacity_rows(rows), config.is_reactive)
                 shard.storage = dataclasses.replace(shard.storage, hbm=shard.storage.hbm + maps)
 
     def _config(self, option: ShardingOption) -> CacheConfig:

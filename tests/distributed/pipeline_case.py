@@ -86,22 +86,16 @@ def pipelined_vs_plain(
                 loss.backward()
                 dense.step()
                 logits.append(out)
-        elif name == "torchrec_pipeline":  # TorchRec's own pipeline over distcache's kernel
-            pipeline = TrainPipelineSparseDist(dmp, dense, torch.device("cpu"))
-            it = iter(batches)
-            while True:
-                try:
-                    _, out, _ = pipeline.progress(it)
-                except StopIteration:
-                    break
-                logits.append(out)
         else:
-            try:
-                LookaheadTrainPipeline(dmp, dense, torch.device("cpu"), lookahead=lookahead + 1)
-                raise AssertionError("a window longer than the caches' lookahead was accepted")
-            except DistcacheConfigError as err:
-                assert f"expected 0 <= lookahead <= {lookahead}" in str(err)
-            pipeline = LookaheadTrainPipeline(dmp, dense, torch.device("cpu"), log_every=10)
+            if name == "torchrec_pipeline":  # TorchRec's own pipeline over distcache's kernel
+                pipeline = TrainPipelineSparseDist(dmp, dense, torch.device("cpu"))
+            else:
+                try:
+                    LookaheadTrainPipeline(dmp, dense, torch.device("cpu"), lookahead=lookahead + 1)
+                    raise AssertionError("a window longer than the caches' lookahead was accepted")
+                except DistcacheConfigError as err:
+                    assert f"expected 0 <= lookahead <= {lookahead}" in str(err)
+                pipeline = LookaheadTrainPipeline(dmp, dense, torch.device("cpu"), log_every=10)
             it = iter(batches)
             while True:
                 try:

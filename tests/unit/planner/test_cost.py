@@ -6,12 +6,11 @@ import re
 
 import pytest
 
+from distcache.cache.capacity import CACHE_ROW_INDEX_BYTES_LOOKAHEAD, CACHE_SLOT_BYTES
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import SharedTerms, all_to_all_sent_bytes, global_terms, plan_cost
 from distcache.planner.dense import dense_flops_per_sample, dense_parameter_bytes
 from distcache.planner.shards import (
-    CACHE_ROW_INDEX_BYTES_LOOKAHEAD,
-    CACHE_SLOT_BYTES,
     DENSE_UPDATE_PASSES,
     SCHEDULER_MIN_SCAN,
     ShardTerms,
