@@ -360,8 +360,9 @@ class CachedShardedModule:
 
     def _check_batch(self, features: KeyedJaggedTensor) -> None:
         """Raise `InvalidBatchError` for a batch TorchRec would fail on later, or train wrongly:
-        a feature of the module missing, ids that are not integers, and (for a batch still in
-        host memory, where it costs no device read) lengths that do not add up to the ids.
+        a feature of the module missing, features of different batch sizes (variable batch),
+        ids that are not integers, and (for a batch still in host memory, where it costs no
+        device read) lengths that do not add up to the ids.
         Extra keys are allowed, as TorchRec's collections allow them."""
         names = list(self._feature_rows())
         present = set(features.keys())
@@ -370,6 +371,13 @@ class CachedShardedModule:
             raise InvalidBatchError(
                 f"the batch lacks feature(s) {missing} of this {self._collection} (rank "
                 f"{dist.get_rank()}); its features are {names}, the batch has {features.keys()}"
+            )
+        if features.variable_stride_per_key():
+            sizes = dict(zip(features.keys(), features.stride_per_key(), strict=True))
+            raise InvalidBatchError(
+                f"the batch's features have batch sizes {sizes} (TorchRec's variable batch "
+                "KeyedJaggedTensor, stride_per_key_per_rank): distcache's kernels need one batch "
+                "size for every feature"
             )
         values, lengths = features.values(), features.lengths()
         if values.is_floating_point() or values.dtype == torch.bool or values.is_complex():

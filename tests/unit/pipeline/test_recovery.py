@@ -144,6 +144,15 @@ def _malformed(kind: str, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(keys[:n], values[: int(kept.sum())], lengths=kept)
     if kind == "float ids":
         return KeyedJaggedTensor(keys, values.float(), lengths=lengths)
+    if kind == "variable batch":  # the first feature without its last bag
+        stride = kjt.stride()
+        start, dropped = int(lengths[: stride - 1].sum()), int(lengths[stride - 1])
+        return KeyedJaggedTensor(
+            keys,
+            torch.cat([values[:start], values[start + dropped :]]),
+            lengths=torch.cat([lengths[: stride - 1], lengths[stride:]]),
+            stride_per_key_per_rank=[[stride - 1]] + [[stride]] * (len(keys) - 1),
+        )
     bad = lengths.clone()
     bad[0] += 3  # lengths that add up to more ids than the batch holds
     return KeyedJaggedTensor(keys, values, lengths=bad)
@@ -154,6 +163,7 @@ def _malformed(kind: str, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     [
         ("missing feature", r"lacks feature\(s\) \['f"),
         ("float ids", "ids are torch.float32: ids must be torch.int64 or torch.int32"),
+        ("variable batch", r"batch sizes \{'f0': \d+, 'f1': \d+.*need one batch size"),
         ("bad lengths", r"lengths add up to \d+ ids but it holds \d+ ids"),
     ],
 )
