@@ -98,7 +98,7 @@ class CachedStorageEstimator(EmbeddingStorageEstimator):
         configs = [self._config(o) for o in ours]
         kept = [(o.compute_kernel, o.cache_params) for o in ours]
         for option, config in zip(ours, configs, strict=True):  # priced as TorchRec's UVM cache
-            rows = option.tensor.shape[0]
+            rows = option.shards[0].size[0]  # (a capacity of N rows is N a shard)
             option.compute_kernel = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
             option.cache_params = dataclasses.replace(
                 option.cache_params or CacheParams(), load_factor=config.capacity_rows(rows) / rows

@@ -38,39 +38,47 @@ def _ebc() -> EmbeddingBagCollection:
     return ebc
 
 
-def _table_wise(estimators, sharder, constraints=None):
-    """The table-wise option of the table, its storage estimated."""
-    enumerator = EmbeddingEnumerator(GPU, 512, constraints=constraints, estimator=estimators)
+def _table_wise(estimators, sharder, constraints=None, topology=GPU, sharding="table_wise"):
+    """The option of the table sharded as `sharding`, its storage estimated."""
+    enumerator = EmbeddingEnumerator(topology, 512, constraints=constraints, estimator=estimators)
     options = enumerator.enumerate(_ebc(), [sharder])
-    (option,) = [o for o in options if o.sharding_type == "table_wise"]
+    (option,) = [o for o in options if o.sharding_type == sharding]
     return option
 
 
-def _uvm_estimate(load_factor: float):
-    """TorchRec's estimate of its own UVM cache (`fused_uvm_caching`) of `load_factor`."""
+def _uvm_estimate(load_factor: float, topology=GPU, sharding="table_wise"):
+    """TorchRec's estimate of a shard of its own UVM cache (`fused_uvm_caching`) of
+    `load_factor`."""
     sharder = EmbeddingBagCollectionSharder(fused_params={"cache_load_factor": load_factor})
-    enumerator = EmbeddingEnumerator(GPU, 512)
+    enumerator = EmbeddingEnumerator(topology, 512)
     options = enumerator.enumerate(_ebc(), [sharder])
     (option,) = [
         o
         for o in options
-        if o.sharding_type == "table_wise" and o.compute_kernel == "fused_uvm_caching"
+        if o.sharding_type == sharding and o.compute_kernel == "fused_uvm_caching"
     ]
     return option.shards[0].storage
 
 
-@pytest.mark.parametrize("capacity", [0.02, 200_000])
-def test_a_gpu_holds_the_cache_and_the_host_the_rows_as_torchrecs_uvm_cache(capacity):
+@pytest.mark.parametrize(
+    ("capacity", "sharding"),
+    [(0.02, "table_wise"), (200_000, "table_wise"), (0.02, "row_wise"), (200_000, "row_wise")],
+)
+def test_a_gpu_holds_the_cache_and_the_host_the_rows_as_torchrecs_uvm_cache(capacity, sharding):
+    """Row-wise on 2 GPUs: a capacity of N rows is N rows a shard (the engine's reading)."""
+    gpus = Topology(world_size=2, compute_device="cuda", hbm_cap=2**30, ddr_cap=64 * 2**30)
     config = CacheConfig(capacity=capacity)
     sharder = CachedEmbeddingBagCollectionSharder(config)
-    option = _table_wise(cached_estimators(GPU, config_for=lambda t, m: config), sharder)
+    estimators = cached_estimators(gpus, config_for=lambda t, m: config)
+    option = _table_wise(estimators, sharder, topology=gpus, sharding=sharding)
     assert option.compute_kernel == CACHED_KERNEL and option.cache_params is None  # restored
-    slots = config.capacity_rows(ROWS)
-    uvm = _uvm_estimate(slots / ROWS)
-    maps = ROWS * CACHE_ROW_INDEX_BYTES_LOOKAHEAD + slots * CACHE_SLOT_BYTES
-    storage = option.shards[0].storage
-    assert (storage.hbm, storage.ddr) == (uvm.hbm + maps, uvm.ddr)
-    assert storage.hbm < GPU.devices[0].storage.hbm < ROWS * DIM * 4 < storage.ddr
+    rows = ROWS // len(option.shards)
+    slots = config.capacity_rows(rows)
+    uvm = _uvm_estimate(slots / rows, gpus, sharding)
+    maps = rows * CACHE_ROW_INDEX_BYTES_LOOKAHEAD + slots * CACHE_SLOT_BYTES
+    for shard in option.shards:
+        assert (shard.storage.hbm, shard.storage.ddr) == (uvm.hbm + maps, uvm.ddr)
+        assert shard.storage.hbm < 2**30 < rows * DIM * 4 < shard.storage.ddr
 
 
 def test_the_planner_places_a_table_larger_than_the_gpu_behind_a_cache_that_fits():
