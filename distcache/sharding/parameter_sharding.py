@@ -13,7 +13,7 @@ TorchRec's UVM-cached tables of different load factors share one kernel.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,25 +119,28 @@ def attach_cache_configs(plan: ShardingPlan, sharder: Any, module: Any = None) -
     """
     sharders = list(sharder) if isinstance(sharder, (list, tuple)) else [sharder]
     types = {} if module is None else {p: type(m) for p, m in module.named_modules()}
-
-    def sharder_for(path: str) -> Any:
-        kind = types.get(path)
-        for s in sharders:
-            if kind is not None and issubclass(kind, s.module_type):
-                return s
-        return sharders[0]
-
     return ShardingPlan(
         {
             path: type(module_plan)(
                 {
-                    name: with_cache_config(p, sharder_for(path).config_for(name), repr(name))
+                    name: with_cache_config(
+                        p, sharder_of(sharders, types.get(path)).config_for(name), repr(name)
+                    )
                     for name, p in module_plan.items()
                 }
             )
             for path, module_plan in plan.plan.items()
         }
     )
+
+
+def sharder_of(sharders: Sequence[Any], module_type: type | None) -> Any:
+    """The sharder among `sharders` of modules of `module_type` (the first where none is, or
+    the type is not known)."""
+    for sharder in sharders:
+        if module_type is not None and issubclass(module_type, sharder.module_type):
+            return sharder
+    return sharders[0]
 
 
 def hold_batches_in_flight(

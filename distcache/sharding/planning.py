@@ -47,6 +47,7 @@ from distcache.sharding.parameter_sharding import (
     CACHED_KERNEL,
     attach_cache_configs,
     hold_batches_in_flight,
+    sharder_of,
     sized_by_cache_params,
 )
 from distcache.sharding.sharder import (
@@ -252,9 +253,6 @@ def _config_lookup(sharders: list[Any]) -> Callable[[str, nn.Module], CacheConfi
     ours = _ours(sharders)
 
     def config_for(table: str, module: nn.Module) -> CacheConfig:
-        for sharder in ours:
-            if isinstance(module, sharder.module_type):
-                return sharder.config_for(table)
-        return ours[0].config_for(table) if ours else CacheConfig()
+        return sharder_of(ours, type(module)).config_for(table) if ours else CacheConfig()
 
     return config_for

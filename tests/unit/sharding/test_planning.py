@@ -38,7 +38,7 @@ def _ebc() -> EmbeddingBagCollection:
     return ebc
 
 
-def _table_wise(estimators, sharder, constraints=None, topology=GPU, sharding="table_wise"):
+def _option(estimators, sharder, constraints=None, topology=GPU, sharding="table_wise"):
     """The option of the table sharded as `sharding`, its storage estimated."""
     enumerator = EmbeddingEnumerator(topology, 512, constraints=constraints, estimator=estimators)
     options = enumerator.enumerate(_ebc(), [sharder])
@@ -70,7 +70,7 @@ def test_a_gpu_holds_the_cache_and_the_host_the_rows_as_torchrecs_uvm_cache(capa
     config = CacheConfig(capacity=capacity)
     sharder = CachedEmbeddingBagCollectionSharder(config)
     estimators = cached_estimators(gpus, config_for=lambda t, m: config)
-    option = _table_wise(estimators, sharder, topology=gpus, sharding=sharding)
+    option = _option(estimators, sharder, topology=gpus, sharding=sharding)
     assert option.compute_kernel == CACHED_KERNEL and option.cache_params is None  # restored
     rows = ROWS // len(option.shards)
     slots = config.capacity_rows(rows)
@@ -98,7 +98,7 @@ def test_torchrecs_load_factor_sizes_the_cache_it_is_planned_with():
     per-table cache size, sizes its distcache cache, in the estimate and in the plan."""
     sharder = CachedEmbeddingBagCollectionSharder(CacheConfig(capacity=0.02))
     constraints = {"big": ParameterConstraints(cache_params=CacheParams(load_factor=0.1))}
-    option = _table_wise(cached_estimators(GPU, constraints), sharder, constraints)
+    option = _option(cached_estimators(GPU, constraints), sharder, constraints)
     maps = ROWS * CACHE_ROW_INDEX_BYTES_LOOKAHEAD + ROWS // 10 * CACHE_SLOT_BYTES
     assert option.shards[0].storage.hbm == _uvm_estimate(0.1).hbm + maps
     planner = CachedShardingPlanner(GPU, batch_size=512, constraints=constraints)
