@@ -33,9 +33,10 @@ def format_plan(plan: Plan, workload: Workload, why: str = "why:") -> str:
     """One line per table (placement, cache, look-ahead, hot rows; a sequence table's name
     marked '(seq)'), then the solver's reasons under the line `why`."""
     header = ["table", "rows", "dim", "sharding", "ranks", "storage", "cache", "L", "K", "hot"]
-    body = []
+    body, by_name = [], {t.table: t for t in plan.tables}
     for table in workload.tables:
-        tp: TablePlan = plan.table(table.name)
+        # (A table the plan lacks: `Plan.table`'s error.)
+        tp: TablePlan = by_name.get(table.name) or plan.table(table.name)
         cache = f"{100 * tp.cache_fraction:.3g}%" if tp.storage != "device" else "-"
         body.append(
             [
