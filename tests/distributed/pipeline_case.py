@@ -1,5 +1,6 @@
 """LookaheadTrainPipeline vs the plain (non-pipelined) loop, and TorchRec's
-`TrainPipelineSparseDist` over the same distcache-sharded model, on the same DMP model and
+`TrainPipelineSparseDist` and `PrefetchTrainPipelineSparseDist` (its streams emulated on CPU:
+`prefetch_pipeline.py`) over the same distcache-sharded model, on the same DMP model and
 data."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from distcache import CacheConfig, DistcacheConfigError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
 from tests.distributed.dlrm_case import ROWS, _batches, _dlrm
+from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline
 from tests.distributed.sharded_model import copy_global_into, per_table_plan
 
 
@@ -68,7 +70,7 @@ def pipelined_vs_plain(
     capacity = {"table_wise": 0.15, "row_wise": 0.08, "one_cached": 0.15}[kind]
     config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=depth, fused=fused)
     runs = {}
-    for name in ("plain", "pipeline", "torchrec_pipeline"):
+    for name in ("plain", "pipeline", "torchrec_pipeline", "torchrec_prefetch"):
         model = copy.deepcopy(base)
         ebc = model.model.sparse_arch.embedding_bag_collection
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
@@ -89,6 +91,8 @@ def pipelined_vs_plain(
         else:
             if name == "torchrec_pipeline":  # TorchRec's own pipeline over distcache's kernel
                 pipeline = TrainPipelineSparseDist(dmp, dense, torch.device("cpu"))
+            elif name == "torchrec_prefetch":  # and its prefetch pipeline (`prefetch` hook)
+                pipeline = CpuPrefetchPipeline(dmp, dense)
             else:
                 try:
                     LookaheadTrainPipeline(dmp, dense, torch.device("cpu"), lookahead=lookahead + 1)

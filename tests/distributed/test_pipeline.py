@@ -1,5 +1,6 @@
 """LookaheadTrainPipeline: same results as the plain loop, no critical-path miss, all batches;
-and TorchRec's own `TrainPipelineSparseDist` over distcache's kernel: the same results too."""
+and TorchRec's own `TrainPipelineSparseDist` and `PrefetchTrainPipelineSparseDist` over
+distcache's kernel: the same results too (the prefetch pipeline without critical misses)."""
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from tests.distributed.pipeline_sweep_case import failing_stage, three_ways, two
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
 def test_pipeline_equals_plain_loop_without_critical_misses(kind):
     for runs in run_ranks(pipelined_vs_plain, 2, args=(kind,), timeout_s=200):
-        plain, piped, theirs = runs["plain"], runs["pipeline"], runs["torchrec_pipeline"]
-        for other in (piped, theirs):  # every batch trained, to the same bits
+        plain, piped = runs["plain"], runs["pipeline"]
+        theirs, prefetched = runs["torchrec_pipeline"], runs["torchrec_prefetch"]
+        for other in (piped, theirs, prefetched):  # every batch trained, to the same bits
             assert other["logits"].shape == plain["logits"].shape
             assert torch.equal(other["logits"], plain["logits"])
             for key, shards in plain["weights"].items():
@@ -24,6 +26,9 @@ def test_pipeline_equals_plain_loop_without_critical_misses(kind):
                     assert torch.equal(a, b), key
         assert plain["critical"] > 0 and piped["critical"] == 0
         assert theirs["critical"] == plain["critical"]  # TorchRec's stages no row ahead
+        # Its prefetch pipeline stages each batch's rows through the `prefetch` hook, one
+        # batch ahead, before the batch is looked up.
+        assert prefetched["critical"] == 0 and prefetched["loads"] > 0
         assert piped["loads"] > 0 and piped["evictions"] > 0
 
 
@@ -35,7 +40,7 @@ def test_pipeline_window_agrees_when_a_rank_holds_no_cache():
     results = run_ranks(pipelined_vs_plain, 2, args=("one_cached",), timeout_s=200)
     for runs in results:
         plain = runs["plain"]
-        for other in (runs["pipeline"], runs["torchrec_pipeline"]):
+        for other in (runs["pipeline"], runs["torchrec_pipeline"], runs["torchrec_prefetch"]):
             assert torch.equal(other["logits"], plain["logits"])
             for key, shards in plain["weights"].items():
                 for a, b in zip(shards, other["weights"][key], strict=True):

@@ -23,6 +23,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.streamable import Pipelineable
 
 from distcache import CacheConfig
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
@@ -34,8 +35,9 @@ DENSE = 4
 
 
 @dataclass
-class SparseBatch:
-    """A batch whose sparse features stay on the host (TorchRec's bookkeeping needs FBGEMM)."""
+class SparseBatch(Pipelineable):
+    """A batch whose sparse features stay on the host (TorchRec's bookkeeping needs FBGEMM);
+    `Pipelineable`, as TorchRec's pipelines require."""
 
     dense_features: torch.Tensor  # [B, DENSE] small integers
     sparse_features: KeyedJaggedTensor  # on the CPU, always
