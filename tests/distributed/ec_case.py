@@ -16,8 +16,10 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.streamable import Pipelineable
 
 from distcache import CacheConfig
 from distcache.pipeline import LookaheadTrainPipeline
@@ -27,6 +29,7 @@ from distcache.sharding import (
     CachedEmbeddingCollectionSharder,
     cache_stats,
 )
+from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline
 from tests.distributed.sharded_model import (
     TABLES,
     compare_with_global,
@@ -226,9 +229,27 @@ def _rank_slice(per_feature: dict, rank: int, world: int, batch: KeyedJaggedTens
     return out
 
 
+@dataclasses.dataclass
+class BagsAndSeq(Pipelineable):
+    """One batch's two KeyedJaggedTensors (`Pipelineable`, as TorchRec's pipelines need)."""
+
+    bags: KeyedJaggedTensor
+    seq: KeyedJaggedTensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> BagsAndSeq:
+        return BagsAndSeq(
+            self.bags.to(device, non_blocking=non_blocking),
+            self.seq.to(device, non_blocking=non_blocking),
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.bags.record_stream(stream)
+        self.seq.record_stream(stream)
+
+
 class BagsAndSequences(nn.Module):
     """A model with an EmbeddingBagCollection (pooled features) and an EmbeddingCollection
-    (sequence features), fed by two KeyedJaggedTensors of one batch."""
+    (sequence features), fed by the two KeyedJaggedTensors of a `BagsAndSeq` batch."""
 
     def __init__(self):
         super().__init__()
@@ -237,8 +258,8 @@ class BagsAndSequences(nn.Module):
         integer_init(self.bags, 1)
         integer_init(self.seq, 2)
 
-    def forward(self, batch: dict):  # noqa: ANN201
-        pooled, per_id = self.bags(batch["bags"]), self.seq(batch["seq"])
+    def forward(self, batch: BagsAndSeq):  # noqa: ANN201
+        pooled, per_id = self.bags(batch.bags), self.seq(batch.seq)
         return loss_of(pooled) + 2 * seq_loss(per_id), (pooled, per_id)
 
 
@@ -292,18 +313,19 @@ def _twice(config: CacheConfig) -> CacheConfig:
 def bags_and_sequences_pipelined_vs_plain(
     rank: int, world: int, steps: int = 10, hot: bool = False
 ) -> dict:
-    """An EBC and an EC in one model: `LookaheadTrainPipeline` against the plain loop (`hot`:
-    with hot rows in both)."""
+    """An EBC and an EC in one model: `LookaheadTrainPipeline`, and TorchRec's
+    `TrainPipelineSparseDist` and `PrefetchTrainPipelineSparseDist` (its streams emulated),
+    against the plain loop (`hot`: with hot rows in both)."""
     bags = global_batches(steps, 3, world, seed=7)
     seqs = seq_batches(steps, 3, world, seed=8)
     local = [
-        {"bags": local_slice(b, rank, world), "seq": local_seq_slice(s, rank, world)}
+        BagsAndSeq(local_slice(b, rank, world), local_seq_slice(s, rank, world))
         for b, s in zip(bags, seqs, strict=True)
     ]
     state = BagsAndSequences().state_dict()
     config = CacheConfig(capacity=24, lookahead=3, prefetch_depth=1)
     runs = {}
-    for name in ("plain", "pipeline"):
+    for name in ("plain", "pipeline", "torchrec_pipeline", "torchrec_prefetch"):
         model = _shard_both(state, config, world, hot)
         outputs = []
         if name == "plain":
@@ -312,19 +334,28 @@ def bags_and_sequences_pipelined_vs_plain(
                 loss.backward()
                 outputs.append(out)
         else:
-            pipeline = LookaheadTrainPipeline(
-                model, None, "cpu", sparse_input=lambda b: {"bags": b["bags"], "seq": b["seq"]}
-            )
+            if name == "pipeline":
+                pipeline = LookaheadTrainPipeline(
+                    model, None, "cpu", sparse_input=lambda b: {"bags": b.bags, "seq": b.seq}
+                )
+            else:  # TorchRec's: they step an optimizer (the model has no dense parameter)
+                idle = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+                pipeline = (
+                    TrainPipelineSparseDist(model, idle, torch.device("cpu"))
+                    if name == "torchrec_pipeline"
+                    else CpuPrefetchPipeline(model, idle)
+                )
             it = iter(local)
             while True:
                 try:
                     outputs.append(pipeline.progress(it))
                 except StopIteration:
                     break
+        if name == "pipeline":
             stats = pipeline.stats()
             assert {k.split("/")[0] for k in stats if k != "total"} == {"bags", "seq"}, stats
-            runs["critical"] = stats["total"]["critical_misses"]
             runs["evictions"] = stats["total"]["evictions"]
+        runs[f"{name}_critical"] = sum(s.critical_misses for s in cache_stats(model).values())
         runs[name] = {
             "outputs": [
                 t.detach()
@@ -371,7 +402,7 @@ def planner_plans_bags_and_sequences(rank: int, world: int) -> dict:
     bags = global_batches(4, 3, world, seed=3)
     seqs = seq_batches(4, 3, world, seed=4)
     for b, s in zip(bags, seqs, strict=True):
-        loss, _ = dmp({"bags": local_slice(b, rank, world), "seq": local_seq_slice(s, rank, world)})
+        loss, _ = dmp(BagsAndSeq(local_slice(b, rank, world), local_seq_slice(s, rank, world)))
         loss.backward()
     return {
         "configs": configs,

@@ -63,20 +63,27 @@ def test_ec_hot_rows_on_torchrecs_own_kernel_are_refused():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("hot", [False, True])
 def test_ebc_and_ec_in_one_model_pipelined_equal_plain_without_critical_misses(hot):
+    """distcache's pipeline and TorchRec's two, against the plain loop."""
     runs_per_rank = run_ranks(
         bags_and_sequences_pipelined_vs_plain, 2, kwargs={"hot": hot}, timeout_s=150
     )
     for runs in runs_per_rank:
-        plain, piped = runs["plain"], runs["pipeline"]
-        assert runs["critical"] == 0 and runs["evictions"] > 0, runs
-        assert len(piped["outputs"]) == len(plain["outputs"]) > 0
-        for a, b in zip(plain["outputs"], piped["outputs"], strict=True):
-            assert torch.equal(a, b)
-        assert plain["weights"].keys() == piped["weights"].keys()
+        plain = runs["plain"]
+        assert runs["pipeline_critical"] == 0 and runs["evictions"] > 0, runs
+        # TorchRec's pipelines: its plain one stages nothing ahead, its prefetch one stages
+        # each batch through the `prefetch` hook before its lookup.
+        assert runs["torchrec_pipeline_critical"] == runs["plain_critical"] > 0, runs
+        assert runs["torchrec_prefetch_critical"] == 0, runs
         assert any(k.startswith("seq.") for k in plain["weights"]), plain["weights"].keys()
-        for key, shards in plain["weights"].items():
-            for a, b in zip(shards, piped["weights"][key], strict=True):
-                assert torch.equal(a, b), key
+        for name in ("pipeline", "torchrec_pipeline", "torchrec_prefetch"):
+            other = runs[name]
+            assert len(other["outputs"]) == len(plain["outputs"]) > 0, name
+            for a, b in zip(plain["outputs"], other["outputs"], strict=True):
+                assert torch.equal(a, b), name
+            assert plain["weights"].keys() == other["weights"].keys()
+            for key, shards in plain["weights"].items():
+                for a, b in zip(shards, other["weights"][key], strict=True):
+                    assert torch.equal(a, b), (name, key)
 
 
 @pytest.mark.timeout(180)
