@@ -123,6 +123,7 @@ gpu_tests() {  # gpu_tests NAME SECONDS [ARGS...]: tests/gpu, the sync and run-a
 throughput_kaggle() {  # throughput.py on one GPU at Kaggle's sizes (issue36 and verify)
     step throughput_kaggle 170 $PY benchmarks/throughput.py --device cuda --ranks 1 --scale 1 \
         --batch 4096 --capacities 1.0,0.02 --uvm-capacities 0.02 --lru-capacities "" \
+        --torchrec-prefetch-capacities 0.02 \
         --no-cpu-embeddings --warmup 20 --steps 50 --threads 8 --timeout 160 --phases \
         --json "$OUT/throughput_cuda_kaggle.json"
 }

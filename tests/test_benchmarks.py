@@ -284,8 +284,9 @@ def test_gpu_headline_rowwise_adagrad_on_cpu(tmp_path):
 
 
 def test_throughput_offers_torchrecs_uvm_cache_on_cuda_only():
-    """`--uvm-capacities` (TorchRec's fused_uvm_caching under its two pipelines) is refused on
-    CPU with what it needs; the line that compares distcache with the faster of the two."""
+    """`--uvm-capacities` (TorchRec's fused_uvm_caching under its two pipelines) and
+    `--torchrec-prefetch-capacities` are refused on CPU with what they need; the lines that
+    compare distcache with the faster of the two, and under TorchRec's prefetch pipeline."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import throughput
@@ -293,18 +294,23 @@ def test_throughput_offers_torchrecs_uvm_cache_on_cuda_only():
         sys.path.remove(str(ROOT / "benchmarks"))
     assert throughput.parse_args(["--device", "cpu"]).uvm_capacities == []
     assert throughput.parse_args(["--fused"]).fused and not throughput.parse_args([]).fused
-    with pytest.raises(SystemExit):
-        throughput.parse_args(["--device", "cpu", "--uvm-capacities", "0.05"])
+    for flag in ("--uvm-capacities", "--torchrec-prefetch-capacities"):
+        with pytest.raises(SystemExit):
+            throughput.parse_args(["--device", "cpu", flag, "0.05"])
     summary = [
         {"variant": "distcache", "capacity": 0.02, "cap": "2 %", "steps_per_s": 30.0,
          "x_torchrec": 0.9},
+        {"variant": "distcache_torchrec_prefetch", "capacity": 0.02, "cap": "2 %",
+         "steps_per_s": 18.0, "x_torchrec": 0.54},
         {"variant": "torchrec_uvm", "capacity": 0.02, "steps_per_s": 20.0},
         {"variant": "torchrec_uvm_prefetch", "capacity": 0.02, "steps_per_s": 24.0},
         {"variant": "torchrec_uvm", "capacity": 0.05, "steps_per_s": 99.0},
     ]  # fmt: skip
     assert throughput.against_uvm(summary) == [
         "distcache at 2 %: 1.25 x torchrec_uvm_prefetch (the faster of TorchRec's UVM cache's "
-        "two pipelines), 0.90 x torchrec"
+        "two pipelines), 0.90 x torchrec",
+        "distcache_torchrec_prefetch at 2 %: 0.75 x torchrec_uvm_prefetch (the same pipeline "
+        "over FBGEMM's UVM cache), 0.54 x torchrec",
     ]
 
 
