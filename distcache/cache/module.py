@@ -71,6 +71,7 @@ class _Batch:
     routed_ids: int  # with padding (`cuda_graphs`, jagged batches); num_ids if none
     # The ids and offsets as checked (`check_ids`), to name an invalid id on the error path.
     checked: tuple[torch.Tensor, torch.Tensor] | None = None
+    routed_on: torch.cuda.Stream | None = None  # the stream it was routed on (CUDA)
 
 
 class CachedEmbeddingBags(nn.Module):
@@ -203,6 +204,8 @@ class CachedEmbeddingBags(nn.Module):
     def _enqueue_routed(self, batch: _Batch, check: torch.Tensor | None) -> None:
         for group in self._groups:  # the batch enters every cache or none
             group.engine.check_room()
+        streams = self._groups[0].engine.streams
+        batch.routed_on = streams.current() if streams.cuda else None
         for k, (group, part) in enumerate(zip(self._groups, batch.groups, strict=True)):
             group.engine.enqueue(part.ids, check if k == 0 else None)
         self._routed.append(batch)
@@ -272,7 +275,26 @@ class CachedEmbeddingBags(nn.Module):
                 "does not match the oldest enqueued batch: batches must be looked up in the "
                 "order they were enqueued"
             )
+        self._keep_for_lookup(routed)
         return self._routed.popleft()
+
+    def _keep_for_lookup(self, batch: _Batch) -> None:
+        """A batch routed on another stream than the one looking it up (TorchRec's prefetch
+        pipeline routes the next batch on a stream of its own): its tensors, freed after its
+        backward, keep their memory until this stream's uses of them completed (else the
+        routing stream could reuse it while the lookup or the backward still reads it)."""
+        if batch.routed_on is None:
+            return
+        streams = self._groups[0].engine.streams
+        here = streams.current()
+        if here == batch.routed_on:
+            return
+        for part in batch.groups:
+            for value in vars(part).values():
+                if isinstance(value, torch.Tensor):
+                    streams.keep_for(value, here)
+        for value in batch.checked or ():
+            streams.keep_for(value, here)
 
     def _id_weights(self, weights: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if weights is None:

@@ -487,3 +487,45 @@ def test_weighted_features_match_a_reference_with_every_optimizer_and_half_rows(
         torch.testing.assert_close(cached.table_weight(t.name).float(), ref.rows[k].float(), **tol)
         torch.testing.assert_close(cached.table_state(t.name), ref.state[k], **tol)
     assert all(s.writebacks > 0 for s in cached.stats().values())
+
+
+class _RoutingStreams:
+    """A cache's `Streams` as on CUDA for what `CachedEmbeddingBags` asks of it around a batch's
+    lookup: the current stream is the one the test names, and each tensor kept for a stream is
+    recorded; the rest is the CPU's (no-ops)."""
+
+    cuda = True
+
+    def __init__(self, cpu):  # noqa: ANN001
+        self.cpu, self.now, self.kept = cpu, "default", []
+
+    def current(self) -> str:
+        return self.now
+
+    def keep_for(self, tensor: torch.Tensor, stream: object) -> None:
+        self.kept.append((tensor, stream))
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.cpu, name)
+
+
+def test_a_batch_routed_on_another_stream_is_kept_for_the_stream_that_looks_it_up():
+    """TorchRec's prefetch pipeline routes the next batch on a stream of its own and looks it up
+    on the default one: every routed tensor of the batch is kept for the lookup's stream (its
+    memory, freed after the backward, must not go back to the routing stream's pool before the
+    lookup and the backward have read it). Routed and looked up on one stream: nothing kept."""
+    tables = make_tables([4, 8], [40, 30])  # two widths: two groups, one engine each
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=16, lookahead=2), device="cpu")
+    streams = _RoutingStreams(cached.engines[0].streams)
+    cached.engines[0].streams = streams
+    (values, offsets), other = make_batches(tables, batch_size=3, num_batches=2, max_len=3, seed=4)
+    streams.now = "prefetch"
+    cached.enqueue(values, offsets)
+    streams.now = "default"
+    cached(values, offsets).sum().backward()
+    kept = [t for t, stream in streams.kept if stream == "default"]
+    assert len(kept) >= 2 * 3  # per group at least its ids, offsets and bag of each id
+    streams.kept.clear()
+    cached.enqueue(*other)  # routed on the stream that looks it up
+    cached(*other).sum().backward()
+    assert not [t for t, stream in streams.kept if stream == "default"]
