@@ -34,6 +34,7 @@ from distcache.cache.ids import find_invalid, first_invalid, raise_if_invalid
 from distcache.cache.pooling import CachedPooledLookup, GroupBatch, pool
 from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
+from distcache.cache.streams import tensors_in
 from distcache.cache.tables import TableSpec, table_config
 from distcache.errors import (
     CacheCapacityError,
@@ -289,12 +290,8 @@ class CachedEmbeddingBags(nn.Module):
         here = streams.current()
         if here == batch.routed_on:
             return
-        for part in batch.groups:
-            for value in vars(part).values():
-                if isinstance(value, torch.Tensor):
-                    streams.keep_for(value, here)
-        for value in batch.checked or ():
-            streams.keep_for(value, here)
+        for tensor in tensors_in((batch.groups, batch.checked)):
+            streams.keep_for(tensor, here)
 
     def _id_weights(self, weights: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if weights is None:

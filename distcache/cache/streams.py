@@ -14,6 +14,7 @@ code runs on both and CI exercises it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -70,6 +71,29 @@ class Streams:
         """`tensor`, allocated on another stream, is used on `stream`: keep its memory until
         that use completed."""
         if stream is not None and tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
+def tensors_in(value: object) -> Iterator[torch.Tensor]:
+    """Every tensor in `value`: a tensor, or dataclasses, tuples, lists and dicts of them,
+    nested (what a batch's routed parts and a sharded module's context hold)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, field.name))
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+
+
+def keep_all_for(value: object, stream: torch.cuda.Stream) -> None:
+    """`Streams.keep_for` of every CUDA tensor in `value` (`tensors_in`)."""
+    for tensor in tensors_in(value):
+        if tensor.is_cuda:
             tensor.record_stream(stream)
 
 

@@ -33,7 +33,7 @@ from distcache.cache import fused
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
 from distcache.cache.ids import find_invalid_per_feature, first_invalid, raise_if_invalid
-from distcache.cache.streams import DeviceInts, HostCopy
+from distcache.cache.streams import DeviceInts, HostCopy, keep_all_for
 from distcache.errors import (
     InvalidBatchError,
     InvalidIdError,
@@ -144,6 +144,9 @@ class CachedShardedModule(HotRowsSetup):
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
         if isinstance(features, KeyedJaggedTensor):
             self._check_batch(features)
+            device = features.values().device
+            if device.type == "cuda":  # TorchRec's pipelines route on a stream of their own
+                ctx.distcache_stream = torch.cuda.current_stream(device)
         if self.check_ids and isinstance(features, KeyedJaggedTensor):
             # The batch's own keys travel with its check (the pipeline routes later batches
             # before this one is looked up).
@@ -154,7 +157,19 @@ class CachedShardedModule(HotRowsSetup):
             ctx.distcache_cold = (features.keys(), features.lengths())
         return super().input_dist(ctx, features)  # type: ignore[misc]
 
+    def _keep_context_here(self, ctx) -> None:  # noqa: ANN001
+        """The tensors distcache added to a batch's context on the stream that routed it, kept
+        for the current stream where that is another one: TorchRec's pipelines record their
+        own context's tensors for the stream that computes the batch, not these."""
+        routed_on = getattr(ctx, "distcache_stream", None)
+        if routed_on is not None:
+            here = torch.cuda.current_stream(routed_on.device)
+            if here != routed_on:
+                extras = ("distcache_checked", "distcache_hot", "distcache_cold")
+                keep_all_for([getattr(ctx, name, None) for name in extras], here)
+
     def compute_and_output_dist(self, ctx, input):  # noqa: ANN001, ANN201, A002
+        self._keep_context_here(ctx)
         check = getattr(ctx, "distcache_check", None)
         if check is not None:
             try:

@@ -113,3 +113,18 @@ def test_on_cpu_nothing_is_switched_or_recorded(monkeypatch):
     with s.on(s.schedule):
         assert s.record() is None
     s.wait(None)
+
+
+def test_tensors_in_finds_every_tensor_of_nested_batches_and_contexts():
+    """`tensors_in` (what `keep_all_for` keeps for another stream): tensors in dataclasses,
+    tuples, lists and dicts, nested, and nothing else."""
+
+    @dataclass
+    class _Part:
+        ids: torch.Tensor
+        extra: object = None
+
+    a, b, c, d = (torch.full((2,), float(i)) for i in range(4))
+    value = [_Part(a, extra=(b, {"k": _Part(c)})), None, "text", 3, (d,), _Part]
+    assert [t[0].item() for t in streams_module.tensors_in(value)] == [0.0, 1.0, 2.0, 3.0]
+    streams_module.keep_all_for(value, stream=None)  # CPU tensors: nothing to record

@@ -99,3 +99,30 @@ def test_check_feature_ids_records_the_first_invalid_id(
 def _bounds(features: KeyedJaggedTensor) -> list[tuple[int, int]]:
     rows = {"a": 3, "b": 4, "c": 5}
     return [(v, rows[key]) for key in features.keys() for v in features[key].values().tolist()]
+
+
+def test_contexts_routed_on_another_stream_are_kept_for_the_computing_one(monkeypatch) -> None:
+    """TorchRec's pipelines route a batch on a stream of their own and compute it on the
+    current one, recording their context's tensors for it: distcache's additions to the
+    context (the id check's, the hot ids') are kept for it too, and only when the streams
+    differ (CUDA's streams stood in for on a CPU)."""
+    import distcache.sharding.sharded_module as sharded_module
+
+    kept = []
+    monkeypatch.setattr(sharded_module, "keep_all_for", lambda v, s: kept.append((v, s)))
+    now = {"stream": "dist"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: now["stream"])
+
+    class _Stream(str):
+        device = torch.device("cuda", 0)
+
+    class _Ctx:
+        distcache_stream = _Stream("dist")
+        distcache_hot, distcache_cold = "hot part", ("keys", "lengths")
+
+    now["stream"] = _Stream("dist")  # computed on the stream that routed it: nothing to keep
+    CachedShardedModule._keep_context_here(None, _Ctx())
+    assert kept == []
+    now["stream"] = "default"
+    CachedShardedModule._keep_context_here(None, _Ctx())
+    assert kept == [([None, "hot part", ("keys", "lengths")], "default")]
