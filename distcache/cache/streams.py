@@ -74,6 +74,11 @@ class Streams:
             tensor.record_stream(stream)
 
 
+def current_on(device: torch.device) -> torch.cuda.Stream:
+    """The current stream of CUDA `device`, named by its index (`Streams`)."""
+    return torch.cuda.current_stream(_index(device))
+
+
 def tensors_in(value: object) -> Iterator[torch.Tensor]:
     """Every tensor in `value`: a tensor, or dataclasses, tuples, lists and dicts of them,
     nested (what a batch's routed parts and a sharded module's context hold)."""

@@ -33,7 +33,7 @@ from distcache.cache import fused
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
 from distcache.cache.ids import find_invalid_per_feature, first_invalid, raise_if_invalid
-from distcache.cache.streams import DeviceInts, HostCopy, keep_all_for
+from distcache.cache.streams import DeviceInts, HostCopy, current_on, keep_all_for
 from distcache.errors import (
     InvalidBatchError,
     InvalidIdError,
@@ -146,7 +146,7 @@ class CachedShardedModule(HotRowsSetup):
             self._check_batch(features)
             device = features.values().device
             if device.type == "cuda":  # TorchRec's pipelines route on a stream of their own
-                ctx.distcache_stream = torch.cuda.current_stream(device)
+                ctx.distcache_stream = current_on(device)
         if self.check_ids and isinstance(features, KeyedJaggedTensor):
             # The batch's own keys travel with its check (the pipeline routes later batches
             # before this one is looked up).
@@ -163,7 +163,7 @@ class CachedShardedModule(HotRowsSetup):
         own context's tensors for the stream that computes the batch, not these."""
         routed_on = getattr(ctx, "distcache_stream", None)
         if routed_on is not None:
-            here = torch.cuda.current_stream(routed_on.device)
+            here = torch.cuda.current_stream(routed_on.device_index)  # (by index: `Streams`)
             if here != routed_on:
                 extras = ("distcache_checked", "distcache_hot", "distcache_cold")
                 keep_all_for([getattr(ctx, name, None) for name in extras], here)

@@ -114,7 +114,7 @@ def test_contexts_routed_on_another_stream_are_kept_for_the_computing_one(monkey
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: now["stream"])
 
     class _Stream(str):
-        device = torch.device("cuda", 0)
+        device_index = 0
 
     class _Ctx:
         distcache_stream = _Stream("dist")
