@@ -1,8 +1,9 @@
-"""One sweep case: uncached TorchRec vs the kernel's synchronous path vs the look-ahead pipeline.
+"""One sweep case: uncached TorchRec vs the kernel's synchronous path vs the look-ahead pipeline
+vs TorchRec's `PrefetchTrainPipelineSparseDist` over the kernel (its streams emulated on CPU).
 
-The three train the same EmbeddingBagCollection (integer weights, SGD with lr 1, so fp32 is
+The four train the same EmbeddingBagCollection (integer weights, SGD with lr 1, so fp32 is
 exact) on the same batches, which vary in size and include a batch with no ids at all; they
-must agree bitwise, step by step and at the end, and the pipeline must never miss.
+must agree bitwise, step by step and at the end, and the pipelines must never miss.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from distcache import CacheConfig, DistcacheConfigError, InvalidIdError, LookaheadWindowError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CachedEmbeddingBagCollectionSharder, cache_stats
+from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline
 from tests.distributed.sharded_model import (
     FEATURES,
     TABLES,
@@ -134,7 +136,7 @@ def _one_case(
         for kjt in batches
     ]
     result = {"capacity": capacity, "need": need}
-    for name in ("plain", "pipeline"):
+    for name in ("plain", "pipeline", "torchrec_prefetch"):
         ebc = make_ebc(weighted=weighted)
         integer_init(ebc, seed)
         state = {k: v.clone() for k, v in ebc.state_dict().items()}
@@ -155,9 +157,13 @@ def _one_case(
                 loss.backward()
                 outputs.append(out)
         else:
-            pipeline = LookaheadTrainPipeline(
-                model, None, "cpu", lookahead=lookahead, prefetch_depth=depth
-            )
+            if name == "pipeline":
+                pipeline = LookaheadTrainPipeline(
+                    model, None, "cpu", lookahead=lookahead, prefetch_depth=depth
+                )
+            else:  # TorchRec's steps an optimizer: one of nothing (no dense parameter here)
+                idle = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+                pipeline = CpuPrefetchPipeline(model, idle)
             it = iter(local)
             while True:
                 try:
@@ -235,7 +241,7 @@ def two_modules(rank: int, world: int) -> dict:
     state = TwoTower(0).state_dict()
     config = CacheConfig(capacity=in_flight_rows(users + items, 1) + 4, lookahead=3)
     runs = {}
-    for name in ("plain", "pipeline"):
+    for name in ("plain", "pipeline", "torchrec_prefetch"):
         model = _two_tower_model(config, world, state)
         outputs = []
         if name == "plain":

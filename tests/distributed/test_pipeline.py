@@ -71,12 +71,14 @@ def _case(draw):
                 ("mixed", 3, 1, 0.1, 3), ("column_wise", 1, 0, 1.0, 2)])  # fmt: skip
 def test_pipelined_equals_plain_equals_uncached_torchrec(cases):
     """Hypothesis sweep over sharding type, L, K and cache size down to the in-flight working
-    set; batches of varying size and one with no ids. Each example runs its cases in one pair
-    of ranks (spawning is the slow part)."""
+    set; batches of varying size and one with no ids; distcache's pipeline and TorchRec's
+    prefetch pipeline. Each example runs its cases in one pair of ranks (spawning is the slow
+    part)."""
     for results in run_ranks(three_ways, 2, args=(cases,), timeout_s=280):
         for case, result in zip(cases, results, strict=True):
-            if case[2] > 0:  # rows staged ahead: the pipeline never waits on a miss
+            if case[2] > 0:  # rows staged ahead: the pipelines never wait on a miss
                 assert result["pipeline"]["critical"] == 0, (case, result)
+                assert result["torchrec_prefetch"]["critical"] == 0, (case, result)
             if not result["plain"]["whole"]:
                 assert result["plain"]["critical"] > 0, (case, result)
             else:  # caches of every row: all loaded before the first batch, none after
@@ -91,6 +93,7 @@ def test_weighted_features_pipelined_equal_plain_and_uncached():
     for results in run_ranks(three_ways, 2, args=(cases,), timeout_s=150):
         for case, result in zip(cases, results, strict=True):
             assert result["pipeline"]["critical"] == 0, (case, result)
+            assert result["torchrec_prefetch"]["critical"] == 0, (case, result)
             evictions += result["pipeline"]["evictions"]
     assert evictions > 0  # the caches were small enough to evict (some of the cases)
 
