@@ -133,14 +133,20 @@ def test_lookahead_pipeline_equals_plain_loop_bitwise_without_critical_misses():
         assert torch.equal(plain_w[key], expected), key
 
 
-def test_torchrec_prefetch_pipeline_equals_uncached_bitwise_without_critical_misses():
-    """TorchRec's `PrefetchTrainPipelineSparseDist` (its pipeline for FBGEMM's UVM cache) over
-    distcache's kernel: it hands batch i + 1's routed ids to the sharded module's `prefetch` on
-    its prefetch stream, between batch i's forward and backward, and trains on its default
-    stream. The same bits as the uncached twin, and no critical-path miss. (On CPU, with its
-    streams emulated: tests/distributed/test_pipeline.py.)"""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_torchrecs_pipelines_equal_uncached_bitwise(prefetch):
+    """TorchRec's own pipelines over distcache's kernel on CUDA, each routing the next batch on
+    a stream of its own and training on the current one: `TrainPipelineSparseDist` (each batch
+    staged when it is looked up) and `PrefetchTrainPipelineSparseDist` (its pipeline for
+    FBGEMM's UVM cache, which hands batch i + 1's routed ids to the sharded module's `prefetch`
+    on its prefetch stream, between batch i's forward and backward). The same bits as the
+    uncached twin; the prefetch one without a critical-path miss. (On CPU, with their streams
+    emulated: tests/distributed/test_pipeline.py.)"""
     case = _case()
-    from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist
+    from torchrec.distributed.train_pipeline import (
+        PrefetchTrainPipelineSparseDist,
+        TrainPipelineSparseDist,
+    )
 
     from tests.distributed.prefetch_pipeline import cpu_record_stream
 
@@ -149,7 +155,8 @@ def test_torchrec_prefetch_pipeline_equals_uncached_bitwise_without_critical_mis
     ref_logits, ref_weights, _ = _reference_run(case, state, batches)
     dmp, dense_params = case.sharded(state, CacheConfig(capacity=40, lookahead=3), DEVICE)
     dense = torch.optim.SGD(dense_params, lr=1.0)
-    pipeline = PrefetchTrainPipelineSparseDist(dmp, dense, DEVICE)
+    pipeline_type = PrefetchTrainPipelineSparseDist if prefetch else TrainPipelineSparseDist
+    pipeline = pipeline_type(dmp, dense, DEVICE)
     it, logits = iter(batches), []
     with cpu_record_stream():  # the batches' sparse features stay on the host (`dmp_case`)
         while True:
@@ -157,9 +164,10 @@ def test_torchrec_prefetch_pipeline_equals_uncached_bitwise_without_critical_mis
                 logits.append(pipeline.progress(it).cpu())
             except StopIteration:
                 break
-    _assert_equal_runs(logits, ref_logits, "TorchRec's prefetch pipeline vs uncached")
+    _assert_equal_runs(logits, ref_logits, f"TorchRec's pipeline (prefetch={prefetch}) vs uncached")
     weights = case.table_weights(dmp)
     for key, expected in ref_weights.items():
         assert torch.equal(weights[key], expected), key
     stats = case.total_stats(dmp)
-    assert stats["critical_misses"] == 0 and stats["loads"] > 0, stats
+    assert stats["loads"] > 0, stats
+    assert (stats["critical_misses"] == 0) == prefetch, stats
