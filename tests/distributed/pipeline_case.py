@@ -18,11 +18,11 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from distcache import CacheConfig, DistcacheConfigError
+from distcache import CacheConfig, DistcacheConfigError, LookaheadWindowError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
 from tests.distributed.dlrm_case import ROWS, _batches, _dlrm
-from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline
+from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline, CpuSemiSyncPipeline
 from tests.distributed.sharded_model import copy_global_into, per_table_plan
 
 
@@ -126,3 +126,29 @@ def pipelined_vs_plain(
             },
         }
     return runs
+
+
+def semi_sync_refused(rank: int, world: int) -> str:
+    """TorchRec's `TrainPipelineSemiSync` from its first batch on: it looks batch i + 1 up
+    before batch i's backward, which distcache refuses; returns the error's message."""
+    del world
+    model = _model()
+    apply_optimizer_in_backward(
+        torch.optim.SGD, model.model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.5}
+    )
+    dmp = _shard(model, "table_wise", CacheConfig(capacity=0.15, lookahead=3))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    batches = iter(
+        Batch(dense_features=x, sparse_features=kjt, labels=y)
+        for x, kjt, y in _batches(rank, 8, batch=16)
+    )
+    pipeline = CpuSemiSyncPipeline(dmp, dense, start_batch=0)
+    try:
+        for _ in range(8):
+            pipeline.progress(batches)
+    except LookaheadWindowError as err:
+        return str(err)
+    raise AssertionError("TrainPipelineSemiSync trained 8 batches over distcache's caches")

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.pipeline_case import pipelined_vs_plain
+from tests.distributed.pipeline_case import pipelined_vs_plain, semi_sync_refused
 from tests.distributed.pipeline_sweep_case import failing_stage, three_ways, two_modules
 
 
@@ -30,6 +30,14 @@ def test_pipeline_equals_plain_loop_without_critical_misses(kind):
         # batch ahead, before the batch is looked up.
         assert prefetched["critical"] == 0 and prefetched["loads"] > 0
         assert piped["loads"] > 0 and piped["evictions"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_torchrecs_semi_sync_pipeline_is_refused_in_one_line():
+    """`TrainPipelineSemiSync` looks batch i + 1 up before batch i's backward (stale rows, by
+    design): distcache updates rows in the backward, and says so on every rank."""
+    for message in run_ranks(semi_sync_refused, 2, timeout_s=100):
+        assert "run backward before the next forward" in message, message
 
 
 @pytest.mark.timeout(240)
