@@ -101,11 +101,27 @@ class CachedPooledLookup(torch.autograd.Function):
         grad = grad_output
         if batch.bag_divisor is not None:
             grad = grad / batch.bag_divisor.unsqueeze(1)
+        # Trainable weights (TorchRec's position-weighted features): their gradient from the
+        # rows as they were looked up, before this backward updates them.
+        weights_grad = (
+            _id_weights_grad(engine, plan, batch, grad) if ctx.needs_input_grad[4] else None
+        )
         if ctx.fused is not None:
             engine.apply_tbe_gradients(plan, ctx.fused, grad)
             ctx.fused = None  # its graph is spent
-            return None, None, None, None, None
+            return None, None, None, None, weights_grad
         if batch.extra_bag:  # padding ids point at one more bag, whose gradient is zero
             grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
         engine.apply_gradients(plan, grad, batch.bag_of_id, ctx.id_weights)
-        return None, None, None, None, None
+        return None, None, None, None, weights_grad
+
+
+def _id_weights_grad(
+    engine: CacheEngine, plan: StagePlan, batch: GroupBatch, bag_grad: torch.Tensor
+) -> torch.Tensor:
+    """`[n]` the gradient of each id's weight: its row (float32) dot its bag's gradient
+    `bag_grad` `[bags, dim]` (mean scaling applied); 0 for padding ids."""
+    rows = engine.weights.index_select(0, plan.id_slots).float()  # [n, dim]
+    if batch.extra_bag:  # padding ids point at one more bag, whose gradient is zero
+        bag_grad = torch.cat([bag_grad, bag_grad.new_zeros(1, bag_grad.shape[1])])
+    return (rows * bag_grad.index_select(0, batch.bag_of_id)).sum(1)

@@ -453,8 +453,9 @@ def test_weighted_features_match_a_reference_with_every_optimizer_and_half_rows(
     optimizer, dtype, kernel
 ):
     """Real-valued per-id weights on every update path (stateless and stateful optimizers,
-    fp32 and fp16 rows, both kernels), step by step against `_DenseReference`: each output,
-    then the rows and optimizer state, through evictions and write-backs."""
+    fp32 and fp16 rows, both kernels), step by step against `_DenseReference`: each output and
+    the weights' own gradient (trainable weights: TorchRec's position-weighted features), then
+    the rows and optimizer state, through evictions and write-backs."""
     tables = [
         dataclasses.replace(t, dtype=dtype) for t in make_tables([4, 8], [50, 40], ["mean", "sum"])
     ]
@@ -479,10 +480,12 @@ def test_weighted_features_match_a_reference_with_every_optimizer_and_half_rows(
             cached.enqueue(*batches[enqueued])
             enqueued += 1
         cached.prefetch()
-        out = cached(*batch, per_id)
+        mine, theirs = (per_id.clone().requires_grad_() for _ in range(2))
+        out = cached(*batch, mine)
         loss_of(out).backward()
-        ref_out = ref.step(*batch, per_id)
+        ref_out = ref.step(*batch, theirs)
         torch.testing.assert_close(out, ref_out, **tol, msg=lambda m, s=step: f"step {s}: {m}")
+        torch.testing.assert_close(mine.grad, theirs.grad, **tol)
     for k, t in enumerate(tables):
         torch.testing.assert_close(cached.table_weight(t.name).float(), ref.rows[k].float(), **tol)
         torch.testing.assert_close(cached.table_state(t.name), ref.state[k], **tol)
