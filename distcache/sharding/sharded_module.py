@@ -25,7 +25,7 @@ from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dp_sequence_sharding import DpSequenceEmbeddingSharding
-from torchrec.distributed.types import ShardingType
+from torchrec.distributed.types import Awaitable, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
@@ -38,6 +38,7 @@ from distcache.errors import (
     InvalidBatchError,
     InvalidIdError,
     LookaheadWindowError,
+    UnsupportedError,
 )
 from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
 from distcache.sharding.hot_setup import HotRowsSetup
@@ -155,7 +156,27 @@ class CachedShardedModule(HotRowsSetup):
         if self._hot is not None and isinstance(features, KeyedJaggedTensor):
             features, ctx.distcache_hot = self._hot.split(features)  # hot ids stay here
             ctx.distcache_cold = (features.keys(), features.lengths())
+            routing = super().input_dist(ctx, features)  # type: ignore[misc]
+            routing.callbacks.append(functools.partial(_note_routed_weights, ctx))
+            return routing
         return super().input_dist(ctx, features)  # type: ignore[misc]
+
+    def _check_weights_as_routed(self, ctx, features: KJTList) -> None:  # noqa: ANN001
+        """With hot rows, a batch's hot ids are taken out, with their weights, before the rest
+        is routed: weights set after routing, as TorchRec's
+        `FeatureProcessedEmbeddingBagCollection` sets its position weights, would miss them.
+        Refused in one line (where the routed ids were noted: `_note_routed_weights`)."""
+        routed = getattr(ctx, "distcache_routed_weights", None)
+        if routed is not None and any(
+            kjt.weights_or_none() is not weights
+            for kjt, weights in zip(features, routed, strict=True)
+        ):
+            raise UnsupportedError(
+                f"{self._collection} with hot rows (CacheConfig.hot_rows) got weights set after "
+                "its ids were routed (TorchRec's FeatureProcessedEmbeddingBagCollection sets its "
+                "position weights so): the hot ids, taken out before routing, would not get "
+                "them. Give this collection's tables no hot rows."
+            )
 
     def _keep_context_here(self, ctx) -> None:  # noqa: ANN001
         """The tensors distcache added to a batch's context on the stream that routed it, kept
@@ -170,6 +191,7 @@ class CachedShardedModule(HotRowsSetup):
 
     def compute_and_output_dist(self, ctx, input):  # noqa: ANN001, ANN201, A002
         self._keep_context_here(ctx)
+        self._check_weights_as_routed(ctx, input)
         check = getattr(ctx, "distcache_check", None)
         if check is not None:
             try:
@@ -365,6 +387,17 @@ class CachedShardedModule(HotRowsSetup):
         for kernel in self.cached_kernels():
             stats.update(kernel.bags.stats())
         return stats
+
+
+def _note_routed_weights(ctx, ids: Awaitable[KJTList]) -> Awaitable[KJTList]:  # noqa: ANN001
+    """When the routed ids arrive, note their weights in `ctx` (`_check_weights_as_routed`)."""
+
+    def note(routed: KJTList) -> KJTList:
+        ctx.distcache_routed_weights = [kjt.weights_or_none() for kjt in routed]
+        return routed
+
+    ids.callbacks.append(note)
+    return ids
 
 
 class ShardedCachedEmbeddingBagCollection(CachedShardedModule, ShardedEmbeddingBagCollection):

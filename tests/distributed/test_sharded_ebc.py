@@ -1,7 +1,9 @@
 """distcache's sharder against the unsharded, uncached EmbeddingBagCollection (gloo, CPU)."""
 
 import pytest
+import torch
 
+from tests.distributed.fp_case import fp_trained
 from tests.distributed.harness import RankFailed, run_ranks
 from tests.distributed.sharded_model import train_and_compare, train_with_bad_id
 
@@ -103,3 +105,37 @@ def test_weighted_features_equal_unsharded_bitwise(kind):
     caches small enough to evict: bitwise equal to the unsharded weighted EBC under SGD."""
     results = run_ranks(train_and_compare, 2, args=(kind,), kwargs={"weighted": True})
     assert any(s["evictions"] > 0 for stats in results for s in stats.values())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_position_weighted_features_train_as_on_torchrecs_kernel(kind):
+    """TorchRec's `FeatureProcessedEmbeddingBagCollection` around distcache's EBC sharder: the
+    outputs, the rows and the learned position weights (each id's weight, whose gradient comes
+    back through the cached lookup) bitwise those of TorchRec's `fused` kernel."""
+    trained = 0
+    for runs in run_ranks(fp_trained, 2, args=(kind,), timeout_s=150):
+        fused, cached = runs["fused"], runs["customized_kernel"]
+        assert cached["loads"] > 0
+        for step, (a, b) in enumerate(zip(fused["outputs"], cached["outputs"], strict=True)):
+            for feature in a:
+                assert torch.equal(a[feature], b[feature]), (step, feature)
+        assert fused["tables"].keys() == cached["tables"].keys()
+        for key, shards in fused["tables"].items():
+            for a, b in zip(shards, cached["tables"][key], strict=True):
+                assert torch.equal(a, b), key
+        assert fused["positions"].keys() == cached["positions"].keys() != set()
+        for key, weights in fused["positions"].items():
+            assert torch.equal(weights, cached["positions"][key]), key
+            trained += not torch.equal(weights, torch.ones_like(weights))
+    assert trained  # (each rank trains the weights of the features it computes, TorchRec's way)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_hot_rows_under_position_weights_are_refused_in_one_line(kind):
+    """Hot ids leave the batch, with their weights, before it is routed; TorchRec's
+    `FeatureProcessedEmbeddingBagCollection` weighs the ids after: refused, on every rank,
+    naming what to change."""
+    with pytest.raises(RankFailed, match=r"UnsupportedError: .* no hot rows"):
+        run_ranks(fp_trained, 2, args=(kind, True), timeout_s=100)
