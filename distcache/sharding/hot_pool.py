@@ -38,8 +38,6 @@ class PooledRows(torch.autograd.Function):
     ):
         ctx.save_for_backward(weights, bags)
         ctx.sink = sink
-        if ctx.needs_input_grad[4]:  # trainable weights: their rows, as pooled (not updated yet)
-            ctx.looked_up = weight.index_select(0, rows)
         return F.embedding_bag(
             rows, weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
         )
@@ -48,12 +46,10 @@ class PooledRows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         weights, bags = ctx.saved_tensors
         per_id = grad if bags is None else grad.index_select(0, bags)  # None: a bag per id
-        # Each trainable weight's gradient: its id's row dot its bag's gradient.
-        weights_grad = (ctx.looked_up * per_id).sum(1) if ctx.needs_input_grad[4] else None
         if weights is not None:
             per_id = per_id * weights.unsqueeze(1)
         ctx.sink(per_id)
-        return grad.new_zeros(()), None, None, None, weights_grad, None, None
+        return grad.new_zeros(()), None, None, None, None, None, None
 
 
 class AddColumns(torch.autograd.Function):
