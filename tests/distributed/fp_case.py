@@ -10,16 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
-    construct_module_sharding_plan,
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -36,6 +32,7 @@ from tests.distributed.sharded_model import (
     local_slice,
     loss_of,
     make_ebc,
+    per_table_plan,
 )
 
 
@@ -71,21 +68,8 @@ def fp_trained(rank: int, world: int, kind: str, hot: bool = False, steps: int =
             "table_wise": lambda i, k=kernel: table_wise(rank=i % world, compute_kernel=k),
             "row_wise": lambda i, k=kernel: row_wise(compute_kernel=k),
         }[kind]
-        plan = construct_module_sharding_plan(
-            model,
-            per_param_sharding={name: shard(i) for i, (name, *_) in enumerate(TABLES)},
-            local_size=world,
-            world_size=world,
-            device_type="cpu",
-            sharder=sharder,
-        )
-        dmp = DistributedModelParallel(
-            model,
-            env=ShardingEnv.from_process_group(dist.group.WORLD),
-            device=torch.device("cpu"),
-            plan=ShardingPlan({"": plan}),
-            sharders=[sharder],
-        )
+        per_table = {name: shard(i) for i, (name, *_) in enumerate(TABLES)}
+        dmp = per_table_plan(model, "", model, per_table, sharder)
         copy_global_into(dmp, state)
         dense = torch.optim.SGD(
             [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())], lr=1.0
