@@ -113,8 +113,13 @@ def test_hot_rows_on_three_ranks(kind):
 @pytest.mark.timeout(240)
 def test_hot_rows_pipelined_equal_plain_and_uncached():
     """Through LookaheadTrainPipeline: hot ids split off when each batch is routed, L ahead;
-    and through TorchRec's prefetch pipeline, one batch ahead."""
-    cases = [(kind, 3, 1, 0.0, 12, False, True) for kind in ("table_wise", "row_wise")]
+    and through TorchRec's prefetch pipeline, one batch ahead; weighted features too (the
+    weights that compute receives are those routed with the ids: no refusal)."""
+    cases = [
+        (kind, 3, 1, 0.0, 12, weighted, True)
+        for kind in ("table_wise", "row_wise", "mixed")
+        for weighted in (False, True)
+    ]
     for results in run_ranks(three_ways, 2, args=(cases,), timeout_s=200):
         for case, result in zip(cases, results, strict=True):
             assert result["pipeline"]["critical"] == 0, (case, result)
