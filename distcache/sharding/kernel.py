@@ -90,7 +90,28 @@ def cache_config_from_fused_params(fused_params: dict[str, Any] | None) -> Cache
     ):
         if theirs in params:
             updates[ours] = float(params[theirs])
+    _refuse_unapplied(params)
     return dataclasses.replace(config, **updates)
+
+
+def _refuse_unapplied(params: dict[str, Any]) -> None:
+    """Fused params that would change FBGEMM's update and that distcache's kernel does not
+    apply, refused in one line rather than ignored: weight decay where a mode asks for it
+    (`weight_decay_mode` other than NONE; without one FBGEMM applies none either, whatever
+    `weight_decay` says), and gradient clipping."""
+    mode = params.get("weight_decay_mode")
+    mode_name = getattr(mode, "name", str(mode))
+    if mode is not None and mode_name != "NONE" and float(params.get("weight_decay", 0.0)):
+        raise DistcacheConfigError(
+            f"fused params weight_decay={params.get('weight_decay')} with weight_decay_mode="
+            f"{mode_name}: distcache's kernel applies no weight decay; drop them, or keep these "
+            "tables on TorchRec's fused kernel"
+        )
+    if params.get("gradient_clipping"):
+        raise DistcacheConfigError(
+            "fused param gradient_clipping=True: distcache's kernel does not clip gradients; "
+            "drop it, or keep these tables on TorchRec's fused kernel"
+        )
 
 
 def table_capacity(fused_params: dict[str, Any] | None) -> float | int | None:

@@ -4,6 +4,7 @@ import pytest
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from distcache.cache.config import OPTIMIZERS
+from distcache.errors import DistcacheConfigError
 from distcache.sharding import EMBEDDING_OPTIMIZERS
 from distcache.sharding.kernel import cache_config_from_fused_params
 
@@ -16,3 +17,21 @@ def test_every_cache_optimizer_has_a_torchrec_class():
 def test_a_name_comes_back_through_torchrec(name):
     fused = optimizer_type_to_emb_opt_type(EMBEDDING_OPTIMIZERS[name])
     assert cache_config_from_fused_params({"optimizer": fused}).optimizer == name
+
+
+def test_fused_params_distcache_would_not_apply_are_refused():
+    """Weight decay with a mode that applies it, and gradient clipping, change FBGEMM's update:
+    refused in one line, not ignored. A `weight_decay` without a mode (what
+    `apply_optimizer_in_backward(torch.optim.Adagrad, ..., {"weight_decay": ...})` gives)
+    FBGEMM does not apply either: accepted, as on TorchRec's kernel."""
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+    assert cache_config_from_fused_params({"weight_decay": 0.5}).optimizer == "sgd"
+    none = {"weight_decay": 0.5, "weight_decay_mode": WeightDecayMode.NONE}
+    cache_config_from_fused_params(none)
+    l2 = {"weight_decay": 0.5, "weight_decay_mode": WeightDecayMode.L2}
+    with pytest.raises(DistcacheConfigError, match=r"weight_decay_mode=L2: .* no weight decay"):
+        cache_config_from_fused_params(l2)
+    cache_config_from_fused_params({**l2, "weight_decay": 0.0})  # a mode without a decay
+    with pytest.raises(DistcacheConfigError, match=r"gradient_clipping=True: .* does not clip"):
+        cache_config_from_fused_params({"gradient_clipping": True, "max_gradient": 1.0})
