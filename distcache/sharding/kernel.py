@@ -97,8 +97,8 @@ def cache_config_from_fused_params(fused_params: dict[str, Any] | None) -> Cache
 def _refuse_unapplied(params: dict[str, Any]) -> None:
     """Fused params that would change FBGEMM's update and that distcache's kernel does not
     apply, refused in one line rather than ignored: weight decay where a mode asks for it
-    (`weight_decay_mode` other than NONE; without one FBGEMM applies none either, whatever
-    `weight_decay` says), and gradient clipping."""
+    (`weight_decay_mode` other than NONE; FBGEMM's default is NONE, and its CPU kernel then
+    applied no decay, whatever `weight_decay` said), and gradient clipping."""
     mode = params.get("weight_decay_mode")
     mode_name = getattr(mode, "name", str(mode))
     if mode is not None and mode_name != "NONE" and float(params.get("weight_decay", 0.0)):

@@ -23,7 +23,7 @@ def test_fused_params_distcache_would_not_apply_are_refused():
     """Weight decay with a mode that applies it, and gradient clipping, change FBGEMM's update:
     refused in one line, not ignored. A `weight_decay` without a mode (what
     `apply_optimizer_in_backward(torch.optim.Adagrad, ..., {"weight_decay": ...})` gives)
-    FBGEMM does not apply either: accepted, as on TorchRec's kernel."""
+    runs FBGEMM in its default mode, NONE: accepted."""
     from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 
     assert cache_config_from_fused_params({"weight_decay": 0.5}).optimizer == "sgd"
