@@ -200,6 +200,9 @@ class _CachedKernel:
             )
         # The group's settings; each table's capacity is its own (`TableSpec.capacity`).
         self.cache_config = cache_config_from_fused_params(config.fused_params)
+        # The outputs' dtype, as TorchRec's fused kernel reads it (pooled in fp32, then cast).
+        output = (config.fused_params or {}).get("output_dtype")
+        self.output_dtype = torch.float32 if output is None else output.as_dtype()
         dtype = data_type_to_dtype(config.data_type)  # TorchRec groups tables by data_type
         if dtype not in ROW_DTYPES:
             raise UnsupportedError(
@@ -329,7 +332,8 @@ class CachedEmbeddingBagKernel(
         """Pooled rows of the routed features; weighted features (TorchRec's `is_weighted`
         collections) scale each id's row, and its gradient, by the id's weight."""
         self._sync_learning_rate()
-        return self.bags(features.values(), features.offsets(), features.weights_or_none())
+        pooled = self.bags(features.values(), features.offsets(), features.weights_or_none())
+        return pooled if self.output_dtype == torch.float32 else pooled.to(self.output_dtype)
 
 
 class CachedEmbeddingKernel(
@@ -356,4 +360,5 @@ class CachedEmbeddingKernel(
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The rows of the routed ids `[n, local dim]`, in the order of `features.values()`."""
         self._sync_learning_rate()
-        return self.bags(features.values(), features.offsets())
+        rows = self.bags(features.values(), features.offsets())
+        return rows if self.output_dtype == torch.float32 else rows.to(self.output_dtype)

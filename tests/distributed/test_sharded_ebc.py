@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.distributed.dtype_case import half_outputs
 from tests.distributed.fp_case import fp_trained
 from tests.distributed.harness import RankFailed, run_ranks
 from tests.distributed.sharded_model import train_and_compare, train_with_bad_id
@@ -139,3 +140,21 @@ def test_hot_rows_under_position_weights_are_refused_in_one_line(kind):
     naming what to change."""
     with pytest.raises(RankFailed, match=r"UnsupportedError: .* no hot rows"):
         run_ranks(fp_trained, 2, args=(kind, True), timeout_s=100)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hot", [False, True])
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_half_precision_outputs_as_on_torchrecs_kernel(kind, hot):
+    """`fused_params={"output_dtype": SparseType.FP16}`: fp16 outputs, on the wire and to the
+    model, bitwise those of TorchRec's `fused` kernel, and the same training; with hot rows
+    replicated too."""
+    for runs in run_ranks(half_outputs, 2, args=(kind, hot), timeout_s=100):
+        fused, cached = runs["fused"], runs["customized_kernel"]
+        for step, (a, b) in enumerate(zip(fused["outputs"], cached["outputs"], strict=True)):
+            for feature in a:
+                assert a[feature].dtype == b[feature].dtype == torch.float16, (step, feature)
+                assert torch.equal(a[feature], b[feature]), (step, feature)
+        for key, shards in fused["tables"].items():
+            for a, b in zip(shards, cached["tables"][key], strict=True):
+                assert torch.equal(a, b), key
