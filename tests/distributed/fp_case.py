@@ -1,21 +1,19 @@
-"""TorchRec's `FeatureProcessedEmbeddingBagCollection` (position-weighted features: each id's
-weight is learned, per position in its bag) sharded by TorchRec's FP sharder around distcache's
-EBC sharder, against the same around TorchRec's own (`fused`): both train the embedding rows
-and the position weights, the latter by the dense optimizer on each rank that applies them
-(TorchRec keeps the feature processors in its sharded module: table-wise, on the table's
-rank, after the ids are routed; row-wise, on every rank, before)."""
+"""A model sharded on distcache's kernel against the same model on TorchRec's `fused`, for what
+TorchRec's kernel defines beyond the rows: TorchRec's `FeatureProcessedEmbeddingBagCollection`
+(position-weighted features: each id's weight learned per position in its bag; the FP sharder
+around each kernel's EBC sharder) and the sharders' `fused_params={"output_dtype": FP16}`.
+Integer rows and SGD with lr 1, so every sum is exact and the two must agree bitwise."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
-from torchrec.distributed.sharding_plan import (
-    row_wise,
-    table_wise,
-)
+from torchrec.distributed.sharding_plan import row_wise, table_wise
 from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -35,51 +33,54 @@ from tests.distributed.sharded_model import (
     per_table_plan,
 )
 
-
-def _model() -> FeatureProcessedEmbeddingBagCollection:
-    ebc = make_ebc(weighted=True)
-    integer_init(ebc, 3)
-    positions = PositionWeightedModuleCollection(max_feature_lengths=dict.fromkeys(FEATURES, 4))
-    return FeatureProcessedEmbeddingBagCollection(ebc, positions)
+# `hot`: distcache's t0 and t3 replicate some of their rows on every rank.
+REPLICAS = {"t0": (0, 1, 2), "t3": (1, 0)}
 
 
-def fp_trained(rank: int, world: int, kind: str, hot: bool = False, steps: int = 6) -> dict:
-    """Each kernel's outputs per step, then its tables' local shards and position weights
-    (`hot`: distcache's t0 and t3 replicate some rows on every rank)."""
+def _ebc_sharder(kernel: str, hot: bool, **kwargs) -> object:  # noqa: ANN003
+    """The EBC sharder of `kernel`: TorchRec's, or distcache's (small caches, `hot` rows)."""
+    if kernel == "fused":
+        return EmbeddingBagCollectionSharder(**kwargs)
+    config = CacheConfig(capacity=20, lookahead=2)
+    tables = (
+        {t: dataclasses.replace(config, hot_rows=r) for t, r in REPLICAS.items()} if hot else {}
+    )
+    return CachedEmbeddingBagCollectionSharder(config, tables, **kwargs)
+
+
+def on_both_kernels(
+    rank: int,
+    world: int,
+    kind: str,
+    build: Callable[[str], tuple[torch.nn.Module, torch.nn.Module, object]],
+    steps: int = 6,
+) -> dict:
+    """Train `build(kernel)`'s (model, its EBC, sharder) on each kernel, `kind`-sharded, from
+    the same weights and batches: per kernel its outputs per step, its tables' local shards,
+    its dense parameters (the position weights) and its caches' loads."""
     batches = [local_slice(b, rank, world) for b in global_batches(steps, 3, world, seed=5)]
-    state = _model().state_dict()
-    runs = {}
+    runs, state = {}, None
     for kernel in ("fused", CACHED_KERNEL):
-        model = _model()
-        apply_optimizer_in_backward(
-            torch.optim.SGD, model._embedding_bag_collection.parameters(), {"lr": 1.0}
-        )
-        config = CacheConfig(capacity=20, lookahead=2)
-        replicas = {"t0": (0, 1, 2), "t3": (1, 0)} if hot else {}
-        inner = (
-            EmbeddingBagCollectionSharder()
-            if kernel == "fused"
-            else CachedEmbeddingBagCollectionSharder(
-                config, {t: dataclasses.replace(config, hot_rows=r) for t, r in replicas.items()}
-            )
-        )
-        sharder = FeatureProcessedEmbeddingBagCollectionSharder(inner)
+        model, ebc, sharder = build(kernel)
+        state = state or model.state_dict()
+        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 1.0})
         shard = {
             "table_wise": lambda i, k=kernel: table_wise(rank=i % world, compute_kernel=k),
             "row_wise": lambda i, k=kernel: row_wise(compute_kernel=k),
         }[kind]
         per_table = {name: shard(i) for i, (name, *_) in enumerate(TABLES)}
-        dmp = per_table_plan(model, "", model, per_table, sharder)
+        dmp = per_table_plan(model, "", model, per_table, sharder, kernel, init_data_parallel=False)
         copy_global_into(dmp, state)
-        dense = torch.optim.SGD(
-            [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())], lr=1.0
-        )
+        dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+        optimizer = torch.optim.SGD(dense, lr=1.0) if dense else None
         outputs = []
         for batch in batches:
             out = dmp(batch)
-            dense.zero_grad()
-            loss_of(out).backward()
-            dense.step()
+            if optimizer is not None:
+                optimizer.zero_grad()
+            loss_of(out).float().backward()
+            if optimizer is not None:
+                optimizer.step()
             outputs.append({f: t.detach() for f, t in out.to_dict().items()})
         runs[kernel] = {
             "outputs": outputs,
@@ -88,9 +89,37 @@ def fp_trained(rank: int, world: int, kind: str, hot: bool = False, steps: int =
                 for k, v in dmp.state_dict().items()
                 if hasattr(v, "local_shards")
             },
-            "positions": {
-                k: v.detach().clone() for k, v in dmp.named_parameters() if "position" in k
+            "dense": {
+                k: p.detach().clone()
+                for k, p in in_backward_optimizer_filter(dmp.named_parameters())
             },
             "loads": sum(s.loads for s in cache_stats(dmp).values()),
         }
     return runs
+
+
+def fp_trained(rank: int, world: int, kind: str, hot: bool = False) -> dict:
+    """`on_both_kernels` of a weighted EBC behind position weights (the FP sharder around each
+    kernel's EBC sharder)."""
+
+    def build(kernel: str) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+        ebc = make_ebc(weighted=True)
+        integer_init(ebc, 3)
+        positions = PositionWeightedModuleCollection(dict.fromkeys(FEATURES, 4))
+        model = FeatureProcessedEmbeddingBagCollection(ebc, positions)
+        sharder = FeatureProcessedEmbeddingBagCollectionSharder(_ebc_sharder(kernel, hot))
+        return model, ebc, sharder
+
+    return on_both_kernels(rank, world, kind, build)
+
+
+def half_outputs(rank: int, world: int, kind: str, hot: bool = False) -> dict:
+    """`on_both_kernels` of an EBC whose sharders ask for fp16 outputs."""
+
+    def build(kernel: str) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+        ebc = make_ebc()
+        integer_init(ebc, 4)
+        fused_params = {"output_dtype": SparseType.FP16}
+        return ebc, ebc, _ebc_sharder(kernel, hot, fused_params=fused_params)
+
+    return on_both_kernels(rank, world, kind, build)

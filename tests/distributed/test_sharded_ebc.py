@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from tests.distributed.dtype_case import half_outputs
-from tests.distributed.fp_case import fp_trained
+from tests.distributed.fp_case import fp_trained, half_outputs
 from tests.distributed.harness import RankFailed, run_ranks
 from tests.distributed.sharded_model import train_and_compare, train_with_bad_id
 
@@ -125,9 +124,9 @@ def test_position_weighted_features_train_as_on_torchrecs_kernel(kind):
         for key, shards in fused["tables"].items():
             for a, b in zip(shards, cached["tables"][key], strict=True):
                 assert torch.equal(a, b), key
-        assert fused["positions"].keys() == cached["positions"].keys() != set()
-        for key, weights in fused["positions"].items():
-            assert torch.equal(weights, cached["positions"][key]), key
+        assert fused["dense"].keys() == cached["dense"].keys() != set()  # the position weights
+        for key, weights in fused["dense"].items():
+            assert torch.equal(weights, cached["dense"][key]), key
             trained += not torch.equal(weights, torch.ones_like(weights))
     assert trained  # (each rank trains the weights of the features it computes, TorchRec's way)
 
