@@ -251,6 +251,12 @@ class _CachedKernel:
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optim
 
+    def _as_output(self, looked_up: torch.Tensor) -> torch.Tensor:
+        """The lookup's fp32 result in the outputs' dtype (`output_dtype`)."""
+        if self.output_dtype == torch.float32:
+            return looked_up
+        return looked_up.to(self.output_dtype)
+
     def _sync_learning_rate(self) -> None:
         """The optimizer's learning rate, which schedulers may have changed, for this step."""
         lr = float(self._optim.param_groups[0]["lr"])
@@ -332,8 +338,9 @@ class CachedEmbeddingBagKernel(
         """Pooled rows of the routed features; weighted features (TorchRec's `is_weighted`
         collections) scale each id's row, and its gradient, by the id's weight."""
         self._sync_learning_rate()
-        pooled = self.bags(features.values(), features.offsets(), features.weights_or_none())
-        return pooled if self.output_dtype == torch.float32 else pooled.to(self.output_dtype)
+        return self._as_output(
+            self.bags(features.values(), features.offsets(), features.weights_or_none())
+        )
 
 
 class CachedEmbeddingKernel(
@@ -360,5 +367,4 @@ class CachedEmbeddingKernel(
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The rows of the routed ids `[n, local dim]`, in the order of `features.values()`."""
         self._sync_learning_rate()
-        rows = self.bags(features.values(), features.offsets())
-        return rows if self.output_dtype == torch.float32 else rows.to(self.output_dtype)
+        return self._as_output(self.bags(features.values(), features.offsets()))
