@@ -29,7 +29,7 @@ from distcache.sharding import (
     CachedEmbeddingCollectionSharder,
     cache_stats,
 )
-from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline
+from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline, idle_optimizer
 from tests.distributed.sharded_model import (
     TABLES,
     compare_with_global,
@@ -338,13 +338,10 @@ def bags_and_sequences_pipelined_vs_plain(
                 pipeline = LookaheadTrainPipeline(
                     model, None, "cpu", sparse_input=lambda b: {"bags": b.bags, "seq": b.seq}
                 )
-            else:  # TorchRec's: they step an optimizer (the model has no dense parameter)
-                idle = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
-                pipeline = (
-                    TrainPipelineSparseDist(model, idle, torch.device("cpu"))
-                    if name == "torchrec_pipeline"
-                    else CpuPrefetchPipeline(model, idle)
-                )
+            elif name == "torchrec_pipeline":
+                pipeline = TrainPipelineSparseDist(model, idle_optimizer(), torch.device("cpu"))
+            else:
+                pipeline = CpuPrefetchPipeline(model, idle_optimizer())
             it = iter(local)
             while True:
                 try:

@@ -50,6 +50,28 @@ def _shard(model: DLRMTrain, kind: str, config: CacheConfig) -> DistributedModel
     )
 
 
+def _trainable(
+    model: DLRMTrain, kind: str, config: CacheConfig
+) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+    """`model` with its tables' SGD in backward, sharded (`_shard`), and its dense optimizer."""
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
+    dmp = _shard(model, kind, config)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    return dmp, dense
+
+
+def _local_batches(rank: int, steps: int) -> list[Batch]:
+    """This rank's batches of 16 samples."""
+    return [
+        Batch(dense_features=x, sparse_features=kjt, labels=y)
+        for x, kjt, y in _batches(rank, steps, batch=16)
+    ]
+
+
 def pipelined_vs_plain(
     rank: int,
     world: int,
@@ -62,24 +84,14 @@ def pipelined_vs_plain(
     torch.manual_seed(0)
     base = _model()
     state = copy.deepcopy(base.state_dict())
-    batches = [
-        Batch(dense_features=x, sparse_features=kjt, labels=y)
-        for x, kjt, y in _batches(rank, steps, batch=16)
-    ]
+    batches = _local_batches(rank, steps)
     # Small enough to evict: a row-wise shard sees a share of the ids, a table owner all of them.
     capacity = {"table_wise": 0.15, "row_wise": 0.08, "one_cached": 0.15}[kind]
     config = CacheConfig(capacity=capacity, lookahead=lookahead, prefetch_depth=depth, fused=fused)
     runs = {}
     for name in ("plain", "pipeline", "torchrec_pipeline", "torchrec_prefetch"):
-        model = copy.deepcopy(base)
-        ebc = model.model.sparse_arch.embedding_bag_collection
-        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
-        dmp = _shard(model, kind, config)
+        dmp, dense = _trainable(copy.deepcopy(base), kind, config)
         copy_global_into(dmp, state)
-        dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(dmp.named_parameters())),
-            lambda params: torch.optim.SGD(params, lr=0.1),
-        )
         logits = []
         if name == "plain":
             for batch in batches:
@@ -132,19 +144,8 @@ def semi_sync_refused(rank: int, world: int) -> str:
     """TorchRec's `TrainPipelineSemiSync` from its first batch on: it looks batch i + 1 up
     before batch i's backward, which distcache refuses; returns the error's message."""
     del world
-    model = _model()
-    apply_optimizer_in_backward(
-        torch.optim.SGD, model.model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.5}
-    )
-    dmp = _shard(model, "table_wise", CacheConfig(capacity=0.15, lookahead=3))
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.SGD(params, lr=0.1),
-    )
-    batches = iter(
-        Batch(dense_features=x, sparse_features=kjt, labels=y)
-        for x, kjt, y in _batches(rank, 8, batch=16)
-    )
+    dmp, dense = _trainable(_model(), "table_wise", CacheConfig(capacity=0.15, lookahead=3))
+    batches = iter(_local_batches(rank, 8))
     pipeline = CpuSemiSyncPipeline(dmp, dense, start_batch=0)
     try:
         for _ in range(8):

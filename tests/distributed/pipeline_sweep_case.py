@@ -20,7 +20,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from distcache import CacheConfig, DistcacheConfigError, InvalidIdError, LookaheadWindowError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CachedEmbeddingBagCollectionSharder, cache_stats
-from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline
+from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline, idle_optimizer
 from tests.distributed.sharded_model import (
     FEATURES,
     TABLES,
@@ -161,9 +161,8 @@ def _one_case(
                 pipeline = LookaheadTrainPipeline(
                     model, None, "cpu", lookahead=lookahead, prefetch_depth=depth
                 )
-            else:  # TorchRec's steps an optimizer: one of nothing (no dense parameter here)
-                idle = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
-                pipeline = CpuPrefetchPipeline(model, idle)
+            else:
+                pipeline = CpuPrefetchPipeline(model, idle_optimizer())
             it = iter(local)
             while True:
                 try:

@@ -51,6 +51,12 @@ class CpuSemiSyncPipeline(_CpuStreams, TrainPipelineSemiSync):
     """`TrainPipelineSemiSync` on CPU streams (its `start_batch` a keyword argument)."""
 
 
+def idle_optimizer() -> torch.optim.Optimizer:
+    """What TorchRec's pipelines step for a model with no dense parameter: an optimizer of
+    one parameter of nothing."""
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
 @contextlib.contextmanager
 def cpu_record_stream() -> Iterator[None]:
     """Within it, `record_stream` of a CPU tensor does nothing (what it means on one stream);
