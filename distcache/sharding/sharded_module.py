@@ -25,7 +25,7 @@ from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dp_sequence_sharding import DpSequenceEmbeddingSharding
-from torchrec.distributed.types import Awaitable, ShardingType
+from torchrec.distributed.types import Awaitable, NoWait, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
@@ -73,7 +73,7 @@ _SHARDING_TYPE = {
 @dataclasses.dataclass(frozen=True)
 class RoutedInput:
     """A batch's input to one sharded module, routed ahead of the batch's forward (by
-    `LookaheadTrainPipeline`): what the module's `forward` computes within `routed`."""
+    `LookaheadTrainPipeline`): what the module's `input_dist` hands out within `routed`."""
 
     features: KeyedJaggedTensor  # the batch's sparse input, as the model calls the module
     ctx: Multistreamable  # the module's context for the batch (`create_context`)
@@ -83,8 +83,8 @@ class RoutedInput:
 
 class CachedShardedModule(HotRowsSetup):
     """What a distcache-sharded collection adds to TorchRec's sharded module (mixed in before
-    it): id checks in `input_dist`, the cached kernels, staging ahead, cache counters, and a
-    `forward` that uses a batch's input routed ahead (`routed`).
+    it): id checks in `input_dist`, the cached kernels, staging ahead, cache counters, and an
+    `input_dist` that hands out a batch's input routed ahead (`routed`).
 
     Ids are validated in `input_dist`, on the rank whose batch holds them and before they are
     routed, without reading the device back: an out-of-range or negative id is replaced by row
@@ -109,19 +109,20 @@ class CachedShardedModule(HotRowsSetup):
 
     @contextlib.contextmanager
     def routed(self, batch: RoutedInput) -> Iterator[None]:
-        """Within it, `forward` computes `batch` from its input routed ahead instead of routing
+        """Within it, `input_dist` hands out `batch`'s input routed ahead instead of routing
         the features it is called with again (TorchRec's `PipelinedForward` does the same from
-        its pipeline's context). Outside it, `forward` is TorchRec's."""
+        its pipeline's context): so does `forward`, TorchRec's, and the forward of a sharded
+        module that routes through this one's `input_dist` (TorchRec's
+        `FeatureProcessedEmbeddingBagCollection`). Outside it, `input_dist` routes."""
         self._routed_input = batch
         try:
             yield
         finally:
             self._routed_input = None
 
-    def forward(self, features, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
-        routed = self._routed_input
-        if routed is None:
-            return super().forward(features, *args, **kwargs)  # type: ignore[misc]
+    def _routed_ahead(self, ctx, features, routed: RoutedInput) -> Awaitable:  # noqa: ANN001
+        """`input_dist` within `routed`: the batch's routed input, its context's state copied
+        into `ctx` (the caller's, made by `create_context`), once `features` are the batch's."""
         if features is not routed.features and (
             list(features.keys()) != list(routed.features.keys())
             or features.values().numel() != routed.features.values().numel()
@@ -130,7 +131,8 @@ class CachedShardedModule(HotRowsSetup):
                 f"the sharded module {routed.path!r} was called with features other than the "
                 "batch's sparse input (sparse_input): the pipeline routed a different batch"
             )
-        return self.compute_and_output_dist(routed.ctx, routed.dist_input)
+        vars(ctx).update(vars(routed.ctx))
+        return NoWait(NoWait(routed.dist_input))
 
     @functools.cached_property
     def _device_ints(self) -> DeviceInts:
@@ -143,6 +145,8 @@ class CachedShardedModule(HotRowsSetup):
         return {}
 
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
+        if self._routed_input is not None:
+            return self._routed_ahead(ctx, features, self._routed_input)
         if isinstance(features, KeyedJaggedTensor):
             self._check_batch(features)
             device = features.values().device

@@ -6,12 +6,17 @@ Integer rows and SGD with lr 1, so every sum is exact and the two must agree bit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import unittest.mock
 from collections.abc import Callable
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import row_wise, table_wise
 from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
@@ -20,6 +25,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from distcache import CacheConfig
+from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
 from tests.distributed.sharded_model import (
     FEATURES,
@@ -48,20 +54,47 @@ def _ebc_sharder(kernel: str, hot: bool, **kwargs) -> object:  # noqa: ANN003
     return CachedEmbeddingBagCollectionSharder(config, tables, **kwargs)
 
 
+class _LossAndOutput(torch.nn.Module):
+    """`module`'s output and its loss, as `LookaheadTrainPipeline` calls a model."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.sparse = module
+
+    def forward(self, kjt):  # noqa: ANN001, ANN201
+        out = self.sparse(kjt)
+        return loss_of(out).float(), out
+
+
+def _routings_counted(counts: list[int]) -> contextlib.AbstractContextManager:
+    """Count, into `counts`, the input all-to-alls TorchRec's sharded EBC starts."""
+    routes = ShardedEmbeddingBagCollection.input_dist
+
+    def counted(self, ctx, features):  # noqa: ANN001, ANN201
+        counts.append(1)
+        return routes(self, ctx, features)
+
+    return unittest.mock.patch.object(ShardedEmbeddingBagCollection, "input_dist", counted)
+
+
 def on_both_kernels(
     rank: int,
     world: int,
     kind: str,
     build: Callable[[str], tuple[torch.nn.Module, torch.nn.Module, object]],
     steps: int = 6,
+    pipelined: bool = False,
 ) -> dict:
     """Train `build(kernel)`'s (model, its EBC, sharder) on each kernel, `kind`-sharded, from
-    the same weights and batches: per kernel its outputs per step, its tables' local shards,
-    its dense parameters (the position weights) and its caches' loads."""
+    the same weights and batches, in a plain loop (`pipelined`: distcache's kernel under
+    `LookaheadTrainPipeline`): per kernel its outputs per step, its tables' local shards, its
+    dense parameters (the position weights), its caches' loads and critical-path misses, and
+    the input all-to-alls it started."""
     batches = [local_slice(b, rank, world) for b in global_batches(steps, 3, world, seed=5)]
     runs, state = {}, None
     for kernel in ("fused", CACHED_KERNEL):
-        model, ebc, sharder = build(kernel)
+        module, ebc, sharder = build(kernel)
+        model = _LossAndOutput(module)
         state = state or model.state_dict()
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 1.0})
         shard = {
@@ -69,21 +102,30 @@ def on_both_kernels(
             "row_wise": lambda i, k=kernel: row_wise(compute_kernel=k),
         }[kind]
         per_table = {name: shard(i) for i, (name, *_) in enumerate(TABLES)}
-        dmp = per_table_plan(model, "", model, per_table, sharder, kernel, init_data_parallel=False)
+        dmp = per_table_plan(
+            model, "sparse", module, per_table, sharder, kernel, init_data_parallel=False
+        )
         copy_global_into(dmp, state)
         dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
         optimizer = torch.optim.SGD(dense, lr=1.0) if dense else None
-        outputs = []
-        for batch in batches:
-            out = dmp(batch)
-            if optimizer is not None:
-                optimizer.zero_grad()
-            loss_of(out).float().backward()
-            if optimizer is not None:
-                optimizer.step()
-            outputs.append({f: t.detach() for f, t in out.to_dict().items()})
+        outputs, routings = [], []
+        with _routings_counted(routings):
+            if pipelined and kernel == CACHED_KERNEL:
+                pipeline = LookaheadTrainPipeline(dmp, optimizer, "cpu", sparse_input=lambda b: b)
+                it = iter(batches)
+                outputs = [pipeline.progress(it) for _ in batches]
+            else:
+                for batch in batches:
+                    loss, out = dmp(batch)
+                    if optimizer is not None:
+                        optimizer.zero_grad()
+                    loss.backward()
+                    if optimizer is not None:
+                        optimizer.step()
+                    outputs.append(out)
+        stats = cache_stats(dmp).values()
         runs[kernel] = {
-            "outputs": outputs,
+            "outputs": [{f: t.detach() for f, t in out.to_dict().items()} for out in outputs],
             "tables": {
                 k: [s.tensor.clone() for s in v.local_shards()]
                 for k, v in dmp.state_dict().items()
@@ -93,12 +135,16 @@ def on_both_kernels(
                 k: p.detach().clone()
                 for k, p in in_backward_optimizer_filter(dmp.named_parameters())
             },
-            "loads": sum(s.loads for s in cache_stats(dmp).values()),
+            "loads": sum(s.loads for s in stats),
+            "critical_misses": sum(s.critical_misses for s in stats),
+            "routings": len(routings),
         }
     return runs
 
 
-def fp_trained(rank: int, world: int, kind: str, hot: bool = False) -> dict:
+def fp_trained(
+    rank: int, world: int, kind: str, hot: bool = False, pipelined: bool = False
+) -> dict:
     """`on_both_kernels` of a weighted EBC behind position weights (the FP sharder around each
     kernel's EBC sharder)."""
 
@@ -110,7 +156,7 @@ def fp_trained(rank: int, world: int, kind: str, hot: bool = False) -> dict:
         sharder = FeatureProcessedEmbeddingBagCollectionSharder(_ebc_sharder(kernel, hot))
         return model, ebc, sharder
 
-    return on_both_kernels(rank, world, kind, build)
+    return on_both_kernels(rank, world, kind, build, pipelined=pipelined)
 
 
 def half_outputs(rank: int, world: int, kind: str, hot: bool = False) -> dict:

@@ -108,15 +108,22 @@ def test_weighted_features_equal_unsharded_bitwise(kind):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
-def test_position_weighted_features_train_as_on_torchrecs_kernel(kind):
+def test_position_weighted_features_train_as_on_torchrecs_kernel(kind, pipelined):
     """TorchRec's `FeatureProcessedEmbeddingBagCollection` around distcache's EBC sharder: the
     outputs, the rows and the learned position weights (each id's weight, whose gradient comes
-    back through the cached lookup) bitwise those of TorchRec's `fused` kernel."""
+    back through the cached lookup) bitwise those of TorchRec's `fused` kernel in a plain loop;
+    trained in a plain loop too, or (`pipelined`) under `LookaheadTrainPipeline`, which drives
+    the sharded EBC inside the FP module: each batch routed once, ahead (the FP module's
+    forward takes it from the pipeline), and no row missed on the critical path."""
     trained = 0
-    for runs in run_ranks(fp_trained, 2, args=(kind,), timeout_s=150):
+    kwargs = {"pipelined": pipelined}
+    for runs in run_ranks(fp_trained, 2, args=(kind,), kwargs=kwargs, timeout_s=150):
         fused, cached = runs["fused"], runs["customized_kernel"]
         assert cached["loads"] > 0
+        assert fused["routings"] == cached["routings"] == len(fused["outputs"])
+        assert cached["critical_misses"] == 0 or not pipelined
         for step, (a, b) in enumerate(zip(fused["outputs"], cached["outputs"], strict=True)):
             for feature in a:
                 assert torch.equal(a[feature], b[feature]), (step, feature)
