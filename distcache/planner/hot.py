@@ -45,11 +45,6 @@ PASSES = 2
 CHUNK = 8
 
 
-def hot_row_counts(state: State, index: int, shares: Sequence[float]) -> list[int]:
-    """The replica sizes tried for table `index`: 0 and `_replica_rows` of each share."""
-    return sorted({0} | {_replica_rows(state, index, share) for share in shares})
-
-
 def _replica_rows(state: State, index: int, share: float) -> int:
     """The fewest likeliest rows of table `index` taking at least `share` of its lookups; 0
     when that is every row (a replica of the whole table is data parallel)."""
@@ -83,7 +78,7 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
     notes: dict[int, str] = {}
     if not shares:
         return notes
-    variants = _Variants(state)
+    variants = _Variants(state, shares)
     _same_share_everywhere(state, shares, variants)
     tried: dict[int, list[tuple[int, str, float | None]]] = {}  # the last pass's: the notes'
     for _ in range(PASSES):
@@ -94,7 +89,7 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
             # order, each keeps its best. The first that moves changes the state for those
             # after it, which are priced again from there: as one table at a time would.
             chunk = sharded[at : at + CHUNK]
-            tries = [_tries(state, index, shares, variants) for index in chunk]
+            tries = [_tries(state, index, variants) for index in chunk]
             now, scores = state.trial_scores(
                 [(index, t[2]) for index, t in zip(chunk, tries, strict=True)]
             )
@@ -117,10 +112,20 @@ class _Variants:
     (a table's placement and ranks do not change here, so its variants are the same in every
     pass)."""
 
-    def __init__(self, state: State):
+    def __init__(self, state: State, shares: Sequence[float]):
         self.state = state
         self.modes: dict[tuple[int, int, str], Mode] = {}
         self.footprints: dict[tuple[int, int, str], Footprint] = {}
+        # Per sharded table: the replica of each share (`_replica_rows`), and the sizes tried.
+        self.rows: dict[int, list[int]] = {}
+        self.counts: dict[int, list[int]] = {}
+        for index in _sharded(state):
+            self.rows[index] = [_replica_rows(state, index, share) for share in shares]
+            self.counts[index] = sorted({0, *self.rows[index]})
+            mode = state.placed[index][0]
+            if not mode.placement.hot_rows:  # placed without a replica: its H = 0 variant
+                self.modes[index, 0, HOT_ALL] = mode
+                self.footprints[index, 0, HOT_ALL] = state.contrib[index]
 
     def placed(self, index: int, modes: Sequence[Mode]) -> list[Footprint]:
         """The footprint of table `index` placed on its ranks as each of `modes` (its
@@ -158,11 +163,11 @@ def _same_share_everywhere(state: State, shares: Sequence[float], variants: _Var
     sharded = _sharded(state)
     if not sharded:
         return
-    combos = [(share, reduce) for share in shares for reduce in HOT_REDUCE]
+    combos = [(s, reduce) for s in range(len(shares)) for reduce in HOT_REDUCE]  # (share, how)
     per_table = []  # each sharded table's mode and footprint in each combination
     for i in sharded:
-        mode = state.placed[i][0]
-        modes = [variants.get(i, mode, _replica_rows(state, i, s), r) for s, r in combos]
+        mode, rows = state.placed[i][0], variants.rows[i]
+        modes = [variants.get(i, mode, rows[s], r) for s, r in combos]
         per_table.append(list(zip(modes, variants.placed(i, modes), strict=True)))
     tried = list(zip(*per_table, strict=True))  # per combination: each table's (mode, footprint)
     rest = state.flat.copy()  # the state without the sharded tables
@@ -190,12 +195,12 @@ def _same_share_everywhere(state: State, shares: Sequence[float], variants: _Var
 
 
 def _tries(
-    state: State, index: int, shares: Sequence[float], variants: _Variants
+    state: State, index: int, variants: _Variants
 ) -> tuple[list[tuple[int, str]], list[Mode], list[Footprint]]:
     """The replicas table `index` tries ((hot rows, reduction) each, its current one among
     them), their modes and their footprints (the current one's as placed)."""
     mode, now = state.placed[index][0], state.contrib[index]
-    counts = hot_row_counts(state, index, shares)
+    counts = variants.counts[index]
     tries = [(h, r) for h in counts for r in (HOT_REDUCE if h else (HOT_ALL,))]
     now_key = (mode.placement.hot_rows, mode.placement.hot_reduce)
     modes = [mode if key == now_key else variants.get(index, mode, *key) for key in tries]
