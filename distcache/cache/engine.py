@@ -344,6 +344,29 @@ class CacheEngine:
             self.stager.submit(plan, self._checks.pop(plan.seq, None))
         return plan
 
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows `rows` `[n]` (engine rows, int64; the sentinel row reads zeros) as they are
+        now, `[n, dim]` float32, read where each is (its cache slot, else the host store) on
+        the current stream: nothing is staged, and the window and the residency stay as they
+        are. For an evaluation's batch while training batches are in flight
+        (`CachedEmbeddingBags.forward`), not the per-batch path: the host waits for the
+        scheduling and the transfers in flight, as `flush` does."""
+        self._lane.join()
+        self.stager.drain()  # loads in place and write-backs home, once the device gets there
+        s = self.streams
+        s.wait(s.record(s.schedule))  # the residency as the last stage left it
+        slots = self.scheduler.residency.slot_of.index_select(0, rows)
+        cached = self.weights.index_select(0, slots.clamp(min=0))
+        host_weights, _ = self.store.device_rows(self.device)  # its trash row last
+        # Non-resident rows from the host store (the sentinel row, always resident, reads its
+        # slot's zeros; its place in the store is the trash row's).
+        stored = host_weights.index_select(0, rows)
+        out = torch.where((slots >= 0).unsqueeze(1), cached.float(), stored.float())
+        done = s.record()  # later stages overwrite no slot or host row before this read
+        s.wait(done, s.schedule)
+        s.wait(done, s.staging)
+        return out
+
     # ------------------------------------------------------------ state
     def drop_window(self) -> None:
         """Forget the batches in the window after an error: their queued transfers finish

@@ -31,7 +31,7 @@ from distcache.cache.engine import CacheEngine
 from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import find_invalid, first_invalid, raise_if_invalid
-from distcache.cache.pooling import CachedPooledLookup, GroupBatch, pool
+from distcache.cache.pooling import CachedPooledLookup, GroupBatch, pool, pool_aside
 from distcache.cache.scheduler import StagePlan
 from distcache.cache.select import pack
 from distcache.cache.streams import tensors_in
@@ -73,6 +73,7 @@ class _Batch:
     # The ids and offsets as checked (`check_ids`), to name an invalid id on the error path.
     checked: tuple[torch.Tensor, torch.Tensor] | None = None
     routed_on: torch.cuda.Stream | None = None  # the stream it was routed on (CUDA)
+    for_training: bool = False  # enqueued in training: only training looks it up
 
 
 class CachedEmbeddingBags(nn.Module):
@@ -207,6 +208,7 @@ class CachedEmbeddingBags(nn.Module):
             group.engine.check_room()
         streams = self._groups[0].engine.streams
         batch.routed_on = streams.current() if streams.cuda else None
+        batch.for_training = self.training
         for k, (group, part) in enumerate(zip(self._groups, batch.groups, strict=True)):
             group.engine.enqueue(part.ids, check if k == 0 else None)
         self._routed.append(batch)
@@ -225,7 +227,11 @@ class CachedEmbeddingBags(nn.Module):
         """Pooled embeddings `[B, sum of dims]` of a batch.
 
         The batch must be the oldest enqueued one, if any is enqueued; with an empty window it
-        is enqueued and staged now, its misses counted as critical-path misses.
+        is enqueued and staged now, its misses counted as critical-path misses. Outside
+        training (`eval()` or `torch.no_grad`) while the oldest was enqueued in training, the
+        batch is an evaluation's between a training pipeline's steps: its rows are read where
+        they are now (`CacheEngine.read_rows`; the host waits for the staging in flight), and
+        the window stays as it is.
 
         `per_sample_weights` `[n]` (floating point, TorchRec's weighted features): each id's
         row is scaled by its weight in the pooled sum, and its gradient by the same weight. A
@@ -239,17 +245,20 @@ class CachedEmbeddingBags(nn.Module):
             trained) and every update made so far is kept: enqueue again and go on.
         """
         weights = self._id_weights(per_sample_weights, values.numel())  # checked before any change
-        routed = self._next_routed(values, offsets)
+        routed, staged = self._next_routed(values, offsets)
         batch_size = (offsets.numel() - 1) // len(self.feature_table_map)
         train = self.training and torch.is_grad_enabled()
         parts = []  # each group's [its features, B, dim]
         for group, batch in zip(self._groups, routed.groups, strict=True):
             engine = group.engine
-            plan = self._lookup(engine, routed)
             id_weights = batch.id_weights(weights, routed.routed_ids)
-            if train:
+            if not staged:  # an evaluation's batch, beside the window
+                pooled = pool_aside(engine, batch, id_weights)
+            elif train:
+                plan = self._lookup(engine, routed)
                 pooled = CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
             else:
+                plan = self._lookup(engine, routed)
                 pooled, _ = pool(engine, plan, batch, id_weights)
                 engine.release(plan)
             parts.append(pooled.view(len(group.features), batch_size, engine.dim))
@@ -264,12 +273,23 @@ class CachedEmbeddingBags(nn.Module):
                 per_feature[f] = row
         return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
 
-    def _next_routed(self, values: torch.Tensor, offsets: torch.Tensor) -> _Batch:
-        """The oldest enqueued batch, which must be this one, out of the window (with an empty
-        window, the batch is enqueued now: its misses are staged on the critical path)."""
+    def _next_routed(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[_Batch, bool]:
+        """The batch to look up, and whether it is staged: the oldest enqueued batch, which
+        must be this one, out of the window (with an empty window, the batch is enqueued now:
+        its misses are staged on the critical path). A lookup outside training (an evaluation,
+        or `torch.no_grad`) while the oldest batch was enqueued in training (a training
+        pipeline's, between its steps) looks up another batch: it is routed here and read
+        beside the window, which stays as it is."""
         if not self._routed:
             self._enqueue_routed(*self._route(values, offsets))
         routed = self._routed[0]  # validated and routed when enqueued
+        if routed.for_training and not (self.training and torch.is_grad_enabled()):
+            batch, check = self._route(values, offsets)
+            if check is not None and int(check[0]):  # (an evaluation reads it on the host)
+                raise_if_invalid(
+                    self._first_invalid(batch, int(check[0])), self._rows_of, self._describe
+                )
+            return batch, False
         if routed.num_bags != offsets.numel() - 1 or routed.num_ids != values.numel():
             raise InvalidBatchError(
                 f"forward got a batch of {values.numel()} ids in {offsets.numel() - 1} bags that "
@@ -277,7 +297,7 @@ class CachedEmbeddingBags(nn.Module):
                 "order they were enqueued"
             )
         self._keep_for_lookup(routed)
-        return self._routed.popleft()
+        return self._routed.popleft(), True
 
     def _keep_for_lookup(self, batch: _Batch) -> None:
         """A batch routed on another stream than the one looking it up (TorchRec's prefetch

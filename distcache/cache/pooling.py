@@ -80,6 +80,21 @@ def pool(
     return pooled, fused
 
 
+def pool_aside(
+    engine: CacheEngine, batch: GroupBatch, id_weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`pool` of a batch that is not staged (an evaluation's, beside the window): its rows
+    read where they are now (`CacheEngine.read_rows`), pooled as `pool` pools them."""
+    rows = engine.read_rows(batch.ids)  # [n, dim] float32
+    at = torch.arange(rows.shape[0], device=rows.device)
+    pooled = F.embedding_bag(
+        at, rows, batch.offsets, mode="sum", include_last_offset=True, per_sample_weights=id_weights
+    )
+    if batch.bag_divisor is not None:
+        pooled = pooled / batch.bag_divisor.unsqueeze(1)
+    return pooled
+
+
 class CachedPooledLookup(torch.autograd.Function):
     """Lookup whose backward applies the fused optimizer to the cached rows.
 

@@ -78,14 +78,16 @@ class CachedEmbeddings(CachedEmbeddingBags):
         The batch must be the oldest enqueued one, if any is enqueued (see
         `CachedEmbeddingBags.forward`, whose errors and guarantees are the same).
         """
-        routed = self._next_routed(values, offsets)
+        routed, staged = self._next_routed(values, offsets)
         (group,) = self._groups
         engine = group.engine
+        (batch,) = routed.groups
+        n = routed.num_ids
+        if not staged:  # an evaluation's batch, beside the window: its rows as they are now
+            return engine.read_rows(batch.ids)[:n]
         plan = self._lookup(engine, routed)
         # One group, every feature in it: the plan's slots are in input order (then padding,
         # with `cuda_graphs` on jagged batches).
-        (batch,) = routed.groups
-        n = routed.num_ids
         if self.training and torch.is_grad_enabled():
             return _CachedRowLookup.apply(self._anchor, engine, plan, batch, n)
         rows, _ = _rows(engine, plan, batch)

@@ -240,6 +240,8 @@ class LookaheadTrainPipeline(Generic[In, Out]):
                 f"{type(self._failed).__name__}: {self._failed}"
             )
         start = time.perf_counter()
+        if not self._model.training:  # (before routing: batches enqueued in training are
+            self._model.train()  # looked up only by training; `CachedEmbeddingBags.forward`)
         try:
             self._fill(dataloader_iter)
             if not self._window:
@@ -377,8 +379,6 @@ class LookaheadTrainPipeline(Generic[In, Out]):
     def _train(self, current: _InFlight[In], incoming: _Incoming[In] | None) -> Out:
         """forward (t), stage (t + K), backward and optimizer (t); the incoming batch's
         exchange advances between them."""
-        if not self._model.training:
-            self._model.train()
         with (
             self._routed_forward(current),
             torch.profiler.record_function("## distcache:forward ##"),

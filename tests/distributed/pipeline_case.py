@@ -153,3 +153,50 @@ def semi_sync_refused(rank: int, world: int) -> str:
     except LookaheadWindowError as err:
         return str(err)
     raise AssertionError("TrainPipelineSemiSync trained 8 batches over distcache's caches")
+
+
+def evaluated_between_steps(rank: int, world: int, kind: str, steps: int = 14) -> dict:
+    """The plain loop and `LookaheadTrainPipeline`, each evaluating (eval mode, no gradient)
+    other batches, and once the next training batch itself, after the same steps (the
+    pipeline's window full of batches routed and staged ahead): per loop its training
+    logits, its evaluations' logits, its local shards and its caches' critical misses."""
+    torch.manual_seed(0)
+    base = _model()
+    state = copy.deepcopy(base.state_dict())
+    batches = _local_batches(rank, steps)
+    others = _local_batches(rank + world, 3)  # another rank's seed: other batches
+    evaluate = {2: others[0], 5: batches[6], 9: others[1], 10: others[2]}
+    capacity = {"table_wise": 0.15, "row_wise": 0.08}[kind]
+    config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=2)
+    runs = {}
+    for name in ("plain", "pipeline"):
+        dmp, dense = _trainable(copy.deepcopy(base), kind, config)
+        copy_global_into(dmp, state)
+        pipeline = LookaheadTrainPipeline(dmp, dense, "cpu") if name == "pipeline" else None
+        it = iter(batches)
+        logits, evaluated = [], []
+        for step in range(steps):
+            if pipeline is None:
+                loss, (_, out, _) = dmp(next(it))
+                dense.zero_grad()
+                loss.backward()
+                dense.step()
+            else:
+                _, out, _ = pipeline.progress(it)
+            logits.append(out)
+            if step in evaluate:
+                dmp.eval()
+                with torch.no_grad():
+                    evaluated.append(dmp(evaluate[step])[1][1])
+                dmp.train()
+        runs[name] = {
+            "logits": torch.stack(logits),
+            "evaluated": evaluated,
+            "critical": sum(s.critical_misses for s in cache_stats(dmp).values()),
+            "weights": {
+                k: [s.tensor.clone() for s in v.local_shards()]
+                for k, v in dmp.state_dict().items()
+                if hasattr(v, "local_shards")
+            },
+        }
+    return runs

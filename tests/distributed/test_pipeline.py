@@ -8,7 +8,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.pipeline_case import pipelined_vs_plain, semi_sync_refused
+from tests.distributed.pipeline_case import (
+    evaluated_between_steps,
+    pipelined_vs_plain,
+    semi_sync_refused,
+)
 from tests.distributed.pipeline_sweep_case import failing_stage, three_ways, two_modules
 
 
@@ -30,6 +34,26 @@ def test_pipeline_equals_plain_loop_without_critical_misses(kind):
         # batch ahead, before the batch is looked up.
         assert prefetched["critical"] == 0 and prefetched["loads"] > 0
         assert piped["loads"] > 0 and piped["evictions"] > 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_an_evaluation_between_pipeline_steps_equals_the_plain_loops(kind):
+    """The model evaluated between `progress` calls (the window full of batches routed and
+    staged ahead), on other batches and on the next training batch itself: bitwise the plain
+    loop's evaluations at the same steps, and training goes on bitwise the plain loop's,
+    with no critical-path miss. (Before 2026-11-29 the evaluation was refused, or, given a
+    batch of the next one's size, silently computed the next batch and broke the window.)"""
+    for runs in run_ranks(evaluated_between_steps, 2, args=(kind,), timeout_s=200):
+        plain, piped = runs["plain"], runs["pipeline"]
+        assert torch.equal(piped["logits"], plain["logits"])
+        assert len(piped["evaluated"]) == len(plain["evaluated"]) == 4
+        for a, b in zip(plain["evaluated"], piped["evaluated"], strict=True):
+            assert torch.equal(a, b)
+        for key, shards in plain["weights"].items():
+            for a, b in zip(shards, piped["weights"][key], strict=True):
+                assert torch.equal(a, b), key
+        assert piped["critical"] == 0 < plain["critical"]
 
 
 @pytest.mark.timeout(120)

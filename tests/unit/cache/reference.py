@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -145,9 +147,12 @@ def train_both(
     use_window: bool = True,
     sequence: bool = False,
     ids_per_batch: float | None = None,
+    evaluate: Mapping[int, Batch] | None = None,
 ):
     """Train cached and reference side by side; returns (cached, reference, outputs pairs).
-    `sequence`: per-id rows (`CachedEmbeddings` against `nn.Embedding`s), not pooled bags."""
+    `sequence`: per-id rows (`CachedEmbeddings` against `nn.Embedding`s), not pooled bags.
+    `evaluate`: after step t, both evaluate batch `evaluate[t]` (`eval()`, no gradient), its
+    outputs paired after the step's."""
     module = CachedEmbeddings if sequence else CachedEmbeddingBags
     cached = module(tables, config, ids_per_batch=ids_per_batch)
     for t, w in zip(tables, weights, strict=True):
@@ -172,4 +177,17 @@ def train_both(
         loss_of(ref_out).backward()
         opt.step()
         pairs.append((out.detach(), ref_out.detach()))
+        if evaluate and t in evaluate:
+            pairs.append(_evaluated((cached, ref), evaluate[t]))
     return cached, ref, pairs
+
+
+def _evaluated(modules: tuple[nn.Module, ...], batch: Batch) -> tuple[torch.Tensor, ...]:
+    """Each module's output for `batch` in eval mode, without gradients."""
+    outs = []
+    for module in modules:
+        module.eval()
+        with torch.no_grad():
+            outs.append(module(*batch))
+        module.train()
+    return tuple(outs)

@@ -16,6 +16,7 @@ from distcache import (
     CachedEmbeddingBags,
     DistcacheConfigError,
     InvalidBatchError,
+    InvalidIdError,
     TableSpec,
 )
 from tests.unit.cache.reference import (
@@ -219,6 +220,43 @@ def test_eval_mode_reads_without_updating_or_dirtying():
     assert torch.equal(cached.table_weight("t0"), before)
     (stats,) = cached.stats().values()
     assert stats.loads > 0 and stats.writebacks == 0  # clean rows are never written back
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_an_evaluation_between_steps_reads_beside_the_window(kernel):
+    """Between two training steps, with batches enqueued and staged ahead (as between
+    `LookaheadTrainPipeline.progress` calls), an evaluation (eval mode, no gradient) of other
+    batches, and of the next batch itself, reads the rows as trained so far: bitwise the
+    reference's outputs, rows evicted, dirty and staged ahead among them. The window stays as
+    it was: training goes on bitwise the reference's, with no critical-path miss."""
+    tables = make_tables([4, 4, 3], [60, 35, 50])
+    config = CacheConfig(
+        capacity=24, lookahead=3, prefetch_depth=1, learning_rate=1.0, kernel=kernel
+    )
+    batches = make_batches(tables, batch_size=3, num_batches=16, max_len=3, seed=2)
+    others = make_batches(tables, batch_size=4, num_batches=3, max_len=3, seed=9)
+    evaluate = {2: others[0], 6: batches[7], 11: others[1], 12: others[2]}
+    cached, ref, pairs = train_both(
+        tables, config, batches, weights=integer_weights(tables, 0), evaluate=evaluate
+    )
+    assert len(pairs) == len(batches) + len(evaluate)
+    _check_equal(cached, ref, pairs, tables, exact=True)
+    assert all(s.critical_misses == 0 and s.evictions > 0 for s in cached.stats().values())
+
+
+def test_an_evaluations_invalid_id_is_named_and_the_window_kept():
+    tables = make_tables([4], [30])
+    cached = CachedEmbeddingBags(tables, CacheConfig(capacity=12, lookahead=2))
+    b1, b2 = make_batches(tables, batch_size=3, num_batches=2, max_len=2, seed=4)
+    cached.enqueue(*b1)
+    cached.enqueue(*b2)
+    cached.eval()
+    with pytest.raises(InvalidIdError, match="30"):
+        cached(torch.tensor([3, 30]), torch.tensor([0, 1, 2]))
+    cached.train()
+    assert cached.num_enqueued == 2
+    for batch in (b1, b2):
+        loss_of(cached(*batch)).backward()
 
 
 def test_backward_after_next_forward_is_refused():
