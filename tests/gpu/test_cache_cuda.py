@@ -11,6 +11,7 @@ from tests.unit.cache.reference import (
     make_batches,
     make_tables,
     reference_optimizer,
+    train_both,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -49,3 +50,29 @@ def test_cuda_training_equals_cpu_reference_bitwise(policy):
     assert all(s.writebacks > 0 for s in stats)
     if policy == "lookahead":
         assert all(s.critical_misses == 0 for s in stats)
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+@pytest.mark.parametrize("staging", ["worker", "direct"])
+def test_an_evaluation_between_steps_reads_beside_the_window_on_cuda(staging, sequence):
+    """An evaluation between training steps, batches staged ahead, reads each row where it
+    is (a slot, or the pinned host rows through their device view): bitwise the CPU
+    reference's outputs, and training goes on as the reference's, with no critical miss."""
+    tables = make_tables([8, 8, 8], [300, 200, 100])
+    config = CacheConfig(
+        capacity=60, lookahead=4, prefetch_depth=2, learning_rate=1.0, staging=staging
+    )
+    batches = make_batches(tables, batch_size=8, num_batches=20, max_len=3, seed=0)
+    others = make_batches(tables, batch_size=5, num_batches=2, max_len=3, seed=7)
+    evaluate = {3: others[0], 9: batches[10], 14: others[1]}
+    cached, ref, pairs = train_both(
+        tables, config, batches, weights=integer_weights(tables, 0), sequence=sequence,
+        evaluate=evaluate, device="cuda",
+    )  # fmt: skip
+    assert len(pairs) == len(batches) + len(evaluate)
+    for step, (out, ref_out) in enumerate(pairs):
+        assert torch.equal(out.cpu(), ref_out), f"output {step}"
+    refs = ref.embs if sequence else ref.bags
+    for t, module in zip(tables, refs, strict=True):
+        assert torch.equal(cached.table_weight(t.name), module.weight.data)
+    assert all(s.critical_misses == 0 for s in cached.stats().values())

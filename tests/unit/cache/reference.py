@@ -148,13 +148,15 @@ def train_both(
     sequence: bool = False,
     ids_per_batch: float | None = None,
     evaluate: Mapping[int, Batch] | None = None,
+    device: str = "cpu",
 ):
     """Train cached and reference side by side; returns (cached, reference, outputs pairs).
     `sequence`: per-id rows (`CachedEmbeddings` against `nn.Embedding`s), not pooled bags.
     `evaluate`: after step t, both evaluate batch `evaluate[t]` (`eval()`, no gradient), its
-    outputs paired after the step's."""
+    outputs paired after the step's. `device`: the cached module's (the reference's is the
+    CPU)."""
     module = CachedEmbeddings if sequence else CachedEmbeddingBags
-    cached = module(tables, config, ids_per_batch=ids_per_batch)
+    cached = module(tables, config, device=device, ids_per_batch=ids_per_batch)
     for t, w in zip(tables, weights, strict=True):
         cached.load_table_weight(t.name, w)
     ref = (ReferenceRows if sequence else ReferenceBags)(tables, weights)
