@@ -74,6 +74,7 @@ class _Batch:
     checked: tuple[torch.Tensor, torch.Tensor] | None = None
     routed_on: torch.cuda.Stream | None = None  # the stream it was routed on (CUDA)
     for_training: bool = False  # enqueued in training: only training looks it up
+    check: torch.Tensor | None = None  # its check words (`_route`), as enqueued
 
 
 class CachedEmbeddingBags(nn.Module):
@@ -208,10 +209,15 @@ class CachedEmbeddingBags(nn.Module):
             group.engine.check_room()
         streams = self._groups[0].engine.streams
         batch.routed_on = streams.current() if streams.cuda else None
-        batch.for_training = self.training
-        for k, (group, part) in enumerate(zip(self._groups, batch.groups, strict=True)):
-            group.engine.enqueue(part.ids, check if k == 0 else None)
+        batch.for_training, batch.check = self.training, check
+        self._enter_caches(batch)
         self._routed.append(batch)
+
+    def _enter_caches(self, batch: _Batch) -> None:
+        """`batch`'s routed ids enter every cache's look-ahead window (and its check words the
+        first's)."""
+        for k, (group, part) in enumerate(zip(self._groups, batch.groups, strict=True)):
+            group.engine.enqueue(part.ids, batch.check if k == 0 else None)
 
     def prefetch(self) -> None:
         """Stage enqueued batches' rows, up to `prefetch_depth` batches ahead."""
@@ -501,7 +507,8 @@ class CachedEmbeddingBags(nn.Module):
         return group.engine.store.state[lo:hi]
 
     def load_table_weight(self, name: str, weight: torch.Tensor) -> None:
-        """Overwrite a table's rows (its group's cache is flushed, then emptied)."""
+        """Overwrite a table's rows (its group's cache is flushed, then every cache emptied;
+        the enqueued batches stay: `reset(keep_window=True)`)."""
         group, lo, hi = self._locate(name)
         expected = (hi - lo, group.engine.dim)
         if tuple(weight.shape) != expected:
@@ -510,21 +517,30 @@ class CachedEmbeddingBags(nn.Module):
             )
         group.engine.flush()
         group.engine.store.weights[lo:hi] = weight.to(group.engine.store.weights.dtype)
-        self.reset()  # the window spans every cache: empty them all
+        self.reset(keep_window=True)  # the window spans every cache: empty them all
 
     def table_slab(self, name: str) -> tuple[HostStore, int, int]:
         """The host store holding a table and the table's rows [lo, hi) in it (not flushed)."""
         group, lo, hi = self._locate(name)
         return group.engine.store, lo, hi
 
-    def reset(self, *, flush: bool = True) -> None:
+    def reset(self, *, flush: bool = True, keep_window: bool = False) -> None:
         """Empty every cache and the look-ahead window, after writing dirty rows back unless
-        `flush=False` (only right when the host rows were just overwritten, e.g. by a load)."""
+        `flush=False` (only right when the host rows were just overwritten, e.g. by a load).
+        `keep_window`: the enqueued batches stay, their routed ids entering the emptied caches'
+        windows again, to be staged anew (new rows under a pipeline's batches, which are data:
+        a load between its steps)."""
         for group in self._groups:
             if flush:
                 group.engine.flush()
             group.engine.reset()
-        self._routed.clear()
+        if not keep_window:
+            self._routed.clear()
+        streams = self._groups[0].engine.streams
+        for batch in self._routed:
+            if batch.routed_on is not None and batch.routed_on != streams.current():
+                streams.current().wait_stream(batch.routed_on)  # its ids made there
+            self._enter_caches(batch)
 
     def stats(self) -> dict[str, CacheStats]:
         """Cache counters per engine (tables of one width and dtype share an engine)."""

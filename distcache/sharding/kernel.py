@@ -304,7 +304,7 @@ class _CachedKernel:
         """Drop the caches without writing them back, as TorchRec's kernels do before a load:
         `torch.distributed.checkpoint` has just written the host rows in place, and a flush
         would overwrite them. (`state_dict()` flushed before that load read its targets.)"""
-        self.bags.reset(flush=False)
+        self.bags.reset(flush=False, keep_window=True)
         for hook in self.purge_hooks:
             hook()
 

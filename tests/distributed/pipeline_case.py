@@ -155,17 +155,20 @@ def semi_sync_refused(rank: int, world: int) -> str:
     raise AssertionError("TrainPipelineSemiSync trained 8 batches over distcache's caches")
 
 
-def evaluated_between_steps(rank: int, world: int, kind: str, steps: int = 14) -> dict:
-    """The plain loop and `LookaheadTrainPipeline`, each evaluating (eval mode, no gradient)
-    other batches, and once the next training batch itself, after the same steps (the
-    pipeline's window full of batches routed and staged ahead): per loop its training
-    logits, its evaluations' logits, its local shards and its caches' critical misses."""
+def between_steps(rank: int, world: int, kind: str, steps: int = 14) -> dict:
+    """The plain loop and `LookaheadTrainPipeline`, each, after the same steps (the pipeline's
+    window full of batches routed and staged ahead), evaluating (eval mode, no gradient)
+    other batches and once the next training batch itself, and loading the model's state
+    saved after step 3 (`load_state_dict`: the caches are purged, the host rows replaced):
+    per loop its training logits, its evaluations' logits, its local shards and its caches'
+    critical misses."""
     torch.manual_seed(0)
     base = _model()
     state = copy.deepcopy(base.state_dict())
     batches = _local_batches(rank, steps)
     others = _local_batches(rank + world, 3)  # another rank's seed: other batches
     evaluate = {2: others[0], 5: batches[6], 9: others[1], 10: others[2]}
+    save, load = 3, 7
     capacity = {"table_wise": 0.15, "row_wise": 0.08}[kind]
     config = CacheConfig(capacity=capacity, lookahead=3, prefetch_depth=2)
     runs = {}
@@ -174,7 +177,7 @@ def evaluated_between_steps(rank: int, world: int, kind: str, steps: int = 14) -
         copy_global_into(dmp, state)
         pipeline = LookaheadTrainPipeline(dmp, dense, "cpu") if name == "pipeline" else None
         it = iter(batches)
-        logits, evaluated = [], []
+        logits, evaluated, saved = [], [], None
         for step in range(steps):
             if pipeline is None:
                 loss, (_, out, _) = dmp(next(it))
@@ -189,6 +192,10 @@ def evaluated_between_steps(rank: int, world: int, kind: str, steps: int = 14) -
                 with torch.no_grad():
                     evaluated.append(dmp(evaluate[step])[1][1])
                 dmp.train()
+            if step == save:
+                saved = copy.deepcopy(dmp.state_dict())
+            if step == load:
+                dmp.load_state_dict(saved)
         runs[name] = {
             "logits": torch.stack(logits),
             "evaluated": evaluated,

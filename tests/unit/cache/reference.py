@@ -148,13 +148,14 @@ def train_both(
     sequence: bool = False,
     ids_per_batch: float | None = None,
     evaluate: Mapping[int, Batch] | None = None,
+    load: Mapping[int, list[torch.Tensor]] | None = None,
     device: str = "cpu",
 ):
     """Train cached and reference side by side; returns (cached, reference, outputs pairs).
     `sequence`: per-id rows (`CachedEmbeddings` against `nn.Embedding`s), not pooled bags.
     `evaluate`: after step t, both evaluate batch `evaluate[t]` (`eval()`, no gradient), its
-    outputs paired after the step's. `device`: the cached module's (the reference's is the
-    CPU)."""
+    outputs paired after the step's; then, both load the tables' weights `load[t]`.
+    `device`: the cached module's (the reference's is the CPU)."""
     module = CachedEmbeddings if sequence else CachedEmbeddingBags
     cached = module(tables, config, device=device, ids_per_batch=ids_per_batch)
     for t, w in zip(tables, weights, strict=True):
@@ -181,6 +182,10 @@ def train_both(
         pairs.append((out.detach(), ref_out.detach()))
         if evaluate and t in evaluate:
             pairs.append(_evaluated((cached, ref), evaluate[t]))
+        if load and t in load:
+            for table, w, param in zip(tables, load[t], ref.parameters(), strict=True):
+                cached.load_table_weight(table.name, w)
+                param.data.copy_(w)
     return cached, ref, pairs
 
 

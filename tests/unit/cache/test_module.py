@@ -223,22 +223,25 @@ def test_eval_mode_reads_without_updating_or_dirtying():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_an_evaluation_between_steps_reads_beside_the_window(kernel):
+def test_evaluations_and_a_load_between_steps_keep_the_window(kernel):
     """Between two training steps, with batches enqueued and staged ahead (as between
     `LookaheadTrainPipeline.progress` calls), an evaluation (eval mode, no gradient) of other
     batches, and of the next batch itself, reads the rows as trained so far: bitwise the
-    reference's outputs, rows evicted, dirty and staged ahead among them. The window stays as
-    it was: training goes on bitwise the reference's, with no critical-path miss."""
+    reference's outputs, rows evicted, dirty and staged ahead among them. A load of new
+    weights empties the caches and keeps the enqueued batches, staged anew. Training goes on
+    bitwise the reference's, with no critical-path miss."""
     tables = make_tables([4, 4, 3], [60, 35, 50])
     config = CacheConfig(
-        capacity=24, lookahead=3, prefetch_depth=1, learning_rate=1.0, kernel=kernel
+        capacity=12, lookahead=3, prefetch_depth=1, learning_rate=1.0, kernel=kernel
     )
     batches = make_batches(tables, batch_size=3, num_batches=16, max_len=3, seed=2)
     others = make_batches(tables, batch_size=4, num_batches=3, max_len=3, seed=9)
     evaluate = {2: others[0], 6: batches[7], 11: others[1], 12: others[2]}
+    load = {8: integer_weights(tables, 5)}
     cached, ref, pairs = train_both(
-        tables, config, batches, weights=integer_weights(tables, 0), evaluate=evaluate
-    )
+        tables, config, batches, weights=integer_weights(tables, 0), evaluate=evaluate,
+        load=load,
+    )  # fmt: skip
     assert len(pairs) == len(batches) + len(evaluate)
     _check_equal(cached, ref, pairs, tables, exact=True)
     assert all(s.critical_misses == 0 and s.evictions > 0 for s in cached.stats().values())
