@@ -315,30 +315,41 @@ def bags_and_sequences_pipelined_vs_plain(
 ) -> dict:
     """An EBC and an EC in one model: `LookaheadTrainPipeline`, and TorchRec's
     `TrainPipelineSparseDist` and `PrefetchTrainPipelineSparseDist` (its streams emulated),
-    against the plain loop (`hot`: with hot rows in both)."""
-    bags = global_batches(steps, 3, world, seed=7)
-    seqs = seq_batches(steps, 3, world, seed=8)
+    against the plain loop (`hot`: with hot rows in both). Distcache's pipeline also
+    evaluates, after steps 3 and 5, another batch and the next training batch, as the plain
+    loop does in its run `plain_evaluated` (`evaluated`)."""
+    bags = global_batches(steps + 1, 3, world, seed=7)
+    seqs = seq_batches(steps + 1, 3, world, seed=8)
     local = [
         BagsAndSeq(local_slice(b, rank, world), local_seq_slice(s, rank, world))
         for b, s in zip(bags, seqs, strict=True)
     ]
+    local, other = local[:steps], local[steps]
+    evaluate = {3: other, 5: local[6]}
     state = BagsAndSequences().state_dict()
     config = CacheConfig(capacity=24, lookahead=3, prefetch_depth=1)
     runs = {}
-    for name in ("plain", "pipeline", "torchrec_pipeline", "torchrec_prefetch"):
+    names = ("plain", "plain_evaluated", "pipeline", "torchrec_pipeline", "torchrec_prefetch")
+    for name in names:
         model = _shard_both(state, config, world, hot)
-        outputs = []
-        if name == "plain":
-            for batch in local:
+        outputs, evaluated = [], []
+        if name in ("plain", "plain_evaluated"):
+            for step, batch in enumerate(local):
                 loss, out = model(batch)
                 loss.backward()
                 outputs.append(out)
+                if name == "plain_evaluated":  # (its evaluations stage rows: not counted)
+                    evaluated += _evaluated(model, evaluate.get(step))
+        elif name == "pipeline":
+            pipeline = LookaheadTrainPipeline(
+                model, None, "cpu", sparse_input=lambda b: {"bags": b.bags, "seq": b.seq}
+            )
+            it = iter(local)
+            for step in range(steps):
+                outputs.append(pipeline.progress(it))
+                evaluated += _evaluated(model, evaluate.get(step))
         else:
-            if name == "pipeline":
-                pipeline = LookaheadTrainPipeline(
-                    model, None, "cpu", sparse_input=lambda b: {"bags": b.bags, "seq": b.seq}
-                )
-            elif name == "torchrec_pipeline":
+            if name == "torchrec_pipeline":
                 pipeline = TrainPipelineSparseDist(model, idle_optimizer(), torch.device("cpu"))
             else:
                 pipeline = CpuPrefetchPipeline(model, idle_optimizer())
@@ -354,11 +365,8 @@ def bags_and_sequences_pipelined_vs_plain(
             runs["evictions"] = stats["total"]["evictions"]
         runs[f"{name}_critical"] = sum(s.critical_misses for s in cache_stats(model).values())
         runs[name] = {
-            "outputs": [
-                t.detach()
-                for pooled, per_id in outputs
-                for t in [pooled.values()] + [per_id[f].values() for f in SEQ_FEATURES]
-            ],
+            "outputs": _flat(outputs),
+            "evaluated": _flat(evaluated),
             "weights": {
                 k: [s.tensor.clone() for s in v.local_shards()]
                 for k, v in model.state_dict().items()
@@ -366,6 +374,26 @@ def bags_and_sequences_pipelined_vs_plain(
             },
         }
     return runs
+
+
+def _evaluated(model: torch.nn.Module, batch: BagsAndSeq | None) -> list:
+    """`model`'s output for `batch` in eval mode, without gradients ([] for None)."""
+    if batch is None:
+        return []
+    model.eval()
+    with torch.no_grad():
+        _, out = model(batch)
+    model.train()
+    return [out]
+
+
+def _flat(outputs: list) -> list[torch.Tensor]:
+    """The values of each (pooled, per-id) output, in order."""
+    return [
+        t.detach()
+        for pooled, per_id in outputs
+        for t in [pooled.values()] + [per_id[f].values() for f in SEQ_FEATURES]
+    ]
 
 
 def planner_plans_bags_and_sequences(rank: int, world: int) -> dict:

@@ -63,7 +63,8 @@ def test_ec_hot_rows_on_torchrecs_own_kernel_are_refused():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("hot", [False, True])
 def test_ebc_and_ec_in_one_model_pipelined_equal_plain_without_critical_misses(hot):
-    """distcache's pipeline and TorchRec's two, against the plain loop."""
+    """distcache's pipeline and TorchRec's two, against the plain loop; distcache's evaluated
+    between its steps as the plain loop is at the same steps."""
     runs_per_rank = run_ranks(
         bags_and_sequences_pipelined_vs_plain, 2, kwargs={"hot": hot}, timeout_s=150
     )
@@ -75,7 +76,11 @@ def test_ebc_and_ec_in_one_model_pipelined_equal_plain_without_critical_misses(h
         assert runs["torchrec_pipeline_critical"] == runs["plain_critical"] > 0, runs
         assert runs["torchrec_prefetch_critical"] == 0, runs
         assert any(k.startswith("seq.") for k in plain["weights"]), plain["weights"].keys()
-        for name in ("pipeline", "torchrec_pipeline", "torchrec_prefetch"):
+        evaluated, expected = runs["pipeline"]["evaluated"], runs["plain_evaluated"]["evaluated"]
+        assert len(evaluated) == len(expected) > 0
+        for a, b in zip(expected, evaluated, strict=True):
+            assert torch.equal(a, b)
+        for name in ("plain_evaluated", "pipeline", "torchrec_pipeline", "torchrec_prefetch"):
             other = runs[name]
             assert len(other["outputs"]) == len(plain["outputs"]) > 0, name
             for a, b in zip(plain["outputs"], other["outputs"], strict=True):
