@@ -288,14 +288,14 @@ class CachedEmbeddingBags(nn.Module):
         beside the window, which stays as it is."""
         if not self._routed:
             self._enqueue_routed(*self._route(values, offsets))
-        routed = self._routed[0]  # validated and routed when enqueued
-        if routed.for_training and not (self.training and torch.is_grad_enabled()):
+        elif self._routed[0].for_training and not (self.training and torch.is_grad_enabled()):
             batch, check = self._route(values, offsets)
-            if check is not None and int(check[0]):  # (an evaluation reads it on the host)
-                raise_if_invalid(
-                    self._first_invalid(batch, int(check[0])), self._rows_of, self._describe
-                )
+            invalid = 0 if check is None else int(check[0])  # (an evaluation reads it back)
+            if invalid:
+                record = self._first_invalid(batch, invalid)
+                raise_if_invalid(record, self._rows_of, self._describe)
             return batch, False
+        routed = self._routed[0]  # validated and routed when enqueued
         if routed.num_bags != offsets.numel() - 1 or routed.num_ids != values.numel():
             raise InvalidBatchError(
                 f"forward got a batch of {values.numel()} ids in {offsets.numel() - 1} bags that "
@@ -517,7 +517,7 @@ class CachedEmbeddingBags(nn.Module):
             )
         group.engine.flush()
         group.engine.store.weights[lo:hi] = weight.to(group.engine.store.weights.dtype)
-        self.reset(keep_window=True)  # the window spans every cache: empty them all
+        self.reset(keep_window=True)  # every cache (the window spans them all)
 
     def table_slab(self, name: str) -> tuple[HostStore, int, int]:
         """The host store holding a table and the table's rows [lo, hi) in it (not flushed)."""
