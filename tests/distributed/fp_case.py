@@ -87,10 +87,13 @@ def on_both_kernels(
 ) -> dict:
     """Train `build(kernel)`'s (model, its EBC, sharder) on each kernel, `kind`-sharded, from
     the same weights and batches, in a plain loop (`pipelined`: distcache's kernel under
-    `LookaheadTrainPipeline`): per kernel its outputs per step, its tables' local shards, its
-    dense parameters (the position weights), its caches' loads and critical-path misses, and
-    the input all-to-alls it started."""
-    batches = [local_slice(b, rank, world) for b in global_batches(steps, 3, world, seed=5)]
+    `LookaheadTrainPipeline`), evaluating another batch half way: per kernel its outputs per
+    step and the evaluation's, its tables' local shards, its dense parameters (the position
+    weights), its caches' loads and critical-path misses, and the input all-to-alls it
+    started."""
+    *batches, other = [
+        local_slice(b, rank, world) for b in global_batches(steps + 1, 3, world, seed=5)
+    ]
     runs, state = {}, None
     for kernel in ("fused", CACHED_KERNEL):
         module, ebc, sharder = build(kernel)
@@ -108,24 +111,31 @@ def on_both_kernels(
         copy_global_into(dmp, state)
         dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
         optimizer = torch.optim.SGD(dense, lr=1.0) if dense else None
-        outputs, routings = [], []
+        outputs, routings, evaluated = [], [], []
+        pipeline, it = None, iter(batches)
+        if pipelined and kernel == CACHED_KERNEL:
+            pipeline = LookaheadTrainPipeline(dmp, optimizer, "cpu", sparse_input=lambda b: b)
         with _routings_counted(routings):
-            if pipelined and kernel == CACHED_KERNEL:
-                pipeline = LookaheadTrainPipeline(dmp, optimizer, "cpu", sparse_input=lambda b: b)
-                it = iter(batches)
-                outputs = [pipeline.progress(it) for _ in batches]
-            else:
-                for batch in batches:
-                    loss, out = dmp(batch)
+            for step in range(steps):
+                if pipeline is not None:
+                    outputs.append(pipeline.progress(it))
+                else:
+                    loss, out = dmp(next(it))
                     if optimizer is not None:
                         optimizer.zero_grad()
                     loss.backward()
                     if optimizer is not None:
                         optimizer.step()
                     outputs.append(out)
+                if step == steps // 2:  # an evaluation between steps (the window full)
+                    dmp.eval()
+                    with torch.no_grad():
+                        evaluated.append(dmp(other)[1])
+                    dmp.train()
         stats = cache_stats(dmp).values()
         runs[kernel] = {
             "outputs": [{f: t.detach() for f, t in out.to_dict().items()} for out in outputs],
+            "evaluated": [{f: t for f, t in out.to_dict().items()} for out in evaluated],
             "tables": {
                 k: [s.tensor.clone() for s in v.local_shards()]
                 for k, v in dmp.state_dict().items()
