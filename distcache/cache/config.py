@@ -86,6 +86,14 @@ class CacheConfig:
     kernels save the device: benchmarks/results/README.md, "Results on a GPU"). 'fbgemm' where
     it cannot serve (fbgemm_gpu without CUDA kernels on a GPU, Adam, bf16 rows, among others)
     is an error when the cache is built."""
+    stochastic_rounding: bool | None = None
+    """How fp16 and bf16 rows are rounded after their update (computed in fp32): True
+    stochastically (up with the probability of the remainder over the gap between the two
+    neighbours: unbiased, so an update smaller than half the gap still moves a row on
+    average; `optimizers.round_stochastically`), False to nearest. None (the default): as
+    FBGEMM's kernels, which TorchRec's `fused` runs: stochastically on CUDA (its
+    `stochastic_rounding` fused param is True unless set), to nearest on CPU (FBGEMM's CPU
+    kernels round to nearest whatever the param says). fp32 rows are not rounded."""
     check_ids: bool = True
     """Validate every batch's ids against the table sizes, on the device (no synchronization):
     a batch with an invalid id raises `InvalidIdError` when it is looked up, untrained."""
@@ -170,6 +178,12 @@ class CacheConfig:
                 f"'torch' or None with optimizer={self.optimizer!r}: FBGEMM's TBE runs "
                 f"{tuple(TBE_OPTIMIZERS)} as distcache defines them",
             )
+        if not (self.stochastic_rounding is None or isinstance(self.stochastic_rounding, bool)):
+            _fail(
+                "stochastic_rounding",
+                self.stochastic_rounding,
+                "True, False, or None (as FBGEMM: on CUDA devices)",
+            )
         if not isinstance(self.check_ids, bool):
             _fail("check_ids", self.check_ids, "True or False")
         if self.fused is not None and not isinstance(self.fused, bool):
@@ -200,6 +214,12 @@ class CacheConfig:
         if self.staging is None:
             return "direct" if device.type == "cuda" and triton_installed() else "worker"
         return self.staging
+
+    def rounds_stochastically(self, device: torch.device) -> bool:
+        """Whether half rows are rounded stochastically on `device` (`stochastic_rounding`)."""
+        if self.stochastic_rounding is None:
+            return device.type == "cuda"
+        return self.stochastic_rounding
 
     def graphs_on(self, device: torch.device) -> bool:
         """Whether the per-batch work replays as graphs on `device` (`cuda_graphs`)."""

@@ -28,7 +28,7 @@ from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
 from distcache.cache.host_store import HostStore
 from distcache.cache.lane import Lane
-from distcache.cache.optimizers import make_optimizer
+from distcache.cache.optimizers import make_optimizer, round_stochastically
 from distcache.cache.policies import make_policy
 from distcache.cache.scheduler import Scheduler, StagePlan
 from distcache.cache.stager import Stager
@@ -53,7 +53,7 @@ class CacheEngine:
         capacity: cache rows (default: `config.capacity_rows(num_rows)`).
         dtype: the rows' dtype in the host store, the cache and on the wire (float32, or
             float16 / bfloat16 for half the bytes). The optimizer state stays float32, and an
-            update is computed in float32 and rounded to nearest (no stochastic rounding).
+            update is computed in float32 and rounded (`CacheConfig.stochastic_rounding`).
         pooled: the cache's lookups pool bags (`CachedEmbeddingBags`), rather than return
             each id's row (`CachedEmbeddings`); FBGEMM's kernel is built for one or the other.
     """
@@ -90,6 +90,7 @@ class CacheEngine:
         # trash slot (direct staging's padding lands there; nothing reads it).
         slots = capacity + 2
         self.kernel = kernel_for(config, device, dtype, dim)
+        self._stochastic = dtype != torch.float32 and config.rounds_stochastically(device)
         # FBGEMM's TBE over the slots (`kernel='fbgemm'`): its tensors are the cache's rows.
         self.tbe: TbeKernel | None = None
         if self.kernel == "fbgemm":
@@ -268,11 +269,16 @@ class CacheEngine:
             if id_weights is not None:
                 per_id = per_id * id_weights.unsqueeze(1)
             grad.index_add_(0, plan.inverse, per_id)
-            # In float32 (a copy for half rows), rounded to nearest when written back.
+            # In float32 (a copy for half rows), rounded when written back
+            # (`CacheConfig.stochastic_rounding`).
             weights = self.weights.index_select(0, plan.slots).float()
             state = self.state.index_select(0, plan.slots)
             self.optimizer.update(weights, state, grad)
-            self.weights.index_copy_(0, plan.slots, weights.to(self.weights.dtype))
+            if self._stochastic:
+                rounded = round_stochastically(weights, self.weights.dtype)
+            else:
+                rounded = weights.to(self.weights.dtype)
+            self.weights.index_copy_(0, plan.slots, rounded)
             self.state.index_copy_(0, plan.slots, state)
         self._updated(plan)
 

@@ -140,3 +140,23 @@ def make_optimizer(config: CacheConfig) -> RowOptimizer:
     """The row optimizer named by `config.optimizer`."""
     kinds = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad, "adam": Adam}
     return kinds[config.optimizer](config)
+
+
+# Low bits of an fp32 value below the last mantissa bit each half dtype keeps.
+_DROPPED_BITS = {torch.float16: 13, torch.bfloat16: 16}
+
+
+def round_stochastically(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `x` in `dtype` (float16 or bfloat16), each value rounded to one of its two
+    neighbours in `dtype`, up with the probability of its remainder over the gap between them
+    (unbiased): a uniform random integer is added to the bits the dtype drops, which are then
+    cleared (a carry into the kept bits rounds up). The magnitude is rounded, so negative
+    values alike. Exact for bfloat16 and for float16's normal range; below it (|x| < 2**-14,
+    float16's subnormals) the kept value is then rounded to nearest. Infinities and NaN pass
+    unchanged. Draws from torch's default generator on `x`'s device (no synchronization)."""
+    dropped = _DROPPED_BITS[dtype]
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << dropped, x.shape, dtype=torch.int32, device=x.device)
+    kept = (bits + noise).bitwise_and_(~((1 << dropped) - 1))
+    rounded = kept.view(torch.float32).to(dtype)
+    return torch.where(torch.isfinite(x), rounded, x.to(dtype))

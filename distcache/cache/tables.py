@@ -26,7 +26,8 @@ class TableSpec:
     """How a bag's rows are combined: 'sum' or 'mean' (an empty bag gives zeros)."""
     dtype: torch.dtype = torch.float32
     """The rows' dtype: float32, or float16 / bfloat16 (half the host memory and the bytes
-    staged; pooled in float32, updated in float32 and rounded to nearest)."""
+    staged; pooled in float32, updated in float32 and rounded as
+    `CacheConfig.stochastic_rounding` says)."""
     capacity: float | int | None = None
     """The table's cache, as `CacheConfig.capacity` (a fraction of its rows, or rows); None:
     the config's. Its part of the cache its width shares with the other tables."""

@@ -20,9 +20,11 @@ its state is laid out as distcache's: one float per row (row-wise Adagrad), one 
 (Adagrad). Adam is not: FBGEMM keeps the two moments in two tensors (distcache keeps them with
 the row) and bias-corrects with its own step count; it stays on the torch kernel. The floats
 round differently (`lr * g / d` against `lr * (g / d)`): equal within float tolerance, bitwise
-where the arithmetic is exact. fp16 rows are updated in fp32 and rounded to nearest
-(`stochastic_rounding=False`), as distcache does. bf16 rows stay on the torch kernel: FBGEMM's
-CPU kernels have none, and its CUDA TBE refuses them ("cache_precision bf16 not supported").
+where the arithmetic is exact. fp16 rows are updated in fp32 and rounded as
+`CacheConfig.stochastic_rounding` says, by FBGEMM (on CUDA stochastically by default; its CPU
+kernels round to nearest: asked for stochastic rounding on CPU, the torch kernel serves). bf16
+rows stay on the torch kernel: FBGEMM's CPU kernels have none, and its CUDA TBE refuses them
+("cache_precision bf16 not supported").
 
 Padding: FBGEMM's CUDA backward sorts every id it was given, but only the ids inside a bag get a
 sort key (`transpose_embedding_input`): an id past the last bag would update an undefined row.
@@ -92,6 +94,9 @@ def kernel_for(config: CacheConfig, device: torch.device, dtype: torch.dtype, di
     if config.kernel == "torch" or (config.kernel is None and by_default):
         return "torch"
     reason = tbe_unsupported(optimizer=config.optimizer, dim=dim, dtype=dtype, device=device)
+    if reason is None and dtype != torch.float32 and device.type == "cpu":
+        if config.rounds_stochastically(device):  # (asked for: CPU's default is nearest)
+            reason = "FBGEMM's CPU kernels round half rows to nearest, not stochastically"
     if reason is None:
         return "fbgemm"
     if config.kernel == "fbgemm":
@@ -175,7 +180,7 @@ class TbeKernel:
                 eps=config.eps,
                 weights_precision=precision[dtype],
                 output_dtype=SparseType.FP32,
-                stochastic_rounding=False,
+                stochastic_rounding=config.rounds_stochastically(device),
                 pooling_mode=PoolingMode.SUM if pooled else PoolingMode.NONE,
                 bounds_check_mode=BoundsCheckMode.NONE,
                 device=device,

@@ -68,7 +68,9 @@ _OPTIMIZERS = {
 def cache_config_from_fused_params(fused_params: dict[str, Any] | None) -> CacheConfig:
     """The kernel's `CacheConfig`: the plan's (or sharder's) config, with the optimizer and its
     hyper-parameters taken from TorchRec's fused params (`apply_optimizer_in_backward` kwargs or
-    the sharder's `fused_params`) when they are given."""
+    the sharder's `fused_params`) when they are given, and `stochastic_rounding=False` where
+    they say so (True, TorchRec's default, leaves the config's: by default FBGEMM's, stochastic
+    on CUDA and to nearest on CPU, whose kernels ignore the param)."""
     params = dict(fused_params or {})
     config = params.get(CACHE_CONFIG_KEY) or CacheConfig()
     capacity = table_capacity(params)  # a table's own, where these are a table's params
@@ -90,6 +92,8 @@ def cache_config_from_fused_params(fused_params: dict[str, Any] | None) -> Cache
     ):
         if theirs in params:
             updates[ours] = float(params[theirs])
+    if params.get("stochastic_rounding") is False:  # (True, TorchRec's default: as FBGEMM)
+        updates["stochastic_rounding"] = False
     _refuse_unapplied(params)
     return dataclasses.replace(config, **updates)
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from distcache import CacheConfig, CachedEmbeddingBags
+from distcache.cache import tbe
 from tests.unit.cache.reference import (
     ReferenceBags,
     integer_weights,
@@ -12,6 +13,7 @@ from tests.unit.cache.reference import (
     make_tables,
     reference_optimizer,
     train_both,
+    updated_below_half_a_gap,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -76,3 +78,17 @@ def test_an_evaluation_between_steps_reads_beside_the_window_on_cuda(staging, se
     for t, module in zip(tables, refs, strict=True):
         assert torch.equal(cached.table_weight(t.name), module.weight.data)
     assert all(s.critical_misses == 0 for s in cached.stats().values())
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fbgemm"])
+def test_half_rows_are_rounded_stochastically_by_default_on_cuda(kernel):
+    """As FBGEMM's CUDA kernels (TorchRec's `fused`) do by default: fp16 rows updated by a
+    sixteenth of the gap to the next value each step follow fp32 SGD on average."""
+    cuda = torch.device("cuda")
+    reason = tbe.tbe_unsupported(optimizer="sgd", dim=8, dtype=torch.float16, device=cuda)
+    if kernel == "fbgemm" and reason is not None:
+        pytest.skip(reason)
+    moved, error, gap = updated_below_half_a_gap(
+        CacheConfig(capacity=64, kernel=kernel), torch.float16, "cuda"
+    )
+    assert abs(error.mean().item()) < gap / 4 and (moved != 0).any()

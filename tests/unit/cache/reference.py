@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -198,3 +199,25 @@ def _evaluated(modules: tuple[nn.Module, ...], batch: Batch) -> tuple[torch.Tens
             outs.append(module(*batch))
         module.train()
     return tuple(outs)
+
+
+def updated_below_half_a_gap(
+    config: CacheConfig, dtype: torch.dtype, device: str, steps: int = 40
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A table of 64 `dtype` rows at 1.0, trained `steps` times by SGD on a batch of every
+    row (one a bag), each step moving a value by a sixteenth of the gap from 1.0 to the next
+    value up (or not at all: `loss_of`'s gradient is -1, 0 or 1 per column). Returns how far
+    each value moved `[64, 8]`, its error against fp32 SGD in the columns that trained, and
+    the gap."""
+    torch.manual_seed(0)
+    gap = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    tables = [TableSpec(name="t0", num_embeddings=64, embedding_dim=8, dtype=dtype)]
+    config = dataclasses.replace(config, learning_rate=gap / 16)
+    cached = CachedEmbeddingBags(tables, config, device=device)
+    cached.load_table_weight("t0", torch.ones(64, 8))
+    batch = (torch.arange(64), torch.arange(65))
+    for _ in range(steps):
+        loss_of(cached(*batch)).backward()
+    moved = cached.table_weight("t0").float() - 1.0
+    expected = -(torch.arange(8) % 3 - 1) * (steps * gap / 16)  # fp32 SGD's, per column
+    return moved, (moved - expected)[:, expected != 0], gap

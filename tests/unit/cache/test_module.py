@@ -25,6 +25,7 @@ from tests.unit.cache.reference import (
     make_batches,
     make_tables,
     train_both,
+    updated_below_half_a_gap,
 )
 
 KERNELS = [None, "torch"]
@@ -586,3 +587,26 @@ def test_a_batch_looked_up_without_gradients_in_training_mode_leaves_no_window()
         cached(*b1)
     assert cached.num_enqueued == 0
     loss_of(cached(*b2)).backward()
+
+
+@pytest.mark.parametrize("stochastic", [None, False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_rows_updated_below_half_a_gap_move_only_when_rounded_stochastically(
+    dtype, stochastic
+):
+    """Half rows at 1.0, each step's update a sixteenth of the gap to the next value: rounded
+    to nearest (the default on CPU, as FBGEMM's CPU kernels round) they never move; rounded
+    stochastically (FBGEMM's default on CUDA) they follow the fp32 reference on average
+    (`CacheConfig.stochastic_rounding`)."""
+    config = CacheConfig(capacity=64, stochastic_rounding=stochastic)
+    moved, error, gap = updated_below_half_a_gap(config, dtype, "cpu")
+    if stochastic:
+        assert abs(error.mean().item()) < gap / 4  # unbiased (2.5 gaps in all; ~3 sigma)
+        assert (moved != 0).any()
+    else:
+        assert torch.equal(moved, torch.zeros_like(moved))
+
+
+def test_stochastic_rounding_is_a_bool_or_none_which_means_as_fbgemm():
+    with pytest.raises(DistcacheConfigError, match="stochastic_rounding.*True, False, or None"):
+        CacheConfig(stochastic_rounding="yes")

@@ -248,3 +248,16 @@ def test_the_torch_kernel_never_imports_fbgemm_gpu():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_stochastic_rounding_asked_for_on_cpu_keeps_half_rows_on_the_torch_kernel():
+    """FBGEMM's CPU kernels round half rows to nearest: asked for stochastic rounding, the
+    default is the torch kernel, and kernel='fbgemm' is refused naming why."""
+    cpu, half = torch.device("cpu"), torch.float16
+    config = CacheConfig(optimizer="rowwise_adagrad", stochastic_rounding=True)
+    assert tbe.kernel_for(config, cpu, half, 8) == "torch"
+    assert tbe.kernel_for(config, cpu, torch.float32, 8) == "fbgemm"  # fp32 rows: no rounding
+    assert tbe.kernel_for(CacheConfig(optimizer="rowwise_adagrad"), cpu, half, 8) == "fbgemm"
+    forced = dataclasses.replace(config, kernel="fbgemm")
+    with pytest.raises(DistcacheConfigError, match="round half rows to nearest"):
+        tbe.kernel_for(forced, cpu, half, 8)

@@ -1,6 +1,7 @@
 """The kernel's optimizer names: one map from distcache's names to TorchRec's, and back."""
 
 import pytest
+import torch
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from distcache.cache.config import OPTIMIZERS
@@ -35,3 +36,15 @@ def test_fused_params_distcache_would_not_apply_are_refused():
     cache_config_from_fused_params({**l2, "weight_decay": 0.0})  # a mode without a decay
     with pytest.raises(DistcacheConfigError, match=r"gradient_clipping=True: .* does not clip"):
         cache_config_from_fused_params({"gradient_clipping": True, "max_gradient": 1.0})
+
+
+def test_torchrecs_stochastic_rounding_param_reaches_the_cache_config():
+    """False turns it off; True (TorchRec's default, also when absent) keeps the config's,
+    by default FBGEMM's behaviour: stochastic on CUDA, to nearest on CPU."""
+    off = cache_config_from_fused_params({"stochastic_rounding": False})
+    assert off.stochastic_rounding is False
+    for params in ({"stochastic_rounding": True}, {}):
+        config = cache_config_from_fused_params(params)
+        assert config.stochastic_rounding is None
+        assert config.rounds_stochastically(torch.device("cuda"))
+        assert not config.rounds_stochastically(torch.device("cpu"))
