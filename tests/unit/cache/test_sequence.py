@@ -53,27 +53,6 @@ def test_sgd_integer_rows_bitwise(policy, window, kernel):
         assert stats.critical_misses == stats.loads
 
 
-@pytest.mark.parametrize("kernel", ["fbgemm", "torch"])
-def test_an_evaluation_between_steps_reads_beside_the_window(kernel):
-    """As `CachedEmbeddingBags`' (`test_module.py`): an evaluation between training steps
-    reads each id's row as trained so far, and leaves the window as it was."""
-    tables = make_tables([4, 4, 4], [60, 35, 50])
-    config = CacheConfig(
-        capacity=20, lookahead=3, prefetch_depth=1, learning_rate=1.0, kernel=kernel
-    )
-    batches = make_batches(tables, batch_size=3, num_batches=14, max_len=4, seed=3)
-    others = make_batches(tables, batch_size=2, num_batches=2, max_len=4, seed=8)
-    evaluate = {3: others[0], 8: batches[9], 10: others[1]}
-    cached, ref, pairs = train_both(
-        tables, config, batches, weights=integer_weights(tables, 0), sequence=True,
-        evaluate=evaluate,
-    )  # fmt: skip
-    assert len(pairs) == len(batches) + len(evaluate)
-    _check(cached, ref, pairs, tables, exact=True)
-    (stats,) = cached.stats().values()
-    assert stats.critical_misses == 0 and stats.evictions > 0
-
-
 @pytest.mark.parametrize(
     ("optimizer", "kernel"),
     [("rowwise_adagrad", "fbgemm"), ("rowwise_adagrad", "torch"), ("adam", "torch")],
