@@ -233,11 +233,11 @@ class CachedEmbeddingBags(nn.Module):
         """Pooled embeddings `[B, sum of dims]` of a batch.
 
         The batch must be the oldest enqueued one, if any is enqueued; with an empty window it
-        is enqueued and staged now, its misses counted as critical-path misses. Outside
-        training (`eval()` or `torch.no_grad`) while the oldest was enqueued in training, the
-        batch is an evaluation's between a training pipeline's steps: its rows are read where
-        they are now (`CacheEngine.read_rows`; the host waits for the staging in flight), and
-        the window stays as it is.
+        is enqueued and staged now, its misses counted as critical-path misses. In eval mode
+        (`eval()`) while the oldest was enqueued in training mode, the batch is an evaluation's
+        between a training pipeline's steps: its rows are read where they are now
+        (`CacheEngine.read_rows`; the host waits for the staging in flight), and the window
+        stays as it is. (`torch.no_grad` alone does not make a lookup an evaluation's.)
 
         `per_sample_weights` `[n]` (floating point, TorchRec's weighted features): each id's
         row is scaled by its weight in the pooled sum, and its gradient by the same weight. A
@@ -282,13 +282,13 @@ class CachedEmbeddingBags(nn.Module):
     def _next_routed(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[_Batch, bool]:
         """The batch to look up, and whether it is staged: the oldest enqueued batch, which
         must be this one, out of the window (with an empty window, the batch is enqueued now:
-        its misses are staged on the critical path). A lookup outside training (an evaluation,
-        or `torch.no_grad`) while the oldest batch was enqueued in training (a training
-        pipeline's, between its steps) looks up another batch: it is routed here and read
-        beside the window, which stays as it is."""
+        its misses are staged on the critical path). A lookup in eval mode while the oldest
+        batch was enqueued in training mode (a training pipeline's, between its steps) is an
+        evaluation's, of another batch: it is routed here and read beside the window, which
+        stays as it is."""
         if not self._routed:
             self._enqueue_routed(*self._route(values, offsets))
-        elif self._routed[0].for_training and not (self.training and torch.is_grad_enabled()):
+        elif self._routed[0].for_training and not self.training:
             batch, check = self._route(values, offsets)
             invalid = 0 if check is None else int(check[0])  # (an evaluation reads it back)
             if invalid:
@@ -300,7 +300,7 @@ class CachedEmbeddingBags(nn.Module):
             raise InvalidBatchError(
                 f"forward got a batch of {values.numel()} ids in {offsets.numel() - 1} bags that "
                 "does not match the oldest enqueued batch: batches must be looked up in the "
-                "order they were enqueued"
+                "order they were enqueued (an evaluation between training steps: model.eval())"
             )
         self._keep_for_lookup(routed)
         return self._routed.popleft(), True

@@ -581,17 +581,20 @@ def test_a_batch_routed_on_another_stream_is_kept_for_the_stream_that_looks_it_u
     assert not [t for t, stream in streams.kept if stream == "default"]
 
 
-def test_a_batch_looked_up_without_gradients_in_training_mode_leaves_no_window():
-    """`torch.no_grad()` in training mode with nothing enqueued: the batch is enqueued and
-    looked up at once (not read beside a window it just entered), so the window is empty
-    after it."""
+def test_a_lookup_without_gradients_in_training_mode_is_the_windows():
+    """`torch.no_grad()` alone (training mode) looks up the oldest enqueued batch, as a
+    training step would (benchmarks drive the caches so); only eval mode reads beside it."""
     tables = make_tables([4], [30])
     cached = CachedEmbeddingBags(tables, CacheConfig(capacity=12, lookahead=2))
     b1, b2 = make_batches(tables, batch_size=3, num_batches=2, max_len=2, seed=4)
+    cached.enqueue(*b1)
+    cached.enqueue(*b2)
     with torch.no_grad():
         cached(*b1)
-    assert cached.num_enqueued == 0
-    loss_of(cached(*b2)).backward()
+    assert cached.num_enqueued == 1
+    with pytest.raises(InvalidBatchError, match=r"model\.eval\(\)"):
+        with torch.no_grad():
+            cached(*b1)  # not the oldest now (b2), and not an evaluation
 
 
 @pytest.mark.parametrize("stochastic", [None, False, True])
