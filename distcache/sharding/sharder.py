@@ -18,11 +18,13 @@ cached kernel; TorchRec's default estimators refuse it.)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_sharding import CACHE_LOAD_FACTOR_STR
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -51,7 +53,7 @@ class _CachedSharder:
         **kwargs: Any,
     ):
         super().__init__(fused_params=fused_params, **kwargs)  # type: ignore[call-arg]
-        self.cache_config = cache_config or CacheConfig()
+        self.cache_config = _sized_by_load_factor(cache_config or CacheConfig(), fused_params)
         self.table_configs = dict(table_configs or {})
         for name, config in self.table_configs.items():
             if not isinstance(config, CacheConfig):
@@ -81,6 +83,31 @@ class _CachedSharder:
         }
 
 
+def _sized_by_load_factor(config: CacheConfig, fused_params: dict[str, Any] | None) -> CacheConfig:
+    """`config` sized by the fused params' `cache_load_factor`, TorchRec's cache size (its UVM
+    cache's `fused_params={"cache_load_factor": f}`), where they give one: it would otherwise be
+    overwritten by the config's capacity (every row, by default). A capacity of the config's own
+    that differs from it is refused in one line, as ambiguous.
+
+    Raises:
+        DistcacheConfigError: a load factor outside (0, 1], or beside another capacity."""
+    factor = (fused_params or {}).get(CACHE_LOAD_FACTOR_STR)
+    if factor is None:
+        return config
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise DistcacheConfigError(
+            f"fused param {CACHE_LOAD_FACTOR_STR}={factor!r} is invalid: expected the fraction "
+            "of each table's rows its cache holds, in (0, 1]"
+        )
+    default = isinstance(config.capacity, float) and config.capacity == 1.0
+    if not default and config.capacity != factor:
+        raise DistcacheConfigError(
+            f"fused param {CACHE_LOAD_FACTOR_STR}={factor} and CacheConfig.capacity="
+            f"{config.capacity} both size the caches: give one of them"
+        )
+    return dataclasses.replace(config, capacity=float(factor))
+
+
 class CachedEmbeddingBagCollectionSharder(_CachedSharder, EmbeddingBagCollectionSharder):
     """Shards `EmbeddingBagCollection`s with tables in host memory behind look-ahead caches.
 
@@ -92,7 +119,8 @@ class CachedEmbeddingBagCollectionSharder(_CachedSharder, EmbeddingBagCollection
         cache_config: the default for every cached table.
         table_configs: per-table overrides `{table_name: CacheConfig}`.
         fused_params: TorchRec fused params (e.g. `optimizer`, `learning_rate`); parameters'
-            `apply_optimizer_in_backward` settings take precedence, as in TorchRec.
+            `apply_optimizer_in_backward` settings take precedence, as in TorchRec. Their
+            `cache_load_factor` (TorchRec's UVM cache size) is `cache_config`'s capacity.
     """
 
     def sharding_types(self, compute_device_type: str) -> list[str]:

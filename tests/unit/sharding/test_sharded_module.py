@@ -126,3 +126,23 @@ def test_contexts_routed_on_another_stream_are_kept_for_the_computing_one(monkey
     now["stream"] = "default"
     CachedShardedModule._keep_context_here(None, _Ctx())
     assert kept == [([None, "hot part", ("keys", "lengths")], "default")]
+
+
+def test_torchrecs_cache_load_factor_sizes_the_sharded_caches(one_rank: None) -> None:  # noqa: F811
+    """Through DMP: `fused_params={"cache_load_factor": 0.05}` on distcache's sharder (as
+    on TorchRec's for its UVM cache) gives caches of 5 % of the rows; before, they held every
+    row (the default config's capacity overwrote it)."""
+    from distcache import CacheConfig
+    from distcache.sharding import CachedEmbeddingBagCollectionSharder
+    from tests.distributed.sharded_model import make_ebc, per_table_plan, plan_for
+
+    ebc = make_ebc()
+    for params, fraction in (({"cache_load_factor": 0.05}, 0.05), ({}, 1.0)):
+        sharder = CachedEmbeddingBagCollectionSharder(CacheConfig(), fused_params=params)
+        model = per_table_plan(
+            ebc, "", ebc, plan_for("table_wise", 1), sharder, init_data_parallel=False
+        )
+        for name, stats in cache_stats(model).items():  # (rows rounded up per table)
+            tables = name.count("+") + 1
+            expected = (fraction * stats.num_rows, fraction * stats.num_rows + tables)
+            assert expected[0] <= stats.capacity <= expected[1], (name, stats.capacity)

@@ -148,3 +148,24 @@ def test_fused_params_set_the_optimizer_the_torchrec_way():
 def test_table_configs_must_name_real_tables():
     with pytest.raises(DistcacheConfigError, match="expected CacheConfig"):
         CachedEmbeddingBagCollectionSharder(table_configs={"t0": {"capacity": 3}})
+
+
+def test_torchrecs_cache_load_factor_sizes_the_caches():
+    """`fused_params={"cache_load_factor": f}` (how TorchRec sizes its UVM cache) is the
+    tables' capacity, not overwritten by the default config's (every row); beside another
+    capacity of the config's own, or outside (0, 1], refused in one line."""
+    sharder = CachedEmbeddingBagCollectionSharder(
+        CacheConfig(lookahead=2), fused_params={"cache_load_factor": 0.05}
+    )
+    assert sharder.cache_config.capacity == 0.05 and sharder.cache_config.lookahead == 2
+    assert sharder.config_for("t0").capacity == 0.05
+    same = CachedEmbeddingBagCollectionSharder(
+        CacheConfig(capacity=0.05), fused_params={"cache_load_factor": 0.05}
+    )
+    assert same.cache_config.capacity == 0.05
+    with pytest.raises(DistcacheConfigError, match="both size the caches: give one"):
+        CachedEmbeddingBagCollectionSharder(
+            CacheConfig(capacity=0.1), fused_params={"cache_load_factor": 0.05}
+        )
+    with pytest.raises(DistcacheConfigError, match=r"cache_load_factor=1.5 .* in \(0, 1\]"):
+        CachedEmbeddingBagCollectionSharder(fused_params={"cache_load_factor": 1.5})
