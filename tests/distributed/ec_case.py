@@ -3,6 +3,7 @@ plans and the comparison against the unsharded, uncached EC."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -367,6 +368,49 @@ def bags_and_sequences_pipelined_vs_plain(
         runs[name] = {
             "outputs": _flat(outputs),
             "evaluated": _flat(evaluated),
+            "weights": {
+                k: [s.tensor.clone() for s in v.local_shards()]
+                for k, v in model.state_dict().items()
+                if hasattr(v, "local_shards")
+            },
+        }
+    return runs
+
+
+def loaded_between_steps(rank: int, world: int, steps: int = 10) -> dict:
+    """An EBC and an EC in one model, with hot rows, in the plain loop and under
+    `LookaheadTrainPipeline`, each loading after step 3 the state it saved after step 1 (the
+    caches and the replicas purged, the window kept): per loop its outputs and local shards."""
+    bags = global_batches(steps, 3, world, seed=7)
+    seqs = seq_batches(steps, 3, world, seed=8)
+    local = [
+        BagsAndSeq(local_slice(b, rank, world), local_seq_slice(s, rank, world))
+        for b, s in zip(bags, seqs, strict=True)
+    ]
+    state = BagsAndSequences().state_dict()
+    config = CacheConfig(capacity=24, lookahead=3, prefetch_depth=1)
+    runs = {}
+    for name in ("plain", "pipeline"):
+        model = _shard_both(state, config, world, hot=True)
+        pipeline = None
+        if name == "pipeline":
+            pipeline = LookaheadTrainPipeline(
+                model, None, "cpu", sparse_input=lambda b: {"bags": b.bags, "seq": b.seq}
+            )
+        it, outputs, saved = iter(local), [], None
+        for step in range(steps):
+            if pipeline is None:
+                loss, out = model(next(it))
+                loss.backward()
+            else:
+                out = pipeline.progress(it)
+            outputs.append(out)
+            if step == 1:
+                saved = copy.deepcopy(model.state_dict())
+            if step == 3:  # (batches are still routed after it: not only the window's)
+                model.load_state_dict(saved)
+        runs[name] = {
+            "outputs": _flat(outputs),
             "weights": {
                 k: [s.tensor.clone() for s in v.local_shards()]
                 for k, v in model.state_dict().items()

@@ -9,6 +9,7 @@ from tests.distributed.ec_case import (
     bags_and_sequences_pipelined_vs_plain,
     ec_hot_rows_on_torchrecs_kernel,
     ec_with_bad_id,
+    loaded_between_steps,
     planner_plans_bags_and_sequences,
     sequence_bytes_match_the_model,
     train_ec_and_compare,
@@ -89,6 +90,21 @@ def test_ebc_and_ec_in_one_model_pipelined_equal_plain_without_critical_misses(h
             for key, shards in plain["weights"].items():
                 for a, b in zip(shards, other["weights"][key], strict=True):
                     assert torch.equal(a, b), (name, key)
+
+
+@pytest.mark.timeout(180)
+def test_a_load_between_pipeline_steps_with_hot_rows_equals_the_plain_loops():
+    """An EBC and an EC with hot rows: a state loaded between `LookaheadTrainPipeline`'s steps
+    (the caches and the replicas purged, the window's batches staged anew) trains on as the
+    plain loop that loads the same state at the same step, bitwise."""
+    for runs in run_ranks(loaded_between_steps, 2, timeout_s=150):
+        plain, piped = runs["plain"], runs["pipeline"]
+        assert len(piped["outputs"]) == len(plain["outputs"]) > 0
+        for a, b in zip(plain["outputs"], piped["outputs"], strict=True):
+            assert torch.equal(a, b)
+        for key, shards in plain["weights"].items():
+            for a, b in zip(shards, piped["weights"][key], strict=True):
+                assert torch.equal(a, b), key
 
 
 @pytest.mark.timeout(180)
