@@ -223,9 +223,18 @@ def test_eval_mode_reads_without_updating_or_dirtying():
     assert stats.loads > 0 and stats.writebacks == 0  # clean rows are never written back
 
 
-@pytest.mark.parametrize("sequence", [False, True])
-@pytest.mark.parametrize("kernel", ["fbgemm", "torch"])
-def test_evaluations_and_a_load_between_steps_keep_the_window(kernel, sequence):
+@pytest.mark.parametrize(
+    ("kernel", "sequence", "settings"),
+    [
+        ("fbgemm", False, {}),
+        ("torch", False, {}),
+        ("fbgemm", True, {}),
+        ("torch", True, {}),
+        ("torch", False, {"scheduler_thread": True}),  # the scheduling on a thread of its own
+        ("torch", False, {"staging": "direct"}),  # copies bounded on the device
+    ],
+)
+def test_evaluations_and_a_load_between_steps_keep_the_window(kernel, sequence, settings):
     """Between two training steps, with batches enqueued and staged ahead (as between
     `LookaheadTrainPipeline.progress` calls), an evaluation (eval mode, no gradient) of other
     batches, and of the next batch itself, reads the rows as trained so far: bitwise the
@@ -235,7 +244,7 @@ def test_evaluations_and_a_load_between_steps_keep_the_window(kernel, sequence):
     and `sequence`, per-id rows (`CachedEmbeddings`, one width)."""
     tables = make_tables([4, 4, 4 if sequence else 8], [60, 35, 50])
     config = CacheConfig(
-        capacity=12, lookahead=3, prefetch_depth=1, learning_rate=1.0, kernel=kernel
+        capacity=12, lookahead=3, prefetch_depth=1, learning_rate=1.0, kernel=kernel, **settings
     )
     batches = make_batches(tables, batch_size=3, num_batches=16, max_len=3, seed=2)
     others = make_batches(tables, batch_size=4, num_batches=3, max_len=3, seed=9)
