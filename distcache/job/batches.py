@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -135,6 +136,7 @@ class CheckedBatches:
         self._batches, self._spec, self._next, self._skip = batches, spec, first, skip
         self._group = group
         self.skipped = 0
+        self.read: deque[int] = deque()  # the steps of the batches handed out, not yet trained
 
     def __iter__(self) -> CheckedBatches:
         return self
@@ -147,12 +149,14 @@ class CheckedBatches:
             rank = dist.get_rank() if dist.is_initialized() else 0
             if not self._skip:
                 if problem is None:
+                    self.read.append(index)
                     return batch
                 raise InvalidBatchError(
                     f"training batch {index} of rank {rank} is bad: {problem}. Fix the data, or "
                     'set [data] on_bad_batch = "skip" to skip bad batches'
                 )
             if not self._bad_anywhere(problem is not None):
+                self.read.append(index)
                 return batch
             self.skipped += 1
             log.warning(

@@ -1,9 +1,11 @@
 """The training loop of a job: pipeline steps, metrics, evaluation, checkpoints.
 
-Training runs in segments between evaluations and checkpoints. A segment streams its batches
-through the `LookaheadTrainPipeline`, which drains its window at the segment's end, so an
-evaluation or a checkpoint sees every update (the caches are flushed into the checkpoint) and a
-resumed job replays exactly the steps an uninterrupted one takes.
+Training runs in segments between checkpoints. A segment streams its batches through the
+`LookaheadTrainPipeline`, which drains its window at the segment's end, so a checkpoint sees
+every update (the caches are flushed into it) and a resumed job replays exactly the steps an
+uninterrupted one takes. Evaluations run between two steps, the window full: the model in eval
+mode reads its rows beside the window (`CachedEmbeddingBags.forward`), after every batch
+before the evaluation's step trained and before any after it.
 
 Rank 0 logs loss, AUC (torchmetrics, over every rank's samples), samples/s and the caches'
 hit rate, loads and critical-path misses; it appends each record to `<run dir>/metrics.jsonl`,
@@ -162,6 +164,7 @@ class Trainer:
                 skip=self._skip_bad,
                 group=self._host_group,
             )
+            last = step  # the step of the last batch trained (at first: evaluated before)
             while True:
                 skipped = self.pipeline.skipped_nonfinite
                 try:
@@ -169,6 +172,9 @@ class Trainer:
                 except StopIteration:
                     break
                 step += 1
+                last = batches.read.popleft()
+                if batches.read:  # (else the segment's end evaluates)
+                    self._evaluate_between(last, batches.read[0])
                 if self.pipeline.skipped_nonfinite == skipped:
                     self._record(loss, logits, labels)
                 else:
@@ -187,8 +193,7 @@ class Trainer:
                     f"the data ran out at step {step} of [train] steps = {cfg.steps} "
                     f"(rank {self.rank}): use fewer steps or more data"
                 )
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                self.evaluate(step)
+            self._evaluate_between(last, end)
             if self.checkpoints.due(step) and step < cfg.steps:
                 self._save(step)
         if bar is not None:
@@ -232,12 +237,18 @@ class Trainer:
             )
 
     def _segment_end(self, step: int) -> int:
-        """The next step at which the window drains: an evaluation, a checkpoint or the end."""
-        ends = [self.config.train.steps]
-        for every in (self.config.train.eval_every, self.checkpoints.every):
-            if every:
-                ends.append((step // every + 1) * every)
-        return min(ends)
+        """The next step at which the window drains: a checkpoint or the end."""
+        every = self.checkpoints.every
+        return min(self.config.train.steps, (step // every + 1) * every if every else math.inf)
+
+    def _evaluate_between(self, last: int, upcoming: int) -> None:
+        """Evaluate at each `eval_every` step in (`last`, `upcoming`]: after the batch of step
+        `last` trained and before that of step `upcoming` (skipped batches between them), the
+        last step excepted (`_fit` evaluates it at the end)."""
+        every, steps = self.config.train.eval_every, self.config.train.steps
+        if every:
+            for step in range((last // every + 1) * every, min(upcoming, steps - 1) + 1, every):
+                self.evaluate(step)
 
     # ------------------------------------------------------------ metrics
     def _record(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
@@ -284,7 +295,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        """Loss and AUC on the held-out batches (the window is empty here). Collective."""
+        """Loss and AUC on the held-out batches, the model in eval mode (read beside the
+        pipeline's window, if it holds batches). Collective."""
         batches = self.data.eval_batches()
         if not batches:
             return {}

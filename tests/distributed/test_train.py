@@ -69,6 +69,25 @@ def test_torchrun_two_ranks_trains_and_logs(tmp_path):
     assert resolved.train.steps == 40 and resolved.run.dir == str(tmp_path)
 
 
+@pytest.mark.timeout(300)
+def test_evaluations_between_steps_equal_those_after_a_drained_window(tmp_path):
+    """The job evaluates between two steps with the pipeline's window full (the model in
+    eval mode reads beside it): its evaluations and its training equal those of a run whose
+    window drains at the same steps (a checkpoint there), as every evaluation did before."""
+    common = ["--train.steps=30", "--train.eval_every=10"]
+    beside = _torchrun(tmp_path / "beside", *common)
+    drained = _torchrun(tmp_path / "drained", *common, "--checkpoint.every=10")
+    for done in (beside, drained):
+        assert done.returncode == 0, done.stderr[-3000:]
+    for kind, keys in (("eval", ("step", "eval_loss", "eval_auc")), ("train", ("step", "loss"))):
+        ours, theirs = _records(tmp_path / "beside", kind), _records(tmp_path / "drained", kind)
+        assert [r["step"] for r in ours] == [10, 20, 30]
+        assert [[r[k] for k in keys] for r in ours] == [[r[k] for k in keys] for r in theirs]
+    # The caches did other work (no drain, the held-out rows not staged): the same numbers.
+    loads = [_records(tmp_path / d, "train")[1]["loads"] for d in ("beside", "drained")]
+    assert loads[0] != loads[1], loads
+
+
 @pytest.mark.timeout(420)
 def test_a_killed_rank_resumes_from_the_last_checkpoint_bitwise(tmp_path):
     common = ["--train.steps=30", "--checkpoint.every=10", "--resume"]
