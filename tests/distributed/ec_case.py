@@ -35,8 +35,10 @@ from tests.distributed.sharded_model import (
     TABLES,
     compare_with_global,
     copy_global_into,
+    evaluated,
     global_batches,
     integer_init,
+    local_shards,
     local_slice,
     loss_of,
     make_ebc,
@@ -333,14 +335,14 @@ def bags_and_sequences_pipelined_vs_plain(
     names = ("plain", "plain_evaluated", "pipeline", "torchrec_pipeline", "torchrec_prefetch")
     for name in names:
         model = _shard_both(state, config, world, hot)
-        outputs, evaluated = [], []
+        outputs, evaluations = [], []
         if name in ("plain", "plain_evaluated"):
             for step, batch in enumerate(local):
                 loss, out = model(batch)
                 loss.backward()
                 outputs.append(out)
                 if name == "plain_evaluated":  # (its evaluations stage rows: not counted)
-                    evaluated += _evaluated(model, evaluate.get(step))
+                    evaluations += _evaluated(model, evaluate.get(step))
         elif name == "pipeline":
             pipeline = LookaheadTrainPipeline(
                 model, None, "cpu", sparse_input=lambda b: {"bags": b.bags, "seq": b.seq}
@@ -348,7 +350,7 @@ def bags_and_sequences_pipelined_vs_plain(
             it = iter(local)
             for step in range(steps):
                 outputs.append(pipeline.progress(it))
-                evaluated += _evaluated(model, evaluate.get(step))
+                evaluations += _evaluated(model, evaluate.get(step))
         else:
             if name == "torchrec_pipeline":
                 pipeline = TrainPipelineSparseDist(model, idle_optimizer(), torch.device("cpu"))
@@ -367,12 +369,8 @@ def bags_and_sequences_pipelined_vs_plain(
         runs[f"{name}_critical"] = sum(s.critical_misses for s in cache_stats(model).values())
         runs[name] = {
             "outputs": _flat(outputs),
-            "evaluated": _flat(evaluated),
-            "weights": {
-                k: [s.tensor.clone() for s in v.local_shards()]
-                for k, v in model.state_dict().items()
-                if hasattr(v, "local_shards")
-            },
+            "evaluated": _flat(evaluations),
+            "weights": local_shards(model),
         }
     return runs
 
@@ -411,24 +409,14 @@ def loaded_between_steps(rank: int, world: int, steps: int = 10) -> dict:
                 model.load_state_dict(saved)
         runs[name] = {
             "outputs": _flat(outputs),
-            "weights": {
-                k: [s.tensor.clone() for s in v.local_shards()]
-                for k, v in model.state_dict().items()
-                if hasattr(v, "local_shards")
-            },
+            "weights": local_shards(model),
         }
     return runs
 
 
 def _evaluated(model: torch.nn.Module, batch: BagsAndSeq | None) -> list:
     """`model`'s output for `batch` in eval mode, without gradients ([] for None)."""
-    if batch is None:
-        return []
-    model.eval()
-    with torch.no_grad():
-        _, out = model(batch)
-    model.train()
-    return [out]
+    return [] if batch is None else [evaluated(model, batch)[1]]
 
 
 def _flat(outputs: list) -> list[torch.Tensor]:

@@ -31,8 +31,10 @@ from tests.distributed.sharded_model import (
     FEATURES,
     TABLES,
     copy_global_into,
+    evaluated,
     global_batches,
     integer_init,
+    local_shards,
     local_slice,
     loss_of,
     make_ebc,
@@ -111,7 +113,7 @@ def on_both_kernels(
         copy_global_into(dmp, state)
         dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
         optimizer = torch.optim.SGD(dense, lr=1.0) if dense else None
-        outputs, routings, evaluated = [], [], []
+        outputs, routings, evaluations = [], [], []
         pipeline, it = None, iter(batches)
         if pipelined and kernel == CACHED_KERNEL:
             pipeline = LookaheadTrainPipeline(dmp, optimizer, "cpu", sparse_input=lambda b: b)
@@ -128,19 +130,12 @@ def on_both_kernels(
                         optimizer.step()
                     outputs.append(out)
                 if step == steps // 2:  # an evaluation between steps (the window full)
-                    dmp.eval()
-                    with torch.no_grad():
-                        evaluated.append(dmp(other)[1])
-                    dmp.train()
+                    evaluations.append(evaluated(dmp, other)[1])
         stats = cache_stats(dmp).values()
         runs[kernel] = {
             "outputs": [{f: t.detach() for f, t in out.to_dict().items()} for out in outputs],
-            "evaluated": [{f: t for f, t in out.to_dict().items()} for out in evaluated],
-            "tables": {
-                k: [s.tensor.clone() for s in v.local_shards()]
-                for k, v in dmp.state_dict().items()
-                if hasattr(v, "local_shards")
-            },
+            "evaluated": [{f: t for f, t in out.to_dict().items()} for out in evaluations],
+            "tables": local_shards(dmp),
             "dense": {
                 k: p.detach().clone()
                 for k, p in in_backward_optimizer_filter(dmp.named_parameters())

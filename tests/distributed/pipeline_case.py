@@ -23,7 +23,12 @@ from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import CACHED_KERNEL, CachedEmbeddingBagCollectionSharder, cache_stats
 from tests.distributed.dlrm_case import ROWS, _batches, _dlrm
 from tests.distributed.prefetch_pipeline import CpuPrefetchPipeline, CpuSemiSyncPipeline
-from tests.distributed.sharded_model import copy_global_into, per_table_plan
+from tests.distributed.sharded_model import (
+    copy_global_into,
+    evaluated,
+    local_shards,
+    per_table_plan,
+)
 
 
 def _model() -> DLRMTrain:
@@ -131,11 +136,7 @@ def pipelined_vs_plain(
             "critical": sum(s.critical_misses for s in stats.values()),
             "loads": sum(s.loads for s in stats.values()),
             "evictions": sum(s.evictions for s in stats.values()),
-            "weights": {
-                k: [s.tensor.clone() for s in v.local_shards()]
-                for k, v in dmp.state_dict().items()
-                if hasattr(v, "local_shards")
-            },
+            "weights": local_shards(dmp),
         }
     return runs
 
@@ -177,7 +178,7 @@ def between_steps(rank: int, world: int, kind: str, steps: int = 14) -> dict:
         copy_global_into(dmp, state)
         pipeline = LookaheadTrainPipeline(dmp, dense, "cpu") if name == "pipeline" else None
         it = iter(batches)
-        logits, evaluated, saved = [], [], None
+        logits, evaluations, saved = [], [], None
         for step in range(steps):
             if pipeline is None:
                 loss, (_, out, _) = dmp(next(it))
@@ -188,22 +189,15 @@ def between_steps(rank: int, world: int, kind: str, steps: int = 14) -> dict:
                 _, out, _ = pipeline.progress(it)
             logits.append(out)
             if step in evaluate:
-                dmp.eval()
-                with torch.no_grad():
-                    evaluated.append(dmp(evaluate[step])[1][1])
-                dmp.train()
+                evaluations.append(evaluated(dmp, evaluate[step])[1][1])
             if step == save:
                 saved = copy.deepcopy(dmp.state_dict())
             if step == load:
                 dmp.load_state_dict(saved)
         runs[name] = {
             "logits": torch.stack(logits),
-            "evaluated": evaluated,
+            "evaluated": evaluations,
             "critical": sum(s.critical_misses for s in cache_stats(dmp).values()),
-            "weights": {
-                k: [s.tensor.clone() for s in v.local_shards()]
-                for k, v in dmp.state_dict().items()
-                if hasattr(v, "local_shards")
-            },
+            "weights": local_shards(dmp),
         }
     return runs

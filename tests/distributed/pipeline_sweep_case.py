@@ -27,6 +27,7 @@ from tests.distributed.sharded_model import (
     compare_with_global,
     copy_global_into,
     integer_init,
+    local_shards,
     local_slice,
     loss_of,
     make_ebc,
@@ -268,11 +269,7 @@ def two_modules(rank: int, world: int) -> dict:
             assert stats["total"]["critical_misses"] == 0
         runs[name] = {
             "outputs": [kt.values().detach() for pair in outputs for kt in pair],
-            "weights": {
-                k: [s.tensor.clone() for s in v.local_shards()]
-                for k, v in model.state_dict().items()
-                if hasattr(v, "local_shards")
-            },
+            "weights": local_shards(model),
         }
     return runs
 

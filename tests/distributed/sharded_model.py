@@ -232,6 +232,24 @@ def _prefetch(sharded, kjt: KeyedJaggedTensor) -> None:
     sharded.prefetch(dist_input=dist_input, forward_stream=None, ctx=ctx)
 
 
+def local_shards(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """A copy of this rank's shards of each sharded tensor of `model`'s state dict."""
+    return {
+        k: [s.tensor.clone() for s in v.local_shards()]
+        for k, v in model.state_dict().items()
+        if hasattr(v, "local_shards")
+    }
+
+
+def evaluated(model: torch.nn.Module, batch):  # noqa: ANN001, ANN201
+    """`model(batch)` in eval mode, without gradients; the model is left in training mode."""
+    model.eval()
+    with torch.no_grad():
+        out = model(batch)
+    model.train()
+    return out
+
+
 def loss_of(kt) -> torch.Tensor:
     """An integer-gradient loss over the features in a fixed order (a sharded KeyedTensor orders
     its keys by shard placement, so `.values()` columns differ from the unsharded module's)."""
