@@ -258,13 +258,12 @@ class CachedEmbeddingBags(nn.Module):
         for group, batch in zip(self._groups, routed.groups, strict=True):
             engine = group.engine
             id_weights = batch.id_weights(weights, routed.routed_ids)
-            if not staged:  # an evaluation's batch, beside the window
+            plan = self._lookup(engine, routed) if staged else None
+            if plan is None:  # an evaluation's batch, beside the window
                 pooled = pool_aside(engine, batch, id_weights)
             elif train:
-                plan = self._lookup(engine, routed)
                 pooled = CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
             else:
-                plan = self._lookup(engine, routed)
                 pooled, _ = pool(engine, plan, batch, id_weights)
                 engine.release(plan)
             parts.append(pooled.view(len(group.features), batch_size, engine.dim))
