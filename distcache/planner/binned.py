@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,19 +61,14 @@ class BinnedProfile:
 
     @classmethod
     def power_law(cls, rows: int, alpha: float) -> BinnedProfile:
-        """p ∝ (rank + 1)^-alpha; tail bins integrate x^-alpha over [lo + 1/2, hi + 1/2]."""
-        edges = cls._edges(rows)
-        head = edges[edges <= _HEAD_ROWS][1:].astype(np.float64)  # 1-based ranks 1..head
-        lo, hi = edges[len(head) : -1] + 0.5, edges[len(head) + 1 :] + 0.5
-        mass_head = head**-alpha
-        beta = 1.0 - alpha
-        log_lo, log_ratio = np.log(lo), np.log(hi / lo)
-        if abs(beta) < 1e-12:
-            mass_tail = log_ratio
-        else:  # lo^beta · (exp(beta · ln(hi/lo)) - 1) / beta, stable near alpha = 1
-            mass_tail = np.exp(beta * log_lo) * np.expm1(beta * log_ratio) / beta
+        """p ∝ (rank + 1)^-alpha; tail bins integrate x^-alpha over [lo + 1/2, hi + 1/2].
+
+        Every table's bins but its last are a prefix of the same bins (`_edges`), whose
+        masses are made once per alpha (`_PowerLawBins`): a table's profile costs a few
+        slices, not the integrals of its ~700 bins again (a thousand-table plan builds a
+        thousand)."""
+        edges, mass = _power_law_bins(float(alpha)).of(rows)
         counts = np.diff(edges).astype(np.float64)
-        mass = np.concatenate([mass_head, mass_tail])
         return cls(counts, mass / mass.sum() / counts)
 
     @classmethod
@@ -124,7 +120,7 @@ class BinnedProfile:
         share of lookups a replica of them serves, and the rows of it a batch touches."""
         key = ("h", int(rows), float(n))
         if key not in self._memo:
-            touched = self._head_sum(rows, self._touch(n), self._head_bin(rows))
+            touched = self._head_sum(rows, ("q", float(n)), self._touch(n), self._head_bin(rows))
             self._memo[key] = (self.head_mass(rows), touched)
         return self._memo[key]
 
@@ -133,7 +129,7 @@ class BinnedProfile:
         batch touches, which a caller of the mass alone does not need)."""
         key = ("hm", int(rows))
         if key not in self._memo:
-            self._memo[key] = self._head_sum(rows, self.probability, self._head_bin(rows))
+            self._memo[key] = self._head_sum(rows, "p", self.probability, self._head_bin(rows))
         return self._memo[key]
 
     def head_most(self, rows: int, n: float, batches: int) -> float:
@@ -152,7 +148,7 @@ class BinnedProfile:
         if spread not in self._memo:
             q = self._touch(n)
             self._memo[spread] = q * (1 - q)
-        variance = self._head_sum(rows, self._memo[spread])
+        variance = self._head_sum(rows, spread, self._memo[spread])
         rows = min(max(int(rows), 0), self.rows)
         most = min(mean + math.sqrt(variance) * expected_normal_max(batches), rows, n)
         self._memo[key] = most
@@ -166,15 +162,26 @@ class BinnedProfile:
             self._memo[key] = int(np.searchsorted(self.rows_through, rows, side="left"))
         return self._memo[key]
 
-    def _head_sum(self, rows: int, per_row: np.ndarray, k: int | None = None) -> float:
+    def _head_sum(
+        self, rows: int, name: tuple | str, per_row: np.ndarray, k: int | None = None
+    ) -> float:
         """The sum over the `rows` likeliest rows of a value given per row of each bin
-        (`[bins]`): the bins wholly inside the head, then the head's rows of the bin holding
-        its last rows (bin `k`, `_head_bin`)."""
+        (`per_row` `[bins]`, memoized as `name`): the bins wholly inside the head, from the
+        value's running sum over the bins (made once per value), then the head's rows of the
+        bin holding its last rows (bin `k`, `_head_bin`)."""
         rows = min(max(int(rows), 0), self.rows)
         k = self._head_bin(rows) if k is None else k
         inside = rows - (self.rows_through[k - 1] if k else 0.0)
-        whole = float(self.rows_per_bin[:k] @ per_row[:k])
+        whole = float(self._through(name, per_row)[k - 1]) if k else 0.0
         return whole + (inside * per_row[k] if k < per_row.size else 0.0)
+
+    def _through(self, name: tuple | str, per_row: np.ndarray) -> np.ndarray:
+        """`[bins]` the sum of `per_row` (memoized as `name`) over the rows up to each bin's
+        end."""
+        key = ("through", name)
+        if key not in self._memo:
+            self._memo[key] = np.cumsum(self.rows_per_bin * per_row)
+        return self._memo[key]
 
     def rows_for_mass(self, mass: float) -> int:
         """The fewest likeliest rows that take at least `mass` of the lookups (all rows for
@@ -182,9 +189,7 @@ class BinnedProfile:
         key = ("m", float(mass))
         if key in self._memo:
             return self._memo[key]
-        if "through" not in self._memo:  # mass up to each bin's end
-            self._memo["through"] = np.cumsum(self.rows_per_bin * self.probability)
-        through = self._memo["through"]
+        through = self._through("p", self.probability)  # mass up to each bin's end
         k = int(np.searchsorted(through, mass - 1e-12, side="left"))
         if k >= through.size:
             self._memo[key] = self.rows
@@ -202,6 +207,55 @@ class BinnedProfile:
         if math.isinf(tau):
             return 0.0
         return float(self.rows_per_bin @ (q * np.exp(tau * log_keep)))
+
+
+def _bin_masses(edges: np.ndarray, alpha: float) -> np.ndarray:
+    """The unnormalized mass of each bin between `edges` (`BinnedProfile._edges`): a head
+    rank's (rank + 1)^-alpha, then each tail bin's `_tail_masses`."""
+    head = edges[edges <= _HEAD_ROWS][1:].astype(np.float64)  # 1-based ranks 1..head
+    tail = _tail_masses(edges[len(head) : -1], edges[len(head) + 1 :], alpha)
+    return np.concatenate([head**-alpha, tail])
+
+
+def _tail_masses(lo: np.ndarray, hi: np.ndarray, alpha: float) -> np.ndarray:
+    """The integral of x^-alpha over [lo + 1/2, hi + 1/2] for the ranks [lo, hi) of each bin."""
+    lo, hi = lo + 0.5, hi + 0.5
+    beta = 1.0 - alpha
+    log_lo, log_ratio = np.log(lo), np.log(hi / lo)
+    if abs(beta) < 1e-12:
+        return log_ratio
+    # lo^beta · (exp(beta · ln(hi/lo)) - 1) / beta, stable near alpha = 1
+    return np.exp(beta * log_lo) * np.expm1(beta * log_ratio) / beta
+
+
+class _PowerLawBins:
+    """The bins of one alpha's power law over as many rows as asked so far: every table's
+    `BinnedProfile._edges` but the last are a prefix of the same edges (the head's ranks, then
+    the geometric ones below its rows), so their masses are the same; only the last bin, cut at
+    the table's rows, is its own."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self.edges = np.zeros(1, dtype=np.int64)  # [bins + 1] (grown by `of`)
+        self.mass = np.zeros(0)  # [bins]
+
+    def of(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(`BinnedProfile._edges(rows)`, the unnormalized mass of each of its bins)."""
+        if rows > self.edges[-1]:  # grown to twice the rows asked: a few growths in all
+            self.edges = BinnedProfile._edges(2 * rows)
+            self.mass = _bin_masses(self.edges, self.alpha)
+        k = int(np.searchsorted(self.edges, rows, side="left"))  # edges[k - 1] < rows
+        if self.edges[k] == rows:  # an edge of the shared bins: a prefix
+            return self.edges[: k + 1], self.mass[:k]
+        edges = np.append(self.edges[:k], rows)  # the last bin cut at the table's rows
+        last = _tail_masses(edges[-2:-1].astype(np.float64), np.array([float(rows)]), self.alpha)
+        return edges, np.concatenate([self.mass[: k - 1], last])
+
+
+@functools.lru_cache(maxsize=64)
+def _power_law_bins(alpha: float) -> _PowerLawBins:
+    """The shared bins of `alpha`'s power law (the few alphas of a workload each kept)."""
+    return _PowerLawBins(alpha)
 
 
 @dataclass(frozen=True)

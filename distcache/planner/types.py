@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -338,50 +339,38 @@ class TablePlan:
     all of its rows all-reduced, or only the rows each rank touched, all-gathered."""
 
     def __post_init__(self) -> None:
-        t = self.table
-        _check(
-            self.sharding in SHARDING_TYPES,
-            f"table {t!r}: sharding {self.sharding!r} is not one of {SHARDING_TYPES}",
-        )
-        _check(
-            self.storage in STORAGES,
-            f"table {t!r}: storage {self.storage!r} is not one of {STORAGES}",
-        )
-        _check(len(self.ranks) >= 1, f"table {t!r}: ranks must not be empty")
-        _check(
-            self.sharding != TABLE_WISE or len(self.ranks) == 1,
-            f"table {t!r}: table-wise sharding has one rank, got {self.ranks}",
-        )
-        _check(
-            0 < self.cache_fraction <= 1,
-            f"table {t!r}: cache_fraction must be in (0, 1], got {self.cache_fraction}",
-        )
-        _check(
-            self.storage == HOST_CACHED or self.cache_fraction == 1.0,
-            f"table {t!r}: device storage holds every row (cache_fraction 1.0)",
-        )
-        _check(
-            self.sharding != DATA_PARALLEL or self.storage == DEVICE,
-            f"table {t!r}: data-parallel tables are stored on the device",
-        )
-        _check(
-            isinstance(self.hot_rows, int) and self.hot_rows >= 0,
-            f"table {t!r}: hot_rows must be an int >= 0, got {self.hot_rows!r}",
-        )
-        _check(
-            self.sharding != DATA_PARALLEL or self.hot_rows == 0,
-            f"table {t!r}: a data-parallel table is replicated whole (hot_rows 0), got "
-            f"{self.hot_rows}",
-        )
-        _check(
-            self.hot_reduce in HOT_REDUCE,
-            f"table {t!r}: hot_reduce {self.hot_reduce!r} is not one of {HOT_REDUCE}",
-        )
-        _check(
-            0 <= self.prefetch_depth <= self.lookahead,
-            f"table {t!r}: expected 0 <= prefetch_depth <= lookahead, got "
-            f"{self.prefetch_depth} and {self.lookahead}",
-        )
+        # (The solver makes thousands: each message is formatted only when its check fails.)
+        problem = next(self._problems(), None)
+        if problem is not None:
+            raise DistcacheConfigError(f"table {self.table!r}: {problem}")
+
+    def _problems(self) -> Iterator[str]:
+        """What is wrong with this plan of one table, first things first."""
+        if self.sharding not in SHARDING_TYPES:
+            yield f"sharding {self.sharding!r} is not one of {SHARDING_TYPES}"
+        if self.storage not in STORAGES:
+            yield f"storage {self.storage!r} is not one of {STORAGES}"
+        if len(self.ranks) < 1:
+            yield "ranks must not be empty"
+        if self.sharding == TABLE_WISE and len(self.ranks) != 1:
+            yield f"table-wise sharding has one rank, got {self.ranks}"
+        if not 0 < self.cache_fraction <= 1:
+            yield f"cache_fraction must be in (0, 1], got {self.cache_fraction}"
+        if self.storage != HOST_CACHED and self.cache_fraction != 1.0:
+            yield "device storage holds every row (cache_fraction 1.0)"
+        if self.sharding == DATA_PARALLEL and self.storage != DEVICE:
+            yield "data-parallel tables are stored on the device"
+        if not isinstance(self.hot_rows, int) or self.hot_rows < 0:
+            yield f"hot_rows must be an int >= 0, got {self.hot_rows!r}"
+        if self.sharding == DATA_PARALLEL and self.hot_rows != 0:
+            yield f"a data-parallel table is replicated whole (hot_rows 0), got {self.hot_rows}"
+        if self.hot_reduce not in HOT_REDUCE:
+            yield f"hot_reduce {self.hot_reduce!r} is not one of {HOT_REDUCE}"
+        if not 0 <= self.prefetch_depth <= self.lookahead:
+            yield (
+                f"expected 0 <= prefetch_depth <= lookahead, got {self.prefetch_depth} and "
+                f"{self.lookahead}"
+            )
 
     @property
     def placement(self) -> Placement:

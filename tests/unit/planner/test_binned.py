@@ -6,6 +6,7 @@ import pytest
 from distcache.planner.binned import (
     BinnedProfile,
     CacheShare,
+    _bin_masses,
     expected_normal_max,
     shared_loads,
 )
@@ -23,6 +24,27 @@ def test_binned_profile_matches_exact_statistics(alpha):
             for model in ("frequency", "lru"):
                 want = expected_loads(exact, n, capacity, model)
                 assert binned.loads(n, capacity, model) == pytest.approx(want, rel=2e-3)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.9, 1.0, 1.05])
+def test_power_laws_sharing_their_bins_equal_each_built_alone(alpha):
+    """`BinnedProfile.power_law` takes a table's bins from the bins its alpha's power law
+    shares with every other table (a prefix, the last bin cut at its rows, grown for larger
+    tables): in any order of sizes, each profile is the one built from its own bins alone,
+    to the bit. Sizes: the head's edge and either side of it, the first tail bin's edge, on
+    and between the shared edges, and larger tables after smaller ones (the bins grow)."""
+    rng = np.random.default_rng(0)
+    sizes = [1, 2, 1023, 1024, 1025, 1039, 1040, 1041, 1056, 10**6, 40_000_000, 10**9]
+    sizes += np.exp(rng.uniform(0, np.log(1e9), 200)).astype(int).tolist()
+    for rows in rng.permutation(sizes).tolist():
+        edges = BinnedProfile._edges(rows)
+        counts = np.diff(edges).astype(np.float64)
+        mass = _bin_masses(edges, alpha)
+        alone = BinnedProfile(counts, mass / mass.sum() / counts)
+        shared = BinnedProfile.power_law(rows, alpha)
+        assert shared.rows == rows
+        assert np.array_equal(shared.rows_per_bin, alone.rows_per_bin), rows
+        assert np.array_equal(shared.probability, alone.probability), rows
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.1])
