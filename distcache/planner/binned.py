@@ -236,20 +236,24 @@ class _PowerLawBins:
 
     def __init__(self, alpha: float):
         self.alpha = alpha
-        self.edges = np.zeros(1, dtype=np.int64)  # [bins + 1] (grown by `of`)
-        self.mass = np.zeros(0)  # [bins]
+        # ([bins + 1] edges, [bins] masses), grown by `of`: replaced together, in one
+        # assignment, so that a thread reading them never sees the edges of one and the
+        # masses of the other.
+        self.bins = (np.zeros(1, dtype=np.int64), np.zeros(0))
 
     def of(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """(`BinnedProfile._edges(rows)`, the unnormalized mass of each of its bins)."""
-        if rows > self.edges[-1]:  # grown to twice the rows asked: a few growths in all
-            self.edges = BinnedProfile._edges(2 * rows)
-            self.mass = _bin_masses(self.edges, self.alpha)
-        k = int(np.searchsorted(self.edges, rows, side="left"))  # edges[k - 1] < rows
-        if self.edges[k] == rows:  # an edge of the shared bins: a prefix
-            return self.edges[: k + 1], self.mass[:k]
-        edges = np.append(self.edges[:k], rows)  # the last bin cut at the table's rows
+        shared, mass = self.bins
+        if rows > shared[-1]:  # grown to twice the rows asked: a few growths in all
+            shared = BinnedProfile._edges(2 * rows)
+            mass = _bin_masses(shared, self.alpha)
+            self.bins = shared, mass
+        k = int(np.searchsorted(shared, rows, side="left"))  # shared[k - 1] < rows
+        if shared[k] == rows:  # an edge of the shared bins: a prefix
+            return shared[: k + 1], mass[:k]
+        edges = np.append(shared[:k], rows)  # the last bin cut at the table's rows
         last = _tail_masses(edges[-2:-1].astype(np.float64), np.array([float(rows)]), self.alpha)
-        return edges, np.concatenate([self.mass[: k - 1], last])
+        return edges, np.concatenate([mass[: k - 1], last])
 
 
 @functools.lru_cache(maxsize=64)
