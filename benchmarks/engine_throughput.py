@@ -476,7 +476,7 @@ def _count_kernels(variant: Cached) -> list[int]:
         return None if kernels is None else {k: Counted(v) for k, v in kernels.items()}
 
     bags = variant.bags
-    bags._kernels = counted(bags._kernels)
+    bags._router.kernels = counted(bags._router.kernels)
     for group in bags._groups:
         scheduler = group.engine.scheduler
         scheduler._kernels = scheduler.victims.kernels = counted(scheduler._kernels)
@@ -488,7 +488,8 @@ def _replays(variant: Baseline | Cached) -> int:
     if not isinstance(variant, Cached):
         return 0
     bags = variant.bags
-    return bags._graphs.replays + sum(g.engine.scheduler.graphs.replays for g in bags._groups)
+    scheduling = sum(g.engine.scheduler.graphs.replays for g in bags._groups)
+    return bags._router.graphs.replays + scheduling
 
 
 def _evictions(variant: Baseline | Cached) -> int | None:

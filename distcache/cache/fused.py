@@ -13,7 +13,7 @@ Fused so far (counted in torch ops and kernels that launch work, a steady-state 
 16 -> 2. `benchmarks/engine_throughput.py` section 4 counts a whole step of its 5 % cache,
 forward and backward, without graphs: 165 -> 51 launches, the same 6,447 evictions):
 - `route`: a batch routed into a cache whose one group serves every feature
-  (`CachedEmbeddingBags._route_device`): each id's bag (a binary search of the offsets), its
+  (`Router.route_device`): each id's bag (a binary search of the offsets), its
   feature, its engine row, checked against its table's rows (the invalid ones counted);
 - `enter`: a batch entering the window (`Window.enter_device` and the scheduler's next uses of
   resident rows): after the sort and the running count of distinct rows, one kernel packs the
@@ -382,7 +382,7 @@ def route(
     check_ids: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A batch's routing into a cache whose one group serves every feature
-    (`CachedEmbeddingBags._route_device`, in one kernel): each id's engine row `[n]` (the
+    (`Router.route_device`, in one kernel): each id's engine row `[n]` (the
     sentinel row for invalid ids and padding), its bag `[n]`, and with `check_ids` how many ids
     are out of range (`[1]` int64, `ids.find_invalid`'s count)."""
     n, num_bags, device = values.numel(), offsets.numel() - 1, values.device

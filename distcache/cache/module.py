@@ -7,33 +7,30 @@ several features may share a table, as in TorchRec). The output is `[B, sum of t
 dims]`, features side by side in order.
 
 Tables of the same width and dtype share one `CacheEngine` (one cache, rows concatenated, as
-large as their caches together); other tables get their own. Rows are updated in backward by
-the configured fused optimizer, so the module has no parameters for a dense optimizer.
+large as their caches together); other tables get their own. A batch's ids are routed into
+each cache's rows (`routing.Router`), enter the caches' windows (`enqueue`), are staged ahead
+(`prefetch`) and looked up (`forward`, `pooling.py`). Rows are updated in backward by the
+configured fused optimizer, so the module has no parameters for a dense optimizer.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from distcache.cache import fused
 from distcache.cache.capacity import log_shortfalls, per_table, shared_capacity
 from distcache.cache.config import CacheConfig
 from distcache.cache.counters import CacheStats
 from distcache.cache.engine import CacheEngine
-from distcache.cache.graphs import GraphCache
 from distcache.cache.host_store import HostStore
-from distcache.cache.ids import find_invalid, first_invalid, raise_if_invalid
-from distcache.cache.pooling import CachedPooledLookup, GroupBatch, pool, pool_aside
+from distcache.cache.ids import raise_if_invalid
+from distcache.cache.pooling import CachedPooledLookup, pool, pool_aside
+from distcache.cache.routing import CacheGroup, RoutedBatch, Router
 from distcache.cache.scheduler import StagePlan
-from distcache.cache.select import pack
 from distcache.cache.streams import tensors_in
 from distcache.cache.tables import TableSpec, table_config
 from distcache.errors import (
@@ -43,38 +40,6 @@ from distcache.errors import (
     InvalidIdError,
     UnknownTableError,
 )
-
-
-@dataclass
-class _Group:
-    """Tables of one width and dtype served by one engine, and the features that look them up."""
-
-    engine: CacheEngine
-    tables: list[int]  # indices into the module's tables
-    row_offsets: list[int]  # first engine row of each table
-    features: list[int]  # indices of the features whose table is in this group
-    feature_row_offset: torch.Tensor  # [F] int64 engine row of the feature's row 0 (0: not here)
-    member: torch.Tensor  # [F] bool the feature's table is in this group
-    feature_index: torch.Tensor  # [len(features)] int64 the group's features
-    position: torch.Tensor  # [F] int64 index of the feature among the group's (0: not here)
-    has_mean: bool  # some feature of the group pools by mean (decided on the host)
-
-    @property
-    def sentinel_row(self) -> int:
-        return self.engine.scheduler.residency.sentinel_row
-
-
-@dataclass
-class _Batch:
-    groups: list[GroupBatch]
-    num_ids: int
-    num_bags: int
-    routed_ids: int  # with padding (`cuda_graphs`, jagged batches); num_ids if none
-    # The ids and offsets as checked (`check_ids`), to name an invalid id on the error path.
-    checked: tuple[torch.Tensor, torch.Tensor] | None = None
-    routed_on: torch.cuda.Stream | None = None  # the stream it was routed on (CUDA)
-    for_training: bool = False  # enqueued in training: only training looks it up
-    check: torch.Tensor | None = None  # its check words (`_route`), as enqueued
 
 
 class CachedEmbeddingBags(nn.Module):
@@ -137,8 +102,6 @@ class CachedEmbeddingBags(nn.Module):
                 f"indices in [0, {len(tables)})"
             )
         self.feature_table_map = fmap
-        self._rows = torch.tensor([tables[t].num_embeddings for t in fmap], device=self.device)
-        self._mean = torch.tensor([tables[t].pooling == "mean" for t in fmap], device=self.device)
         ids = per_table(ids_per_batch, names)
         self._groups = [
             self._group(
@@ -149,16 +112,11 @@ class CachedEmbeddingBags(nn.Module):
         num_features = len(fmap)
         self._in_order = [f for g in self._groups for f in g.features] == list(range(num_features))
         self._anchor = torch.zeros((), requires_grad=True)
-        self._routed: deque[_Batch] = deque()  # enqueued batches, oldest first
-        # Routing replayed as a graph per batch shape (`CacheConfig.cuda_graphs`).
-        graphs = config.graphs_on(self.device)
-        self._graphs = GraphCache(self.device, enabled=graphs, name="routing")
-        whole = len(self._groups) == 1  # one group serving every feature: `fused.route`
-        on = config.fused_on(self.device) and whole
-        self._kernels = fused.kernels(self.device, graphs=graphs) if on else None
+        self._routed: deque[RoutedBatch] = deque()  # enqueued batches, oldest first
+        self._router = Router(self._groups, self.tables, fmap, config, self.device)
         self._init_weights(seed)
 
-    def _group(self, members: list[int], ids: list[float | None]) -> _Group:
+    def _group(self, members: list[int], ids: list[float | None]) -> CacheGroup:
         """The cache of the tables `members` (of one width and dtype; `ids`: each table's ids
         a batch, or None) and how features reach it."""
         tables, fmap, config = self.tables, self.feature_table_map, self.config
@@ -183,7 +141,7 @@ class CachedEmbeddingBags(nn.Module):
         features = [f for f, t in enumerate(fmap) if t in members]
         offset = [starts[members.index(t)] if t in members else 0 for t in fmap]
         position = [features.index(f) if f in features else 0 for f in range(len(fmap))]
-        return _Group(
+        return CacheGroup(
             engine=engine,
             tables=members,
             row_offsets=starts,
@@ -202,9 +160,9 @@ class CachedEmbeddingBags(nn.Module):
         Ids are validated on the device: an invalid id raises `InvalidIdError` when its batch is
         looked up (`forward`), before the batch reads a row; it is never loaded or updated.
         """
-        self._enqueue_routed(*self._route(values, offsets))
+        self._enqueue_routed(*self._router.route(values, offsets))
 
-    def _enqueue_routed(self, batch: _Batch, check: torch.Tensor | None) -> None:
+    def _enqueue_routed(self, batch: RoutedBatch, check: torch.Tensor | None) -> None:
         for group in self._groups:  # the batch enters every cache or none
             group.engine.check_room()
         streams = self._groups[0].engine.streams
@@ -213,7 +171,7 @@ class CachedEmbeddingBags(nn.Module):
         self._enter_caches(batch)
         self._routed.append(batch)
 
-    def _enter_caches(self, batch: _Batch) -> None:
+    def _enter_caches(self, batch: RoutedBatch) -> None:
         """`batch`'s routed ids enter every cache's look-ahead window (and its check words the
         first's)."""
         for k, (group, part) in enumerate(zip(self._groups, batch.groups, strict=True)):
@@ -278,7 +236,7 @@ class CachedEmbeddingBags(nn.Module):
                 per_feature[f] = row
         return torch.cat(per_feature, dim=1)  # type: ignore[arg-type]
 
-    def _next_routed(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[_Batch, bool]:
+    def _next_routed(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[RoutedBatch, bool]:
         """The batch to look up, and whether it is staged: the oldest enqueued batch, which
         must be this one, out of the window (with an empty window, the batch is enqueued now:
         its misses are staged on the critical path). A lookup in eval mode while the oldest
@@ -286,12 +244,12 @@ class CachedEmbeddingBags(nn.Module):
         evaluation's, of another batch: it is routed here and read beside the window, which
         stays as it is."""
         if not self._routed:
-            self._enqueue_routed(*self._route(values, offsets))
+            self._enqueue_routed(*self._router.route(values, offsets))
         elif self._routed[0].for_training and not self.training:
-            batch, check = self._route(values, offsets)
+            batch, check = self._router.route(values, offsets)
             invalid = 0 if check is None else int(check[0])  # (an evaluation reads it back)
             if invalid:
-                record = self._first_invalid(batch, invalid)
+                record = self._router.first_invalid(batch, invalid)
                 raise_if_invalid(record, self._rows_of, self._describe)
             return batch, False
         routed = self._routed[0]  # validated and routed when enqueued
@@ -304,7 +262,7 @@ class CachedEmbeddingBags(nn.Module):
         self._keep_for_lookup(routed)
         return self._routed.popleft(), True
 
-    def _keep_for_lookup(self, batch: _Batch) -> None:
+    def _keep_for_lookup(self, batch: RoutedBatch) -> None:
         """A batch routed on another stream than the one looking it up (TorchRec's prefetch
         pipeline routes the next batch on a stream of its own): its tensors, freed after its
         backward, keep their memory until this stream's uses of them completed (else the
@@ -328,27 +286,18 @@ class CachedEmbeddingBags(nn.Module):
             )
         return weights.to(self.device, torch.float32, non_blocking=True).reshape(-1)
 
-    def _lookup(self, engine: CacheEngine, batch: _Batch) -> StagePlan:
+    def _lookup(self, engine: CacheEngine, batch: RoutedBatch) -> StagePlan:
         """The engine's next plan for `batch`; after an error, the window is dropped, then it
         is raised."""
         try:
             plan = engine.lookup_plan()
             if plan.host_check is not None and plan.host_check[0]:  # invalid ids: name one
-                record = self._first_invalid(batch, plan.host_check[0])
+                record = self._router.first_invalid(batch, plan.host_check[0])
                 raise_if_invalid(record, self._rows_of, self._describe)
         except (CacheCapacityError, InvalidIdError):
             self.drop_window()
             raise
         return plan
-
-    def _first_invalid(self, batch: _Batch, count: int) -> list[int]:
-        """`first_invalid` of a batch whose check counted `count` invalid ids (reads it on the
-        host)."""
-        values, offsets = batch.checked
-        num_features = len(self.feature_table_map)
-        starts = torch.arange(num_features + 1) * (batch.num_bags // num_features)
-        ids_per_feature = offsets.cpu().index_select(0, starts).diff()
-        return first_invalid(values, ids_per_feature, self._rows, count)
 
     @property
     def num_enqueued(self) -> int:
@@ -360,126 +309,6 @@ class CachedEmbeddingBags(nn.Module):
         for group in self._groups:
             group.engine.drop_window()
         self._routed.clear()
-
-    def _route(self, values: torch.Tensor, offsets: torch.Tensor) -> tuple[_Batch, torch.Tensor]:
-        """Split a batch into each group's engine rows, on the device; invalid ids go to the
-        sentinel row, recorded in the returned check words (None without `check_ids`)."""
-        num_features = len(self.feature_table_map)
-        num_bags = offsets.numel() - 1
-        if num_bags < 0 or num_bags % num_features:
-            raise InvalidBatchError(
-                f"offsets has {offsets.numel()} entries; expected F * B + 1 with F={num_features} "
-                "features (feature-major bags)"
-            )
-        # From host memory without waiting for the device (a pageable source is copied out
-        # before the call returns; a blocking copy would wait for the device's queue).
-        values = values.to(self.device, torch.int64, non_blocking=True)
-        offsets = offsets.to(self.device, torch.int64, non_blocking=True)
-        n = values.numel()
-        routed = self._graphs.size(n, num_bags)
-        padded_ids = routed > n
-        if padded_ids:  # padding ids (value 0) past the last bag: routed to the sentinel row
-            values = F.pad(values, (0, routed - n))
-        fn = functools.partial(self._route_device, padded_ids=padded_ids)
-        flat = iter(self._graphs.run(("route", routed, num_bags, padded_ids), fn, values, offsets))
-        parts = []
-        for group in self._groups:  # as `_route_device` lays its results out
-            ids, g_offsets, g_bag_of_id = next(flat), next(flat), next(flat)
-            divisor = next(flat) if group.has_mean else None
-            padded = len(group.features) < num_features
-            keep = (next(flat), next(flat)) if padded else (None, None)
-            part = GroupBatch(ids, g_offsets, g_bag_of_id, divisor, padded, *keep, padded_ids)
-            parts.append(part)
-        check, checked = None, None
-        if self.config.check_ids:
-            check, checked = next(flat), (values[:n], offsets)
-        return _Batch(parts, n, num_bags, routed, checked), check
-
-    def _route_device(
-        self, values: torch.Tensor, offsets: torch.Tensor, *, padded_ids: bool = False
-    ) -> tuple[torch.Tensor, ...]:
-        """`_route`'s device work (a graph with `cuda_graphs`): per group its ids, offsets,
-        bag of each id, then the bags' divisors if it has mean features, then `member` and
-        `rank` if it has only some features; then the check words if ids are checked."""
-        num_features, n = len(self.feature_table_map), values.numel()
-        num_bags = offsets.numel() - 1
-        batch_size = num_bags // num_features
-        if self._kernels is not None and batch_size:
-            return self._route_fused(values, offsets, batch_size, padded_ids)
-        lengths = offsets.diff()  # [F * B]
-        if not padded_ids:  # repeat_interleave of counts alone: the index of each id's count
-            bag_of_id = torch.repeat_interleave(lengths, output_size=n)
-            starts = torch.arange(num_features + 1, device=self.device).mul_(batch_size)
-            ids_per_feature = offsets.index_select(0, starts).diff()  # [F]
-
-            def per_id(per_feature: torch.Tensor) -> torch.Tensor:  # [F] -> each id's [n]
-                return per_feature.repeat_interleave(ids_per_feature, output_size=n)
-
-        else:  # ids past the last bag (n is offsets[-1], on the device): bag num_bags
-            at = torch.arange(n, device=self.device)
-            bag_of_id = torch.searchsorted(offsets[1:], at, right=True)
-            feature_of_id = (bag_of_id // max(batch_size, 1)).clamp_(max=num_features - 1)
-
-            def per_id(per_feature: torch.Tensor) -> torch.Tensor:
-                return per_feature.index_select(0, feature_of_id)
-
-        bad, check = None, None
-        if self.config.check_ids:
-            bad, check = find_invalid(values, per_id(self._rows))
-        if padded_ids:
-            pad = bag_of_id >= num_bags
-            bad = pad if bad is None else bad | pad
-        out: list[torch.Tensor] = []
-        for group in self._groups:
-            ids = values + per_id(group.feature_row_offset)
-            if bad is not None:
-                ids = torch.where(bad, group.sentinel_row, ids)
-            padded = len(group.features) < num_features
-            if not padded:
-                g_lengths, g_offsets, g_bag_of_id = lengths, offsets, bag_of_id
-            else:  # pack the group's ids first (features are feature-major, so bags stay whole)
-                member = per_id(group.member)
-                if padded_ids:
-                    member = member & ~pad
-                rank = member.cumsum(0, dtype=torch.int32) - 1
-                per_feature = lengths.view(num_features, batch_size)
-                g_lengths = per_feature.index_select(0, group.feature_index).reshape(-1)
-                g_offsets = torch.cat([offsets[:1] * 0, g_lengths.cumsum(0)])
-                position = per_id(group.position)
-                local_bag = position * batch_size + bag_of_id % max(batch_size, 1)
-                ids = pack(member, rank, ids, n, group.sentinel_row)
-                g_bag_of_id = pack(member, rank, local_bag, n, g_lengths.numel())
-            out += [ids, g_offsets, g_bag_of_id]
-            if group.has_mean:  # decided on the host from the table configs
-                out.append(self._divisor(group, g_lengths, batch_size))
-            if padded:
-                out += [member, rank]
-        if check is not None:
-            out.append(check)
-        return tuple(out)
-
-    def _route_fused(
-        self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int, padded_ids: bool
-    ) -> tuple[torch.Tensor, ...]:
-        """`_route_device` by `fused.route`, for one group serving every feature."""
-        (group,) = self._groups
-        ids, bag_of_id, check = fused.route(
-            self._kernels, values, offsets, self._rows, group.feature_row_offset,
-            group.sentinel_row, len(self.feature_table_map), padded_ids=padded_ids,
-            check_ids=self.config.check_ids,
-        )  # fmt: skip
-        out = [ids, offsets, bag_of_id]
-        if group.has_mean:
-            out.append(self._divisor(group, offsets.diff(), batch_size))
-        return (*out, check) if check is not None else tuple(out)
-
-    def _divisor(self, group: _Group, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """`[t * B]` float32: each of the group's bags' id count (at least 1) where its
-        feature pools by mean, else 1."""
-        mean = self._mean.index_select(0, group.feature_index)
-        length = lengths.clamp(min=1).to(torch.float32)
-        bag_mean = mean.repeat_interleave(batch_size)
-        return torch.where(bag_mean, length, torch.ones_like(length))
 
     def _rows_of(self, feature: int) -> int:
         return self.tables[self.feature_table_map[feature]].num_embeddings
@@ -549,7 +378,7 @@ class CachedEmbeddingBags(nn.Module):
     def engines(self) -> list[CacheEngine]:
         return [g.engine for g in self._groups]
 
-    def _locate(self, name: str) -> tuple[_Group, int, int]:
+    def _locate(self, name: str) -> tuple[CacheGroup, int, int]:
         for group in self._groups:
             for k, t in enumerate(group.tables):
                 if self.tables[t].name == name:

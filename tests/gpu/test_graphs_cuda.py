@@ -60,5 +60,5 @@ def test_replayed_path_does_not_synchronize():
     config = CacheConfig(capacity=40, lookahead=4, prefetch_depth=1, cuda_graphs=True)
     cached = CachedEmbeddingBags(TABLES, config, device=DEVICE)
     train_without_syncs(cached, batches, lookahead=config.lookahead, warm=20)  # (evicting by then)
-    assert cached.engines[0].scheduler.graphs.replays > 20 and cached._graphs.replays > 20
+    assert cached.engines[0].scheduler.graphs.replays > 20 and cached._router.graphs.replays > 20
     assert all(s.evictions > 0 for s in cached.stats().values())

@@ -144,7 +144,7 @@ def test_lookups_wait_on_the_staging_event_and_the_training_thread_never_waits(
         loss_of(out).backward()
         window.t += 1
     # Only a CUDA graph's capture (`cuda_graphs`, on by default) synchronizes: once per shape.
-    captures = bags._graphs.captures + engine.scheduler.graphs.captures
+    captures = bags._router.graphs.captures + engine.scheduler.graphs.captures
     assert host_waits == ["torch.cuda.synchronize"] * captures, (
         f"the training thread waited for the device: {host_waits} ({captures} captures)"
     )
@@ -177,7 +177,7 @@ def test_the_host_runs_k_training_steps_ahead_of_a_busy_device(staging):
     window = _Window(bags, _batches(16) * 4)
     for _ in range(36):
         window.step()
-    graphs = (bags._graphs, bags.engines[0].scheduler.graphs)
+    graphs = (bags._router.graphs, bags.engines[0].scheduler.graphs)
     captures = [g.captures for g in graphs]
     window.enqueue()
     bags.prefetch()

@@ -254,7 +254,7 @@ def compare_routing(
     if padded_ids:  # ids past the last bag (what graphs pad with)
         values = torch.cat([values, torch.zeros(5, dtype=torch.long)])
     values, offsets = values.to(device), offsets.to(device)
-    ref, got = (m._route_device(values, offsets, padded_ids=padded_ids) for m in modules)
+    ref, got = (m._router.route_device(values, offsets, padded_ids=padded_ids) for m in modules)
     assert len(ref) == len(got)
     if unchecked_to_sentinel and not check_ids:
         bound = torch.tensor([30] * 6 + [7] * 7 + [50] * 7 + [1] * (values.numel() - 20))

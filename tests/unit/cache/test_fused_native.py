@@ -190,7 +190,7 @@ def test_unchecked_ids_out_of_range_are_routed_to_the_sentinel_row():
     config = CacheConfig(capacity=10, lookahead=2, check_ids=False, cuda_graphs=False)
     cached = CachedEmbeddingBags(tables, config)
     values, offsets = torch.tensor([3, 30, -2, 5, 1 << 40]), torch.tensor([0, 2, 3, 5])
-    routed = cached._route_device(values, offsets)
+    routed = cached._router.route_device(values, offsets)
     sentinel = cached._groups[0].sentinel_row
     assert routed[0].tolist() == [3, sentinel, sentinel, 5, sentinel]
     for _ in range(3):

@@ -113,7 +113,8 @@ def test_graphs_train_bitwise_as_without(policy, optimizer, depth, staging):
     (engine,) = graphed.engines
     graphs = engine.scheduler.graphs
     assert graphs.captures >= 4 and graphs.replays > 40  # 2 sizes x enqueue, stage; after reset
-    assert graphed._graphs.captures == 2 and graphed._graphs.replays > 40  # the routing's
+    routing = graphed._router.graphs
+    assert routing.captures == 2 and routing.replays > 40  # the routing's
     assert plain.engines[0].scheduler.graphs.captures == 0
 
 
@@ -143,7 +144,7 @@ def test_jagged_batches_are_padded_to_a_few_sizes_and_replayed():
     for a, b in zip(plain.stats().values(), graphed.stats().values(), strict=True):
         assert (a.ids, a.unique, a.loads, a.evictions) == (b.ids, b.unique, b.loads, b.evictions)
     assert graphed.engines[0].scheduler.graphs.replays > 40
-    assert graphed._graphs.replays > 30  # the routing, padded too
+    assert graphed._router.graphs.replays > 30  # the routing, padded too
 
 
 @pytest.mark.parametrize("case", ["two widths, weighted", "per-id rows"])
@@ -161,7 +162,7 @@ def test_jagged_padded_routing_is_bitwise_as_without(case):
     plain, plain_outs, _ = train(CacheConfig(**config), batches, **run)
     graphed, graphed_outs, _ = train(CacheConfig(**config, cuda_graphs=True), batches, **run)
     assert_same_training(plain, plain_outs, graphed, graphed_outs, tables)
-    assert graphed._graphs.replays > 20
+    assert graphed._router.graphs.replays > 20
     assert all(e.scheduler.graphs.replays > 20 for e in graphed.engines)
 
 
@@ -212,7 +213,7 @@ def test_sequence_rows_and_an_invalid_id_under_graphs_are_as_without():
     assert [t for t, _ in plain_errors] == [25] and plain_errors == graphed_errors
     assert "id 300" in plain_errors[0][1]
     assert_same_training(plain, plain_outs, graphed, graphed_outs)
-    assert graphed._graphs.replays > 20 and graphed.engines[0].scheduler.graphs.replays > 20
+    assert graphed._router.graphs.replays > 20 and graphed.engines[0].scheduler.graphs.replays > 20
 
 
 def test_the_replayed_path_reads_nothing_back():
@@ -371,7 +372,7 @@ def test_cuda_graphs_is_a_bool_or_none_which_means_on_for_cuda():
     assert CacheConfig(cuda_graphs=True).graphs_on(torch.device("cpu"))
     assert not CacheConfig(cuda_graphs=False).graphs_on(torch.device("cuda"))
     bags = CachedEmbeddingBags(make_tables([4], [10]), CacheConfig(capacity=4))  # on the CPU
-    assert not bags._graphs.enabled and not bags.engines[0].scheduler.graphs.enabled
+    assert not bags._router.graphs.enabled and not bags.engines[0].scheduler.graphs.enabled
 
 
 def test_the_packed_buffer_round_trips_every_kind_of_tensor():
