@@ -67,7 +67,7 @@ from distcache.sharding.hot_reduce import (
 
 
 @dataclass
-class _HotTable:
+class HotTable:
     """One table's replicated rows."""
 
     name: str
@@ -151,7 +151,7 @@ class HotRows:
         sequence: bool = False,
     ):
         self.sequence = sequence
-        self.tables: dict[str, _HotTable] = {}
+        self.tables: dict[str, HotTable] = {}
         self.widths: list[_Width] = []
         start = row = 0
         # Tables of one dim side by side (a width), widths one after another.
@@ -173,7 +173,7 @@ class HotRows:
                     start += self.widths[-1].dim  # the last width's scratch row
                 self.widths.append(_Width(dim, start, row, 0))
             touched = config.hot_reduce == HOT_TOUCHED
-            self.tables[name] = _HotTable(
+            self.tables[name] = HotTable(
                 name, dim, ids, start, row, len(self.widths) - 1, optimizer, touched
             )
             self.widths[-1].rows += len(ids)
@@ -204,13 +204,13 @@ class HotRows:
         self.feature_tables = {f: t for f, t in feature_tables.items() if t in self.tables}
         self.mean_features = set(mean_features)
         self.device = device
-        self._host_group, self._data_group = reduction_groups()
+        self._host_group, self.data_group = reduction_groups()
         spans = [
             Span(n, t.width, t.row - self.widths[t.width].row, t.ids.numel(), t.dim, t.touched_only)
             for n, t in self.tables.items()
         ]
         self._reduction = Reduction(
-            spans, [w.rows for w in self.widths], self._data_group, device, self._host_group
+            spans, [w.rows for w in self.widths], self.data_group, device, self._host_group
         )
         self.stale = True  # the replicas must be read from the tables' shards
         # The last backward's reduction and learning rates' all-reduce, still in flight.
@@ -484,94 +484,6 @@ class HotRows:
             ]
             view = width.view(self.flat, scratch=True)
             apply_touched(view, width.state, keys, sums / world, tables)
-
-    # ------------------------------------------------------------ the tables' shards
-    def gather(self, shards: list[tuple[str, int, int, torch.Tensor, list[torch.Tensor]]]) -> None:
-        """Read the replicas from the shards (all ranks at once: one all-reduce per table).
-
-        `shards`: this rank's shards of hot tables as (table, first row, first column, rows
-        `[r, c]`, optimizer state as blocks `[r, s_i]` whose columns, side by side, are the
-        row optimizer's state layout)."""
-        self.finish_step()
-        for name, table in self.tables.items():
-            dim, width = table.dim, table.state.shape[1]
-            # Rows, state, and how many shards gave each row's state (column shards each keep a
-            # row-wise state of their own: the replica takes their mean).
-            buf = torch.zeros(table.ids.numel(), dim + width + 1, device=self.device)
-            for shard_table, row0, col0, rows, state in shards:
-                if shard_table != name:
-                    continue
-                local, mine = self._local(table, row0, rows.shape[0], rows.device)
-                part = buf.index_select(0, mine)
-                part[:, col0 : col0 + rows.shape[1]] = rows.index_select(0, local).to(part)
-                shard_state = _state_rows(state, local).to(part)
-                for full, own, count in self._state_columns(table, col0, rows.shape[1]):
-                    part[:, dim + full : dim + full + count] += shard_state[:, own : own + count]
-                part[:, -1] += 1.0
-                buf.index_copy_(0, mine, part)
-            if self._data_group is not None:
-                dist.all_reduce(buf, group=self._data_group)
-            with torch.no_grad():
-                table.rows_of(self.flat.detach()).copy_(buf[:, :dim])
-                if width:
-                    shared = buf[:, -1:].clamp(min=1) if self._row_wise(table) else 1.0
-                    table.state.copy_(buf[:, dim : dim + width] / shared)
-        self.stale = False
-
-    def scatter(
-        self, name: str, row0: int, col0: int, rows: torch.Tensor, state: list[torch.Tensor]
-    ) -> None:
-        """Write table `name`'s replica into one of its shards (rows `[r, c]` from `row0`,
-        columns from `col0`, and the rows' optimizer state blocks, as `gather` reads them), in
-        place."""
-        self.finish_step()
-        table = self.tables.get(name)
-        if table is None or self.stale:
-            return
-        local, mine = self._local(table, row0, rows.shape[0], rows.device)
-        replica = table.rows_of(self.flat.detach())
-        values = replica.index_select(0, mine)[:, col0 : col0 + rows.shape[1]]
-        rows.index_copy_(0, local, values.to(rows))
-        if table.state.shape[1]:
-            part = _state_rows(state, local)
-            mine_state = table.state.index_select(0, mine).to(part)
-            for full, own, count in self._state_columns(table, col0, rows.shape[1]):
-                part[:, own : own + count] = mine_state[:, full : full + count]
-            first = 0
-            for block in state:
-                width = block.shape[1]
-                block.index_copy_(0, local, part[:, first : first + width].to(block))
-                first += width
-
-    @staticmethod
-    def _row_wise(table: _HotTable) -> bool:
-        return table.state.shape[1] == 1
-
-    def _state_columns(self, table: _HotTable, col0: int, cols: int) -> list[tuple[int, int, int]]:
-        """(first replica state column, first shard state column, count) of a shard of
-        columns [col0, col0 + cols): a row-wise state is one column; an element-wise one is
-        blocks of `dim` columns (Adagrad: one, Adam: two), of which the shard holds its
-        columns."""
-        width = table.state.shape[1]
-        if not width:
-            return []
-        if self._row_wise(table):
-            return [(0, 0, 1)]
-        return [(b * table.dim + col0, b * cols, cols) for b in range(width // table.dim)]
-
-    def _local(
-        self, table: _HotTable, row0: int, count: int, shard: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shard-local rows, on `shard`; replica slots) of the hot rows in [row0, row0 + count)."""
-        inside = (table.ids >= row0) & (table.ids < row0 + count)
-        mine = torch.arange(table.ids.numel(), device=self.device)[inside]  # host-side setup
-        return (table.ids[inside] - row0).to(shard), mine
-
-
-def _state_rows(state: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
-    """Rows `local` of a shard's optimizer state blocks, side by side: `[n, sum s_i]` fp32."""
-    blocks = [block.index_select(0, local).float() for block in state]
-    return torch.cat(blocks, 1) if blocks else torch.zeros(local.numel(), 0, device=local.device)
 
 
 _TABLE_SPAN = 1 << 40

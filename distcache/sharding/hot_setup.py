@@ -1,6 +1,6 @@
 """A distcache-sharded collection's hot-row replicas (`CacheConfig.hot_rows`): built from the
 plan (`setup_hot_rows`), filled from the shards that hold their rows, and written back to them
-when the caches flush or the module's state dict is taken (`distcache.sharding.hot_rows` does
+when the caches flush or the module's state dict is taken (`hot_shards`; `hot_rows` does
 the lookups and the reduction of their gradients)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from distcache.errors import UnsupportedError
 from distcache.sharding.compact_dist import CompactPooledEmbeddingDist
 from distcache.sharding.hot_rows import HotRows
+from distcache.sharding.hot_shards import read_replicas, write_replica
 from distcache.sharding.kernel import (
     CachedEmbeddingBagKernel,
     CachedEmbeddingKernel,
@@ -194,11 +195,11 @@ class HotRowsSetup:
         for kernel in self.cached_kernels():
             kernel.bags.flush()  # the host rows up to date before they are read
             shards += list(self._hot_shards(kernel))
-        hot.gather(shards)
+        read_replicas(hot, shards)
 
     def _write_hot_rows(self, shards) -> None:  # noqa: ANN001
         for name, row0, col0, rows, states in shards:
-            self._hot.scatter(name, row0, col0, rows, states)
+            write_replica(self._hot, name, row0, col0, rows, states)
 
     def _hot_rows_stale(self) -> None:
         self._hot.stale = True
