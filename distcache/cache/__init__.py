@@ -15,7 +15,8 @@ from distcache.cache.counters import CacheStats
 if TYPE_CHECKING:
     from distcache.cache.engine import CacheEngine
     from distcache.cache.module import CachedEmbeddingBags, TableSpec
-    from distcache.cache.scheduler import Scheduler, StagePlan
+    from distcache.cache.plan import StagePlan
+    from distcache.cache.scheduler import Scheduler
     from distcache.cache.sequence import CachedEmbeddings
 
 # name -> the module defining it, imported on first use (they import torch)
@@ -24,7 +25,7 @@ _LAZY = {
     "CachedEmbeddingBags": "distcache.cache.module",
     "TableSpec": "distcache.cache.module",
     "Scheduler": "distcache.cache.scheduler",
-    "StagePlan": "distcache.cache.scheduler",
+    "StagePlan": "distcache.cache.plan",
     "CachedEmbeddings": "distcache.cache.sequence",
 }
 

@@ -29,8 +29,9 @@ from distcache.cache.counters import CacheStats
 from distcache.cache.host_store import HostStore
 from distcache.cache.lane import Lane
 from distcache.cache.optimizers import make_optimizer, round_stochastically
+from distcache.cache.plan import StagePlan
 from distcache.cache.policies import make_policy
-from distcache.cache.scheduler import Scheduler, StagePlan
+from distcache.cache.scheduler import Scheduler
 from distcache.cache.stager import Stager
 from distcache.cache.streams import Streams
 from distcache.cache.tbe import TbeKernel, kernel_for

@@ -28,9 +28,9 @@ from distcache.cache.counters import CacheStats
 from distcache.cache.engine import CacheEngine
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import raise_if_invalid
+from distcache.cache.plan import StagePlan
 from distcache.cache.pooling import CachedPooledLookup, pool, pool_aside
 from distcache.cache.routing import CacheGroup, RoutedBatch, Router
-from distcache.cache.scheduler import StagePlan
 from distcache.cache.streams import tensors_in
 from distcache.cache.tables import TableSpec, table_config
 from distcache.errors import (

@@ -14,7 +14,7 @@ from distcache.cache.select import pack
 
 if TYPE_CHECKING:
     from distcache.cache.engine import CacheEngine
-    from distcache.cache.scheduler import StagePlan
+    from distcache.cache.plan import StagePlan
 
 
 @dataclass

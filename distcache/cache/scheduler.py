@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +48,17 @@ import torch.nn.functional as F
 from distcache.cache import fused as fused_passes
 from distcache.cache.counters import Counters
 from distcache.cache.graphs import GraphCache, padded_size
+from distcache.cache.plan import (
+    CANDIDATES,
+    EVICTIONS,
+    FREE,
+    LOADS,
+    MISSES,
+    NUM_COUNTS,
+    UNIQUE,
+    WRITEBACKS,
+    StagePlan,
+)
 from distcache.cache.policies import EvictionPolicy, LookaheadPolicy
 from distcache.cache.residency import NO_USE, Residency
 from distcache.cache.select import pack
@@ -56,45 +66,6 @@ from distcache.cache.streams import HostCopy
 from distcache.cache.victims import Victims
 from distcache.cache.window import Window, WindowBatch, check_room
 from distcache.errors import CacheCapacityError, LookaheadWindowError
-
-# Entries of `StagePlan.counts` (int64, on the device until the stager mirrors them). FREE:
-# the slots never loaded, after the plan; once the host sees 0 (`note_counts`, at a batch's
-# lookup) the cache is full until `clear()`, and `Victims` offers no free slots.
-UNIQUE, MISSES, LOADS, WRITEBACKS, EVICTIONS, CANDIDATES, FREE = range(7)
-NUM_COUNTS = 7
-
-
-@dataclass(eq=False)
-class StagePlan:
-    """What staging one batch does: the transfers, and the batch's ids remapped to slots.
-
-    It covers the first m of the batch's packed rows (`Scheduler._stage_size`: its distinct
-    rows, or all n of them). Transfers are packed at the front of `size`-entry buffers
-    (`size = min(m, capacity)`); their counts are `counts[LOADS]` and `counts[WRITEBACKS]`, on
-    the device. The stager must write `writeback_*` back before it loads `load_*` (a victim's
-    slot may be reused by a row loaded in the same plan).
-    """
-
-    seq: int
-    batch: WindowBatch  # the batch's distinct rows and inverse
-    slots: torch.Tensor  # [m] int64 slot of each of the first m `batch.rows` (`_stage_size`)
-    id_slots: torch.Tensor  # [n] int64 slot of every id, in input order
-    load_rows: torch.Tensor  # [size] int64 rows to bring in (first counts[LOADS])
-    load_slots: torch.Tensor  # [size] int64 their slots
-    writeback_rows: torch.Tensor  # [size] int64 dirty victims to write out (first counts[WB])
-    writeback_slots: torch.Tensor  # [size] int64 their slots (before the loads overwrite them)
-    counts: torch.Tensor  # [NUM_COUNTS] int64 on the device
-    critical: bool  # staged when the batch was looked up: its loads stall training
-    pinned_batches: int  # batches in flight when it was staged (for error messages)
-    moves: bool = True  # False: a cache of every row's plan, which loads and writes back nothing
-    host_counts: list[int] | None = None  # `counts` on the host, once looked up (engine)
-    host_check: list[int] | None = None  # the caller's check words, once looked up (engine)
-
-    @property
-    def inverse(self) -> torch.Tensor:
-        """`[n]` index in `batch.rows` of each id's row (as `unique(return_inverse=True)`)."""
-        return self.batch.inv[: self.batch.num_ids]
-
 
 # `Victims` sweeps at least MIN_SCAN slots: caches up to that size are swept whole (below it a
 # sweep costs less than its launches, and small caches choose as if every slot were scored).

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from distcache.cache.config import CacheConfig
 from distcache.cache.engine import CacheEngine
 from distcache.cache.module import CachedEmbeddingBags, TableSpec
+from distcache.cache.plan import StagePlan
 from distcache.cache.pooling import GroupBatch
-from distcache.cache.scheduler import StagePlan
 from distcache.errors import DistcacheConfigError
 
 

@@ -24,7 +24,7 @@ import torch
 
 from distcache.cache.config import POLICIES, CacheConfig
 from distcache.cache.engine import CacheEngine
-from distcache.cache.scheduler import StagePlan
+from distcache.cache.plan import StagePlan
 from distcache.constants import DEFAULT_LOOKAHEAD
 from distcache.errors import DistcacheConfigError
 

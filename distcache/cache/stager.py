@@ -42,7 +42,7 @@ import torch
 
 from distcache.cache import fused
 from distcache.cache.host_store import HostStore
-from distcache.cache.scheduler import LOADS, WRITEBACKS, StagePlan
+from distcache.cache.plan import LOADS, WRITEBACKS, StagePlan
 from distcache.cache.streams import Streams, mirror
 from distcache.cache.transfer import copy_rows
 
@@ -143,7 +143,7 @@ class Stager:
 
     def wait(self, plan: StagePlan) -> tuple[list[int], list[int] | None]:
         """Wait until `plan`'s transfers are queued (host) and make the current stream wait for
-        them (device). Returns the plan's counts (`scheduler.UNIQUE`, ...) and check words, now
+        them (device). Returns the plan's counts (`plan.UNIQUE`, ...) and check words, now
         on the host (the worker waited for their copies)."""
         job, future = self._jobs.pop(plan.seq)
         if future is not None:

@@ -214,7 +214,7 @@ class _ScheduleRun:
 
     def step(self) -> None:
         """One batch through the scheduler, timed once the cache is full."""
-        from distcache.cache.scheduler import CANDIDATES, FREE, UNIQUE
+        from distcache.cache.plan import CANDIDATES, FREE, UNIQUE
 
         batch = next(self._batches)
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import distcache.cache.scheduler as scheduler_module
+from distcache.cache.plan import EVICTIONS, WRITEBACKS
 from distcache.cache.policies import make_policy
-from distcache.cache.scheduler import EVICTIONS, WRITEBACKS, Scheduler
+from distcache.cache.scheduler import Scheduler
 from distcache.cache.window import _PAD_FROM
 from tests.device_audit import OpRecorder
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from distcache.cache.plan import LOADS, MISSES, UNIQUE, WRITEBACKS
 from distcache.cache.policies import make_policy
-from distcache.cache.scheduler import LOADS, MISSES, UNIQUE, WRITEBACKS, Scheduler
+from distcache.cache.scheduler import Scheduler
 from distcache.errors import CacheCapacityError, LookaheadWindowError
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import distcache.cache.scheduler as scheduler_module
+from distcache.cache.plan import LOADS, MISSES
 from distcache.cache.policies import make_policy
-from distcache.cache.scheduler import LOADS, MISSES, Scheduler
+from distcache.cache.scheduler import Scheduler
 
 NONE = 10**9  # the reference's distance of a row no batch in the window uses
 
