@@ -1,6 +1,6 @@
 """One rank's compute figures for `python -m distcache calibrate`: the timed kernels of
 `microbench`, `densebench` and `schedbench` run in order, each result under its
-`calibrate.Measurements` name, with a note for each figure the rank could not measure.
+`measurements.Measurements` name, with a note for each figure the rank could not measure.
 
 On CUDA the host link is timed both ways from pinned host memory; on CPU the stager's
 measured rate is the host-to-device rate (`calibrate`'s module docstring has the list).
