@@ -115,7 +115,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, plans: dict[str, Plan
         CachedEmbeddingCollectionSharder,
     )
     from distcache.tools.collectives import CollectiveBytes
-    from distcache.tools.measure import make_whole_caches_resident
+    from distcache.tools.measure_runs import make_whole_caches_resident
 
     workload = workload_of(args)
     config = CacheConfig(optimizer="sgd", learning_rate=args.lr)
