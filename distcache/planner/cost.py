@@ -136,7 +136,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,7 +145,9 @@ from distcache.constants import HOT_TOUCHED
 from distcache.errors import DistcacheConfigError
 from distcache.planner.caches import rank_caches
 from distcache.planner.dense import (
+    all_gather_rows_s,
     all_gather_s,
+    all_reduce_rows_s,
     all_reduce_s,
     dense_compute_s,
     dense_parameter_bytes,
@@ -334,6 +336,28 @@ class SharedTerms:
     def shared_s(self, *args: object) -> float:
         """`global_terms(...).shared_s` of `parts(*args)`."""
         all_reduce, input_latency, output_latency, overhead = self.parts(*args)
+        return all_reduce + input_latency + output_latency + overhead
+
+    def shared_rows_s(self, kinds: Sequence[frozenset[str]], args: np.ndarray) -> np.ndarray:
+        """[K] `shared_s` of K plans priced together, equal to the bit to each one's: plan k's
+        collectives are `kinds[k]` and its other arguments of `parts` the row `args[k]` (data-
+        parallel bytes, sent bags, hot bytes, hot tables, gather bytes, gathered tables)."""
+        topology, sync = self.topology, self.sync
+        dp, sent, hot_bytes, hot_tables, gather, gathered = args.T
+        of_kinds = {k: self._of_kinds.get(k) or self._kinds_terms(k) for k in set(kinds)}
+        terms = np.array([of_kinds[k] for k in kinds]).reshape(len(kinds), 4)
+        input_latency, output_latency, output_latency_hot, overhead = terms.T
+        all_reduce = all_reduce_rows_s(self.dense_bytes + dp + hot_bytes, topology)
+        if self.several:  # as `parts`, row by row
+            all_reduce = np.where(dp > 0, all_reduce + sync, all_reduce)
+            hot = hot_tables.astype(np.int64) != 0
+            whole = hot_tables.astype(np.int64) > gathered.astype(np.int64)
+            replicas = all_reduce + (HOT_COLLECTIVES - ~whole) * sync
+            gathers = replicas + (all_gather_rows_s(gather, topology) + sync)
+            replicas = np.where(gathered.astype(np.int64) != 0, gathers, replicas)
+            all_reduce = np.where(hot, replicas, all_reduce)
+            output_latency = np.where(hot, output_latency_hot, output_latency)
+        overhead = overhead + topology.id_overhead_s * sent
         return all_reduce + input_latency + output_latency + overhead
 
     def _kinds_terms(self, kinds: frozenset[str]) -> tuple[float, float, float, float]:

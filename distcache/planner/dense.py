@@ -10,6 +10,8 @@ Example::
 
 from __future__ import annotations
 
+import numpy as np
+
 from distcache.planner.types import Topology, Workload
 
 # Activation traffic per dense layer, in elements of its input (i) and output (o) per sample:
@@ -114,11 +116,24 @@ def all_reduce_s(num_bytes: float, topology: Topology) -> float:
     """Hierarchical all-reduce of `num_bytes` over every rank (0 on one rank)."""
     if topology.world_size == 1 or num_bytes <= 0:
         return 0.0
+    return _all_reduce_links_s(num_bytes, topology) + sync_latency_s(topology)
+
+
+def all_reduce_rows_s(num_bytes: np.ndarray, topology: Topology) -> np.ndarray:
+    """`all_reduce_s` of each of `num_bytes` [K], equal to the bit to it."""
+    if topology.world_size == 1:
+        return np.zeros(np.shape(num_bytes))
+    seconds = _all_reduce_links_s(num_bytes, topology) + sync_latency_s(topology)
+    return np.where(num_bytes > 0, seconds, 0.0)
+
+
+def _all_reduce_links_s(num_bytes: np.ndarray | float, topology: Topology) -> np.ndarray | float:
+    """A hierarchical all-reduce's time on the links, its latency aside."""
     per_node = min(topology.ranks_per_node, topology.world_size)
     nodes = topology.num_nodes
     intra = 2 * (per_node - 1) / per_node * num_bytes / topology.intra_node_bw_bytes_per_s
     inter = 2 * (nodes - 1) / nodes * num_bytes / per_node / topology.inter_node_bw_bytes_per_s
-    return intra + inter + sync_latency_s(topology)
+    return intra + inter
 
 
 def all_gather_s(num_bytes: float, topology: Topology) -> float:
@@ -127,10 +142,23 @@ def all_gather_s(num_bytes: float, topology: Topology) -> float:
     nodes over its NIC, as the all-to-all's links are priced."""
     if topology.world_size == 1 or num_bytes <= 0:
         return 0.0
+    return _all_gather_links_s(num_bytes, topology) + sync_latency_s(topology)
+
+
+def all_gather_rows_s(num_bytes: np.ndarray, topology: Topology) -> np.ndarray:
+    """`all_gather_s` of each of `num_bytes` [K], equal to the bit to it."""
+    if topology.world_size == 1:
+        return np.zeros(np.shape(num_bytes))
+    seconds = _all_gather_links_s(num_bytes, topology) + sync_latency_s(topology)
+    return np.where(num_bytes > 0, seconds, 0.0)
+
+
+def _all_gather_links_s(num_bytes: np.ndarray | float, topology: Topology) -> np.ndarray | float:
+    """An all-gather's time on the links, its latency aside."""
     per_node = min(topology.ranks_per_node, topology.world_size)
     intra = (per_node - 1) * num_bytes / topology.intra_node_bw_bytes_per_s
     inter = (topology.world_size - per_node) * num_bytes / topology.inter_node_bw_bytes_per_s
-    return intra + inter + sync_latency_s(topology)
+    return intra + inter
 
 
 def sync_latency_s(topology: Topology) -> float:

@@ -157,7 +157,7 @@ class State:
         p, start = self.p, self.size
         terms = flats[:, :start].reshape(len(flats), len(RANK_TERMS), p.world)
         load = RankTerms(terms.swapaxes(0, 1))  # rows of [K, W]
-        shared = np.array(_shared_of_rows(p, flats[:, start:], kinds))
+        shared = _shared_of_rows(p, flats[:, start:], kinds)
         step = rank_step_of(load, dense_s=p.dense_s, topology=p.topology)  # [K, W]
         totals = step.total_s(shared[:, None]).max(axis=-1)
         work = step.core_s.sum(axis=-1) + flats[:, start + LINK_WORK] + p.world * shared
@@ -232,16 +232,14 @@ def shared_with_modes(
 
 def _shared_of_rows(
     problem: Problem, scalars: np.ndarray, kinds: Sequence[Counter[str]]
-) -> list[float]:
-    """`shared_s` of each row of `scalars` [K, scalars] with `kinds[k]` (the same counts are
-    often passed for many rows: their set of collectives is made once)."""
+) -> np.ndarray:
+    """[K] `shared_s` of each row of `scalars` [K, scalars] with `kinds[k]`, priced together
+    (the same counts are often passed for many rows: their set of collectives is made once)."""
     used: dict[int, frozenset[str]] = {}
-    out = []
-    for row, k in zip(scalars.tolist(), kinds, strict=True):
+    for k in kinds:
         if id(k) not in used:
             used[id(k)] = frozenset(name for name, n in k.items() if n > 0)
-        out.append(_shared(problem, used[id(k)], *row[:LINK_WORK]))
-    return out
+    return problem.shared.shared_rows_s([used[id(k)] for k in kinds], scalars[:, :LINK_WORK])
 
 
 def _shared(

@@ -4,6 +4,7 @@ import dataclasses
 import math
 import re
 
+import numpy as np
 import pytest
 
 from distcache.cache.capacity import CACHE_ROW_INDEX_BYTES_LOOKAHEAD, CACHE_SLOT_BYTES
@@ -801,3 +802,42 @@ def test_shared_terms_kept_per_set_of_collectives_equal_fresh_ones():
             assert kept.parts(*args) == fresh
             assert kept.shared_s(*args) == global_terms(WORKLOAD, topology, *args).shared_s
             assert fresh[1] > 0 or not set(kinds) - {DATA_PARALLEL}  # routed: input latency
+
+
+@pytest.mark.parametrize("world_size, ranks_per_node", [(1, 1), (8, 8), (16, 8), (128, 8)])
+def test_shared_terms_of_many_plans_equal_each_priced_alone_to_the_bit(world_size, ranks_per_node):
+    """`SharedTerms.shared_rows_s` (the solver prices its trials' rows together) equals
+    `shared_s` of each row, bit for bit: with and without data-parallel bytes, replicas
+    reduced both ways, nothing to gather, on one rank and on several nodes."""
+    topology = dataclasses.replace(
+        TOPOLOGY,
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        sync_latency_s=3e-5,
+        row_wise_output_latency_s=7e-6,
+        sharding_overhead_s=1e-4,
+        id_overhead_s=1e-8,
+    )
+    shared = SharedTerms(WORKLOAD, topology)
+    rng = np.random.default_rng(7)
+    sets = [
+        frozenset(),
+        frozenset({TABLE_WISE}),
+        frozenset({ROW_WISE, TABLE_WISE, COLUMN_WISE}),
+        frozenset({TABLE_ROW_WISE, DATA_PARALLEL}),
+    ]
+    kinds, rows = [], []
+    for _ in range(200):
+        hot_tables = int(rng.integers(0, 4))
+        gathered = int(rng.integers(0, hot_tables + 1))
+        dp = float(rng.choice([0.0, rng.uniform(1, 1e9)]))
+        gather = float(rng.choice([0.0, rng.uniform(1, 1e7)])) if gathered else 0.0
+        hot_bytes = rng.uniform(1, 1e8) if hot_tables > gathered else 0.0
+        rows.append((dp, rng.uniform(0, 1e5), hot_bytes, hot_tables, gather, gathered))
+        kinds.append(sets[int(rng.integers(len(sets)))])
+    together = shared.shared_rows_s(kinds, np.array(rows, dtype=np.float64))
+    alone = [
+        shared.shared_s(dp, k, sent, hot, int(ht), gather, int(g))
+        for k, (dp, sent, hot, ht, gather, g) in zip(kinds, rows, strict=True)
+    ]
+    assert together.tolist() == alone
