@@ -3,7 +3,9 @@
 A checkpoint holds everything training needs to continue bitwise as if never stopped: the
 sharded model (embedding rows, flushed from the caches first, and dense layers), the fused
 embedding optimizer's state (which distcache keeps beside each row), the dense optimizer's
-state, and the step, which is also each rank's position in its data.
+state, the step, which is also each rank's position in its data, and each rank's random
+generators (torch's, on the CPU and the rank's GPU: stochastic rounding of half-precision rows,
+FBGEMM's default on CUDA, draws from them), restored where the world size is the one saved.
 
 Each checkpoint is a DCP directory `step_XXXXXXXX/` (the dense optimizer, whose state every
 rank holds alike, is saved by rank 0 beside it with `torch.save`). Only after every rank has
@@ -60,6 +62,7 @@ LATEST = "latest.json"
 
 
 DENSE = "dense_optimizer.pt"
+RNG = "random_rank{rank:05d}.pt"  # each rank's generators' states
 MANIFEST = "checksums.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
 _CHUNK = 8 << 20  # bytes read per hash update
@@ -231,6 +234,7 @@ class Checkpointer:
         first = not dist.is_initialized() or dist.get_rank() == 0
         if first and dense_optimizer is not None:
             torch.save(dense_optimizer.state_dict(), target / DENSE)
+        torch.save(_generators(), target / RNG.format(rank=_rank_world()[0]))
         if dist.is_initialized():
             dist.barrier()
         _write_manifest(target)
@@ -357,9 +361,41 @@ class Checkpointer:
             dense_optimizer.load_state_dict(torch.load(source / DENSE, weights_only=False))
         world = dist.get_world_size() if dist.is_initialized() else 1
         changed = saved_by is not None and saved_by != world
-        resharded = f", resharded from {saved_by} ranks to {world}" if changed else ""
+        resharded = (
+            f", resharded from {saved_by} ranks to {world} (the random generators continue "
+            "from the seed)"
+            if changed
+            else ""
+        )
+        if not changed:
+            _restore_generators(source)
         log.info("resumed from the checkpoint of step %d (%s)%s", step, source, resharded)
         return step
+
+
+def _generators() -> dict[str, torch.Tensor | None]:
+    """This rank's random generators' states: torch's on the CPU and on its current GPU."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _restore_generators(source: Path) -> None:
+    """Set this rank's random generators as the checkpoint in `source` saved them, so that
+    what draws from them (stochastic rounding) continues as an uninterrupted run would. A
+    checkpoint without them (written by an older distcache) is said so and loads."""
+    path = source / RNG.format(rank=_rank_world()[0])
+    if not path.is_file():
+        log.warning(
+            "%s is missing (written by an older distcache): the random generators continue "
+            "from the seed, so what draws from them (stochastic rounding of half-precision "
+            "rows) will not repeat an uninterrupted run's draws",
+            path,
+        )
+        return
+    states = torch.load(path, weights_only=True)
+    torch.set_rng_state(states["cpu"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
 
 
 def _check_shapes(state: dict[str, dict[str, object]], source: Path) -> None:

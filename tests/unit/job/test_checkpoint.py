@@ -6,14 +6,15 @@ resume (bitwise equal to an uninterrupted run) is in tests/distributed/test_chec
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from distcache import CheckpointError
-from distcache.job.checkpoint import LATEST, MANIFEST, Checkpointer, _tensor_name
+from distcache import CacheConfig, CachedEmbeddingBags, CheckpointError, TableSpec
+from distcache.job.checkpoint import LATEST, MANIFEST, RNG, Checkpointer, _tensor_name
 
 
 def _saved(
@@ -239,3 +240,49 @@ def test_a_model_of_the_same_shapes_loads(tmp_path: Path) -> None:
 )
 def test_a_state_key_is_named_as_the_model_names_it(key: str, name: str) -> None:
     assert _tensor_name(key) == name
+
+
+def _trained_half_rows(
+    steps: int, cached: CachedEmbeddingBags | None = None
+) -> CachedEmbeddingBags:
+    """fp16 rows rounded stochastically (FBGEMM's default on CUDA), trained `steps` times by
+    updates below half a gap: where each value lands depends on torch's generator."""
+    if cached is None:
+        tables = [TableSpec(name="t0", num_embeddings=64, embedding_dim=8, dtype=torch.float16)]
+        config = CacheConfig(capacity=64, learning_rate=2.0**-14, stochastic_rounding=True)
+        cached = CachedEmbeddingBags(tables, config)
+        cached.load_table_weight("t0", torch.ones(64, 8))
+    ids, offsets = torch.arange(64), torch.arange(65)
+    for _ in range(steps):
+        cached(ids, offsets).sum().backward()
+    return cached
+
+
+def test_a_resumed_run_rounds_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    """A checkpoint holds each rank's random generators: resumed in another process (another
+    generator state), stochastically rounded half rows land where an uninterrupted run's do,
+    bitwise."""
+    torch.manual_seed(0)
+    whole = _trained_half_rows(6)
+    Checkpointer(tmp_path).save(6, whole)
+    whole = _trained_half_rows(6, whole)
+    torch.manual_seed(1)  # a new process
+    resumed = _trained_half_rows(0)
+    assert Checkpointer(tmp_path).restore(resumed) == 6
+    resumed = _trained_half_rows(6, resumed)
+    assert not torch.equal(whole.table_weight("t0"), torch.ones(64, 8, dtype=torch.float16))
+    assert torch.equal(resumed.table_weight("t0"), whole.table_weight("t0"))
+
+
+def test_a_checkpoint_without_random_generators_loads_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoints, model = _saved(tmp_path, [2], keep_last=0)
+    step = tmp_path / "step_00000002"
+    (step / RNG.format(rank=0)).unlink()  # as written before they were saved
+    manifest = json.loads((step / MANIFEST).read_text())
+    del manifest["files"][RNG.format(rank=0)]
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING", logger="distcache.job.checkpoint"):
+        assert checkpoints.restore(model) == 2
+    assert "random_rank00000.pt is missing" in caplog.text and "from the seed" in caplog.text
