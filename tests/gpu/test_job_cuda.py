@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.gpu.common import CUDA_REASON
+from tests.unit.job.test_checkpoint import resumed_and_whole
 
 DEVICE = "cuda"
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,3 +99,12 @@ def test_the_job_trains_checkpoints_and_resumes_bitwise(tmp_path):
     assert any("embedding_bags" in k for k in final["whole"])
     for key, value in final["whole"].items():
         assert torch.equal(value, final["killed"][key]), key
+
+
+def test_stochastically_rounded_half_rows_resume_bitwise(tmp_path):
+    """FBGEMM's default on CUDA, stochastic rounding of fp16 rows, draws from the GPU's
+    generator: a checkpoint holds its state, so a resumed run lands where an uninterrupted one
+    does, bitwise."""
+    resumed, whole = resumed_and_whole(tmp_path, DEVICE)
+    assert not torch.equal(whole, torch.ones_like(whole))
+    assert torch.equal(resumed, whole)

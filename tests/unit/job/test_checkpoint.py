@@ -243,35 +243,42 @@ def test_a_state_key_is_named_as_the_model_names_it(key: str, name: str) -> None
 
 
 def _trained_half_rows(
-    steps: int, cached: CachedEmbeddingBags | None = None
+    steps: int, cached: CachedEmbeddingBags | None = None, device: str = "cpu"
 ) -> CachedEmbeddingBags:
     """fp16 rows rounded stochastically (FBGEMM's default on CUDA), trained `steps` times by
     updates below half a gap: where each value lands depends on torch's generator."""
     if cached is None:
         tables = [TableSpec(name="t0", num_embeddings=64, embedding_dim=8, dtype=torch.float16)]
         config = CacheConfig(capacity=64, learning_rate=2.0**-14, stochastic_rounding=True)
-        cached = CachedEmbeddingBags(tables, config)
+        cached = CachedEmbeddingBags(tables, config, device=device)
         cached.load_table_weight("t0", torch.ones(64, 8))
-    ids, offsets = torch.arange(64), torch.arange(65)
+    ids, offsets = torch.arange(64, device=device), torch.arange(65, device=device)
     for _ in range(steps):
         cached(ids, offsets).sum().backward()
     return cached
 
 
+def resumed_and_whole(directory: Path, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The half rows of a run checkpointed after 6 steps and resumed in another generator
+    state (a new process), and of the run going on uninterrupted, 6 steps later each."""
+    torch.manual_seed(0)
+    whole = _trained_half_rows(6, device=device)
+    Checkpointer(directory).save(6, whole)
+    whole = _trained_half_rows(6, whole)
+    torch.manual_seed(1)  # a new process
+    resumed = _trained_half_rows(0, device=device)
+    assert Checkpointer(directory).restore(resumed) == 6
+    resumed = _trained_half_rows(6, resumed)
+    return resumed.table_weight("t0"), whole.table_weight("t0")
+
+
 def test_a_resumed_run_rounds_as_an_uninterrupted_one(tmp_path: Path) -> None:
     """A checkpoint holds each rank's random generators: resumed in another process (another
     generator state), stochastically rounded half rows land where an uninterrupted run's do,
-    bitwise."""
-    torch.manual_seed(0)
-    whole = _trained_half_rows(6)
-    Checkpointer(tmp_path).save(6, whole)
-    whole = _trained_half_rows(6, whole)
-    torch.manual_seed(1)  # a new process
-    resumed = _trained_half_rows(0)
-    assert Checkpointer(tmp_path).restore(resumed) == 6
-    resumed = _trained_half_rows(6, resumed)
-    assert not torch.equal(whole.table_weight("t0"), torch.ones(64, 8, dtype=torch.float16))
-    assert torch.equal(resumed.table_weight("t0"), whole.table_weight("t0"))
+    bitwise (on a GPU: tests/gpu/test_job_cuda.py)."""
+    resumed, whole = resumed_and_whole(tmp_path)
+    assert not torch.equal(whole, torch.ones(64, 8, dtype=torch.float16))
+    assert torch.equal(resumed, whole)
 
 
 def test_a_checkpoint_without_random_generators_loads_and_says_so(
