@@ -10,6 +10,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from distcache.planner.types import Topology, Workload
@@ -114,17 +116,12 @@ def dense_compute_s(workload: Workload, topology: Topology) -> float:
 
 def all_reduce_s(num_bytes: float, topology: Topology) -> float:
     """Hierarchical all-reduce of `num_bytes` over every rank (0 on one rank)."""
-    if topology.world_size == 1 or num_bytes <= 0:
-        return 0.0
-    return _all_reduce_links_s(num_bytes, topology) + sync_latency_s(topology)
+    return _collective_s(_all_reduce_links_s, num_bytes, topology)
 
 
 def all_reduce_rows_s(num_bytes: np.ndarray, topology: Topology) -> np.ndarray:
     """`all_reduce_s` of each of `num_bytes` [K], equal to the bit to it."""
-    if topology.world_size == 1:
-        return np.zeros(np.shape(num_bytes))
-    seconds = _all_reduce_links_s(num_bytes, topology) + sync_latency_s(topology)
-    return np.where(num_bytes > 0, seconds, 0.0)
+    return _collective_rows_s(_all_reduce_links_s, num_bytes, topology)
 
 
 def _all_reduce_links_s(num_bytes: np.ndarray | float, topology: Topology) -> np.ndarray | float:
@@ -140,17 +137,12 @@ def all_gather_s(num_bytes: float, topology: Topology) -> float:
     """All-gather of `num_bytes` from every rank to every rank (0 on one rank): each rank
     receives them from the other ranks of its node over NVLink and from every rank of the other
     nodes over its NIC, as the all-to-all's links are priced."""
-    if topology.world_size == 1 or num_bytes <= 0:
-        return 0.0
-    return _all_gather_links_s(num_bytes, topology) + sync_latency_s(topology)
+    return _collective_s(_all_gather_links_s, num_bytes, topology)
 
 
 def all_gather_rows_s(num_bytes: np.ndarray, topology: Topology) -> np.ndarray:
     """`all_gather_s` of each of `num_bytes` [K], equal to the bit to it."""
-    if topology.world_size == 1:
-        return np.zeros(np.shape(num_bytes))
-    seconds = _all_gather_links_s(num_bytes, topology) + sync_latency_s(topology)
-    return np.where(num_bytes > 0, seconds, 0.0)
+    return _collective_rows_s(_all_gather_links_s, num_bytes, topology)
 
 
 def _all_gather_links_s(num_bytes: np.ndarray | float, topology: Topology) -> np.ndarray | float:
@@ -159,6 +151,20 @@ def _all_gather_links_s(num_bytes: np.ndarray | float, topology: Topology) -> np
     intra = (per_node - 1) * num_bytes / topology.intra_node_bw_bytes_per_s
     inter = (topology.world_size - per_node) * num_bytes / topology.inter_node_bw_bytes_per_s
     return intra + inter
+
+
+def _collective_s(links: Callable, num_bytes: float, topology: Topology) -> float:
+    """A collective of `num_bytes`: its `links` time and its latency; 0 where nothing moves."""
+    if topology.world_size == 1 or num_bytes <= 0:
+        return 0.0
+    return links(num_bytes, topology) + sync_latency_s(topology)
+
+
+def _collective_rows_s(links: Callable, num_bytes: np.ndarray, topology: Topology) -> np.ndarray:
+    """`_collective_s` of each of `num_bytes` [K], equal to the bit to it."""
+    if topology.world_size == 1:
+        return np.zeros(np.shape(num_bytes))
+    return np.where(num_bytes > 0, links(num_bytes, topology) + sync_latency_s(topology), 0.0)
 
 
 def sync_latency_s(topology: Topology) -> float:
