@@ -293,3 +293,25 @@ def test_a_checkpoint_without_random_generators_loads_and_says_so(
     with caplog.at_level("WARNING", logger="distcache.job.checkpoint"):
         assert checkpoints.restore(model) == 2
     assert "random_rank00000.pt is missing" in caplog.text and "from the seed" in caplog.text
+
+
+def test_resharded_resume_leaves_the_random_generators_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another world size has other ranks' generators: they continue from this process's
+    state (the seed, in a job), and the log says so; the same world size restores them."""
+    torch.manual_seed(3)
+    checkpoints, model = _saved(tmp_path, [4], keep_last=0)
+    saved = torch.get_rng_state()
+    (tmp_path / LATEST).write_text('{"step": 4, "path": "step_00000004", "world_size": 2}')
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with caplog.at_level("INFO", logger="distcache.job.checkpoint"):
+        assert checkpoints.restore(model) == 4
+    assert "resharded from 2 ranks to 1 (the random generators continue from the seed)" in (
+        caplog.text
+    )
+    assert torch.equal(torch.get_rng_state(), before)
+    (tmp_path / LATEST).write_text('{"step": 4, "path": "step_00000004", "world_size": 1}')
+    assert checkpoints.restore(model) == 4
+    assert torch.equal(torch.get_rng_state(), saved)
