@@ -130,13 +130,26 @@ class _Variants:
     def placed(self, index: int, modes: Sequence[Mode]) -> list[Footprint]:
         """The footprint of table `index` placed on its ranks as each of `modes` (its
         variants), those not priced yet priced together."""
-        keys = [(index, m.placement.hot_rows, m.placement.hot_reduce) for m in modes]
-        fresh = {k: m for k, m in zip(keys, modes, strict=True) if k not in self.footprints}
-        if fresh:
+        return self.placed_many([(index, modes)])[0]
+
+    def placed_many(self, requests: Sequence[tuple[int, Sequence[Mode]]]) -> list[list[Footprint]]:
+        """`placed` of each (table, modes) of `requests`; those not priced yet priced together
+        where their tables sit on the same ranks (a footprint's values do not depend on what
+        is priced beside it)."""
+        together: dict[tuple, dict[tuple[int, int, str], Mode]] = {}
+        keys = []
+        for index, modes in requests:
+            table_keys = [(index, m.placement.hot_rows, m.placement.hot_reduce) for m in modes]
+            keys.append(table_keys)
             ranks = self.state.placed[index][1]
+            for key, mode in zip(table_keys, modes, strict=True):
+                if key not in self.footprints:
+                    group = together.setdefault((ranks, mode.terms.reduced_in_node), {})
+                    group[key] = mode
+        for (ranks, _), fresh in together.items():
             priced = self.state.footprints(list(fresh.values()), ranks)
             self.footprints.update(zip(fresh, priced, strict=True))
-        return [self.footprints[k] for k in keys]
+        return [[self.footprints[k] for k in table_keys] for table_keys in keys]
 
     def get(self, index: int, mode: Mode, hot_rows: int, hot_reduce: str) -> Mode:
         """`with_hot_rows(state, index, mode, hot_rows, hot_reduce)`: a replica reduced
@@ -164,11 +177,14 @@ def _same_share_everywhere(state: State, shares: Sequence[float], variants: _Var
     if not sharded:
         return
     combos = [(s, reduce) for s in range(len(shares)) for reduce in HOT_REDUCE]  # (share, how)
-    per_table = []  # each sharded table's mode and footprint in each combination
+    requests = []  # each sharded table's mode in each combination
     for i in sharded:
         mode, rows = state.placed[i][0], variants.rows[i]
-        modes = [variants.get(i, mode, rows[s], r) for s, r in combos]
-        per_table.append(list(zip(modes, variants.placed(i, modes), strict=True)))
+        requests.append((i, [variants.get(i, mode, rows[s], r) for s, r in combos]))
+    per_table = [  # and its footprint
+        list(zip(modes, footprints, strict=True))
+        for (_, modes), footprints in zip(requests, variants.placed_many(requests), strict=True)
+    ]
     tried = list(zip(*per_table, strict=True))  # per combination: each table's (mode, footprint)
     rest = state.flat.copy()  # the state without the sharded tables
     for i in sharded:

@@ -310,10 +310,11 @@ def _load_plan(problem: Problem, plan: Plan) -> State | None:
         made = state.footprints([placed[i][0] for i in indices], ranks)
         footprints.update(zip(indices, made, strict=True))
     for index, (mode, ranks) in enumerate(placed):
-        state.add(index, mode, ranks, footprints[index])
-        if not mode.terms.fits_working_set or not state.fits():
+        if not mode.terms.fits_working_set:
             return None
-    return state
+        state.add(index, mode, ranks, footprints[index])
+    # (Each table adds memory, none frees any: the plan fits if the whole of it does.)
+    return state if state.fits() else None
 
 
 def starts(problem: Problem, seeds: Iterable[Plan]) -> list[State]:

@@ -112,11 +112,14 @@ class State:
         flat = np.empty((len(modes), self.flat.size))
         values = flat[:, : self.size].reshape(len(modes), len(RANK_TERMS), p.world)
         values[:] = shard_contributions(terms, ranks, p.topology)
-        out = []
-        for row, rank_terms, mode in zip(flat, values, modes, strict=True):
-            row[self.size :] = (*_mode_scalars(mode), self._link_work(mode, ranks, rank_terms))
-            out.append(Footprint(row, rank_terms, mode.terms.collectives))
-        return out
+        flat[:, self.size :] = [
+            (*_mode_scalars(mode), self._link_work(mode, ranks, rank_terms))
+            for rank_terms, mode in zip(values, modes, strict=True)
+        ]
+        return [
+            Footprint(row, rank_terms, t.collectives)
+            for row, rank_terms, t in zip(flat, values, terms, strict=True)
+        ]
 
     def add(
         self, index: int, mode: Mode, ranks: tuple[int, ...], contrib: Footprint | None = None
@@ -173,19 +176,18 @@ class State:
         the score with table `index` in each of its footprints instead (None where it does not
         fit), all priced together; the state is left as it is. (Each row is priced as alone:
         a batch of trials scores them as one at a time would.)"""
-        flat, blocks, kinds = self.flat, [self.flat[None]], [self.kinds]
+        # Row 0 the state; then per trial, the state without the table plus each footprint.
+        rows, without, counts, kinds = [self.flat], [self.flat], [1], [self.kinds]
         for index, footprints in trials:
             now = self.contrib[index]
-            if footprints:
-                block = np.empty((len(footprints), flat.size))
-                block[:] = flat - now.flat  # the state without the table, plus each footprint
-                block += np.stack([footprint.flat for footprint in footprints])
-                blocks.append(block)
+            rows += [footprint.flat for footprint in footprints]
+            without.append(self.flat - now.flat)
+            counts.append(len(footprints))
             kinds += [_swapped(self.kinds, now.collectives, f.collectives) for f in footprints]
-        scored = [
-            (step, work) if fits else None
-            for step, work, fits in self.scores(np.concatenate(blocks), kinds)
-        ]
+        flats = np.stack(rows)
+        if len(rows) > 1:
+            flats[1:] += np.repeat(np.stack(without[1:]), counts[1:], axis=0)
+        scored = [(step, work) if fits else None for step, work, fits in self.scores(flats, kinds)]
         out, at = [], 1
         for _, footprints in trials:
             out.append(scored[at : at + len(footprints)])
