@@ -251,11 +251,16 @@ class Problem:
         for g in groups:
             owners = self.world if g.sharding == DATA_PARALLEL else g.shards
             links = (g.ids + 2 * g.emb) * owners * pair_mean
-            for m, mode in enumerate(g.modes):
+            for mode in g.modes:
                 t = mode.terms
                 compute = self.dense_s + t.lookup_s
-                exposed = expose_staging(compute, g.overlapped[m, 0], g.exposed[m, 0])
-                reduce = all_reduce_s(self.dense_bytes + t.all_reduce_bytes, self.topology) - base
+                overlapped = t.staging_s if t.staging_overlapped else 0.0
+                exposed = expose_staging(compute, overlapped, t.staging_s - overlapped)
+                reduce = (  # (a sharded table's all-reduce adds nothing to the dense part's)
+                    all_reduce_s(self.dense_bytes + t.all_reduce_bytes, self.topology) - base
+                    if t.all_reduce_bytes
+                    else 0.0
+                )
                 best = min(best, owners * (t.lookup_s + exposed) + links + self.world * reduce)
         return 0.0 if math.isinf(best) else best
 
