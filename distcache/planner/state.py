@@ -177,7 +177,7 @@ class State:
         fit), all priced together; the state is left as it is. (Each row is priced as alone:
         a batch of trials scores them as one at a time would.)"""
         # Row 0 the state; then per trial, the state without the table plus each footprint.
-        rows, without, counts, kinds = [self.flat], [self.flat], [1], [self.kinds]
+        rows, kinds, without, counts = [self.flat], [self.kinds], [], []
         for index, footprints in trials:
             now = self.contrib[index]
             rows += [footprint.flat for footprint in footprints]
@@ -186,7 +186,7 @@ class State:
             kinds += [_swapped(self.kinds, now.collectives, f.collectives) for f in footprints]
         flats = np.stack(rows)
         if len(rows) > 1:
-            flats[1:] += np.repeat(np.stack(without[1:]), counts[1:], axis=0)
+            flats[1:] += np.repeat(np.stack(without), counts, axis=0)
         scored = [(step, work) if fits else None for step, work, fits in self.scores(flats, kinds)]
         out, at = [], 1
         for _, footprints in trials:
