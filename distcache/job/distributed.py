@@ -74,6 +74,12 @@ def process_group(device_type: str) -> Iterator[tuple[int, int, torch.device]]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = _attempt_store(rank, world, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    if backend == "gloo":
+        # Every rank connected before any goes on. gloo's connect can end on one rank before
+        # its peer's: a rank that then fails at once (a checkpoint it would overwrite) and
+        # exits left that peer's connect to fail with a traceback instead of its own one-line
+        # error (seen once on a loaded machine). (NCCL connects at its first collective.)
+        dist.barrier()
     try:
         yield dist.get_rank(), dist.get_world_size(), _device(device_type)
     finally:
