@@ -13,6 +13,13 @@ ratio is taken per pair. Between pairs, a fixed workload of small Python and num
 varies (on the 2-core machine of this project one command took 2.8 s one day and 5-7 s on
 others, the code unchanged).
 
+Bytecode (`--bytecode`): by default each variant's first run is untimed and writes the bytecode
+of every module it imports into a folder of the variant's own (PYTHONPYCACHEPREFIX), which the
+timed runs read, as a user's second run finds the bytecode Python wrote on the first (its
+default). `--bytecode none` times runs that compile every module of distcache from source: what
+`time python -m distcache plan` measures in a shell that sets PYTHONDONTWRITEBYTECODE=1, as this
+project's development machine does (about 0.15 s more a run there).
+
 Usage::
 
     python benchmarks/planner_speed.py --runs 3 --json benchmarks/results/planner_speed_cpu.json
@@ -60,10 +67,14 @@ _CHILD = (
 )
 
 
-def run_plan(args: list[str], code: Path) -> dict:
-    """One `plan` process with `args`, importing distcache from `code`: its wall seconds, the
+def run_plan(args: list[str], code: Path, pycache: Path | None = None) -> dict:
+    """One `plan` process with `args`, importing distcache from `code` (its bytecode read from
+    and written to `pycache`; None: as this shell's environment says): its wall seconds, the
     md5 of its output and its stages' seconds (each stage's own, not cumulative)."""
     env = {**os.environ, "PYTHONPATH": str(code)}
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
     began = time.perf_counter()
     run = subprocess.run(
         [sys.executable, "-c", _CHILD, *args], cwd=code, env=env, capture_output=True, text=True
@@ -146,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-args", default=DEFAULT_ARGS, help="the plan command's arguments")
     ap.add_argument("--runs", type=int, default=3, help="runs of each variant")
     ap.add_argument("--base", default=None, help="a commit to run in turns with this tree")
+    ap.add_argument(
+        "--bytecode",
+        choices=("cached", "none"),
+        default="cached",
+        help="cached: bytecode written by an untimed first run and read by the timed ones (a "
+        "user's second run); none: every run compiles distcache (see above)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -155,13 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         variants = {"head": ROOT}
         if args.base:
             variants["base"] = base_tree(args.base, Path(tmp))
+        pycache = {name: None for name in variants}
+        if args.bytecode == "cached":
+            for name in variants:  # the untimed first run, which writes the bytecode
+                pycache[name] = Path(tmp) / f"pycache_{name}"
+                run_plan(plan_args, variants[name], pycache[name])
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         references = []
         for i in range(args.runs):
             references.append(reference_s())
             order = list(variants) if i % 2 == 0 else list(reversed(variants))
             for name in order:
-                runs[name].append(run_plan(plan_args, variants[name]))
+                runs[name].append(run_plan(plan_args, variants[name], pycache[name]))
                 print(f"run {i + 1} {name}: {runs[name][-1]['wall_s']:.2f} s", file=sys.stderr)
     rows = [summarize(name, r) for name, r in runs.items()]
     if args.base:
@@ -182,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan_args": plan_args,
         "runs": args.runs,
         "base": args.base,
+        "bytecode": args.bytecode,
+        "shell_sets_PYTHONDONTWRITEBYTECODE": bool(os.environ.get("PYTHONDONTWRITEBYTECODE")),
         "reference": reference,
         "references": references,
     }

@@ -440,3 +440,22 @@ def test_planner_speed_times_the_stages_and_a_base_in_turns(tmp_path):
     assert (
         data["config"]["reference"]["python_s"] > 0 and data["config"]["reference"]["numpy_s"] > 0
     )
+    assert data["config"]["bytecode"] == "cached"
+
+
+def test_planner_speed_runs_read_the_bytecode_their_first_run_wrote(tmp_path, monkeypatch):
+    """planner_speed.py's default: a run given a bytecode folder writes distcache's bytecode
+    there even where the shell forbids writing it (PYTHONDONTWRITEBYTECODE), and the next run
+    loads it instead of compiling again (which would write it anew)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import planner_speed
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    args, pycache = ["--preset", "synthetic:tables=3", "--world-size", "2"], tmp_path / "pyc"
+    first = planner_speed.run_plan(args, ROOT, pycache)
+    (compiled,) = pycache.rglob("distcache/planner/solver.*.pyc")
+    written = compiled.stat().st_mtime_ns
+    again = planner_speed.run_plan(args, ROOT, pycache)
+    assert again["md5"] == first["md5"] and compiled.stat().st_mtime_ns == written
