@@ -45,7 +45,7 @@ from distcache.planner.candidates import (
     gb,
 )
 from distcache.planner.ranks import RANK_TERMS, RankStep, RankTerms, rank_step, traffic_units
-from distcache.planner.state import LINK_WORK, State, shared_with_modes, traffic_work
+from distcache.planner.state import LINK_WORK, State, shared_with_layouts, traffic_work
 from distcache.planner.types import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE
 
 __all__ = ["State", "cut_as_enough", "evaluate", "price_tables", "traffic_work"]
@@ -209,11 +209,8 @@ class _Batch:
         terms = flats[:, :size].reshape(K, len(RANK_TERMS), W).swapaxes(0, 1)
         self.load = load = RankTerms(terms[:, :, None, :])  # rows of [K, 1, W]
         self.link_work_s = flats[:, size + LINK_WORK].reshape(K, 1, 1)
-        self.const = np.array(  # [K, layouts] what every rank pays alike with the layout
-            [
-                shared_with_modes(p, flat[size:], kind, [g.modes[0] for g in table.groups])
-                for flat, kind, table in zip(flats, kinds, tables, strict=True)
-            ]
+        self.const = shared_with_layouts(  # [K, layouts] what every rank pays alike with each
+            p, flats[:, size:], kinds, [[g.modes[0] for g in table.groups] for table in tables]
         )
         first = tables[0]
 

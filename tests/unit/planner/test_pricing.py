@@ -8,7 +8,9 @@ import pytest
 
 from distcache.planner.candidates import Problem
 from distcache.planner.cost import plan_cost
+from distcache.planner.hot import with_hot_rows
 from distcache.planner.pricing import State, cut_as_enough, evaluate, price_tables
+from distcache.planner.state import shared_with_layouts, shared_with_modes
 from distcache.planner.types import TABLE_ROW_WISE, TABLE_WISE, SolverOptions, Topology
 from distcache.planner.workloads import workload_preset
 
@@ -96,3 +98,33 @@ def test_tables_priced_together_equal_evaluate():
 
 def _key(c) -> tuple:  # noqa: ANN001
     return (c.mode, c.ranks, c.step_s, c.work_s, c.reason)
+
+
+@pytest.mark.parametrize(("world", "per_node"), [(4, 4), (8, 4)])
+def test_shared_terms_of_layouts_equal_each_mode_priced_alone_to_the_bit(world, per_node):
+    """`shared_with_layouts` (the pricing batches' shared terms, many states and modes at
+    once) equals `shared_with_modes` of each state alone, bit for bit, on states mixing data
+    parallel, replicas reduced both ways and several kinds of collectives."""
+    workload = workload_preset("synthetic:tables=6,rows=1e5,dim=32,seed=3")
+    problem = Problem(workload, _nodes(world, per_node), QUICK)
+    state, flats, kinds = State(problem), [], []
+    for index in range(len(workload.tables)):
+        candidates = [c for c in evaluate(state, index) if c.fits]
+        pick = candidates[(5 * index) % len(candidates)]
+        mode = pick.mode
+        if index % 2 and mode.placement.sharding != "data_parallel":
+            reduce = ("all", "touched")[index % 4 == 1]
+            mode = with_hot_rows(state, index, mode, 50, reduce)
+        state.add(index, mode, pick.ranks)
+        flats.append(state.flat[state.size :].copy())
+        kinds.append(Counter(state.kinds))
+    layouts = [[g.modes[0] for g in problem.groups[i]] for i in range(len(workload.tables))]
+    width = min(len(row) for row in layouts)
+    layouts = [row[:width] for row in layouts]
+    together = shared_with_layouts(problem, np.stack(flats), kinds, layouts)
+    alone = [
+        shared_with_modes(problem, f, k, row)
+        for f, k, row in zip(flats, kinds, layouts, strict=True)
+    ]
+    assert together.tolist() == alone
+    assert len({x for row in alone for x in row}) > 3  # the states and modes differ
