@@ -310,12 +310,19 @@ class Group:
         self.modes = modes
         self.sharding, self.shards = modes[0].placement.sharding, modes[0].placement.shards
         t = [m.terms for m in modes]
-        columns = np.array(
-            [(x.lookup_s, x.staging_s, x.device_memory_bytes, x.host_memory_bytes) for x in t]
-        ).T[:, :, None]  # [4, M, 1]
-        self.lookup, staging, self.device, self.host = columns
-        overlapped = np.array([x.staging_overlapped for x in t])[:, None]
-        self.overlapped = np.where(overlapped, staging, 0.0)
-        self.exposed = np.where(overlapped, 0.0, staging)
+        columns = np.array(  # [5, M, 1]; staging overlapped or exposed, the other 0
+            [
+                (
+                    x.lookup_s,
+                    x.staging_s if x.staging_overlapped else 0.0,
+                    0.0 if x.staging_overlapped else x.staging_s,
+                    x.device_memory_bytes,
+                    x.host_memory_bytes,
+                )
+                for x in t
+            ],
+            dtype=np.float64,
+        ).T[:, :, None]
+        self.lookup, self.overlapped, self.exposed, self.device, self.host = columns
         # The same for every mode of a layout:
         self.ids, self.emb = t[0].ids_bytes_per_peer, t[0].embedding_bytes_per_peer
