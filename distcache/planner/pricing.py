@@ -131,21 +131,14 @@ class _Table:
         self.signature = tuple((g.sharding, g.shards, len(g.modes)) for g in groups)
         if not groups:
             return
-        steps = [(j, t, moded) for j, g in enumerate(groups) for t, moded in _NEEDS[g.sharding]]
-        self.templates = np.array([t for _, t, _ in steps], dtype=int)  # [T]
-        ids_emb = np.array([(groups[j].ids, groups[j].emb) for j, _, _ in steps]).T  # [2, T]
+        shape = _Shape.of(p, self.signature)
+        self.templates, self.traffic_rows, self.layout_rows, self.at = (
+            shape.templates, shape.traffic_rows, shape.layout_rows, shape.at
+        )  # fmt: skip
+        ids_emb = np.array([(groups[j].ids, groups[j].emb) for j in shape.step_layouts]).T
         self.scale = np.repeat(ids_emb, 4, axis=0)[..., None]  # [8, T, 1] bytes per unit
-        order = [k for k, step in enumerate(steps) if step[2]]  # the rows with modes first
-        order += [k for k, step in enumerate(steps) if not step[2]]
-        size = [len(groups[steps[k][0]].modes) if steps[k][2] else 1 for k in order]
-        self.traffic_rows = np.repeat(order, size)  # [R] each row's traffic
-        self.layout_rows = np.repeat([steps[k][0] for k in order], size)  # [R] its layout
-        ends = np.cumsum(size).tolist()
-        self.at = {  # (layout, template) -> its rows
-            steps[k][:2]: slice(end - n, end) for k, n, end in zip(order, size, ends, strict=True)
-        }
-        moded = [groups[steps[k][0]] for k in order if steps[k][2]]
-        zero = np.zeros((len(order) - len(moded), 1))
+        moded = [groups[j] for j in shape.moded]
+        zero = np.zeros((len(shape.step_layouts) - len(moded), 1))  # the rows without modes
         self.lookup, self.overlapped, self.exposed = (
             np.concatenate([getattr(g, name) for g in moded] + [zero])
             for name in ("lookup", "overlapped", "exposed")
@@ -173,6 +166,37 @@ class _Table:
     def modes(self, j: int) -> slice:
         """The rows of layout `j`'s modes."""
         return self.at[(j, _NEEDS[self.groups[j].sharding][0][0])]
+
+
+class _Shape:
+    """The rows of a `_Table`, the same for every table of its signature (kept per signature
+    in `Problem.cache`): its steps (`_NEEDS` of each layout), the rows with modes first."""
+
+    def __init__(self, signature: tuple[tuple[str, int, int], ...]):
+        steps = [
+            (j, t, moded)
+            for j, (sharding, _, _) in enumerate(signature)
+            for t, moded in _NEEDS[sharding]
+        ]
+        self.templates = np.array([t for _, t, _ in steps], dtype=int)  # [T]
+        self.step_layouts = [j for j, _, _ in steps]  # [T] each step's layout
+        order = [k for k, step in enumerate(steps) if step[2]]  # the rows with modes first
+        order += [k for k, step in enumerate(steps) if not step[2]]
+        size = [signature[steps[k][0]][2] if steps[k][2] else 1 for k in order]
+        self.traffic_rows = np.repeat(order, size)  # [R] each row's traffic
+        self.layout_rows = np.repeat([steps[k][0] for k in order], size)  # [R] its layout
+        ends = np.cumsum(size).tolist()
+        self.at = {  # (layout, template) -> its rows
+            steps[k][:2]: slice(end - n, end) for k, n, end in zip(order, size, ends, strict=True)
+        }
+        self.moded = [steps[k][0] for k in order if steps[k][2]]  # the layouts of the moded rows
+
+    @classmethod
+    def of(cls, p: Problem, signature: tuple[tuple[str, int, int], ...]) -> _Shape:
+        key = ("shape", signature)
+        if key not in p.cache:
+            p.cache[key] = cls(signature)
+        return p.cache[key]
 
 
 def _extra(p: Problem, g: Group) -> np.ndarray | float:
