@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -72,9 +72,12 @@ def with_hot_rows(
     return Mode(placement, shard_terms(p.tables[index], p.workload, p.topology, placement))
 
 
-def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
+def choose_hot_rows(
+    state: State, shares: Sequence[float], noted: Collection[int] | None = None
+) -> dict[int, str]:
     """Give each sharded table of the placed `state` its best replica (in place); returns a
-    note per table that was offered one: the replica chosen and the steps of the others."""
+    note per table that was offered one (of those in `noted`, if given: the tables explained):
+    the replica chosen and the steps of the others."""
     notes: dict[int, str] = {}
     if not shares:
         return notes
@@ -102,6 +105,8 @@ def choose_hot_rows(state: State, shares: Sequence[float]) -> dict[int, str]:
         if not changed:
             break
     for index, steps in tried.items():
+        if noted is not None and index not in noted:
+            continue
         chosen = state.placed[index][0].placement
         notes[index] = _note(table_access(state.p.tables[index]), chosen, steps)
     return notes

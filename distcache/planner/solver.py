@@ -103,7 +103,7 @@ def solve(workload: Workload, topology: Topology, *, options: SolverOptions | No
     log.debug("solve: %d starts by %.2f s", len(states), time.monotonic() - began)
     best = improve(states, max_moves=options.max_moves, time_limit_s=options.time_limit_s)
     log.debug("solve: improved by %.2f s, step %.4g s", time.monotonic() - began, best.score()[0])
-    hot = choose_hot_rows(best, options.hot_row_shares)
+    hot = choose_hot_rows(best, options.hot_row_shares, noted=frozenset(explained))
     log.debug("solve: hot rows by %.2f s, step %.4g s", time.monotonic() - began, best.score()[0])
     explanations = explain(best, explained)
     for index, note in hot.items():

@@ -263,6 +263,24 @@ def test_the_solver_state_prices_replicas_as_plan_cost_does() -> None:
     assert state.score()[0] == pytest.approx(plan_cost(chosen, workload, topology).step_s, rel=1e-9)
 
 
+def test_notes_are_made_for_the_noted_tables_only_and_choose_alike() -> None:
+    """`choose_hot_rows(..., noted=...)`: the notes of the tables asked for (those the plan
+    explains), the same replicas and state as with every note made."""
+    workload, topology = _routing_bound()
+    plan = solve(workload, topology, options=SolverOptions(hot_row_shares=()))
+    out = []
+    for noted in (None, {1}):
+        state = State(Problem(workload, topology, SolverOptions()))
+        for index, tp in enumerate(plan.tables):
+            groups = state.p.groups[index]
+            mode = next(m for g in groups for m in g.modes if m.placement == tp.placement)
+            state.add(index, mode, tp.ranks)
+        out.append((choose_hot_rows(state, (0.5, 0.9), noted), state.placed, state.flat))
+    (every, placed, flat), (some, placed_some, flat_some) = out
+    assert len(every) > 1 and some == {1: every[1]}
+    assert placed == placed_some and np.array_equal(flat, flat_some)
+
+
 def test_export_names_the_hottest_rows_and_reads_them_back() -> None:
     counts = np.zeros(1000, dtype=np.int64)
     counts[[7, 3, 500]] = [50, 40, 30]
