@@ -445,8 +445,9 @@ def test_planner_speed_times_the_stages_and_a_base_in_turns(tmp_path):
 
 def test_planner_speed_runs_read_the_bytecode_their_first_run_wrote(tmp_path, monkeypatch):
     """planner_speed.py's default: a run given a bytecode folder writes distcache's bytecode
-    there even where the shell forbids writing it (PYTHONDONTWRITEBYTECODE), and the next run
-    loads it instead of compiling again (which would write it anew)."""
+    there even where the shell forbids writing it (PYTHONDONTWRITEBYTECODE), and the next runs
+    read it there: a valid one is loaded, not compiled again (which would write it anew), and
+    a spoilt one is written anew."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import planner_speed
@@ -459,3 +460,6 @@ def test_planner_speed_runs_read_the_bytecode_their_first_run_wrote(tmp_path, mo
     written = compiled.stat().st_mtime_ns
     again = planner_speed.run_plan(args, ROOT, pycache)
     assert again["md5"] == first["md5"] and compiled.stat().st_mtime_ns == written
+    compiled.write_bytes(b"")  # spoilt: a run that reads this folder compiles and writes it anew
+    planner_speed.run_plan(args, ROOT, pycache)
+    assert compiled.stat().st_size > 0
