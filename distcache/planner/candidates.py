@@ -254,8 +254,7 @@ class Problem:
             for mode in g.modes:
                 t = mode.terms
                 compute = self.dense_s + t.lookup_s
-                overlapped = t.staging_s if t.staging_overlapped else 0.0
-                exposed = expose_staging(compute, overlapped, t.staging_s - overlapped)
+                exposed = expose_staging(compute, *t.staging_parts)
                 reduce = (  # (a sharded table's all-reduce adds nothing to the dense part's)
                     all_reduce_s(self.dense_bytes + t.all_reduce_bytes, self.topology) - base
                     if t.all_reduce_bytes
@@ -310,17 +309,8 @@ class Group:
         self.modes = modes
         self.sharding, self.shards = modes[0].placement.sharding, modes[0].placement.shards
         t = [m.terms for m in modes]
-        columns = np.array(  # [5, M, 1]; staging overlapped or exposed, the other 0
-            [
-                (
-                    x.lookup_s,
-                    x.staging_s if x.staging_overlapped else 0.0,
-                    0.0 if x.staging_overlapped else x.staging_s,
-                    x.device_memory_bytes,
-                    x.host_memory_bytes,
-                )
-                for x in t
-            ],
+        columns = np.array(  # [5, M, 1]
+            [(x.lookup_s, *x.staging_parts, x.device_memory_bytes, x.host_memory_bytes) for x in t],
             dtype=np.float64,
         ).T[:, :, None]
         self.lookup, self.overlapped, self.exposed, self.device, self.host = columns

@@ -230,8 +230,7 @@ def _contributions(
         [
             (
                 t.lookup_s,
-                t.staging_s if t.staging_overlapped else 0.0,
-                0.0 if t.staging_overlapped else t.staging_s,
+                *t.staging_parts,
                 t.device_memory_bytes,
                 t.host_memory_bytes,
                 t.ids_bytes_per_peer,

@@ -101,6 +101,13 @@ class ShardTerms:
     kind share them (one input and one output dist per kind and step)."""
 
     @property
+    def staging_parts(self) -> tuple[float, float]:
+        """(overlapped, exposed) staging seconds: `staging_s` in one, 0 in the other."""
+        if self.staging_overlapped:
+            return self.staging_s, 0.0
+        return 0.0, self.staging_s
+
+    @property
     def fits_working_set(self) -> bool:
         return self.cache_rows >= math.ceil(self.working_set_rows - 1e-9)
 

@@ -221,7 +221,7 @@ def shared_with_modes(
 ) -> list[float]:
     """`shared_s(problem, scalars, kinds, mode)` of each of `modes`."""
     base = scalars.tolist()[:LINK_WORK]  # (link work, the last, is not shared)
-    used = frozenset(k for k, n in kinds.items() if n > 0)
+    used = _in_use(kinds)
     out = []
     for mode in modes:
         values, with_mode = base, used
@@ -244,7 +244,7 @@ def shared_with_layouts(
     sixteen states' six, 165 against 360 us.)"""
     if len(modes) == 1:
         return np.array([shared_with_modes(problem, scalars[0], kinds[0], modes[0])])
-    used = [frozenset(k for k, n in kind.items() if n > 0) for kind in kinds]
+    used = [_in_use(kind) for kind in kinds]
     added = np.array([[_mode_scalars(m) for m in row] for row in modes], dtype=np.float64)
     args = scalars[:, None, :LINK_WORK] + added  # [K, L, 6] (x + a, as the scalar sum)
     with_modes = [
@@ -262,8 +262,13 @@ def _shared_of_rows(
     used: dict[int, frozenset[str]] = {}
     for k in kinds:
         if id(k) not in used:
-            used[id(k)] = frozenset(name for name, n in k.items() if n > 0)
+            used[id(k)] = _in_use(k)
     return problem.shared.shared_rows_s([used[id(k)] for k in kinds], scalars[:, :LINK_WORK])
+
+
+def _in_use(kinds: Counter[str]) -> frozenset[str]:
+    """The collectives some placed table uses, of counts `kinds` (`State.kinds`)."""
+    return frozenset(name for name, n in kinds.items() if n > 0)
 
 
 def _shared(
