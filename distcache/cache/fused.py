@@ -31,7 +31,8 @@ forward and backward, without graphs: 165 -> 51 launches, the same 6,447 evictio
 - `select_counted`: the victims selected from that histogram: the boundary class found by one
   program (a binary search of the histogram's running count), the boundary's candidates
   flagged, the selected ones flagged (then compacted by `nonzero_static`).
-The reactive policies' candidates, and free slots, stay torch ops.
+The reactive policies' candidates stay torch ops, and so do the look-ahead policy's while the
+cache may have free slots, but on CPU (`candidates_free`, C only).
 
 On CUDA the kernels are Triton's (`fused_kernels`), compiled. On CPU they are C
 (`fused_native`, the default there: Triton's kernels one for one, but for the batch's sort and
@@ -219,6 +220,35 @@ def candidates(
     )  # fmt: skip
     if sweep:
         hand.copy_(hand_out[0])
+    return slots, keys, hist
+
+
+def candidates_free(
+    found: dict,
+    residency: Residency,
+    policy: LookaheadPolicy,
+    hand: torch.Tensor,
+    fill: torch.Tensor,
+    seq: torch.Tensor,
+    size: int,
+    scan: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`candidates` while the cache may still have free slots (`Victims.choose` with `free`),
+    in one C kernel (C only: `"candidates_free" in found`): the next `size` free slots from
+    `fill` first, then `scan` slots swept from `hand` (moved past them), or every slot where
+    `scan` covers the cache, free ones keyed first; their slots `[m + 1]` (then the sentinel
+    slot), keys `[m]` (-1 where not offered) and the keys' histogram."""
+    cap, device = residency.capacity, hand.device
+    sweep = scan < cap
+    m = size + scan if sweep else cap
+    slots = torch.empty(m + 1, dtype=torch.int64, device=device)
+    keys = torch.empty(m, dtype=torch.int32, device=device)
+    hist = torch.zeros(policy.classes + 1, dtype=torch.int32, device=device)
+    found["candidates_free"][(1,)](
+        hand, fill, seq, residency.pin, residency.next_use, policy.uses, slots, keys, hist,
+        size, scan, cap, residency.sentinel_slot, residency.trash_slot, policy.far,
+        policy.use_bits, (1 << policy.use_bits) - 1, sweep,
+    )  # fmt: skip
     return slots, keys, hist
 
 

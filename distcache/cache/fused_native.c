@@ -185,6 +185,16 @@ void dc_place(const i64 *rows, const i32 *miss, const i32 *count, const i64 *hit
     }
 }
 
+/* The look-ahead policy's key of a loaded slot (`LookaheadPolicy.keys`): its next use's
+ * distance from batch `seq` (at most `far`), then how rarely the cache's batches used it. */
+static inline i32 lookahead_key(const i32 *next_use, const i32 *uses, i64 slot, i64 seq,
+                                i64 far, i64 use_bits, i64 top) {
+    i64 distance = (i64)next_use[slot] - seq;
+    distance = distance < 0 ? 0 : (distance > far ? far : distance);
+    const i64 used = uses[slot] < top ? uses[slot] : top;
+    return (i32)((distance << use_bits) | (top - used));
+}
+
 /* The look-ahead policy's candidates once the cache is full (`_candidates`). */
 void dc_candidates(const i64 *hand, const i32 *seq_at, const i32 *pin, const i32 *next_use,
                    const i32 *uses, i64 *slots_out, i32 *keys_out, i32 *hist, i64 *hand_out, i64 m,
@@ -195,10 +205,8 @@ void dc_candidates(const i64 *hand, const i32 *seq_at, const i32 *pin, const i32
     for (i64 c = 0; c < m; c++, slot++) {
         if (slot >= capacity)
             slot -= capacity;
-        i64 distance = (i64)next_use[slot] - seq;
-        distance = distance < 0 ? 0 : (distance > far ? far : distance);
-        const i64 used = uses[slot] < top ? uses[slot] : top;
-        const i32 key = pin[slot] != 0 ? -1 : (i32)((distance << use_bits) | (top - used));
+        const i32 key =
+            pin[slot] != 0 ? -1 : lookahead_key(next_use, uses, slot, seq, far, use_bits, top);
         keys_out[c] = key;
         slots_out[c] = slot;
         hist[key + 1] += 1;
@@ -206,6 +214,52 @@ void dc_candidates(const i64 *hand, const i32 *seq_at, const i32 *pin, const i32
     slots_out[m] = sentinel_slot;
     if (sweep)
         *hand_out = slot >= capacity ? slot - capacity : slot;
+}
+
+/* The look-ahead policy's candidates while the cache may have free slots (C only: the torch
+ * ops of `Victims.choose` with `free`, the same slots, keys and histogram). Slots [fill,
+ * capacity) are free and key `top_key` (every loaded slot's at most), unless pinned. With
+ * `sweep`: the next `size` free slots (past the capacity: `trash_slot`, not offered), then
+ * `scan` slots swept from `hand` (moved past them), offered where loaded; else every slot.
+ * `slots_out` `[m + 1]` (then the sentinel slot), `keys_out` `[m]` (-1: not offered). */
+void dc_candidates_free(i64 *hand, const i64 *fill_at, const i32 *seq_at, const i32 *pin,
+                        const i32 *next_use, const i32 *uses, i64 *slots_out, i32 *keys_out,
+                        i32 *hist, i64 size, i64 scan, i64 capacity, i64 sentinel_slot,
+                        i64 trash_slot, i64 far, i64 use_bits, i64 top, i64 sweep) {
+    const i64 fill = *fill_at, seq = *seq_at;
+    const i32 top_key = (i32)((far << use_bits) | top);
+    i64 c = 0;
+    if (!sweep) {
+        for (; c < capacity; c++) {
+            const i32 key = pin[c] != 0 ? -1
+                            : c >= fill ? top_key
+                                        : lookahead_key(next_use, uses, c, seq, far, use_bits, top);
+            slots_out[c] = c;
+            keys_out[c] = key;
+            hist[key + 1] += 1;
+        }
+    } else {
+        for (; c < size; c++) {
+            const i64 slot = fill + c;
+            const int offered = slot < capacity && pin[slot] == 0;
+            slots_out[c] = slot < capacity ? slot : trash_slot;
+            keys_out[c] = offered ? top_key : -1;
+            hist[offered ? top_key + 1 : 0] += 1;
+        }
+        i64 slot = *hand;
+        for (i64 k = 0; k < scan; k++, c++, slot++) {
+            if (slot >= capacity)
+                slot -= capacity;
+            const i32 key = slot >= fill || pin[slot] != 0
+                                ? -1
+                                : lookahead_key(next_use, uses, slot, seq, far, use_bits, top);
+            slots_out[c] = slot;
+            keys_out[c] = key;
+            hist[key + 1] += 1;
+        }
+        *hand = slot >= capacity ? slot - capacity : slot;
+    }
+    slots_out[c] = sentinel_slot;
 }
 
 /* A batch's routing into a cache whose one group serves every feature (`_route`). The bag of

@@ -64,10 +64,11 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
         (_I64, _I64, _I64, _I64, _I64, _I64, _I64, "i", "i", "i", "i", "i"),
         ("CHECK", "PADDED"),
     ),
-    # C only (`fused.enter`, `fused.select_counted`, `fused.distinct`, `fused.sgd`, `fused.check`,
-    # `fused.move`, `fused.finish`, `fused.finish_whole`):
+    # C only (`fused.enter`, `fused.select_counted`, `fused.candidates_free`, `fused.distinct`,
+    # `fused.sgd`, `fused.check`, `fused.move`, `fused.finish`, `fused.finish_whole`):
     "sort": ((_I32, _I32, _I64, _I32, _I32, _I64, "i", "i"), ()),
     "select": ((_I32, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
+    "candidates_free": ((_I64, _I64, _I32, _I32, _I32, _I32, _I64, _I32, _I32) + ("i",) * 9, ()),
     "distinct": ((_I64, _I32, _I32, _I64, _I64, _I32, _U8, _I32, "i", "i"), ()),
     "sgd": ((_F32, _F32, _I64, _F32, _I64, "i", "i", "f"), ("POOLED", "WEIGHTED")),
     "check": ((_I64, _I64, _I64, _I64, _I64, "i", "i"), ()),

@@ -86,14 +86,21 @@ class Victims:
         res, cap = self.residency, self.residency.capacity
         device = fill.device
         live = None
-        if self.kernels is not None and not free and isinstance(self.policy, LookaheadPolicy):
-            slots, keys, hist = fused.candidates(
-                self.kernels, res, self.policy, self._hand, seq, scan
-            )
+        found = self.kernels if isinstance(self.policy, LookaheadPolicy) else None
+        if found is not None and (not free or "candidates_free" in found):
+            if free:  # (the C kernels)
+                slots, keys, hist = fused.candidates_free(
+                    found, res, self.policy, self._hand, fill, seq, size, scan
+                )
+            else:
+                slots, keys, hist = fused.candidates(found, res, self.policy, self._hand, seq, scan)
             picked, taken, candidates = fused.select_counted(
-                self.kernels, keys, hist, self.policy.classes, want, size + 1
+                found, keys, hist, self.policy.classes, want, size + 1
             )
-            return slots.index_select(0, picked), taken, candidates
+            victims = slots.index_select(0, picked)
+            if free:
+                _take_free(fill, victims, cap)
+            return victims, taken, candidates
         if scan >= cap:  # every slot: free ones (from `fill` on) first
             slots = torch.arange(cap, device=device)
             is_free = slots >= fill if free else None
@@ -112,8 +119,8 @@ class Victims:
             else:  # full: every slot is loaded (`fill` is the capacity)
                 slots, is_free = swept, None
         victims, taken, candidates = self._best(slots, live, is_free, seq, want, size)
-        if free:  # the free slots taken: `fill` moves past them
-            fill.add_((victims[:-1] >= fill).logical_and_(victims[:-1] < cap).sum())
+        if free:
+            _take_free(fill, victims, cap)
         return victims, taken, candidates
 
     def _best(
@@ -139,3 +146,9 @@ class Victims:
         slots = torch.cat([slots, slots.new_full((1,), res.sentinel_slot)])
         victims = slots.index_select(0, picked)  # padding: index len(keys), the sentinel slot
         return victims, taken, candidates
+
+
+def _take_free(fill: torch.Tensor, victims: torch.Tensor, capacity: int) -> None:
+    """`fill` moved past the free slots among `victims` `[size + 1]` (they are taken)."""
+    chosen = victims[:-1]
+    fill.add_((chosen >= fill).logical_and_(chosen < capacity).sum())
