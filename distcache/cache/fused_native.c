@@ -379,11 +379,16 @@ void dc_select(const i32 *keys, const i32 *hist, const i64 *want, i64 *picked, i
  * the occurrence found there represents the row. */
 void dc_distinct(const i64 *ids, const i32 *at, i32 *latest, i64 *total, i64 *rows_out,
                  i32 *rep_out, u8 *valid_out, i32 *pos_out, i64 n, i64 sentinel_row) {
-    for (i64 i = 0; i < n; i++)
+    for (i64 i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            PREFETCH_W(&latest[row_or_sentinel(ids[i + AHEAD], sentinel_row)]);
         latest[row_or_sentinel(ids[i], sentinel_row)] = (i32)i;
+    }
     const i32 base = at[1];
     i64 counted = 0;
     for (i64 i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            PREFETCH(&latest[row_or_sentinel(ids[i + AHEAD], sentinel_row)]);
         const i64 id = row_or_sentinel(ids[i], sentinel_row);
         const i32 rep = latest[id];
         const int real = id != sentinel_row;
