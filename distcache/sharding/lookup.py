@@ -34,7 +34,10 @@ class _CachedPrefetch:
         del forward_stream, ctx
         if not self._emb_modules:
             return
-        parts = sparse_features.split(self._feature_splits)
+        if len(self._emb_modules) == 1:  # (its one split is every feature: no split to make)
+            parts = [sparse_features]
+        else:
+            parts = sparse_features.split(self._feature_splits)
         for kernel, part in zip(self._emb_modules, parts, strict=True):
             if isinstance(kernel, (CachedEmbeddingBagKernel, CachedEmbeddingKernel)):
                 kernel.prefetch(part)
