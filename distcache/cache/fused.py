@@ -333,6 +333,24 @@ def check(
     return checked, count
 
 
+def check_batch(
+    found: dict, lengths: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, stride: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's lengths and ids checked in one C call (C only: `"check_batch" in found`), for
+    `rows.numel()` features of `stride` bags each (`lengths` int32 or int64, feature-major) and
+    int64 ids: the ids of each feature `[F]` int64, the count of ids outside their feature's
+    rows `[1]` int64 (`check`'s; none is replaced) and `[2]` int64: the lengths' total and 1 if
+    one is negative. The ids are counted only where the lengths add up to them and none is
+    negative (else the count is 0, and not to be read)."""
+    keys = rows.numel()
+    out = torch.zeros(keys + 3, dtype=torch.int64, device=values.device)  # per key, summary
+    found["check_batch"][(1,)](
+        lengths, values, rows, out, out[keys:], lengths.dtype == torch.int64, values.numel(),
+        keys, stride,
+    )  # fmt: skip
+    return out[:keys], out[keys + 2 :], out[keys : keys + 2]
+
+
 def move(
     found: dict,
     src: torch.Tensor,

@@ -448,6 +448,39 @@ void dc_check(const i64 *values, const i64 *ids_per_key, const i64 *rows, i64 *c
     *count += invalid;
 }
 
+/* A batch's lengths and ids checked at once (C only: `fused.check_batch`): the lengths
+ * (int64 where `wide`, else int32) of each of `keys` keys' `stride` bags summed into
+ * ids_per_key; summary[0] their total, summary[1] 1 if one is negative; then, where they add
+ * up to the n ids and none is negative, the ids outside their key's rows counted into
+ * summary[2] (`dc_check`'s count, none replaced: the caller does that where there are some). */
+void dc_check_batch(const void *lengths, const i64 *values, const i64 *rows, i64 *ids_per_key,
+                    i64 *summary, i64 wide, i64 n, i64 keys, i64 stride) {
+    const i64 *lengths64 = (const i64 *)lengths;
+    const i32 *lengths32 = (const i32 *)lengths;
+    i64 total = 0, negative = 0, at = 0;
+    for (i64 k = 0; k < keys; k++) {
+        i64 sum = 0;
+        for (i64 b = 0; b < stride; b++, at++) {
+            const i64 length = wide ? lengths64[at] : (i64)lengths32[at];
+            negative |= length < 0;
+            sum += length;
+        }
+        ids_per_key[k] = sum;
+        total += sum;
+    }
+    summary[0] = total;
+    summary[1] = negative;
+    if (total != n || negative)
+        return;
+    i64 i = 0, invalid = 0;
+    for (i64 k = 0; k < keys; k++) {
+        const i64 end = i + ids_per_key[k], bound = rows[k];
+        for (; i < end; i++)
+            invalid += values[i] < 0 || values[i] >= bound;
+    }
+    summary[2] += invalid;
+}
+
 /* Rows copied between two row-major tables of `width`-byte rows (C only: `fused.move`, the
  * stager's copies on CPU): row src_rows[k] of `src` to row dst_rows[k] of `dst`, k < count. */
 void dc_move(const u8 *src, const i64 *src_rows, u8 *dst, const i64 *dst_rows, i64 count,

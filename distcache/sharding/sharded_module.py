@@ -144,11 +144,18 @@ class CachedShardedModule(HotRowsSetup):
         """`_rows_of_keys`' lists, by the batch keys they were made for."""
         return {}
 
+    @functools.cached_property
+    def _missing_by_keys(self) -> dict[tuple[str, ...], list[str]]:
+        """The module's features a batch of these keys lacks (`_check_batch`), by its keys."""
+        return {}
+
     def input_dist(self, ctx, features):  # noqa: ANN001, ANN201
         if self._routed_input is not None:
             return self._routed_ahead(ctx, features, self._routed_input)
+        one_pass = False
         if isinstance(features, KeyedJaggedTensor):
-            self._check_batch(features)
+            one_pass = self.check_ids and self._checks_in_one_pass(features)
+            self._check_batch(features, lengths=not one_pass)  # (one pass: with the ids)
             device = features.values().device
             if device.type == "cuda":  # TorchRec's pipelines route on a stream of their own
                 ctx.distcache_stream = current_on(device)
@@ -156,7 +163,8 @@ class CachedShardedModule(HotRowsSetup):
             # The batch's own keys travel with its check (the pipeline routes later batches
             # before this one is looked up).
             ctx.distcache_keys = features.keys()
-            features, ctx.distcache_check, ctx.distcache_checked = self._check_feature_ids(features)
+            checked = self._check_feature_ids(features, one_pass=one_pass)
+            features, ctx.distcache_check, ctx.distcache_checked = checked
         if self._hot is not None and isinstance(features, KeyedJaggedTensor):
             features, ctx.distcache_hot = self._hot.split(features)  # hot ids stay here
             ctx.distcache_cold = (features.keys(), features.lengths())
@@ -227,19 +235,25 @@ class CachedShardedModule(HotRowsSetup):
             out.callbacks.append(lambda kt: hot.combine(kt, part, pooled))
         return out
 
-    def _check_batch(self, features: KeyedJaggedTensor) -> None:
+    def _check_batch(self, features: KeyedJaggedTensor, *, lengths: bool = True) -> None:
         """Raise `InvalidBatchError` for a batch TorchRec would fail on later, or train wrongly:
         a feature of the module missing, features of different batch sizes (variable batch),
         ids that are not integers, and (for a batch still in host memory, where it costs no
-        device read) lengths that do not add up to the ids.
-        Extra keys are allowed, as TorchRec's collections allow them."""
-        names = list(self._feature_rows())
-        present = set(features.keys())
-        missing = [f for f in names if f not in present]
+        device read; `lengths`: here, else with the ids, `_check_feature_ids`) lengths that do
+        not add up to the ids. Extra keys are allowed, as TorchRec's collections allow them."""
+        keys = features.keys()
+        missing = self._missing_by_keys.get(tuple(keys))
+        if missing is None:
+            present = set(keys)
+            missing = [f for f in self._feature_rows() if f not in present]
+            if len(self._missing_by_keys) >= 64:
+                self._missing_by_keys.clear()
+            self._missing_by_keys[tuple(keys)] = missing
         if missing:
             raise InvalidBatchError(
                 f"the batch lacks feature(s) {missing} of this {self._collection} (rank "
-                f"{dist.get_rank()}); its features are {names}, the batch has {features.keys()}"
+                f"{dist.get_rank()}); its features are {list(self._feature_rows())}, the batch "
+                f"has {keys}"
             )
         if features.variable_stride_per_key():
             sizes = dict(zip(features.keys(), features.stride_per_key(), strict=True))
@@ -248,7 +262,7 @@ class CachedShardedModule(HotRowsSetup):
                 "KeyedJaggedTensor, stride_per_key_per_rank): distcache's kernels need one batch "
                 "size for every feature"
             )
-        values, lengths = features.values(), features.lengths()
+        values = features.values()
         if values.is_floating_point() or values.dtype == torch.bool or values.is_complex():
             raise InvalidBatchError(
                 f"the batch's ids are {values.dtype}: ids must be torch.int64 or torch.int32 "
@@ -262,35 +276,70 @@ class CachedShardedModule(HotRowsSetup):
                 f"the batch's weights are {weights.numel()} {weights.dtype} values for "
                 f"{values.numel()} ids: a weighted feature needs one floating-point weight per id"
             )
-        if values.device.type == "cpu" and lengths.device.type == "cpu":
-            total = int(lengths.sum())
-            negative = lengths.numel() > 0 and int(lengths.min()) < 0
-            if negative or total != values.numel():
-                raise InvalidBatchError(
-                    f"the batch's lengths add up to {total} ids"
-                    + (" and some are negative" if negative else "")
-                    + f" but it holds {values.numel()} ids (features {features.keys()}): "
-                    "lengths must be >= 0 and sum to the number of values"
-                )
+        if lengths and values.device.type == "cpu" and features.lengths().device.type == "cpu":
+            length = features.lengths()
+            negative = length.numel() > 0 and int(length.min()) < 0
+            _check_lengths(features, int(length.sum()), negative)
 
     def _check_feature_ids(
-        self, features: KeyedJaggedTensor
+        self, features: KeyedJaggedTensor, *, one_pass: bool = False
     ) -> tuple[KeyedJaggedTensor, HostCopy, tuple[torch.Tensor, ...]]:
         """The features with invalid ids replaced by 0, the invalid-id count on its way to the
-        host, and what `first_invalid` needs to name the first invalid id, should it be one."""
+        host, and what `first_invalid` needs to name the first invalid id, should it be one.
+        `one_pass` (where `_checks_in_one_pass`): the lengths checked in the same C call, and
+        `InvalidBatchError` raised for them as `_check_batch` does; a batch whose ids are all
+        valid is then returned as it is (its count, in host memory, read at once)."""
         keys = features.keys()
         values = features.values()
         device = values.device
         rows = self._device_ints(self._rows_of_keys(keys), device)
-        ids_per_key = self._ids_per_key(features)
-        found = fused.kernels(device) if self.fused_ids and device.type == "cpu" else {}
-        if "check" in found and values.dtype == torch.int64:  # the C kernels' (CPU)
-            checked_values, count = fused.check(found, values, ids_per_key, rows)
+        if one_pass:  # (host memory: its counts are read without waiting)
+            ids_per_key, count, summary = fused.check_batch(
+                self._native, features.lengths(), values, rows, features.stride()
+            )
+            total, negative = summary.tolist()
+            _check_lengths(features, total, bool(negative))
+            if not count.tolist()[0]:  # every id valid: the batch goes on as it is
+                return features, HostCopy(count), (values, ids_per_key, rows)
+            checked_values, _ = fused.check(self._native, values, ids_per_key, rows)
         else:
-            bad, count = find_invalid_per_feature(values, ids_per_key, rows)
-            checked_values = torch.where(bad, 0, values)
+            ids_per_key = self._ids_per_key(features)
+            found = self._native if self.fused_ids and device.type == "cpu" else {}
+            if "check" in found and values.dtype == torch.int64:  # the C kernels' (CPU)
+                checked_values, count = fused.check(found, values, ids_per_key, rows)
+            else:
+                bad, count = find_invalid_per_feature(values, ids_per_key, rows)
+                checked_values = torch.where(bad, 0, values)
         # A copy: the caller's batch is left as it was.
         return with_values(features, checked_values), HostCopy(count), (values, ids_per_key, rows)
+
+    def _checks_in_one_pass(self, features: KeyedJaggedTensor) -> bool:
+        """Whether `_check_feature_ids` checks the lengths and the ids of `features` in one C
+        call (`fused.check_batch`): C kernels on, int64 ids and int32 or int64 lengths in host
+        memory, one batch size for every key, one length a bag."""
+        if not self.fused_ids or "check_batch" not in self._native:
+            return False
+        values, lengths = features.values(), features.lengths()
+        return (
+            values.dtype == torch.int64
+            and lengths.dtype in (torch.int32, torch.int64)
+            and values.device.type == "cpu"
+            and lengths.device.type == "cpu"
+            and values.is_contiguous()
+            and lengths.is_contiguous()
+            and not features.variable_stride_per_key()
+            and lengths.numel() == len(features.keys()) * features.stride()
+        )
+
+    @property
+    def _native(self) -> dict:
+        """The fused kernels on CPU (`fused.kernels`: the C ones where a compiler built them)
+        where `fused_ids`, else none."""
+        return self._cpu_kernels if self.fused_ids else {}
+
+    @functools.cached_property
+    def _cpu_kernels(self) -> dict:
+        return fused.kernels(torch.device("cpu"))
 
     def _ids_per_key(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """How many ids each key of `features` holds `[keys]` int64, on its device: the sums of
@@ -470,3 +519,15 @@ def user_path(path: str) -> str:
     while parts and parts[0] in ("_dmp_wrapped_module", "module"):
         parts.pop(0)
     return ".".join(parts)
+
+
+def _check_lengths(features: KeyedJaggedTensor, total: int, negative: bool) -> None:
+    """`InvalidBatchError` where a batch's lengths, adding up to `total` (some `negative`), do
+    not give its ids."""
+    if negative or total != features.values().numel():
+        raise InvalidBatchError(
+            f"the batch's lengths add up to {total} ids"
+            + (" and some are negative" if negative else "")
+            + f" but it holds {features.values().numel()} ids (features {features.keys()}): "
+            "lengths must be >= 0 and sum to the number of values"
+        )

@@ -11,6 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from distcache.cache import fused_native
 from distcache.cache.ids import first_invalid
+from distcache.errors import InvalidBatchError
 from distcache.pipeline import LookaheadTrainPipeline
 from distcache.sharding import cache_stats
 from distcache.sharding.sharded_module import CachedShardedModule, user_path
@@ -58,7 +59,9 @@ class _Rows(CachedShardedModule):
         self._rows_of_feature = {"a": ("ta", 3), "b": ("tb", 4), "c": ("tc", 5)}
 
 
-@pytest.mark.parametrize("fused_ids", [False, True])  # the torch ops, the C kernel (CPU)
+# The torch ops; the C kernel (CPU); and the C kernel that checks the lengths too, for the
+# batches it takes (int64 ids, one batch size).
+@pytest.mark.parametrize("fused_ids", [False, True, "one pass"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize(
     ("strides", "lengths", "values", "record"),
@@ -85,8 +88,12 @@ def test_check_feature_ids_records_the_first_invalid_id(
         **({} if variable else {"stride": strides[0]}),
     )
     rows = _Rows()
-    rows.fused_ids = fused_ids and fused_native.load() is not None
-    checked, check, kept = rows._check_feature_ids(features)
+    rows.fused_ids = bool(fused_ids) and fused_native.load() is not None
+    one_pass = fused_ids == "one pass" and rows._checks_in_one_pass(features)
+    # It takes int64 ids of one batch size (where a C compiler built it); the others go on.
+    eligible = rows.fused_ids and dtype == torch.int64 and not variable
+    assert one_pass == (fused_ids == "one pass" and eligible)
+    checked, check, kept = rows._check_feature_ids(features, one_pass=one_pass)
     assert check.read() == record[:1]  # the count reaches the host with the batch
     if record[0]:  # and only then is the batch read to name the first invalid id
         assert first_invalid(*kept) == record
@@ -94,6 +101,35 @@ def test_check_feature_ids_records_the_first_invalid_id(
     assert checked.values().tolist() == want and checked.values().dtype == dtype
     assert features.values().tolist() == values  # the caller's batch is left as it was
     assert checked.stride_per_key() == strides
+
+
+@pytest.mark.skipif(fused_native.load() is None, reason="no C compiler built the C kernels")
+@pytest.mark.parametrize(
+    ("lengths", "values"),
+    [
+        ([1, 2, 0, 0, 1, 1], [2, 1, 0, 4]),  # five ids by the lengths, four given
+        ([1, 2, 0, 0, 1, 1], [2, 1, 0, 4, 4, 0]),  # six given
+        ([1, 2, -1, 0, 2, 1], [2, 1, 0, 4, 4]),  # five, one length negative
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_lengths_checked_with_the_ids_are_refused_as_by_the_batch_check(lengths, values, dtype):
+    """Where one C call checks a batch's lengths with its ids, lengths that do not give its ids
+    are refused with `_check_batch`'s own message."""
+    features = KeyedJaggedTensor(
+        keys=["a", "b", "c"],
+        values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=dtype),
+        stride=2,
+    )
+    rows = _Rows()
+    rows.fused_ids = True
+    assert rows._checks_in_one_pass(features)
+    with pytest.raises(InvalidBatchError) as two_passes:
+        rows._check_batch(features)
+    with pytest.raises(InvalidBatchError, match="lengths add up to") as one_pass:
+        rows._check_feature_ids(features, one_pass=True)
+    assert str(one_pass.value) == str(two_passes.value)
 
 
 def _bounds(features: KeyedJaggedTensor) -> list[tuple[int, int]]:
