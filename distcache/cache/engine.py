@@ -143,6 +143,14 @@ class CacheEngine:
     def capacity(self) -> int:
         return self.scheduler.capacity
 
+    @property
+    def pool_kernels(self) -> dict | None:
+        """The C kernels, where they pool this cache's rows straight into the module's output
+        (`fused.pool`: fp32 rows, distcache's kernel, CPU); else None."""
+        found = self.scheduler.kernels
+        fp32 = self.weights.dtype == torch.float32
+        return found if self._sgd is not None and fp32 and "pool" in found else None
+
     # ------------------------------------------------------------ batch flow
     def check_room(self) -> None:
         """Raise `LookaheadWindowError` if the window cannot take one more batch (as
@@ -230,6 +238,7 @@ class CacheEngine:
         bag_grad: torch.Tensor,
         bag_of_id: torch.Tensor | None,
         id_weights: torch.Tensor | None = None,
+        batch_major: tuple[int, int] | None = None,
     ) -> None:
         """Fused optimizer step on the batch's rows (the torch kernel's).
 
@@ -240,22 +249,29 @@ class CacheEngine:
                 lookups: `bag_grad` is then the gradient of each id's row `[n, dim]`).
             id_weights: each id's weight `[n]` (weighted features): its row's gradient is its
                 bag's gradient times the weight.
+            batch_major: (batch, features): `bag_grad` is `[batch, features * dim]`, feature
+                f's bag b at row b (`fused.pool`'s layout; bag f * batch + b).
         """
         self._check_active(plan)
-        if self.optimizer.per_id and self.weights.dtype == torch.float32:
+        sgd = self.optimizer.per_id and self.weights.dtype == torch.float32
+        if (
+            sgd
+            and self._sgd is not None
+            and bag_grad.dtype == torch.float32
+            and (id_weights is None or id_weights.dtype == torch.float32)
+        ):  # SGD in one C kernel (CPU), the torch ops' below; it reads `batch_major` as it is
+            fused.sgd(
+                self._sgd, self.weights, bag_grad, bag_of_id, id_weights, plan.id_slots,
+                self.optimizer.lr, batch_major,
+            )  # fmt: skip
+            self._updated(plan)
+            return
+        if batch_major is not None:  # each bag's gradient in a row of its own, bag by bag
+            batch, features = batch_major
+            bag_grad = bag_grad.view(batch, features, -1).transpose(0, 1).reshape(-1, self.dim)
+        if sgd:
             # Stateless and linear (SGD): scatter-add each id's step -lr * g, as a sparse SGD
             # step does. Scaling the few bags first is cheaper than index_add_(alpha=...).
-            if (
-                self._sgd is not None
-                and bag_grad.dtype == torch.float32
-                and (id_weights is None or id_weights.dtype == torch.float32)
-            ):  # the same in one C kernel (CPU)
-                fused.sgd(
-                    self._sgd, self.weights, bag_grad, bag_of_id, id_weights, plan.id_slots,
-                    self.optimizer.lr,
-                )  # fmt: skip
-                self._updated(plan)
-                return
             step = bag_grad * -self.optimizer.lr
             if bag_of_id is not None:
                 step = step.index_select(0, bag_of_id)  # [n, dim]

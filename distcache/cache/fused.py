@@ -308,16 +308,44 @@ def sgd(
     id_weights: torch.Tensor | None,
     id_slots: torch.Tensor,
     lr: float,
+    batch_major: tuple[int, int] | None = None,
 ) -> None:
     """`CacheEngine.apply_gradients`'s SGD step on fp32 rows in one C kernel (CPU only: `"sgd"
     in found`), the same float32 operations in the same order: each id's row (`id_slots`)
-    plus its bag's gradient (`bag_of_id`; None: its own) times -lr, times its weight."""
+    plus its bag's gradient (`bag_of_id`; None: its own) times -lr, times its weight.
+    `batch_major` (batch, features): the gradient is `[batch, features * dim]`, the bags'
+    transpose (`pool`'s layout), read as it is."""
     n, dim, grad = id_slots.numel(), weights.shape[1], bag_grad.contiguous()
+    batch, features = batch_major or (0, 0)
     found["sgd"][(1,)](
         weights, grad, id_slots if bag_of_id is None else bag_of_id,
-        grad if id_weights is None else id_weights.contiguous(), id_slots, n, dim, lr,
-        POOLED=bag_of_id is not None, WEIGHTED=id_weights is not None,
+        grad if id_weights is None else id_weights.contiguous(), id_slots, n, dim, lr, batch,
+        features, POOLED=bag_of_id is not None, WEIGHTED=id_weights is not None,
+        BATCH_MAJOR=batch_major is not None,
     )  # fmt: skip
+
+
+def pool(
+    found: dict,
+    weights: torch.Tensor,
+    id_slots: torch.Tensor,
+    offsets: torch.Tensor,
+    divisor: torch.Tensor | None,
+    batch: int,
+    features: int,
+) -> torch.Tensor:
+    """`[batch, features * dim]` float32: the sums of a batch's rows per bag (`embedding_bag`,
+    mode 'sum', no per-id weights; divided by `divisor` `[bags]` where given) in the layout of
+    the module's output, feature f's bag b at row b, columns f * dim on (C only: `"pool" in
+    found`): `embedding_bag` and the transpose in one pass, the same float32 operations. Rows
+    fp32, `offsets` `[features * batch + 1]` covering every id."""
+    dim = weights.shape[1]
+    out = torch.empty(batch, features * dim, dtype=torch.float32, device=weights.device)
+    found["pool"][(1,)](
+        weights, id_slots, offsets, out if divisor is None else divisor, out,
+        features * batch, batch, features, dim, divisor is not None,
+    )  # fmt: skip
+    return out
 
 
 def check(

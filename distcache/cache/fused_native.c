@@ -408,12 +408,28 @@ void dc_distinct(const i64 *ids, const i32 *at, i32 *latest, i64 *total, i64 *ro
  * same order, so the same bits). `bag_of_id` is read where `pooled`, `id_weights` where
  * `weighted`. */
 void dc_sgd(float *weights, const float *bag_grad, const i64 *bag_of_id, const float *id_weights,
-            const i64 *id_slots, i64 n, i64 dim, double lr, i64 pooled, i64 weighted) {
+            const i64 *id_slots, i64 n, i64 dim, double lr, i64 batch, i64 features, i64 pooled,
+            i64 weighted, i64 batch_major) {
     const float scale = (float)-lr;
+    i64 bag = -1, f = 0, b = -1; /* batch_major: bag f * batch + b's gradient is row b * features + f */
     for (i64 i = 0; i < n; i++) {
         if (i + AHEAD < n)
             PREFETCH_W(&weights[id_slots[i + AHEAD] * dim]);
-        const float *g = bag_grad + (pooled ? bag_of_id[i] : i) * dim;
+        i64 row = pooled ? bag_of_id[i] : i;
+        if (pooled && batch_major) {
+            if (row == bag + 1) { /* the next bag (ids come bag by bag) */
+                if (++b == batch) {
+                    b = 0;
+                    f++;
+                }
+            } else if (row != bag) {
+                f = row / batch;
+                b = row - f * batch;
+            }
+            bag = row;
+            row = b * features + f;
+        }
+        const float *g = bag_grad + row * dim;
         float *w = weights + id_slots[i] * dim;
         if (weighted) {
             const float by = id_weights[i];
@@ -426,6 +442,38 @@ void dc_sgd(float *weights, const float *bag_grad, const i64 *bag_of_id, const f
                 w[d] += g[d] * scale;
         }
     }
+}
+
+/* A staged batch's rows summed per bag straight into the module's output (C only:
+ * `fused.pool`): bag j, feature f = j / batch's bag b, into row b, columns [f * dim, (f + 1) *
+ * dim) of a [batch, features * dim] output; torch's `embedding_bag` ('sum', no weights: from 0,
+ * the bag's rows added in order) and the transpose into the output in one pass, the same float
+ * additions. Where `divide`, each bag's sum is divided by divisor[j] (mean bags). */
+void dc_pool(const float *weights, const i64 *id_slots, const i64 *offsets, const float *divisor,
+             float *out, i64 bags, i64 batch, i64 features, i64 dim, i64 divide) {
+    float *dst = out; /* row by row of the output: bag f * batch + b at row b, column f * dim */
+    for (i64 b = 0; b < batch; b++) {
+        for (i64 f = 0; f < features; f++, dst += dim) {
+            const i64 j = f * batch + b;
+            for (i64 d = 0; d < dim; d++)
+                dst[d] = 0.0f;
+            for (i64 i = offsets[j]; i < offsets[j + 1]; i++) {
+                const float *src = weights + id_slots[i] * dim;
+                for (i64 d = 0; d < dim; d++)
+                    dst[d] += src[d];
+            }
+            if (divide)
+                for (i64 d = 0; d < dim; d++)
+                    dst[d] = dst[d] / divisor[j];
+        }
+        if (b + 1 < batch) /* the next row's rows, as this one's are summed */
+            for (i64 f = 0; f < features; f++) {
+                const i64 j = f * batch + b + 1;
+                if (offsets[j] < offsets[j + 1])
+                    PREFETCH(&weights[id_slots[offsets[j]] * dim]);
+            }
+    }
+    (void)bags;
 }
 
 /* A batch's ids checked against their tables before they are routed (C only: `fused.check`,

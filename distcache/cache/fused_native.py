@@ -65,13 +65,17 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
         ("CHECK", "PADDED"),
     ),
     # C only (`fused.enter`, `fused.select_counted`, `fused.candidates_free`, `fused.distinct`,
-    # `fused.sgd`, `fused.check`, `fused.check_batch`, `fused.move`, `fused.finish`,
-    # `fused.finish_whole`):
+    # `fused.sgd`, `fused.pool`, `fused.check`, `fused.check_batch`, `fused.move`,
+    # `fused.finish`, `fused.finish_whole`):
     "sort": ((_I32, _I32, _I64, _I32, _I32, _I64, "i", "i"), ()),
     "select": ((_I32, _I32, _I64, _I64, _I64, "i", "i", "i"), ()),
     "candidates_free": ((_I64, _I64, _I32, _I32, _I32, _I32, _I64, _I32, _I32) + ("i",) * 9, ()),
     "distinct": ((_I64, _I32, _I32, _I64, _I64, _I32, _U8, _I32, "i", "i"), ()),
-    "sgd": ((_F32, _F32, _I64, _F32, _I64, "i", "i", "f"), ("POOLED", "WEIGHTED")),
+    "sgd": (
+        (_F32, _F32, _I64, _F32, _I64, "i", "i", "f", "i", "i"),
+        ("POOLED", "WEIGHTED", "BATCH_MAJOR"),
+    ),
+    "pool": ((_F32, _I64, _I64, _F32, _F32, "i", "i", "i", "i", "i"), ()),
     "check": ((_I64, _I64, _I64, _I64, _I64, "i", "i"), ()),
     "check_batch": ((None, _I64, _I64, _I64, _I64, "i", "i", "i", "i"), ()),
     "move": ((None, _I64, None, _I64, "i", "i"), ()),  # (rows of any dtype)

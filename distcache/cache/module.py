@@ -29,7 +29,7 @@ from distcache.cache.engine import CacheEngine
 from distcache.cache.host_store import HostStore
 from distcache.cache.ids import raise_if_invalid
 from distcache.cache.plan import StagePlan
-from distcache.cache.pooling import CachedPooledLookup, pool, pool_aside
+from distcache.cache.pooling import CachedPooledLookup, pool, pool_aside, pools_batch_major
 from distcache.cache.routing import CacheGroup, RoutedBatch, Router
 from distcache.cache.streams import tensors_in
 from distcache.cache.tables import TableSpec, table_config
@@ -217,13 +217,23 @@ class CachedEmbeddingBags(nn.Module):
             engine = group.engine
             id_weights = batch.id_weights(weights, routed.routed_ids)
             plan = self._lookup(engine, routed) if staged else None
+            # One group of every feature, in order: pooled straight into the output, where
+            # the C kernel can (its gradient read there too).
+            whole = len(self._groups) == 1 and self._in_order and plan is not None
+            layout = None
+            if whole and pools_batch_major(engine, batch, id_weights):
+                layout = (batch_size, len(group.features))
             if plan is None:  # an evaluation's batch, beside the window
                 pooled = pool_aside(engine, batch, id_weights)
             elif train:
-                pooled = CachedPooledLookup.apply(self._anchor, engine, plan, batch, id_weights)
+                pooled = CachedPooledLookup.apply(
+                    self._anchor, engine, plan, batch, id_weights, layout
+                )
             else:
-                pooled, _ = pool(engine, plan, batch, id_weights)
+                pooled, _ = pool(engine, plan, batch, id_weights, batch_major=layout)
                 engine.release(plan)
+            if layout is not None:  # [B, features * dim], the output
+                return pooled
             parts.append(pooled.view(len(group.features), batch_size, engine.dim))
         if self._in_order:  # the groups' features in turn: one copy (and backward) per group
             parts = [part.transpose(0, 1).flatten(1) for part in parts]  # [B, features * dim]

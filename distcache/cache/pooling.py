@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from distcache.cache import fused as fused_passes
 from distcache.cache.select import pack
 
 if TYPE_CHECKING:
@@ -52,10 +53,21 @@ def pool(
     id_weights: torch.Tensor | None = None,
     *,
     train: bool = False,
+    batch_major: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pooled rows `[bags, dim]` (float32) of a staged batch, read from the cache, each row
     scaled by its id's weight when there are weights; and, with FBGEMM's kernel in training,
-    the bags' sums as its TBE returned them, whose backward updates the rows."""
+    the bags' sums as its TBE returned them, whose backward updates the rows.
+
+    `batch_major` (batch, features), where `pools_batch_major`: `[batch, features * dim]`
+    instead, feature f's bag b at row b (the module's output), pooled there in one C kernel."""
+    if batch_major is not None:
+        batch_size, features = batch_major
+        pooled = fused_passes.pool(
+            engine.pool_kernels, engine.weights, plan.id_slots, batch.offsets,
+            batch.bag_divisor, batch_size, features,
+        )  # fmt: skip
+        return pooled, None
     if engine.tbe is not None:
         with torch.enable_grad() if train else torch.no_grad():
             summed = engine.tbe.lookup(
@@ -78,6 +90,14 @@ def pool(
     if batch.bag_divisor is not None:
         pooled = pooled / batch.bag_divisor.unsqueeze(1)
     return pooled, fused
+
+
+def pools_batch_major(
+    engine: CacheEngine, batch: GroupBatch, id_weights: torch.Tensor | None
+) -> bool:
+    """Whether `pool` can pool `batch` into the module's output layout (`batch_major`): the C
+    kernel (fp32 rows, CPU), no per-id weights, no padding ids."""
+    return engine.pool_kernels is not None and id_weights is None and not batch.extra_bag
 
 
 def pool_aside(
@@ -105,15 +125,25 @@ class CachedPooledLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, engine, plan, batch, id_weights):  # noqa: ANN001
+    def forward(ctx, anchor, engine, plan, batch, id_weights, batch_major=None):  # noqa: ANN001
         ctx.engine, ctx.plan, ctx.batch, ctx.id_weights = engine, plan, batch, id_weights
-        pooled, ctx.fused = pool(engine, plan, batch, id_weights, train=True)
+        ctx.batch_major = batch_major
+        pooled, ctx.fused = pool(
+            engine, plan, batch, id_weights, train=True, batch_major=batch_major
+        )
         return pooled
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001
-        engine, plan, batch = ctx.engine, ctx.plan, ctx.batch
+        engine, plan, batch, batch_major = ctx.engine, ctx.plan, ctx.batch, ctx.batch_major
         grad = grad_output
+        if batch_major is not None:  # (no per-id weights, no padding: `pools_batch_major`)
+            if batch.bag_divisor is not None:  # each bag's at its place: [batch, features, 1]
+                batch_size, features = batch_major
+                divisor = batch.bag_divisor.view(features, batch_size).t().unsqueeze(2)
+                grad = (grad.view(batch_size, features, -1) / divisor).view_as(grad_output)
+            engine.apply_gradients(plan, grad, batch.bag_of_id, None, batch_major)
+            return None, None, None, None, None, None
         if batch.bag_divisor is not None:
             grad = grad / batch.bag_divisor.unsqueeze(1)
         # Trainable weights (TorchRec's position-weighted features): their gradient from the
@@ -124,11 +154,11 @@ class CachedPooledLookup(torch.autograd.Function):
         if ctx.fused is not None:
             engine.apply_tbe_gradients(plan, ctx.fused, grad)
             ctx.fused = None  # its graph is spent
-            return None, None, None, None, weights_grad
+            return None, None, None, None, weights_grad, None
         if batch.extra_bag:  # padding ids point at one more bag, whose gradient is zero
             grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
         engine.apply_gradients(plan, grad, batch.bag_of_id, ctx.id_weights)
-        return None, None, None, None, weights_grad
+        return None, None, None, None, weights_grad, None
 
 
 def _id_weights_grad(

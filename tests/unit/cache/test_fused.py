@@ -226,6 +226,46 @@ def _train_bags(fused_passes: bool, device: str):
     return cached, outs
 
 
+@pytest.mark.skipif(not HAS_NATIVE, reason="no C compiler built the C kernels")
+def test_bags_pooled_into_the_output_train_as_the_torch_ops_to_the_bit():
+    """One cache of every feature, in order: the C kernels pool its bags straight into the
+    output and read its gradient there (`fused.pool`, `fused.sgd`'s `batch_major`). Rows of
+    random floats, so the order of every float operation shows: outputs at every step and the
+    rows after a flush equal the torch ops' (`embedding_bag`, the transposes), bit for bit,
+    through sum and mean bags, several ids a bag, eviction and write-back."""
+    runs = [_train_float_bags(f) for f in (False, True)]
+    (ref, ref_outs), (got, got_outs) = runs
+    assert got._groups[0].engine.pool_kernels is not None and len(got._groups) == 1
+    for t, (a, b) in enumerate(zip(ref_outs, got_outs, strict=True)):
+        assert torch.equal(a, b), f"step {t}"
+    for c in (ref, got):
+        c.flush()
+    for table in ("t0", "t1"):
+        assert torch.equal(ref.table_weight(table), got.table_weight(table)), table
+
+
+def _train_float_bags(fused_passes: bool):
+    tables = make_tables([8, 8], [300, 200], ["sum", "mean"])
+    config = CacheConfig(capacity=60, lookahead=4, learning_rate=0.37, fused=fused_passes)
+    cached = CachedEmbeddingBags(tables, config)
+    gen = torch.Generator().manual_seed(0)
+    for table in tables:
+        shape = (table.num_embeddings, table.embedding_dim)
+        cached.load_table_weight(table.name, torch.randn(shape, generator=gen))
+    batches = make_batches(tables, batch_size=16, num_batches=40, max_len=5, seed=7)
+    outs, enqueued = [], 0
+    for t, batch in enumerate(batches):
+        while enqueued < len(batches) and enqueued <= t + config.lookahead:
+            cached.enqueue(*batches[enqueued])
+            enqueued += 1
+        cached.prefetch()
+        out = cached(*batch)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append(out.detach())
+    assert next(iter(cached.stats().values())).evictions > 0
+    return cached, outs
+
+
 @pytest.mark.parametrize("padded_ids", [False, True])
 @pytest.mark.parametrize("check_ids", [True, False])
 def test_the_fused_routing_matches_the_torch_ops(padded_ids, check_ids, cpu_kernels):
