@@ -214,16 +214,22 @@ def _train_bags(fused_passes: bool, device: str):
     for table, weight in zip(tables, integer_weights(tables, 0), strict=True):
         cached.load_table_weight(table.name, weight)
     batches = make_batches(tables, batch_size=4, num_batches=30, max_len=3, seed=5)
+    batches = [tuple(x.to(device) for x in batch) for batch in batches]
+    return cached, _train_window(cached, batches, loss_of)
+
+
+def _train_window(cached: CachedEmbeddingBags, batches: list, loss) -> list[torch.Tensor]:  # noqa: ANN001
+    """Train `cached` on `batches` with `loss`, L batches enqueued ahead; each step's output."""
     outs, enqueued = [], 0
     for t, batch in enumerate(batches):
-        while enqueued < len(batches) and enqueued <= t + config.lookahead:
-            cached.enqueue(*(x.to(device) for x in batches[enqueued]))
+        while enqueued < len(batches) and enqueued <= t + cached.config.lookahead:
+            cached.enqueue(*batches[enqueued])
             enqueued += 1
         cached.prefetch()
-        out = cached(*(x.to(device) for x in batch))
-        loss_of(out).backward()
+        out = cached(*batch)
+        loss(out).backward()
         outs.append(out.detach().cpu())
-    return cached, outs
+    return outs
 
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="no C compiler built the C kernels")
@@ -253,15 +259,9 @@ def _train_float_bags(fused_passes: bool):
         shape = (table.num_embeddings, table.embedding_dim)
         cached.load_table_weight(table.name, torch.randn(shape, generator=gen))
     batches = make_batches(tables, batch_size=16, num_batches=40, max_len=5, seed=7)
-    outs, enqueued = [], 0
-    for t, batch in enumerate(batches):
-        while enqueued < len(batches) and enqueued <= t + config.lookahead:
-            cached.enqueue(*batches[enqueued])
-            enqueued += 1
-        cached.prefetch()
-        out = cached(*batch)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        outs.append(out.detach())
+    outs = _train_window(
+        cached, batches, lambda out: (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+    )
     assert next(iter(cached.stats().values())).evictions > 0
     return cached, outs
 
