@@ -342,8 +342,8 @@ def pool(
     dim = weights.shape[1]
     out = torch.empty(batch, features * dim, dtype=torch.float32, device=weights.device)
     found["pool"][(1,)](
-        weights, id_slots, offsets, out if divisor is None else divisor, out,
-        features * batch, batch, features, dim, divisor is not None,
+        weights, id_slots, offsets, out if divisor is None else divisor, out, batch, features,
+        dim, divisor is not None,
     )  # fmt: skip
     return out
 

@@ -6,9 +6,10 @@
  * add), and a loop over its entries in order is one such order. Then the passes only the CPU
  * fuses ("C only", each the torch ops or Triton kernels named beside it, the same values): the
  * batch's sort with its running count (for `_first`), the victims' selection (for `_boundary`,
- * `_ties` and `_take`), a cache of every row's entry and plan, a plan's end, the SGD step, the
- * id check and the stager's row copies. Built and loaded by `fused_native.py`; plain C, no
- * Python or torch headers. */
+ * `_ties` and `_take`), the candidates while free slots are left, a cache of every row's entry
+ * and plan, a plan's end, the SGD step, the pooling into the module's output, the id checks
+ * and the stager's row copies. Built and loaded by `fused_native.py`; plain C, no Python or
+ * torch headers. */
 
 #include <stdint.h>
 #include <string.h>
@@ -406,12 +407,13 @@ void dc_distinct(const i64 *ids, const i32 *at, i32 *latest, i64 *total, i64 *ro
  * rows: each id's step, its bag's gradient times -lr, times its weight where it has one, added
  * to its slot's row in id order, as `index_add_` adds them; the same float32 operations in the
  * same order, so the same bits). `bag_of_id` is read where `pooled`, `id_weights` where
- * `weighted`. */
+ * `weighted`; where `batch_major`, `bag_grad` is `dc_pool`'s output layout. */
 void dc_sgd(float *weights, const float *bag_grad, const i64 *bag_of_id, const float *id_weights,
             const i64 *id_slots, i64 n, i64 dim, double lr, i64 batch, i64 features, i64 pooled,
             i64 weighted, i64 batch_major) {
     const float scale = (float)-lr;
-    i64 bag = -1, f = 0, b = -1; /* batch_major: bag f * batch + b's gradient is row b * features + f */
+    /* batch_major: bag f * batch + b's gradient is row b * features + f of `bag_grad` */
+    i64 bag = -1, f = 0, b = -1;
     for (i64 i = 0; i < n; i++) {
         if (i + AHEAD < n)
             PREFETCH_W(&weights[id_slots[i + AHEAD] * dim]);
@@ -450,7 +452,7 @@ void dc_sgd(float *weights, const float *bag_grad, const i64 *bag_of_id, const f
  * the bag's rows added in order) and the transpose into the output in one pass, the same float
  * additions. Where `divide`, each bag's sum is divided by divisor[j] (mean bags). */
 void dc_pool(const float *weights, const i64 *id_slots, const i64 *offsets, const float *divisor,
-             float *out, i64 bags, i64 batch, i64 features, i64 dim, i64 divide) {
+             float *out, i64 batch, i64 features, i64 dim, i64 divide) {
     float *dst = out; /* row by row of the output: bag f * batch + b at row b, column f * dim */
     for (i64 b = 0; b < batch; b++) {
         for (i64 f = 0; f < features; f++, dst += dim) {
@@ -473,7 +475,6 @@ void dc_pool(const float *weights, const i64 *id_slots, const i64 *offsets, cons
                     PREFETCH(&weights[id_slots[offsets[j]] * dim]);
             }
     }
-    (void)bags;
 }
 
 /* A batch's ids checked against their tables before they are routed (C only: `fused.check`,

@@ -75,7 +75,7 @@ _SPECS: dict[str, tuple[tuple, tuple[str, ...]]] = {
         (_F32, _F32, _I64, _F32, _I64, "i", "i", "f", "i", "i"),
         ("POOLED", "WEIGHTED", "BATCH_MAJOR"),
     ),
-    "pool": ((_F32, _I64, _I64, _F32, _F32, "i", "i", "i", "i", "i"), ()),
+    "pool": ((_F32, _I64, _I64, _F32, _F32, "i", "i", "i", "i"), ()),
     "check": ((_I64, _I64, _I64, _I64, _I64, "i", "i"), ()),
     "check_batch": ((None, _I64, _I64, _I64, _I64, "i", "i", "i", "i"), ()),
     "move": ((None, _I64, None, _I64, "i", "i"), ()),  # (rows of any dtype)
