@@ -82,6 +82,13 @@ def process_group(device_type: str) -> Iterator[tuple[int, int, torch.device]]:
         dist.barrier()
     try:
         yield dist.get_rank(), dist.get_world_size(), _device(device_type)
+        if backend == "gloo":
+            # Every rank done before any tears its group down: a peer that closes its
+            # connections while this rank's gloo threads still use them can abort this
+            # process ("terminate called without an active exception", seen once after a
+            # finished job on a loaded machine). Not after an error: a dead peer would hold
+            # the others here until the group's timeout.
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
