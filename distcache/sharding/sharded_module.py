@@ -14,7 +14,8 @@ import copy
 import dataclasses
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -242,13 +243,9 @@ class CachedShardedModule(HotRowsSetup):
         device read; `lengths`: here, else with the ids, `_check_feature_ids`) lengths that do
         not add up to the ids. Extra keys are allowed, as TorchRec's collections allow them."""
         keys = features.keys()
-        missing = self._missing_by_keys.get(tuple(keys))
-        if missing is None:
-            present = set(keys)
-            missing = [f for f in self._feature_rows() if f not in present]
-            if len(self._missing_by_keys) >= 64:
-                self._missing_by_keys.clear()
-            self._missing_by_keys[tuple(keys)] = missing
+        missing = _kept_per_keys(
+            self._missing_by_keys, keys, lambda: [f for f in self._feature_rows() if f not in keys]
+        )
         if missing:
             raise InvalidBatchError(
                 f"the batch lacks feature(s) {missing} of this {self._collection} (rank "
@@ -276,8 +273,8 @@ class CachedShardedModule(HotRowsSetup):
                 f"the batch's weights are {weights.numel()} {weights.dtype} values for "
                 f"{values.numel()} ids: a weighted feature needs one floating-point weight per id"
             )
-        if lengths and values.device.type == "cpu" and features.lengths().device.type == "cpu":
-            length = features.lengths()
+        length = features.lengths()
+        if lengths and values.device.type == "cpu" and length.device.type == "cpu":
             negative = length.numel() > 0 and int(length.min()) < 0
             _check_lengths(features, int(length.sum()), negative)
 
@@ -304,7 +301,7 @@ class CachedShardedModule(HotRowsSetup):
             checked_values, _ = fused.check(self._native, values, ids_per_key, rows)
         else:
             ids_per_key = self._ids_per_key(features)
-            found = self._native if self.fused_ids and device.type == "cpu" else {}
+            found = self._native if device.type == "cpu" else {}
             if "check" in found and values.dtype == torch.int64:  # the C kernels' (CPU)
                 checked_values, count = fused.check(found, values, ids_per_key, rows)
             else:
@@ -355,13 +352,9 @@ class CachedShardedModule(HotRowsSetup):
 
     def _rows_of_keys(self, keys: list[str]) -> tuple[int, ...]:
         """`_rows_of_key_name` of each key, kept per list of keys (a batch's keys repeat)."""
-        kept = self._rows_by_keys
-        rows = kept.get(tuple(keys))
-        if rows is None:
-            if len(kept) >= 64:
-                kept.clear()
-            rows = kept[tuple(keys)] = tuple(self._rows_of_key_name(k) for k in keys)
-        return rows
+        return _kept_per_keys(
+            self._rows_by_keys, keys, lambda: tuple(self._rows_of_key_name(k) for k in keys)
+        )
 
     def _feature_rows(self) -> dict[str, tuple[str, int]]:
         """Per feature of the collection, in its order: its table's name and rows."""
@@ -519,6 +512,20 @@ def user_path(path: str) -> str:
     while parts and parts[0] in ("_dmp_wrapped_module", "module"):
         parts.pop(0)
     return ".".join(parts)
+
+
+T = TypeVar("T")
+
+
+def _kept_per_keys(kept: dict, keys: list[str], make: Callable[[], T]) -> T:
+    """`make()` for a batch's `keys`, kept in `kept` by them (a batch's keys repeat from batch
+    to batch; at most 64 lists are kept)."""
+    value = kept.get(tuple(keys))
+    if value is None:
+        if len(kept) >= 64:
+            kept.clear()
+        value = kept[tuple(keys)] = make()
+    return value
 
 
 def _check_lengths(features: KeyedJaggedTensor, total: int, negative: bool) -> None:
