@@ -32,8 +32,8 @@ the cache, which holds the table's next likeliest rows instead.
 A cache of several tables loads `binned.shared_loads` of them: the 'frequency' model with
 look-ahead, 'lru' without (Che's approximation, one characteristic time for the whole cache:
 distcache's reactive caches are the same shared engine). Its staging is one transfer each
-way a step (`shards.staging_time_s`) and, with look-ahead, one scheduler pass over the ids and
-distinct rows of all its tables (`shards.scheduling_time_s`). A TorchRec plan's
+way a step (`rates.staging_time_s`) and, with look-ahead, one scheduler pass over the ids and
+distinct rows of all its tables (`rates.scheduling_time_s`). A TorchRec plan's
 `fused_uvm_caching` tables are priced the same way, as reactive caches shared by width;
 FBGEMM's UVM cache is one per table-batched kernel, which `group_tables` gives the tables of
 all widths of one data type whatever their load factors, so it is shared more widely than
@@ -62,12 +62,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distcache.planner.binned import CacheShare, shared_loads, table_access
-from distcache.planner.shards import (
-    ShardTerms,
-    cache_staging,
-    cache_work_s,
-    splits,
-)
+from distcache.planner.rates import cache_staging, cache_work_s
+from distcache.planner.shards import ShardTerms, splits
 from distcache.planner.types import HOST_CACHED, Plan, TablePlan, TableStats, Topology, Workload
 
 

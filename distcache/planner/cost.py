@@ -25,19 +25,19 @@ U_table(n) otherwise, from `stats.expected_unique`.
   order on the training thread), fully exposed. The cache must hold the rows of the K + 1 batches in
   flight: cache rows >= (K + 1)·U. On a calibrated CPU the host-device bandwidth is the
   stager's measured rate, and a look-ahead cache's scheduler adds its measured work per step
-  (`shards.scheduling_time_s`): n·schedule_s_per_id (the ids entering its window) +
+  (`rates.scheduling_time_s`): n·schedule_s_per_id (the ids entering its window) +
   candidates·schedule_s_per_candidate (the slots its victim choice scores,
-  `shards.scheduled_candidates`: max(4096, (K + 2)·U), or every slot of a small
+  `rates.scheduled_candidates`: max(4096, (K + 2)·U), or every slot of a small
   cache); topologies calibrated before those figures price it as every slot scored once a
   step: + cache rows / cache_scan_rows_per_s. A reactive LRU cache's own work is priced on a
   GPU only, per id at `reactive_cache_s_per_id` (FBGEMM's UVM cache, calibrated there), in the
-  lookups (`shards.reactive_cache_time_s`), and per row it loads at `reactive_cache_s_per_miss`
-  (`shards.reactive_cache_miss_s`: its `scheduling_s`, once per shared cache); those figures
+  lookups (`rates.reactive_cache_time_s`), and per row it loads at `reactive_cache_s_per_miss`
+  (`rates.reactive_cache_miss_s`: its `scheduling_s`, once per shared cache); those figures
   hold its copies too, so where they are priced the cache has no staging term
-  (`shards.reactive_cache_priced_per_id`).
+  (`rates.reactive_cache_priced_per_id`).
   On a GPU the scheduler's kernels take the device beside training (calibrated as the
   device's time): its time is added to the rank's lookups, never hidden, while the copies
-  overlap (`shards.cache_work_on_device`).
+  overlap (`rates.cache_work_on_device`).
   A rank's host-cached shards of one width, sharding type and cache settings share one cache,
   as the engine runs them (`caches.py`): its loads are `binned.shared_loads` of them (the
   likeliest rows of all of them resident; 'lru': one characteristic time), into their cache
@@ -154,7 +154,8 @@ from distcache.planner.dense import (
     sync_latency_s,
 )
 from distcache.planner.ranks import RankTerms, rank_step_of, shard_contribution
-from distcache.planner.shards import cache_work_on_device, sent_bags_per_rank, table_plan_terms
+from distcache.planner.rates import cache_work_on_device
+from distcache.planner.shards import sent_bags_per_rank, table_plan_terms
 from distcache.planner.types import (
     COLUMN_WISE,
     DATA_PARALLEL,

@@ -199,7 +199,7 @@ class Topology:
     calibrations), `cache_scan_rows_per_s` prices the scheduler instead."""
     schedule_s_per_candidate: float | None = None
     """With `schedule_s_per_id`: seconds per slot its victim choice scores
-    (`shards.scheduled_candidates`: the sweep's, or every slot of a small cache)."""
+    (`rates.scheduled_candidates`: the sweep's, or every slot of a small cache)."""
     reactive_cache_s_per_id: float | None = None
     """Device seconds per id of a reactive (LRU) cache's own work on a GPU: FBGEMM's UVM cache's
     (`tools.uvmbench`: its misses' copies included, so such caches have no staging term),
@@ -210,7 +210,7 @@ class Topology:
     dense_update_bytes_per_s: float | None = None
     """Table bytes per second of a data-parallel table's dense gradient and update (fill,
     accumulate, optimizer step over every row); None: device memory bandwidth divided by the
-    passes `cost.DENSE_UPDATE_PASSES` counts."""
+    passes `rates.DENSE_UPDATE_PASSES` counts."""
     dense_activation_bytes_per_s: float | None = None
     """Rate of the dense layers' memory-bound activation traffic (bias, ReLU, their gradients);
     None: not priced apart (the GPU presets' achieved `dense_flops_per_s` covers it)."""

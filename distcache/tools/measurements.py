@@ -40,7 +40,7 @@ class Measurements:
     """`measure_schedule_costs`; None where not measured or lost in the noise."""
     schedule_s_per_candidate: float | None = None
     schedule_s_per_batch: float | None = None
-    """The fit's fixed part: reported, not priced (`shards.scheduling_time_s`)."""
+    """The fit's fixed part: reported, not priced (`rates.scheduling_time_s`)."""
     reactive_cache_s_per_id: float | None = None
     """`uvmbench.measure_uvm_cache_costs` (CUDA with FBGEMM's CUDA build); None elsewhere."""
     reactive_cache_s_per_miss: float | None = None

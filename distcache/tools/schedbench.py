@@ -8,7 +8,7 @@ release as `fixed + ids·s_per_id + candidates·s_per_candidate`: the ids enteri
 (sorted, deduplicated, linked to their rows' earlier uses) and the slots the victim choice
 scores (`Victims`: the sweep of `Scheduler._scan`'s slots, and the free slots while there are
 any, or every slot of a small cache). The planner prices a look-ahead cache's scheduling from the
-same two counts (`distcache.planner.shards.scheduled_candidates`). On a GPU each batch is timed
+same two counts (`distcache.planner.rates.scheduled_candidates`). On a GPU each batch is timed
 by the device's work (`devicetime.DeviceClock`): its launches cost the host, which the model
 prices apart, and a host-bound timing hides the per-id cost under them.
 

@@ -13,7 +13,8 @@ from distcache.data.traces import zipf_trace
 from distcache.planner.candidates import Problem
 from distcache.planner.cost import plan_cost
 from distcache.planner.pricing import State, evaluate
-from distcache.planner.shards import scheduling_time_s, table_plan_terms
+from distcache.planner.rates import scheduling_time_s
+from distcache.planner.shards import table_plan_terms
 from distcache.planner.stats import AccessProfile, expected_loads
 from distcache.planner.types import (
     HOST_CACHED,

@@ -11,15 +11,13 @@ from distcache.cache.capacity import CACHE_ROW_INDEX_BYTES_LOOKAHEAD, CACHE_SLOT
 from distcache.errors import DistcacheConfigError
 from distcache.planner.cost import SharedTerms, all_to_all_sent_bytes, global_terms, plan_cost
 from distcache.planner.dense import dense_flops_per_sample, dense_parameter_bytes
-from distcache.planner.shards import (
+from distcache.planner.rates import (
     DENSE_UPDATE_PASSES,
     SCHEDULER_MIN_SCAN,
-    ShardTerms,
     scheduled_candidates,
-    shard_access,
-    shard_terms,
     staging_time_s,
 )
+from distcache.planner.shards import ShardTerms, shard_access, shard_terms
 from distcache.planner.stats import AccessProfile, expected_loads, expected_unique
 from distcache.planner.types import (
     COLUMN_WISE,

@@ -5,7 +5,7 @@ import torch
 
 from distcache.cache.scheduler import MIN_SCAN
 from distcache.errors import DistcacheConfigError
-from distcache.planner.shards import SCHEDULER_MIN_SCAN, scheduled_candidates
+from distcache.planner.rates import SCHEDULER_MIN_SCAN, scheduled_candidates
 from distcache.tools.schedbench import fit_schedule_costs, measure_schedule_costs, time_schedule
 
 # Small enough for a unit test, far enough apart in ids (x 32) and candidates (x 8 at 128 ids)
