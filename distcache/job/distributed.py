@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -43,6 +44,15 @@ from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group starts, for what it does at import: one of its functions
+# (ZeroRedundancyOptimizer's `_broadcast_object`) takes the default group as the default of an
+# argument, evaluated then. Imported after `init_process_group` (TorchRec's
+# `apply_optimizer_in_backward` imports it on its first call), that default keeps the job's group
+# alive past `destroy_process_group`, and with it gloo's threads into the interpreter's shutdown,
+# where one of them can abort a finished rank ("terminate called without an active exception":
+# once in 72 runs of a 2-rank job on this project's 2-core machine, one core kept busy).
+import torch.distributed.optim  # noqa: F401
 
 from distcache.job.host_memory import keep_freed_memory
 
@@ -83,13 +93,15 @@ def process_group(device_type: str) -> Iterator[tuple[int, int, torch.device]]:
     try:
         yield dist.get_rank(), dist.get_world_size(), _device(device_type)
         if backend == "gloo":
-            # Every rank done before any tears its group down: a peer that closes its
-            # connections while this rank's gloo threads still use them can abort this
-            # process ("terminate called without an active exception", seen once after a
-            # finished job on a loaded machine). Not after an error: a dead peer would hold
-            # the others here until the group's timeout.
+            # Every rank done before any tears its group down (not after an error: a dead
+            # peer would hold the others here until the group's timeout).
             dist.barrier()
     finally:
+        # What the job left (a model's reference cycles hold its groups) goes first, so that
+        # destroying the groups ends them, their threads joined, while the interpreter is
+        # whole: a group alive into its shutdown can abort the process there (see the
+        # import of torch.distributed.optim above).
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -15,6 +15,8 @@ Environment:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import os
 import sys
@@ -96,7 +98,20 @@ def _inject_save(spec: str) -> None:
     checkpoint._write_manifest = write_manifest
 
 
+def _report_threads_at_exit() -> None:
+    """At the interpreter's shutdown (atexit), this rank's OS threads by name (Linux): a
+    process group the job left alive keeps gloo's threads ('pt_gloo_runloop', 'gloo_tcp_loop')
+    running into the shutdown, where one of them can abort the finished rank."""
+    names = []
+    for task in Path("/proc/self/task").glob("*"):
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+            names.append((task / "comm").read_text().strip())
+    line = f"rank {os.environ.get('RANK', '0')}: threads at exit: {sorted(names)}\n"
+    os.write(2, line.encode())  # one write: the ranks share the pipe (print writes twice)
+
+
 if __name__ == "__main__":
+    atexit.register(_report_threads_at_exit)
     if "FAULT_BATCH" in os.environ:
         _inject_batch(os.environ["FAULT_BATCH"])
     if "FAULT_SAVE" in os.environ:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,10 +86,27 @@ def without_bad_batch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """20 steps, a checkpoint every 10: the run the checkpoint faults damage (each a copy)."""
+    """20 steps, a checkpoint every 10: the run the checkpoint faults damage (each a copy).
+    Its log beside it (`twenty.log`)."""
     run_dir = tmp_path_factory.mktemp("faults") / "twenty"
-    _ok(_job(run_dir, "--train.steps=20", *EVERY_10))
+    log = _ok(_job(run_dir, "--train.steps=20", *EVERY_10))
+    (run_dir.parent / "twenty.log").write_text(log)
     return run_dir
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads listed from /proc")
+def test_a_finished_job_leaves_no_gloo_thread_to_the_interpreters_shutdown(twenty: Path):
+    """Each rank's process groups end (gloo's threads joined) before the interpreter shuts
+    down. A group kept alive past the job (by a default argument of a module imported after
+    the group started: `distcache.job.distributed`'s import of torch.distributed.optim) keeps
+    its threads running into the shutdown, where one aborted a finished rank now and then
+    ("terminate called without an active exception"). `fault_job.py` lists each rank's threads
+    at exit."""
+    log = (twenty.parent / "twenty.log").read_text()
+    at_exit = dict(re.findall(r"rank (\d+): threads at exit: (\[[^\]]*\])", log))
+    assert sorted(at_exit) == ["0", "1"], log[-3000:]
+    for rank, threads in at_exit.items():
+        assert "gloo" not in threads, f"rank {rank}: {threads}"
 
 
 def _scribble(path: Path) -> None:
