@@ -45,15 +45,6 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
-# Imported before any process group starts, for what it does at import: one of its functions
-# (ZeroRedundancyOptimizer's `_broadcast_object`) takes the default group as the default of an
-# argument, evaluated then. Imported after `init_process_group` (TorchRec's
-# `apply_optimizer_in_backward` imports it on its first call), that default keeps the job's group
-# alive past `destroy_process_group`, and with it gloo's threads into the interpreter's shutdown,
-# where one of them can abort a finished rank ("terminate called without an active exception":
-# once in 72 runs of a 2-rank job on this project's 2-core machine, one core kept busy).
-import torch.distributed.optim  # noqa: F401
-
 from distcache.job.host_memory import keep_freed_memory
 
 _POLL_S = 0.05  # queue poll interval of the parent
@@ -73,6 +64,17 @@ def process_group(device_type: str) -> Iterator[tuple[int, int, torch.device]]:
     Args:
         device_type: 'cpu' (gloo) or 'cuda' (nccl, the GPU `LOCAL_RANK`).
     """
+    # Imported before the group starts, for what it does at import: one of its functions
+    # (ZeroRedundancyOptimizer's `_broadcast_object`) takes the default group as the default
+    # of an argument, evaluated then. Imported after `init_process_group` (TorchRec's
+    # `apply_optimizer_in_backward` imports it on its first call), that default keeps the
+    # job's group alive past `destroy_process_group`, and with it gloo's threads into the
+    # interpreter's shutdown, where one of them can abort a finished rank ("terminate called
+    # without an active exception": once in 72 runs of a 2-rank job on this project's 2-core
+    # machine, one core kept busy). (Here, not at the top: about a second of imports that
+    # only a job needs, and it needs them anyway.)
+    import torch.distributed.optim  # noqa: F401
+
     if device_type != "cuda":  # a CPU job's big per-step tensors: reused, not faulted in
         keep_freed_memory()
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -112,6 +114,7 @@ def single_rank_group(backend: str = "gloo") -> Iterator[None]:
     try:
         yield
     finally:
+        gc.collect()  # (as `process_group`: what holds the group goes first)
         if dist.is_initialized():  # the caller may have replaced it, or ended it
             dist.destroy_process_group()
 
