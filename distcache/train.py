@@ -74,3 +74,7 @@ def _train(config: JobConfig, rank: int, world: int, device: torch.device) -> No
     summary = trainer.fit(start)
     if rank == 0:
         log.info("done: %s", summary)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
