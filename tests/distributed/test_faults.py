@@ -97,11 +97,12 @@ def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads listed from /proc")
 def test_a_finished_job_leaves_no_gloo_thread_to_the_interpreters_shutdown(twenty: Path):
     """Each rank's process groups end (gloo's threads joined) before the interpreter shuts
-    down. A group kept alive past the job (by a default argument of a module imported after
-    the group started: `distcache.job.distributed`'s import of torch.distributed.optim) keeps
-    its threads running into the shutdown, where one aborted a finished rank now and then
-    ("terminate called without an active exception"). `fault_job.py` lists each rank's threads
-    at exit."""
+    down. A group kept alive past the job keeps its threads running into the shutdown, where
+    one aborted a finished rank now and then ("terminate called without an active
+    exception"): held by the model (its reference cycles), or by a default argument of
+    torch.distributed.optim imported after the group started (`process_group` collects the
+    first and imports the second before the group starts). `fault_job.py` lists each rank's
+    threads at exit."""
     log = (twenty.parent / "twenty.log").read_text()
     at_exit = dict(re.findall(r"rank (\d+): threads at exit: (\[[^\]]*\])", log))
     assert sorted(at_exit) == ["0", "1"], log[-3000:]
